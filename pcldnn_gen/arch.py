@@ -1,0 +1,130 @@
+"""CPU descriptions: presets, a JSON file, or `native` (read from the running CPU).
+
+The planner sizes register and cache blocks from these numbers, so they are explicit
+fields rather than guesses buried in templates.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from pcldnn_runtime import cpu
+
+from .errors import ArchError
+
+# ISAs whose kernels the code generator emits.
+GENERATED_ISAS = ("scalar", "avx2", "avx512")
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str
+    isa: str                  # scalar | avx2 | avx512
+    vector_bits: int          # SIMD width; 32 for scalar (one float)
+    vector_registers: int     # architectural vector (or FP) registers
+    fma_units: int            # FMA pipes per core
+    l1d_bytes: int
+    l2_bytes: int
+    l3_bytes: int
+    cores: int
+    cflags: tuple[str, ...]   # ISA flags for the C compiler (never -march=native)
+    fma_latency: int = 4      # cycles; with fma_units it sets how many accumulators hide latency
+    load_ports: int = 2       # vector loads per cycle from L1
+
+    @property
+    def vector_floats(self) -> int:
+        """Floats per vector register: the V of every blocked layout."""
+        return self.vector_bits // 32
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["cflags"] = list(self.cflags)
+        return d
+
+
+PRESETS: dict[str, Arch] = {
+    # Haswell-to-Sapphire-Rapids class core running 256-bit code: 16 ymm registers, 2 FMA
+    # pipes of latency 4, 2 load ports; 32 KiB L1d, 1 MiB L2, 32 MiB L3.
+    "avx2": Arch("avx2", "avx2", 256, 16, 2, 32 * 1024, 1024 * 1024, 32 * 1024 * 1024, 2,
+                 ("-mavx2", "-mfma")),
+    # Skylake-SP and later with AVX-512: 32 zmm registers, 2 FMA pipes (1 on some SKUs).
+    "avx512": Arch("avx512", "avx512", 512, 32, 2, 32 * 1024, 1024 * 1024, 32 * 1024 * 1024, 2,
+                   ("-mavx512f", "-mavx2", "-mfma")),
+    # Portable C: one float per "vector", 16 FP registers, no FMA instruction assumed.
+    "scalar": Arch("scalar", "scalar", 32, 16, 1, 32 * 1024, 1024 * 1024, 32 * 1024 * 1024, 2,
+                   (), fma_latency=4, load_ports=2),
+}
+
+
+def get_arch(spec: str) -> Arch:
+    """A preset name, `native`, or the path of a JSON file with Arch's fields."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    if spec == "native":
+        return native_arch()
+    path = Path(spec)
+    if path.suffix == ".json" or path.exists():
+        return arch_from_file(path)
+    raise ArchError(f"unknown arch {spec!r}: use one of {', '.join(PRESETS)}, native, or an arch JSON file")
+
+
+def native_arch() -> Arch:
+    """The running CPU: best ISA from its flags, cache sizes from sysfs, usable cores."""
+    isa = cpu.best_isa()
+    base = PRESETS[isa]
+    caches = cpu.cache_sizes()
+    return Arch(
+        name=f"native-{isa}", isa=isa, vector_bits=base.vector_bits,
+        vector_registers=base.vector_registers, fma_units=base.fma_units,
+        l1d_bytes=caches.get(1, base.l1d_bytes), l2_bytes=caches.get(2, base.l2_bytes),
+        l3_bytes=caches.get(3, base.l3_bytes), cores=cpu.usable_cores(), cflags=base.cflags,
+        fma_latency=base.fma_latency, load_ports=base.load_ports,
+    )
+
+
+def arch_from_file(path: Path) -> Arch:
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise ArchError(f"{path}: cannot read: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ArchError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    return arch_from_dict(data, str(path))
+
+
+def arch_from_dict(data: Any, origin: str) -> Arch:
+    if not isinstance(data, dict):
+        raise ArchError(f"{origin}: (top level): must be an object")
+    known = {f.name: f for f in fields(Arch)}
+    for key in data:
+        if key not in known:
+            raise ArchError(f"{origin}: {key}: unknown field (allowed: {', '.join(known)})")
+    values: dict[str, Any] = {}
+    for name, f in known.items():
+        if name not in data:
+            if f.default is not MISSING:  # optional field with a default
+                continue
+            raise ArchError(f"{origin}: {name}: missing required field")
+        v = data[name]
+        if name in ("name", "isa"):
+            if not isinstance(v, str) or not v:
+                raise ArchError(f"{origin}: {name}: must be a non-empty string, got {v!r}")
+        elif name == "cflags":
+            if not isinstance(v, list) or not all(isinstance(x, str) and x.startswith("-m") and
+                                                  x.replace("-", "").replace("=", "").isalnum() for x in v):
+                raise ArchError(f"{origin}: cflags: must be a list of -m ISA flags like \"-mavx2\", got {v!r}")
+            if any("native" in x for x in v):
+                raise ArchError(f"{origin}: cflags: -march/-mtune=native is not allowed: name the ISA")
+            v = tuple(v)
+        elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ArchError(f"{origin}: {name}: must be a positive int, got {v!r}")
+        values[name] = v
+    arch = Arch(**values)
+    if arch.isa not in GENERATED_ISAS:
+        raise ArchError(f"{origin}: isa: unknown ISA {arch.isa!r}; known: {', '.join(GENERATED_ISAS)}")
+    if arch.vector_bits != PRESETS[arch.isa].vector_bits:
+        raise ArchError(f"{origin}: vector_bits: {arch.isa} vectors are {PRESETS[arch.isa].vector_bits} bits, "
+                        f"got {arch.vector_bits}")
+    return arch

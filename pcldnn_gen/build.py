@@ -1,0 +1,133 @@
+"""NetSpec + Arch → build directory: plan, render, compile, then write manifest.json.
+
+The directory is assembled in a staging folder beside the target and swapped in under a
+lock, so a failed or concurrent build never leaves a half-written build directory behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from filelock import FileLock
+
+from pcldnn_runtime.kernels import file_sha256
+from pcldnn_runtime.manifest import FORMAT, MANIFEST
+
+from . import __version__
+from .arch import Arch
+from .codegen import Source, render_kernel, render_layout
+from .compiler import compile_all
+from .errors import BuildDirError
+from .netspec import LayerSpec, NetSpec
+from .planner import PASSES, KernelPlan, plan_layer
+
+# Layer types with generated kernels, and the passes each has.
+KERNEL_PASSES = {"conv": PASSES, "fc": PASSES, "maxpool": PASSES}
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    directory: Path
+    compiled: int
+    cached: int
+    plans: dict[tuple[str, str], KernelPlan]
+
+
+def default_build_dir(net: NetSpec, arch: Arch) -> Path:
+    return Path("build") / f"{net.name}-{arch.isa}"
+
+
+def plan_net(net: NetSpec, arch: Arch) -> dict[tuple[str, str], KernelPlan]:
+    return {(layer.name, p): plan_layer(layer, p, arch)
+            for layer in net.layers for p in KERNEL_PASSES.get(layer.type, ())}
+
+
+def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | None = None) -> BuildResult:
+    out_dir = Path(out_dir) if out_dir is not None else default_build_dir(net, arch)
+    plans = plan_net(net, arch)
+    sources: list[tuple[LayerSpec, str, Source]] = []
+    for layer in net.layers:
+        for p in KERNEL_PASSES.get(layer.type, ()):
+            sources.append((layer, p, render_kernel(layer, plans[(layer.name, p)], arch)))
+        if layer.type != "softmax_cross_entropy":  # every layer can convert at the API boundary
+            sources.append((layer, "layout", render_layout(layer, arch)))
+    _check_replaceable(out_dir)
+    results = compile_all([s for _, _, s in sources], arch, jobs)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out_dir.parent / f".{out_dir.name}.lock"), timeout=900):
+        _check_replaceable(out_dir)
+        stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
+        try:
+            (stage / "src").mkdir()
+            (stage / "lib").mkdir()
+            kernels: dict[str, dict] = {}
+            for (layer, p, src), res in zip(sources, results):
+                (stage / "src" / src.filename).write_text(src.text)
+                lib_name = f"lib/{Path(src.filename).stem}.so"
+                shutil.copyfile(res.library, stage / lib_name)
+                entry = {"library": lib_name, "sha256": file_sha256(stage / lib_name),
+                         "source": f"src/{src.filename}", "symbols": src.symbols}
+                if p != "layout":
+                    entry["plan"] = plans[(layer.name, p)].to_json()
+                kernels.setdefault(layer.name, {})[p] = entry
+            manifest = _manifest(net, arch, kernels)
+            (stage / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+            _swap_in(stage, out_dir)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
+    compiled = sum(r.compiled for r in results)
+    return BuildResult(out_dir, compiled, len(results) - compiled, plans)
+
+
+def _manifest(net: NetSpec, arch: Arch, kernels: dict[str, dict]) -> dict:
+    layers = []
+    for layer in net.layers:
+        layers.append({
+            "name": layer.name, "type": layer.type,
+            "in_shape": list(layer.in_shape), "out_shape": list(layer.out_shape),
+            "kernel": list(layer.kernel), "stride": list(layer.stride), "pad": list(layer.pad),
+            "relu": layer.relu,
+            "weight_shape": list(layer.weight_shape) if layer.weight_shape else None,
+            "kernels": kernels.get(layer.name, {}),
+        })
+    return {
+        "format": FORMAT, "generator": f"pcldnn-gen {__version__}",
+        "net": {"name": net.name, "input": list(net.input), "classes": net.classes,
+                "hash": net.source_hash},
+        "arch": arch.to_json(),
+        "layers": layers,
+    }
+
+
+def _check_replaceable(out_dir: Path) -> None:
+    """Refuse to overwrite a directory that is not ours (e.g. `-o .` or `-o ~`)."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise BuildDirError(f"{out_dir}: exists and is not a directory")
+    if not any(out_dir.iterdir()):
+        return
+    try:
+        fmt = json.loads((out_dir / MANIFEST).read_text()).get("format")
+    except (OSError, ValueError, AttributeError):
+        fmt = None
+    if fmt != FORMAT:
+        raise BuildDirError(f"{out_dir}: exists and is not a pcldnn-gen build directory; "
+                            "refusing to overwrite it (choose another -o)")
+
+
+def _swap_in(stage: Path, out_dir: Path) -> None:
+    old = None
+    if out_dir.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+        os.rmdir(old)
+        os.rename(out_dir, old)
+    os.rename(stage, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,100 @@
+"""`pcldnn-gen` command line: argument parsing only; each verb is one call into a stage."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from . import __version__
+from .arch import get_arch
+from .build import build
+from .codegen import render_kernel
+from .errors import PcldnnError
+from .netspec import load_netspec
+from .planner import PASSES, plan_layer
+
+
+def _compile(args: argparse.Namespace) -> int:
+    net = load_netspec(args.net)
+    arch = get_arch(args.arch)
+    t0 = time.perf_counter()
+    result = build(net, arch, Path(args.output) if args.output else None, args.jobs)
+    elapsed = time.perf_counter() - t0
+    for layer in net.layers:
+        plan = result.plans.get((layer.name, "fwd"))
+        shape = "x".join(map(str, layer.out_shape))
+        detail = ""
+        if plan is not None and plan.tile is not None:
+            detail = (f"tile {plan.tile.width}x{plan.tile.vectors}v, predicted "
+                      f"{plan.predicted_efficiency:.0%} of peak")
+        print(f"  {layer.name:<12} {layer.type:<22} -> {shape:<14} {detail}")
+    print(f"{result.directory}: {len(net.layers)} layers, {result.compiled} kernels compiled, "
+          f"{result.cached} from cache, {elapsed:.2f} s ({arch.name})")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    net = load_netspec(args.net)
+    arch = get_arch(args.arch)
+    layer = net.layer(args.layer)
+    plan = plan_layer(layer, args.pass_name, arch)
+    if args.explain:
+        print(f"{layer.name} {plan.pass_name} on {arch.name}: {plan.reason}")
+        if plan.tile is not None:
+            print(f"chosen   : {plan.tile.describe()}, row average {plan.predicted_efficiency:.0%}; "
+                  f"L2->L1 {plan.l2_bytes_per_flop:.4f} B/FLOP")
+            for t in plan.rejected:
+                print(f"rejected : {t.describe()}")
+        return 0
+    sys.stdout.write(render_kernel(layer, plan, arch).text)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pcldnn-gen", description=__doc__.split(":")[0] + ": "
+                                 "generate, compile and inspect CPU training kernels for a net.json")
+    ap.add_argument("--version", action="version", version=f"pcldnn-gen {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("compile", help="plan, generate and compile every kernel of a net into a build directory")
+    c.add_argument("net", help="network description (net.json)")
+    c.add_argument("--arch", default="native", help="avx2, avx512, scalar, native (default) or an arch JSON file")
+    c.add_argument("-o", "--output", help="build directory (default build/<net>-<isa>)")
+    c.add_argument("--jobs", type=_positive, default=None, help="parallel compiler processes (default: cores)")
+    c.set_defaults(func=_compile)
+
+    i = sub.add_parser("inspect", help="print the C emitted for one layer and pass")
+    i.add_argument("net")
+    i.add_argument("--layer", required=True)
+    i.add_argument("--pass", dest="pass_name", default="fwd", choices=PASSES)
+    i.add_argument("--arch", default="native")
+    i.add_argument("--explain", action="store_true", help="print the plan and rejected tiles instead of C")
+    i.set_defaults(func=_inspect)
+    return ap
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except PcldnnError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

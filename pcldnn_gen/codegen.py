@@ -1,0 +1,164 @@
+"""KernelPlan → C source, by rendering the Jinja templates in `templates/`.
+
+Templates stay free of decisions: block sizes and edge geometry come from the plan, and
+the few ISA spellings (vector type, load, broadcast, FMA) come from `VectorISA`, so one
+template serves scalar C, AVX2 and AVX-512 and never assumes a vector width.
+"""
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+from importlib import resources
+
+import jinja2
+
+from pcldnn_runtime.kernels import SIGNATURES
+
+from . import __version__
+from .arch import Arch
+from .netspec import LayerSpec
+from .planner import KernelPlan, blocks
+
+
+@dataclass(frozen=True)
+class VectorISA:
+    """How one ISA spells the vector operations the templates use."""
+
+    type: str
+    include: str
+    _load: str
+    _store: str
+    _broadcast: str
+    _fma: str
+    _max: str
+    _set1: str
+
+    def load(self, addr: str) -> str:
+        return self._load.format(a=addr)
+
+    def store(self, addr: str, value: str) -> str:
+        return self._store.format(a=addr, v=value)
+
+    def broadcast(self, addr: str) -> str:
+        return self._broadcast.format(a=addr)
+
+    def fma(self, a: str, b: str, acc: str) -> str:
+        """acc + a*b"""
+        return self._fma.format(a=a, b=b, c=acc)
+
+    def max(self, a: str, b: str) -> str:
+        return self._max.format(a=a, b=b)
+
+    def set1(self, value: str) -> str:
+        return self._set1.format(v=value)
+
+    def zero(self) -> str:
+        return self.set1("0.0f")
+
+
+VECTOR_ISAS: dict[str, VectorISA] = {
+    "avx2": VectorISA("__m256", "immintrin.h", "_mm256_loadu_ps({a})", "_mm256_storeu_ps({a}, {v})",
+                      "_mm256_broadcast_ss({a})", "_mm256_fmadd_ps({a}, {b}, {c})",
+                      "_mm256_max_ps({a}, {b})", "_mm256_set1_ps({v})"),
+    "avx512": VectorISA("__m512", "immintrin.h", "_mm512_loadu_ps({a})", "_mm512_storeu_ps({a}, {v})",
+                        "_mm512_set1_ps(*({a}))", "_mm512_fmadd_ps({a}, {b}, {c})",
+                        "_mm512_max_ps({a}, {b})", "_mm512_set1_ps({v})"),
+    "scalar": VectorISA("float", "", "*({a})", "*({a}) = {v}", "*({a})", "{c} + {a} * {b}",
+                        "fmaxf({a}, {b})", "({v})"),
+}
+
+
+@dataclass(frozen=True)
+class Source:
+    """One emitted C file and the kernels it defines ({symbol: kernel kind})."""
+
+    filename: str
+    text: str
+    symbols: dict[str, str]
+
+
+def _environment() -> jinja2.Environment:
+    folder = resources.files("pcldnn_gen.templates")
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(folder)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=False,
+        autoescape=False,
+    )
+
+
+_ENV: jinja2.Environment | None = None
+
+
+def _env() -> jinja2.Environment:
+    global _ENV
+    if _ENV is None:
+        _ENV = _environment()
+    return _ENV
+
+
+def kernel_symbol(layer: str, pass_name: str) -> str:
+    return f"pcldnn_{layer}_{pass_name}"
+
+
+def _comment_lines(plan: KernelPlan) -> list[str]:
+    lines = [f"pass    : {plan.pass_name} ({plan.kind})"]
+    if plan.tile is not None:
+        blocks_line = (f"blocks  : register tile {plan.tile.width} x {plan.tile.vectors} vectors, "
+                       f"{'K chunk' if plan.kind == 'fc_fwd' else 'ifm block'} {plan.ifm_block}")
+        if plan.remainders:
+            blocks_line += f", remainder tiles {list(plan.remainders)}"
+        lines.append(blocks_line)
+    reason = plan.reason.replace("*/", "* /")
+    wrapped = textwrap.wrap(reason, 88)
+    lines += [("why     : " if i == 0 else "          ") + w for i, w in enumerate(wrapped)]
+    return lines
+
+
+def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
+    """C source of one (layer, pass) kernel."""
+    v = arch.vector_floats
+    symbol = kernel_symbol(layer.name, plan.pass_name)
+    common = dict(layer=layer, arch=arch, plan=plan, V=v, vec=VECTOR_ISAS[arch.isa], symbol=symbol,
+                  params=SIGNATURES[plan.kind], version=__version__, plan_lines=_comment_lines(plan))
+    if plan.kind == "conv_fwd":
+        has_border = plan.ow_lo > 0 or plan.ow_hi < layer.out_shape[2]
+        widths = {plan.tile.width, *plan.remainders} | ({1} if has_border else set())
+        text = _env().get_template("conv_fwd.c.j2").render(
+            **common, R=plan.tile.vectors, icb=blocks(layer.in_shape[0], v), ocb=blocks(layer.out_shape[0], v),
+            tile_widths=sorted(widths, reverse=True), has_border=has_border)
+    elif plan.kind == "fc_fwd":
+        c, h, w = layer.in_shape
+        text = _env().get_template("fc_fwd.c.j2").render(
+            **common, R=plan.tile.vectors, k=blocks(c, v) * v * h * w, ocb=blocks(layer.out_shape[0], v),
+            tile_widths=[plan.tile.width, *plan.remainders])
+    elif plan.kind == "maxpool_fwd":
+        text = _env().get_template("maxpool_fwd.c.j2").render(**common, cb=blocks(layer.in_shape[0], v))
+    else:
+        raise ValueError(f"no template for kernel kind {plan.kind}")
+    return Source(f"{layer.name}_{plan.pass_name}.c", text, {symbol: plan.kind})
+
+
+def layout_symbols(layer: str) -> dict[str, str]:
+    """{role: symbol} of a layer's layout conversions."""
+    p = f"pcldnn_{layer}"
+    return {"in_to_blocked": f"{p}_in_to_blocked", "in_from_blocked": f"{p}_in_from_blocked",
+            "out_to_blocked": f"{p}_out_to_blocked", "out_from_blocked": f"{p}_out_from_blocked",
+            "wt_to_blocked": f"{p}_wt_to_blocked", "wt_from_blocked": f"{p}_wt_from_blocked"}
+
+
+def render_layout(layer: LayerSpec, arch: Arch) -> Source:
+    """C source of a layer's canonical <-> blocked conversions (activations and weights)."""
+    wshape = None
+    if layer.weighted:
+        oc, ic = layer.out_shape[0], layer.in_shape[0]
+        wshape = (oc, ic, *layer.kernel)
+    text = _env().get_template("layout.c.j2").render(
+        layer=layer, arch=arch, V=arch.vector_floats, vec=VECTOR_ISAS[arch.isa], version=__version__,
+        prefix=f"pcldnn_{layer.name}", wshape=wshape, params=SIGNATURES)
+    roles = layout_symbols(layer.name)
+    if not layer.weighted:
+        roles = {r: s for r, s in roles.items() if not r.startswith("wt_")}
+    kinds = {s: ("weight_layout" if r.startswith("wt_") else "act_layout") for r, s in roles.items()}
+    return Source(f"{layer.name}_layout.c", text, kinds)

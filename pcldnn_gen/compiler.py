@@ -1,0 +1,140 @@
+"""C source → shared library, through a content-addressed cache.
+
+The key hashes the source, the compiler's identity and the flags, so an unchanged kernel is
+never recompiled, whichever build directory asks for it. Entries are written under a file
+lock to a temporary name and renamed into place, so concurrent compiles (several shells,
+several MPI ranks) are safe; each library's digest is recorded beside it and checked on
+every lookup, so a truncated or corrupt entry is rebuilt rather than served.
+
+The libraries are loaded in cffi's ABI mode (`ffi.dlopen`) by the runtime: a node that
+only runs kernels needs no compiler.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from filelock import FileLock
+
+from pcldnn_runtime.kernels import file_sha256
+
+from .arch import Arch
+from .codegen import Source
+from .errors import CompileError
+
+CACHE_FORMAT = "pcldnn-cache/1"
+BASE_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-Wall", "-Wno-unused-function")
+
+
+def cache_dir() -> Path:
+    """$PCLDNN_CACHE_DIR, else $XDG_CACHE_HOME/pcldnn-gen, else ~/.cache/pcldnn-gen."""
+    if os.environ.get("PCLDNN_CACHE_DIR"):
+        return Path(os.environ["PCLDNN_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "pcldnn-gen"
+
+
+def c_compiler() -> str:
+    return os.environ.get("CC", "cc")
+
+
+@functools.lru_cache(maxsize=None)
+def compiler_identity(cc: str) -> str:
+    """Resolved path and first --version line: part of every cache key."""
+    path = shutil.which(cc)
+    if path is None:
+        raise CompileError(f"C compiler {cc!r} not found on PATH (set CC to a gcc or clang)")
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise CompileError(f"cannot run {path} --version: {e}") from None
+    return f"{os.path.realpath(path)} {out.stdout.splitlines()[0] if out.stdout else ''}"
+
+
+def compile_flags(arch: Arch) -> list[str]:
+    return [*BASE_FLAGS, *arch.cflags]
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    library: Path       # the cached shared library
+    source: Path        # the cached copy of the C source it was built from
+    compiled: bool      # False when served from the cache
+
+
+def cache_key(text: str, cc: str, flags: list[str]) -> str:
+    h = hashlib.sha256()
+    for part in (CACHE_FORMAT, compiler_identity(cc), " ".join(flags), text):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _valid_entry(lib: Path, digest_file: Path) -> bool:
+    try:
+        return lib.is_file() and digest_file.read_text().strip() == file_sha256(lib)
+    except OSError:
+        return False
+
+
+def compile_source(source: Source, arch: Arch, cache: Path | None = None) -> CompileResult:
+    """Return the cached library for `source`, compiling it first if absent or corrupt."""
+    cc = c_compiler()
+    flags = compile_flags(arch)
+    key = cache_key(source.text, cc, flags)
+    folder = (cache or cache_dir()) / key[:2]
+    folder.mkdir(parents=True, exist_ok=True)
+    lib, digest_file, c_file = folder / f"{key}.so", folder / f"{key}.so.sha256", folder / f"{key}.c"
+    if _valid_entry(lib, digest_file):
+        return CompileResult(lib, c_file, compiled=False)
+    with FileLock(str(folder / f"{key}.lock"), timeout=900):
+        if _valid_entry(lib, digest_file):  # another process finished it while we waited
+            return CompileResult(lib, c_file, compiled=False)
+        _atomic_write(c_file, source.text.encode())
+        fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".so.tmp", dir=folder)
+        os.close(fd)
+        cmd = [cc, *flags, "-o", tmp, str(c_file)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if proc.returncode != 0:
+                raise CompileError(
+                    f"compiling {source.filename} failed (source kept at {c_file})\n"
+                    f"command: {shlex.join(cmd)}\n{proc.stderr.strip()}")
+            digest = file_sha256(Path(tmp))
+            os.replace(tmp, lib)
+        except subprocess.TimeoutExpired:
+            raise CompileError(f"compiling {source.filename} timed out after 600 s: {shlex.join(cmd)}") from None
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        _atomic_write(digest_file, digest.encode())
+    return CompileResult(lib, c_file, compiled=True)
+
+
+def compile_all(sources: list[Source], arch: Arch, jobs: int | None = None,
+                cache: Path | None = None) -> list[CompileResult]:
+    """Compile independent sources in parallel (`jobs` compiler processes at once)."""
+    compiler_identity(c_compiler())  # fail fast, once, if there is no compiler
+    jobs = max(1, jobs or os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(lambda s: compile_source(s, arch, cache), sources))
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,17 @@
+"""Generator error types; the base class lives in the runtime (imports run one way)."""
+from pcldnn_runtime.errors import ArchError, BuildDirError, PcldnnError
+
+
+class NetSpecError(PcldnnError):
+    """A net.json that is unreadable, malformed, or describes an impossible net."""
+
+
+class PlanError(PcldnnError):
+    """No kernel plan satisfies the constraints (e.g. too few registers)."""
+
+
+class CompileError(PcldnnError):
+    """The C compiler failed; carries its command line, stderr and the source path."""
+
+
+__all__ = ["PcldnnError", "ArchError", "BuildDirError", "NetSpecError", "PlanError", "CompileError"]

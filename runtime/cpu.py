@@ -1,0 +1,88 @@
+"""What the running CPU can do: ISA flags, cache sizes, core count.
+
+Read from /proc/cpuinfo and sysfs (Linux). Kept in the runtime so a node that only has a
+build directory can still refuse kernels its CPU cannot execute, instead of dying by SIGILL.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+from .errors import ArchError
+
+# CPU flags (as /proc/cpuinfo spells them) that kernels of each ISA need.
+ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "scalar": (),
+    "avx2": ("avx2", "fma"),
+    "avx512": ("avx512f", "avx2", "fma"),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The flags of the first processor in /proc/cpuinfo (empty where unreadable)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def supports(isa: str) -> bool:
+    """True if this CPU has every flag that kernels of `isa` use."""
+    if isa not in ISA_FLAGS:
+        raise ArchError(f"unknown ISA {isa!r}; known: {', '.join(ISA_FLAGS)}")
+    flags = cpu_flags()
+    return all(f in flags for f in ISA_FLAGS[isa])
+
+
+def require(isa: str, what: str) -> None:
+    """Raise ArchError, before anything is executed, if this CPU cannot run `isa` code."""
+    if not supports(isa):
+        missing = [f for f in ISA_FLAGS[isa] if f not in cpu_flags()]
+        raise ArchError(
+            f"{what} needs ISA {isa!r} but this CPU lacks {', '.join(missing)}; "
+            f"compile with --arch scalar or --arch native instead"
+        )
+
+
+def best_isa() -> str:
+    """The widest ISA this CPU runs, preferring the ones with complete kernels."""
+    for isa in ("avx2", "scalar"):
+        if supports(isa):
+            return isa
+    return "scalar"
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (affinity mask), the default OpenMP thread count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def cache_sizes() -> dict[int, int]:
+    """Data/unified cache size in bytes per level (1, 2, 3) of cpu0, from sysfs."""
+    sizes: dict[int, int] = {}
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    for index in sorted(base.glob("index*")):
+        try:
+            level = int((index / "level").read_text())
+            kind = (index / "type").read_text().strip()
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        if kind == "Instruction":
+            continue
+        mult = {"K": 1024, "M": 1024 * 1024}.get(size[-1:], 1)
+        try:
+            sizes[level] = int(size.rstrip("KM")) * mult
+        except ValueError:
+            continue
+    return sizes

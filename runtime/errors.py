@@ -1,0 +1,17 @@
+"""Exception types shared by the generator and the runtime.
+
+They live in the runtime because the generator may import the runtime but never the
+reverse; every user-facing error is a `PcldnnError`, so the CLI can print it in one line.
+"""
+
+
+class PcldnnError(Exception):
+    """Base of every error caused by user input or the environment (not by a bug)."""
+
+
+class ArchError(PcldnnError):
+    """Unknown or malformed CPU description, or an ISA this CPU cannot run."""
+
+
+class BuildDirError(PcldnnError):
+    """A build directory that is missing, of another format, or corrupt."""
