@@ -1,0 +1,135 @@
+"""net.json validation (one test per error class, each naming the JSON path) and shape inference."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from conftest import NETS
+from pcldnn_gen.errors import NetSpecError
+from pcldnn_gen.netspec import load_netspec, parse_netspec
+
+BASE = {
+    "name": "n", "input": {"channels": 3, "height": 16, "width": 16}, "classes": 10,
+    "layers": [
+        {"name": "conv1", "type": "conv", "out_channels": 8, "kernel": 3, "pad": 1, "activation": "relu"},
+        {"name": "pool1", "type": "maxpool", "kernel": 2, "stride": 2},
+        {"name": "fc1", "type": "fc", "out_features": 10},
+        {"name": "loss", "type": "softmax_cross_entropy"},
+    ],
+}
+
+
+def _with(path_edit):
+    net = copy.deepcopy(BASE)
+    path_edit(net)
+    return net
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda n: n["layers"][1].update(type="avgpool3d"), r"layers\[1\]\.type: unknown layer type \"avgpool3d\""),
+    (lambda n: n["layers"][0].pop("out_channels"), r"layers\[0\]\.out_channels: missing required field"),
+    (lambda n: n["layers"][0].update(dilation=2), r"layers\[0\]\.dilation: unknown field"),
+    (lambda n: n.update(extra=1), r": extra: unknown field"),
+    (lambda n: n["layers"][0].update(kernel=-1), r"layers\[0\]\.kernel: must be a positive int or \[h, w\], got -1"),
+    (lambda n: n["layers"][0].update(kernel=[3, 0]), r"layers\[0\]\.kernel: must be a positive int or \[h, w\], got \[3, 0\]"),
+    (lambda n: n["layers"][0].update(stride=True), r"layers\[0\]\.stride: must be a positive int"),
+    (lambda n: n["layers"][0].update(pad=-1), r"layers\[0\]\.pad: must be a non-negative int"),
+    (lambda n: n["layers"][0].update(out_channels=0), r"layers\[0\]\.out_channels: must be a positive int, got 0"),
+    (lambda n: n["input"].update(height=0), r"input\.height: must be a positive int, got 0"),
+    (lambda n: n["input"].pop("width"), r"input\.width: missing required field"),
+    (lambda n: n["layers"][0].update(kernel=19), r"layers\[0\]\.kernel: kernel \[19, 19\] is larger than the padded input 18x18"),
+    (lambda n: n["layers"][1].update(name="conv1"), r"layers\[1\]\.name: duplicate layer name 'conv1'"),
+    (lambda n: n["layers"][1].update(name="1pool"), r"layers\[1\]\.name: must match"),
+    (lambda n: n["layers"][1].update(name="p" * 65), r"layers\[1\]\.name: must match"),
+    (lambda n: n.update(name="../x"), r": name: must match"),
+    (lambda n: n.update(classes=7), r"classes: is 7 but the last fc layer 'fc1' has out_features 10"),
+    (lambda n: n["layers"][0].update(activation="tanh"), r"layers\[0\]\.activation: must be one of relu"),
+    (lambda n: n["layers"].insert(0, {"name": "l0", "type": "softmax_cross_entropy"}), r"layers\[0\]: softmax_cross_entropy must be the last"),
+    (lambda n: n["layers"].insert(3, {"name": "c9", "type": "conv", "out_channels": 2, "kernel": 1}), r"layers\[3\]: conv cannot follow an fc layer"),
+    (lambda n: n.update(layers=[]), r"layers: must be a non-empty list"),
+    (lambda n: n["layers"].__setitem__(2, 5), r"layers\[2\]: must be an object, got 5"),
+    (lambda n: n["layers"][1].update(pad=2), r"layers\[1\]\.pad: pooling pad \[2, 2\] must be smaller than the kernel"),
+])
+def test_errors_name_the_file_and_json_path(tmp_path, edit, message):
+    path = tmp_path / "net.json"
+    path.write_text(json.dumps(_with(edit)))
+    with pytest.raises(NetSpecError, match=message) as info:
+        load_netspec(path)
+    assert str(info.value).startswith(f"{path}: ")
+    assert "\n" not in str(info.value)
+
+
+def test_invalid_json_reports_line_and_column(tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text('{\n  "name": "n",\n  "input": {"channels": 3,,}\n}\n')
+    with pytest.raises(NetSpecError, match=r"broken\.json: invalid JSON at line 3, column 27: Expecting property name"):
+        load_netspec(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(NetSpecError, match="cannot read"):
+        load_netspec(tmp_path / "nope.json")
+
+
+@pytest.mark.parametrize("evil", ['x"; system("id"); //', "../../etc", "a/b", "conv 1", "é", ""])
+def test_hostile_layer_names_rejected(evil):
+    net = _with(lambda n: n["layers"][0].update(name=evil))
+    with pytest.raises(NetSpecError, match=r"layers\[0\]\.name: must match"):
+        parse_netspec(net, "net.json")
+
+
+def test_vgg_a_shapes_match_the_paper():
+    net = load_netspec(NETS / "vgg_a.json")
+    out = {l.name: l.out_shape for l in net.layers}
+    assert out["conv1"] == (64, 224, 224) and out["pool1"] == (64, 112, 112)
+    assert out["conv2"] == (128, 112, 112) and out["pool2"] == (128, 56, 56)
+    assert out["conv3"] == out["conv4"] == (256, 56, 56) and out["pool4"] == (256, 28, 28)
+    assert out["conv5"] == out["conv6"] == (512, 28, 28) and out["pool6"] == (512, 14, 14)
+    assert out["conv7"] == out["conv8"] == (512, 14, 14) and out["pool8"] == (512, 7, 7)
+    assert net.layer("fc6").weight_shape == (4096, 25088)
+    assert net.layer("fc7").weight_shape == (4096, 4096)
+    assert net.layer("fc8").weight_shape == (1000, 4096)
+    convs = [l for l in net.layers if l.type == "conv"]
+    assert [l.in_shape[0] for l in convs] == [3, 64, 128, 256, 256, 512, 512, 512]
+    assert all(l.kernel == (3, 3) and l.stride == (1, 1) and l.pad == (1, 1) for l in convs)
+    # ~7.6 G multiply-adds per image in the convolutions (VGG-A is the 11-layer VGG, 7.6 GMAC)
+    assert 7.4e9 < sum(l.flops(1) for l in convs) / 2 < 7.8e9
+
+
+def test_overfeat_fast_shapes_match_the_paper():
+    net = load_netspec(NETS / "overfeat_fast.json")
+    out = {l.name: l.out_shape for l in net.layers}
+    assert out["conv1"] == (96, 56, 56) and out["pool1"] == (96, 28, 28)
+    assert out["conv2"] == (256, 24, 24) and out["pool2"] == (256, 12, 12)
+    assert out["conv3"] == (512, 12, 12) and out["conv4"] == (1024, 12, 12) and out["conv5"] == (1024, 12, 12)
+    assert out["pool5"] == (1024, 6, 6)
+    assert net.layer("fc6").weight_shape == (3072, 36864)
+    assert net.layer("fc7").weight_shape == (4096, 3072)
+    assert net.layer("fc8").weight_shape == (1000, 4096)
+
+
+def test_cifar_small_shapes():
+    net = load_netspec(NETS / "cifar_small.json")
+    assert net.layer("pool3").out_shape == (128, 4, 4)
+    assert net.layer("fc1").weight_shape == (256, 2048)
+    assert net.layer("fc2").out_shape == (10, 1, 1)
+
+
+def test_defaults_and_asymmetric_parameters():
+    net = parse_netspec({"name": "a", "input": {"channels": 2, "height": 10, "width": 20}, "layers": [
+        {"name": "c", "type": "conv", "out_channels": 4, "kernel": [3, 5], "stride": [1, 2], "pad": [1, 0]},
+        {"name": "p", "type": "maxpool", "kernel": 2},
+        {"name": "f", "type": "fc", "out_features": 3}]})
+    c, p, f = net.layers
+    assert c.out_shape == (4, 10, 8) and not c.relu
+    assert p.stride == (2, 2) and p.out_shape == (4, 5, 4)  # pool stride defaults to its kernel
+    assert f.kernel == (5, 4) and f.weight_shape == (3, 80)
+
+
+def test_hash_identifies_the_description():
+    a = parse_netspec(BASE)
+    b = parse_netspec(json.loads(json.dumps(BASE)))
+    c = parse_netspec(_with(lambda n: n["layers"][0].update(out_channels=9)) | {"classes": 10})
+    assert a.source_hash == b.source_hash != c.source_hash

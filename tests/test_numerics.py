@@ -1,0 +1,211 @@
+"""Generated kernels against the plain numpy references, for every runnable ISA."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import reference as ref
+from conftest import NETS, assert_dot_close, build_and_load
+
+# (batch, C, H, W, OC, kernel, stride, pad, relu): kernel 1/2/3/5/11, stride 1/2/4,
+# pad 0/1/2 (also pad > kernel/2), asymmetric, channels 1/3/8/17/64, non-square, batch 1 and 7.
+CONV_SHAPES = [
+    (1, 1, 5, 5, 1, 1, 1, 0, False),
+    (7, 3, 13, 11, 8, 3, 1, 1, True),
+    (1, 8, 16, 16, 16, 3, 1, 1, False),
+    (7, 17, 9, 12, 19, 3, 2, 1, True),
+    (2, 64, 14, 14, 64, 3, 1, 1, True),
+    (1, 3, 31, 29, 12, 11, 4, 0, False),
+    (2, 3, 23, 23, 96, 11, 4, 2, True),
+    (1, 16, 10, 10, 24, 5, 1, 2, False),
+    (7, 8, 12, 9, 8, 5, 2, 0, True),
+    (1, 17, 8, 8, 17, 1, 1, 0, False),
+    (2, 32, 7, 9, 40, 1, 2, 0, True),
+    (1, 3, 10, 14, 5, [3, 5], [1, 2], [1, 2], False),
+    (3, 9, 11, 7, 16, [5, 3], [2, 1], [0, 1], True),
+    (1, 1, 6, 6, 3, 3, 1, 2, False),
+    (2, 4, 5, 17, 8, [1, 3], 1, [0, 1], False),
+    (1, 64, 6, 6, 128, 3, 1, 1, True),
+    (7, 1, 20, 20, 1, 5, 1, 2, False),
+    (1, 24, 15, 15, 33, 3, 2, 1, True),
+    (2, 3, 32, 32, 32, 3, 1, 1, True),
+    (1, 8, 3, 3, 8, 3, 1, 0, False),
+    (1, 5, 4, 30, 6, [1, 11], [1, 4], 0, False),
+    (7, 12, 6, 6, 20, 3, 4, 1, True),
+    (1, 2, 9, 9, 70, 3, 1, 0, False),
+    (1, 64, 9, 9, 64, 2, 2, 0, True),
+]
+
+
+def _pair(v):
+    return tuple(v) if isinstance(v, list) else (v, v)
+
+
+def _conv_layer(i, oc, k, s, p, relu):
+    layer = {"name": f"c{i}", "type": "conv", "out_channels": oc, "kernel": k, "stride": s, "pad": p}
+    if relu:
+        layer["activation"] = "relu"
+    return layer
+
+
+@pytest.mark.parametrize("case", range(len(CONV_SHAPES)))
+def test_conv_forward_matches_numpy(tmp_path, isa, case):
+    n, c, h, w, oc, k, s, p, relu = CONV_SHAPES[case]
+    net = build_and_load(tmp_path, [_conv_layer(case, oc, k, s, p, relu)], (c, h, w), isa)
+    layer = net.layers[f"c{case}"]
+    rng = np.random.default_rng(case)
+    layer.bias = rng.standard_normal(oc).astype(np.float32)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    got = layer.forward(x)
+    wts, b = layer.weights, layer.bias
+    want = ref.conv2d(x, wts, b, _pair(s), _pair(p), relu)
+    abs_want = ref.conv2d(np.abs(x), np.abs(wts), np.abs(b), _pair(s), _pair(p))
+    kh, kw = _pair(k)
+    assert_dot_close(got, want, abs_want, c * kh * kw)
+
+
+# (batch, input C, H, W, out features, relu): features not multiples of the vector width,
+# input from a spatial tensor (flatten) and from a vector, batch sizes hitting every remainder tile.
+FC_SHAPES = [
+    (1, 10, 1, 1, 3, False),
+    (7, 13, 1, 1, 17, True),
+    (5, 100, 1, 1, 9, False),
+    (8, 3, 5, 5, 12, True),
+    (13, 37, 1, 1, 70, False),
+    (6, 64, 2, 2, 8, True),
+    (2, 1, 1, 1, 1, False),
+    (11, 256, 1, 1, 40, True),
+]
+
+
+@pytest.mark.parametrize("case", range(len(FC_SHAPES)))
+def test_fc_forward_matches_numpy(tmp_path, isa, case):
+    n, c, h, w, oc, relu = FC_SHAPES[case]
+    layer_spec = {"name": "f", "type": "fc", "out_features": oc}
+    if relu:
+        layer_spec["activation"] = "relu"
+    net = build_and_load(tmp_path, [layer_spec], (c, h, w), isa)
+    layer = net.layers["f"]
+    rng = np.random.default_rng(100 + case)
+    layer.bias = rng.standard_normal(oc).astype(np.float32)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    for batch in sorted({1, n}):  # every minibatch size reuses the same kernel
+        got = layer.forward(x[:batch])
+        want = ref.fc(x[:batch], layer.weights, layer.bias, relu)
+        abs_want = ref.fc(np.abs(x[:batch]), np.abs(layer.weights), np.abs(layer.bias))
+        assert_dot_close(got, want, abs_want, c * h * w)
+    # (N, F) input is accepted as well as (N, C, H, W)
+    np.testing.assert_array_equal(layer.forward(x.reshape(n, -1)), layer.forward(x))
+
+
+@pytest.mark.parametrize("n,c,h,w,k,s,p", [
+    (2, 17, 9, 9, 3, 2, 0), (1, 8, 8, 8, 2, 2, 0), (3, 5, 10, 7, 3, 2, 1), (7, 9, 6, 11, [2, 3], [1, 2], [1, 1]),
+])
+def test_maxpool_forward_matches_numpy(tmp_path, isa, n, c, h, w, k, s, p):
+    net = build_and_load(tmp_path, [{"name": "p", "type": "maxpool", "kernel": k, "stride": s, "pad": p},
+                                    {"name": "f", "type": "fc", "out_features": 2}], (c, h, w), isa)
+    x = np.random.default_rng(7).standard_normal((n, c, h, w)).astype(np.float32)
+    got = net.layers["p"].forward(x)
+    np.testing.assert_array_equal(got, ref.maxpool(x, _pair(k), _pair(s), _pair(p)).astype(np.float32))
+
+
+def test_small_l1_forces_several_reduction_chunks(tmp_path, isa):
+    """A 1 KiB L1 makes the planner split the input-channel and K reductions into several
+    chunks, exercising the partial-sum reload and the epilogue on the last chunk only."""
+    import json
+
+    from pcldnn_gen.arch import PRESETS
+    arch = PRESETS[isa].to_json() | {"name": f"tiny-{isa}", "l1d_bytes": 1024}
+    arch_file = tmp_path / "tiny.json"
+    arch_file.write_text(json.dumps(arch))
+    from pcldnn_gen.arch import get_arch
+    from pcldnn_gen.build import build
+    from pcldnn_gen.netspec import parse_netspec
+    import pcldnn_runtime as pr
+    spec = parse_netspec({"name": "chunks", "input": {"channels": 40, "height": 6, "width": 7}, "layers": [
+        {"name": "c", "type": "conv", "out_channels": 16, "kernel": 3, "pad": 1, "activation": "relu"},
+        {"name": "f", "type": "fc", "out_features": 20, "activation": "relu"}]})
+    result = build(spec, get_arch(str(arch_file)), tmp_path / "b")
+    conv_plan, fc_plan = result.plans[("c", "fwd")], result.plans[("f", "fwd")]
+    v = PRESETS[isa].vector_floats
+    assert conv_plan.ifm_block < -(-40 // v), conv_plan
+    assert fc_plan.ifm_block < 16 * 6 * 7, fc_plan
+    net = pr.load(tmp_path / "b")
+    rng = np.random.default_rng(3)
+    for layer in net.layers.values():
+        layer.bias = rng.standard_normal(layer.out_shape[0]).astype(np.float32)
+    x = rng.standard_normal((3, 40, 6, 7)).astype(np.float32)
+    c, f = net.layers["c"], net.layers["f"]
+    h = ref.conv2d(x, c.weights, c.bias, (1, 1), (1, 1), relu=True)
+    habs = ref.conv2d(np.abs(x), np.abs(c.weights), np.abs(c.bias), (1, 1), (1, 1))
+    assert_dot_close(c.forward(x), h, habs, 40 * 9)
+    y = net.forward(x)
+    want = ref.fc(h, f.weights, f.bias, relu=True)
+    # Two stacked dot products: bound the second by the float32 error of its input as well.
+    abs_want = ref.fc(habs, np.abs(f.weights), np.abs(f.bias))
+    assert_dot_close(y, want, abs_want, 40 * 9 + 16 * 42)
+
+
+def test_whole_net_forward_matches_layer_by_layer_reference(tmp_path, isa):
+    import pcldnn_runtime as pr
+    from pcldnn_gen.arch import get_arch
+    from pcldnn_gen.build import build
+    from pcldnn_gen.netspec import load_netspec
+    spec = load_netspec(NETS / "cifar_small.json")
+    build(spec, get_arch(isa), tmp_path / "cifar")
+    net = pr.load(tmp_path / "cifar", threads=2)
+    rng = np.random.default_rng(11)
+    for batch in (5, 1, 5):  # buffers per minibatch size are created once and reused
+        x = rng.standard_normal((batch, 3, 32, 32)).astype(np.float32)
+        h, habs, terms = x.astype(np.float64), np.abs(x).astype(np.float64), 0
+        for layer in spec.layers:
+            L = net.layers[layer.name]
+            if layer.type == "conv":
+                h = ref.conv2d(h, L.weights, L.bias, layer.stride, layer.pad, layer.relu)
+                habs = ref.conv2d(habs, np.abs(L.weights), np.abs(L.bias), layer.stride, layer.pad)
+                terms += layer.in_shape[0] * 9
+            elif layer.type == "maxpool":
+                h = ref.maxpool(h, layer.kernel, layer.stride, layer.pad)
+                habs = ref.maxpool(habs, layer.kernel, layer.stride, layer.pad)
+            elif layer.type == "fc":
+                h = ref.fc(h, L.weights, L.bias, layer.relu)
+                habs = ref.fc(habs, np.abs(L.weights), np.abs(L.bias))
+                terms += int(np.prod(layer.in_shape))
+        logits = net.forward(x)
+        assert logits.shape == (batch, 10)
+        assert_dot_close(logits, h, habs, terms)
+
+
+def test_weights_roundtrip_and_validation(tmp_path, isa):
+    import pcldnn_runtime as pr
+    net = build_and_load(tmp_path, [_conv_layer(0, 19, 3, 1, 1, False),
+                                    {"name": "f", "type": "fc", "out_features": 11}], (5, 4, 4), isa)
+    rng = np.random.default_rng(5)
+    for name, shape in (("c0", (19, 5, 3, 3)), ("f", (11, 19 * 16))):
+        layer = net.layers[name]
+        assert layer.weights.shape == shape
+        w = rng.standard_normal(shape).astype(np.float32)
+        layer.weights = w
+        np.testing.assert_array_equal(layer.weights, w)
+        with pytest.raises(pr.PcldnnError, match="weights shape"):
+            layer.weights = w[:1]
+        with pytest.raises(pr.PcldnnError, match="bias shape"):
+            layer.bias = np.zeros(3)
+    with pytest.raises(pr.PcldnnError, match="input shape"):
+        net.layers["c0"].forward(np.zeros((1, 4, 4, 4), np.float32))
+
+
+def test_initialisation_is_seeded_he_normal(tmp_path):
+    import pcldnn_runtime as pr
+    from pcldnn_gen.arch import get_arch
+    from pcldnn_gen.build import build
+    from pcldnn_gen.netspec import load_netspec
+    build(load_netspec(NETS / "cifar_small.json"), get_arch("scalar"), tmp_path / "b")
+    a, b, c = pr.load(tmp_path / "b", seed=0), pr.load(tmp_path / "b", seed=0), pr.load(tmp_path / "b", seed=1)
+    wa, wb, wc = a.layers["conv2"].weights, b.layers["conv2"].weights, c.layers["conv2"].weights
+    np.testing.assert_array_equal(wa, wb)
+    assert not np.array_equal(wa, wc)
+    assert not np.any(a.layers["conv2"].bias)
+    # He-normal: std sqrt(2 / fan_in), fan_in = 32 * 3 * 3 = 288; 64*288 samples -> ~0.6% sampling error
+    assert abs(wa.std() / np.sqrt(2 / 288) - 1) < 0.03
+    assert abs(a.layers["fc1"].weights.std() / np.sqrt(2 / 2048) - 1) < 0.03
