@@ -1,6 +1,7 @@
 """Loading a build directory into a `Net` and running it with blocked layouts throughout."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -68,16 +69,22 @@ class Net:
             self._buffers[batch] = bufs
         return self._buffers[batch]
 
-    def forward(self, x: np.ndarray) -> np.ndarray:
+    def forward(self, x: np.ndarray, timings: dict[str, float] | None = None) -> np.ndarray:
         """Logits (N, classes) — or the last layer's output — for a canonical (N, C, H, W) batch.
-        One conversion at the input, one at the output, blocked layouts in between."""
+        One conversion at the input, one at the output, blocked layouts in between.
+        If `timings` is a dict, each layer's kernel time in seconds is stored under its name."""
         first, last = self._chain[0], self._chain[-1]
         x = first._check_input(x)
         batch = x.shape[0]
         bufs = self._batch_buffers(batch)
         first._k["in_to_blocked"](ptr(x.reshape(batch, *first.in_shape)), ptr(bufs[0]), batch, self.threads)
         for i, layer in enumerate(self._chain):
-            layer.forward_blocked(bufs[i], bufs[i + 1])
+            if timings is None:
+                layer.forward_blocked(bufs[i], bufs[i + 1])
+            else:
+                start = time.perf_counter()
+                layer.forward_blocked(bufs[i], bufs[i + 1])
+                timings[layer.name] = time.perf_counter() - start
         y = np.empty((batch, *last.out_shape), dtype=np.float32)
         last._k["out_from_blocked"](ptr(bufs[-1]), ptr(y), batch, self.threads)
         return y.reshape(batch, -1) if last.flat_output else y

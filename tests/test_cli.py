@@ -1,0 +1,86 @@
+"""The pcldnn-gen command line: compile, inspect, errors, and what a hostile net.json can do."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import NETS
+from pcldnn_gen.cli import main
+
+
+def test_compile_writes_the_build_directory(tmp_path, capsys):
+    out = tmp_path / "cifar"
+    assert main(["compile", str(NETS / "cifar_small.json"), "--arch", "scalar", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "conv1" in printed and "kernels compiled" in printed
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["arch"]["isa"] == "scalar" and manifest["net"]["name"] == "cifar_small"
+    conv1 = manifest["layers"][0]
+    fwd = conv1["kernels"]["fwd"]
+    assert fwd["symbols"] == {"pcldnn_conv1_fwd": "conv_fwd"}
+    assert (out / fwd["source"]).read_text().startswith("/*\n * pcldnn-gen")
+    assert (out / fwd["library"]).is_file()
+    assert fwd["plan"]["tile"]["registers"] <= 16
+    assert sorted(p.name for p in (out / "src").iterdir()) == sorted(
+        f"{l['name']}_{p}.c" for l in manifest["layers"] for p in l["kernels"])
+
+
+def test_inspect_prints_the_emitted_c_with_its_header(capsys):
+    assert main(["inspect", str(NETS / "vgg_a.json"), "--layer", "conv3", "--pass", "fwd", "--arch", "avx2"]) == 0
+    c = capsys.readouterr().out
+    header = c.split("*/")[0]
+    assert "layer   : conv3 (conv + fused relu), input 128x56x56 -> output 256x56x56" in header
+    assert "arch    : avx2" in header and "blocks  : register tile" in header and "why     :" in header
+    assert "_mm256_fmadd_ps" in c and "#pragma omp parallel for" in c
+    assert "void pcldnn_conv3_fwd(const float *in" in c
+
+
+def test_inspect_scalar_has_no_intrinsics(capsys):
+    assert main(["inspect", str(NETS / "cifar_small.json"), "--layer", "fc1", "--arch", "scalar"]) == 0
+    c = capsys.readouterr().out
+    assert "_mm" not in c and "immintrin" not in c and "void pcldnn_fc1_fwd(" in c
+
+
+def test_inspect_explain(capsys):
+    assert main(["inspect", str(NETS / "vgg_a.json"), "--layer", "conv5", "--arch", "avx2", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen   :" in out and "rejected :" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["compile", "missing.json"], "missing.json: cannot read"),
+    (["inspect", str(NETS / "vgg_a.json"), "--layer", "nope", "--arch", "avx2"], "no layer named 'nope'"),
+    (["compile", str(NETS / "vgg_a.json"), "--arch", "sse9"], "unknown arch 'sse9'"),
+])
+def test_user_errors_exit_2_with_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_hostile_names_are_rejected_before_anything_is_written(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PCLDNN_CACHE_DIR", str(cache))
+    for i, evil in enumerate(['x"; system("id"); //', "../../etc"]):
+        net = json.loads((NETS / "cifar_small.json").read_text())
+        net["layers"][2]["name"] = evil
+        path = tmp_path / f"evil{i}.json"
+        path.write_text(json.dumps(net))
+        out = tmp_path / f"out{i}"
+        proc = subprocess.run([sys.executable, "-m", "pcldnn_gen.cli", "compile", str(path), "--arch", "scalar",
+                               "-o", str(out)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        assert proc.returncode == 2
+        assert proc.stderr.startswith(f"error: {path}: layers[2].name: must match")
+        assert "Traceback" not in proc.stderr
+        assert not out.exists() and not cache.exists() and not (tmp_path / "build").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["evil0.json", "evil1.json"]
+
+
+def test_version_and_help():
+    out = subprocess.run([sys.executable, "-m", "pcldnn_gen.cli", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("pcldnn-gen ")
+    out = subprocess.run([sys.executable, "-m", "pcldnn_gen.cli", "compile", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--arch" in out.stdout and "--jobs" in out.stdout

@@ -1,0 +1,57 @@
+"""Planner: tiles obey the register constraint and the balance figures add up."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import NETS
+from pcldnn_gen.arch import PRESETS
+from pcldnn_gen.build import plan_net
+from pcldnn_gen.netspec import load_netspec
+from pcldnn_gen.planner import LATENCY_HEADROOM, RegisterTile, blocks
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "scalar"])
+@pytest.mark.parametrize("net_file", ["vgg_a.json", "overfeat_fast.json", "cifar_small.json"])
+def test_every_tile_fits_the_register_file(isa, net_file):
+    arch = PRESETS[isa]
+    net = load_netspec(NETS / net_file)
+    plans = plan_net(net, arch)
+    assert {name for name, _ in plans} == {l.name for l in net.layers if l.type in ("conv", "fc", "maxpool")}
+    for (name, _), plan in plans.items():
+        layer = net.layer(name)
+        assert plan.vector_floats == arch.vector_floats
+        if plan.tile is None:
+            continue
+        t = plan.tile
+        # accumulators + weight vectors + one broadcast register
+        assert t.width * t.vectors + t.vectors + 1 == t.registers <= arch.vector_registers
+        # the tile's vectors evenly divide the output-channel blocks
+        assert blocks(layer.out_shape[0], arch.vector_floats) % t.vectors == 0
+        assert 0 < plan.predicted_efficiency <= 1
+        assert plan.ifm_block >= 1 and plan.l1_working_set <= arch.l1d_bytes // 2 or plan.ifm_block == 1
+        if plan.kind == "conv_fwd":
+            ow = layer.out_shape[2]
+            assert 0 <= plan.ow_lo <= plan.ow_hi <= ow
+            assert plan.remainders == (((plan.ow_hi - plan.ow_lo) % t.width,) if (plan.ow_hi - plan.ow_lo) % t.width else ())
+
+
+def test_register_tile_model_by_hand():
+    avx2 = PRESETS["avx2"]  # 2 FMA units, 2 load ports, latency 4
+    t = RegisterTile.evaluate(6, 2, avx2)
+    # 12 FMAs -> 6 cycles; 8 loads -> 4 cycles; 12 chains cover 1.5 x 4 = 6 cycles of latency
+    assert t.registers == 15 and t.loads_per_fma == pytest.approx(8 / 12) and t.efficiency == 1.0
+    t = RegisterTile.evaluate(2, 4, avx2)
+    # 8 FMAs -> 4 cycles, but the chains need LATENCY_HEADROOM * 4 cycles
+    assert t.efficiency == pytest.approx(4 / (LATENCY_HEADROOM * 4))
+    t = RegisterTile.evaluate(14, 1, avx2)
+    # 15 loads on 2 ports = 7.5 cycles for 7 cycles of FMAs: load-bound
+    assert t.efficiency == pytest.approx(7 / 7.5)
+
+
+def test_conv_interior_geometry():
+    net = load_netspec(NETS / "vgg_a.json")
+    plan = plan_net(net, PRESETS["avx2"])[("conv3", "fwd")]
+    # 3x3, pad 1 on 56 columns: column 0 and 55 touch the padding
+    assert (plan.ow_lo, plan.ow_hi) == (1, 55)
+    assert plan.tile.width * plan.tile.vectors >= LATENCY_HEADROOM * 4 * 2
+    assert "register tile" in plan.reason and "of peak predicted" in plan.reason

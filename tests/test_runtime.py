@@ -1,0 +1,70 @@
+"""Runtime loading: refusing bad build directories, thread counts, profiling hook."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import pcldnn_runtime as pr
+from conftest import build_and_load
+
+LAYERS = [{"name": "c", "type": "conv", "out_channels": 8, "kernel": 3, "pad": 1, "activation": "relu"},
+          {"name": "p", "type": "maxpool", "kernel": 2},
+          {"name": "r", "type": "relu"},
+          {"name": "f", "type": "fc", "out_features": 5},
+          {"name": "loss", "type": "softmax_cross_entropy"}]
+
+
+@pytest.fixture
+def built(tmp_path):
+    build_and_load(tmp_path, LAYERS, (3, 6, 6), "scalar", name="rt")
+    return tmp_path / "rt-scalar"
+
+
+def test_not_a_build_directory(tmp_path):
+    with pytest.raises(pr.BuildDirError, match="not a build directory"):
+        pr.load(tmp_path)
+
+
+def test_wrong_format_is_refused(built):
+    m = json.loads((built / "manifest.json").read_text())
+    m["format"] = "pcldnn-build/0"
+    (built / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(pr.BuildDirError, match="format is 'pcldnn-build/0'"):
+        pr.load(built)
+
+
+def test_manifest_paths_cannot_escape_the_build_directory(built, tmp_path):
+    m = json.loads((built / "manifest.json").read_text())
+    shutil.copy(built / "lib" / "c_fwd.so", tmp_path / "outside.so")
+    m["layers"][0]["kernels"]["fwd"]["library"] = "../outside.so"
+    (built / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(pr.BuildDirError, match="escapes the build directory"):
+        pr.load(built)
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True])
+def test_bad_thread_counts(built, threads):
+    with pytest.raises(pr.PcldnnError, match="threads must be a positive int"):
+        pr.load(built, threads=threads)
+
+
+def test_thread_count_does_not_change_results(built):
+    x = np.random.default_rng(0).standard_normal((5, 3, 6, 6)).astype(np.float32)
+    one, two = pr.load(built, threads=1), pr.load(built, threads=2)
+    np.testing.assert_array_equal(one.forward(x), two.forward(x))
+
+
+def test_chain_with_standalone_relu_and_timings(built):
+    net = pr.load(built)
+    x = np.random.default_rng(1).standard_normal((3, 3, 6, 6)).astype(np.float32)
+    timings: dict[str, float] = {}
+    y = net.forward(x, timings)
+    assert y.shape == (3, 5) and set(timings) == {"c", "p", "r", "f"}
+    h = net.layers["r"].forward(net.layers["p"].forward(net.layers["c"].forward(x)))
+    assert (h >= 0).all()
+    np.testing.assert_allclose(net.layers["f"].forward(h), y, rtol=1e-6, atol=1e-6)
+    with pytest.raises(pr.PcldnnError, match="loss layer has no standalone forward"):
+        net.layers["loss"].forward(y)
