@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from conftest import NETS
 from pcldnn_gen.arch import PRESETS
 from pcldnn_gen.build import plan_net
-from pcldnn_gen.netspec import load_netspec
-from pcldnn_gen.planner import LATENCY_HEADROOM, RegisterTile, blocks
+from pcldnn_gen.netspec import load_netspec, parse_netspec
+from pcldnn_gen.planner import LATENCY_HEADROOM, RegisterTile, blocks, plan_layer
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512", "scalar"])
@@ -55,3 +57,30 @@ def test_conv_interior_geometry():
     assert (plan.ow_lo, plan.ow_hi) == (1, 55)
     assert plan.tile.width * plan.tile.vectors >= LATENCY_HEADROOM * 4 * 2
     assert "register tile" in plan.reason and "of peak predicted" in plan.reason
+
+
+@settings(max_examples=300, deadline=None)
+@given(isa=st.sampled_from(["avx2", "avx512", "scalar"]), c=st.integers(1, 600), oc=st.integers(1, 600),
+       h=st.integers(1, 60), w=st.integers(1, 60), k=st.integers(1, 11), s=st.integers(1, 4), p=st.integers(0, 3))
+def test_any_conv_plan_is_consistent(isa, c, oc, h, w, k, s, p):
+    """Whatever the shape, the plan fits the registers and its geometry tiles the row exactly."""
+    assume(h + 2 * p >= k and w + 2 * p >= k)
+    arch = PRESETS[isa]
+    net = parse_netspec({"name": "h", "input": {"channels": c, "height": h, "width": w}, "layers": [
+        {"name": "c", "type": "conv", "out_channels": oc, "kernel": k, "stride": s, "pad": p}]})
+    layer = net.layers[0]
+    plan = plan_layer(layer, "fwd", arch)
+    t = plan.tile
+    assert t.registers <= arch.vector_registers
+    assert blocks(oc, arch.vector_floats) % t.vectors == 0
+    ow = layer.out_shape[2]
+    interior = plan.ow_hi - plan.ow_lo
+    full = interior // t.width
+    assert full * t.width + sum(plan.remainders) == interior
+    # interior columns need no bounds: their windows lie inside the unpadded input
+    for col in (plan.ow_lo, plan.ow_hi - 1) if interior else ():
+        assert 0 <= col * s - p and col * s - p + k <= w
+    # border columns really touch the padding
+    for col in list(range(plan.ow_lo)) + list(range(plan.ow_hi, ow)):
+        assert col * s - p < 0 or col * s - p + k > w
+    assert 1 <= plan.ifm_block <= blocks(c, arch.vector_floats)
