@@ -23,10 +23,7 @@ from .codegen import Source, render_kernel, render_layout
 from .compiler import compile_all
 from .errors import BuildDirError
 from .netspec import LayerSpec, NetSpec
-from .planner import PASSES, KernelPlan, plan_layer
-
-# Layer types with generated kernels, and the passes each has.
-KERNEL_PASSES = {"conv": PASSES, "fc": PASSES, "maxpool": PASSES}
+from .planner import LAYER_PASSES, KernelPlan, plan_layer
 
 
 @dataclass(frozen=True)
@@ -43,7 +40,7 @@ def default_build_dir(net: NetSpec, arch: Arch) -> Path:
 
 def plan_net(net: NetSpec, arch: Arch) -> dict[tuple[str, str], KernelPlan]:
     return {(layer.name, p): plan_layer(layer, p, arch)
-            for layer in net.layers for p in KERNEL_PASSES.get(layer.type, ())}
+            for layer in net.layers for p in LAYER_PASSES[layer.type]}
 
 
 def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | None = None) -> BuildResult:
@@ -51,10 +48,9 @@ def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | Non
     plans = plan_net(net, arch)
     sources: list[tuple[LayerSpec, str, Source]] = []
     for layer in net.layers:
-        for p in KERNEL_PASSES.get(layer.type, ()):
+        for p in LAYER_PASSES[layer.type]:
             sources.append((layer, p, render_kernel(layer, plans[(layer.name, p)], arch)))
-        if layer.type != "softmax_cross_entropy":  # every layer can convert at the API boundary
-            sources.append((layer, "layout", render_layout(layer, arch)))
+        sources.append((layer, "layout", render_layout(layer, arch)))
     _check_replaceable(out_dir)
     results = compile_all([s for _, _, s in sources], arch, jobs)
 
@@ -92,7 +88,7 @@ def _manifest(net: NetSpec, arch: Arch, kernels: dict[str, dict]) -> dict:
             "name": layer.name, "type": layer.type,
             "in_shape": list(layer.in_shape), "out_shape": list(layer.out_shape),
             "kernel": list(layer.kernel), "stride": list(layer.stride), "pad": list(layer.pad),
-            "relu": layer.relu,
+            "relu": layer.relu, "rate": layer.rate,
             "weight_shape": list(layer.weight_shape) if layer.weight_shape else None,
             "kernels": kernels.get(layer.name, {}),
         })

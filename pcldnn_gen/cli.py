@@ -23,12 +23,10 @@ def _compile(args: argparse.Namespace) -> int:
     result = build(net, arch, Path(args.output) if args.output else None, args.jobs)
     elapsed = time.perf_counter() - t0
     for layer in net.layers:
-        plan = result.plans.get((layer.name, "fwd"))
         shape = "x".join(map(str, layer.out_shape))
-        detail = ""
-        if plan is not None and plan.tile is not None:
-            detail = (f"tile {plan.tile.width}x{plan.tile.vectors}v, predicted "
-                      f"{plan.predicted_efficiency:.0%} of peak")
+        detail = "  ".join(
+            f"{p} {plan.tile.width}x{plan.tile.vectors}v {plan.predicted_efficiency:.0%}"
+            for (name, p), plan in result.plans.items() if name == layer.name and plan.tile is not None)
         print(f"  {layer.name:<12} {layer.type:<22} -> {shape:<14} {detail}")
     print(f"{result.directory}: {len(net.layers)} layers, {result.compiled} kernels compiled, "
           f"{result.cached} from cache, {elapsed:.2f} s ({arch.name})")

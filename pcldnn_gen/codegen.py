@@ -26,12 +26,15 @@ class VectorISA:
 
     type: str
     include: str
+    helpers: str          # C helper functions emitted once after the includes
     _load: str
     _store: str
     _broadcast: str
     _fma: str
     _max: str
     _set1: str
+    _add: str
+    _hsum: str
 
     def load(self, addr: str) -> str:
         return self._load.format(a=addr)
@@ -55,16 +58,45 @@ class VectorISA:
     def zero(self) -> str:
         return self.set1("0.0f")
 
+    def add(self, a: str, b: str) -> str:
+        return self._add.format(a=a, b=b)
+
+    def hsum(self, a: str) -> str:
+        """The sum of a vector's lanes, as a float."""
+        return self._hsum.format(a=a)
+
+
+_AVX2_HSUM = """
+/* Sum of the 8 lanes of a vector. */
+static inline float hsum256(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}"""
 
 VECTOR_ISAS: dict[str, VectorISA] = {
-    "avx2": VectorISA("__m256", "immintrin.h", "_mm256_loadu_ps({a})", "_mm256_storeu_ps({a}, {v})",
+    "avx2": VectorISA("__m256", "immintrin.h", _AVX2_HSUM, "_mm256_loadu_ps({a})", "_mm256_storeu_ps({a}, {v})",
                       "_mm256_broadcast_ss({a})", "_mm256_fmadd_ps({a}, {b}, {c})",
-                      "_mm256_max_ps({a}, {b})", "_mm256_set1_ps({v})"),
-    "avx512": VectorISA("__m512", "immintrin.h", "_mm512_loadu_ps({a})", "_mm512_storeu_ps({a}, {v})",
+                      "_mm256_max_ps({a}, {b})", "_mm256_set1_ps({v})", "_mm256_add_ps({a}, {b})", "hsum256({a})"),
+    "avx512": VectorISA("__m512", "immintrin.h", "", "_mm512_loadu_ps({a})", "_mm512_storeu_ps({a}, {v})",
                         "_mm512_set1_ps(*({a}))", "_mm512_fmadd_ps({a}, {b}, {c})",
-                        "_mm512_max_ps({a}, {b})", "_mm512_set1_ps({v})"),
-    "scalar": VectorISA("float", "", "*({a})", "*({a}) = {v}", "*({a})", "{c} + {a} * {b}",
-                        "fmaxf({a}, {b})", "({v})"),
+                        "_mm512_max_ps({a}, {b})", "_mm512_set1_ps({v})", "_mm512_add_ps({a}, {b})",
+                        "_mm512_reduce_add_ps({a})"),
+    "scalar": VectorISA("float", "", "", "*({a})", "*({a}) = {v}", "*({a})", "{c} + {a} * {b}",
+                        "fmaxf({a}, {b})", "({v})", "{a} + {b}", "({a})"),
+}
+
+# Template of each kernel kind.
+TEMPLATES = {
+    "conv_fwd": "conv_fwd.c.j2", "conv_bwd_data": "conv_bwd_data.c.j2", "conv_bwd_weights": "conv_bwd_weights.c.j2",
+    "fc_fwd": "fc_fwd.c.j2", "fc_bwd_data": "fc_bwd_data.c.j2", "fc_bwd_weights": "fc_bwd_weights.c.j2",
+    "maxpool_fwd": "pool_fwd.c.j2", "avgpool_fwd": "pool_fwd.c.j2",
+    "maxpool_bwd_data": "pool_bwd_data.c.j2", "avgpool_bwd_data": "pool_bwd_data.c.j2",
+    "relu_fwd": "eltwise_fwd.c.j2", "dropout_fwd": "eltwise_fwd.c.j2",
+    "relu_bwd_data": "eltwise_bwd_data.c.j2", "dropout_bwd_data": "eltwise_bwd_data.c.j2",
+    "softmax_cross_entropy_fwd": "loss_fwd.c.j2", "softmax_cross_entropy_bwd_data": "loss_bwd_data.c.j2",
 }
 
 
@@ -105,8 +137,9 @@ def kernel_symbol(layer: str, pass_name: str) -> str:
 def _comment_lines(plan: KernelPlan) -> list[str]:
     lines = [f"pass    : {plan.pass_name} ({plan.kind})"]
     if plan.tile is not None:
-        blocks_line = (f"blocks  : register tile {plan.tile.width} x {plan.tile.vectors} vectors, "
-                       f"{'K chunk' if plan.kind == 'fc_fwd' else 'ifm block'} {plan.ifm_block}")
+        blocks_line = f"blocks  : register tile {plan.tile.width} x {plan.tile.vectors} vectors"
+        if plan.chunk:
+            blocks_line += f", reduction chunk {plan.chunk} {plan.chunk_unit}"
         if plan.remainders:
             blocks_line += f", remainder tiles {list(plan.remainders)}"
         lines.append(blocks_line)
@@ -120,23 +153,18 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
     """C source of one (layer, pass) kernel."""
     v = arch.vector_floats
     symbol = kernel_symbol(layer.name, plan.pass_name)
-    common = dict(layer=layer, arch=arch, plan=plan, V=v, vec=VECTOR_ISAS[arch.isa], symbol=symbol,
-                  params=SIGNATURES[plan.kind], version=__version__, plan_lines=_comment_lines(plan))
-    if plan.kind == "conv_fwd":
-        has_border = plan.ow_lo > 0 or plan.ow_hi < layer.out_shape[2]
-        widths = {plan.tile.width, *plan.remainders} | ({1} if has_border else set())
-        text = _env().get_template("conv_fwd.c.j2").render(
-            **common, R=plan.tile.vectors, icb=blocks(layer.in_shape[0], v), ocb=blocks(layer.out_shape[0], v),
-            tile_widths=sorted(widths, reverse=True), has_border=has_border)
-    elif plan.kind == "fc_fwd":
-        c, h, w = layer.in_shape
-        text = _env().get_template("fc_fwd.c.j2").render(
-            **common, R=plan.tile.vectors, k=blocks(c, v) * v * h * w, ocb=blocks(layer.out_shape[0], v),
-            tile_widths=[plan.tile.width, *plan.remainders])
-    elif plan.kind == "maxpool_fwd":
-        text = _env().get_template("maxpool_fwd.c.j2").render(**common, cb=blocks(layer.in_shape[0], v))
-    else:
-        raise ValueError(f"no template for kernel kind {plan.kind}")
+    c, h, w = layer.in_shape
+    widths: set[int] = set()
+    if plan.tile is not None:
+        widths = {plan.tile.width, *plan.remainders}
+        if plan.kind == "conv_fwd" and (plan.ow_lo > 0 or plan.ow_hi < layer.out_shape[2]):
+            widths.add(1)  # border pixels
+    text = _env().get_template(TEMPLATES[plan.kind]).render(
+        layer=layer, arch=arch, plan=plan, V=v, vec=VECTOR_ISAS[arch.isa], symbol=symbol,
+        params=SIGNATURES[plan.kind], version=__version__, plan_lines=_comment_lines(plan),
+        R=plan.tile.vectors if plan.tile else 0, tile_widths=sorted(widths, reverse=True),
+        icb=blocks(c, v), ocb=blocks(layer.out_shape[0], v), cb=blocks(c, v), k=blocks(c, v) * v * h * w,
+        size=blocks(c, v) * v * h * w, classes=c, ld=blocks(c, v) * v)
     return Source(f"{layer.name}_{plan.pass_name}.c", text, {symbol: plan.kind})
 
 

@@ -23,10 +23,13 @@ LAYER_FIELDS: dict[str, tuple[set[str], dict[str, Any]]] = {
     "conv": ({"out_channels", "kernel"}, {"stride": 1, "pad": 0, "activation": None}),
     "fc": ({"out_features"}, {"activation": None}),
     "maxpool": ({"kernel"}, {"stride": None, "pad": 0}),
+    "avgpool": ({"kernel"}, {"stride": None, "pad": 0}),
     "relu": (set(), {}),
+    "dropout": (set(), {"rate": 0.5}),
     "softmax_cross_entropy": (set(), {}),
 }
 WEIGHTED = ("conv", "fc")
+POOLS = ("maxpool", "avgpool")
 ACTIVATIONS = ("relu",)
 
 
@@ -47,6 +50,7 @@ class LayerSpec:
     stride: tuple[int, int] = (1, 1)
     pad: tuple[int, int] = (0, 0)
     relu: bool = False
+    rate: float = 0.0  # dropout probability (dropout layers only)
 
     @property
     def weighted(self) -> bool:
@@ -135,11 +139,11 @@ def parse_netspec(data: Any, origin: str = "<net>") -> NetSpec:
         c, h, w = shape
         if ltype == "softmax_cross_entropy" and i != len(layers_raw) - 1:
             p.fail(where, "softmax_cross_entropy must be the last layer")
-        if ltype in ("conv", "maxpool") and flat:
+        if ltype in ("conv", *POOLS) and flat:
             p.fail(where, f"{ltype} cannot follow an fc layer (its input is a flat vector)")
         relu = p.activation(f.get("activation"), f"{where}.activation")
 
-        if ltype == "conv" or ltype == "maxpool":
+        if ltype == "conv" or ltype in POOLS:
             kernel = p.pair(f["kernel"], f"{where}.kernel", positive=True)
             stride = kernel if f["stride"] is None else p.pair(f["stride"], f"{where}.stride", positive=True)
             pad = p.pair(f["pad"], f"{where}.pad", positive=False)
@@ -148,7 +152,7 @@ def parse_netspec(data: Any, origin: str = "<net>") -> NetSpec:
             if oh < 1 or ow < 1:
                 p.fail(f"{where}.kernel", f"kernel {list(kernel)} is larger than the padded input "
                        f"{h + 2 * pad[0]}x{w + 2 * pad[1]}")
-            if ltype == "maxpool" and (pad[0] >= kernel[0] or pad[1] >= kernel[1]):
+            if ltype in POOLS and (pad[0] >= kernel[0] or pad[1] >= kernel[1]):
                 p.fail(f"{where}.pad", f"pooling pad {list(pad)} must be smaller than the kernel {list(kernel)}")
             oc = p.positive_int(f["out_channels"], f"{where}.out_channels") if ltype == "conv" else c
             spec = LayerSpec(i, lname, ltype, shape, (oc, oh, ow), kernel, stride, pad, relu)
@@ -156,11 +160,19 @@ def parse_netspec(data: Any, origin: str = "<net>") -> NetSpec:
             oc = p.positive_int(f["out_features"], f"{where}.out_features")
             spec = LayerSpec(i, lname, ltype, shape, (oc, 1, 1), (h, w), (1, 1), (0, 0), relu)
             flat = True
+        elif ltype == "dropout":
+            rate = f["rate"]
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
+                p.fail(f"{where}.rate", f"must be a number in [0, 1), got {_show(rate)}")
+            spec = LayerSpec(i, lname, ltype, shape, shape, rate=float(rate))
         else:  # relu, softmax_cross_entropy: shape-preserving
             spec = LayerSpec(i, lname, ltype, shape, shape, relu=(ltype == "relu"))
         layers.append(spec)
         shape = spec.out_shape
 
+    if layers[-1].type == "softmax_cross_entropy" and layers[-1].in_shape[1:] != (1, 1):
+        p.fail(f"layers[{len(layers) - 1}]", "softmax_cross_entropy needs a vector of logits (put an fc layer "
+               f"before it), got a {'x'.join(map(str, layers[-1].in_shape))} tensor")
     weighted = [l for l in layers if l.weighted]
     if not weighted:
         p.fail("layers", "the net has no conv or fc layer")

@@ -20,7 +20,14 @@ from .arch import Arch
 from .errors import PlanError
 from .netspec import LayerSpec
 
-PASSES = ("fwd",)
+PASSES = ("fwd", "bwd_data", "bwd_weights")
+# Passes each layer type has (the loss's bwd_data is the gradient of the mean loss w.r.t. the logits).
+LAYER_PASSES: dict[str, tuple[str, ...]] = {
+    "conv": PASSES, "fc": PASSES,
+    "maxpool": ("fwd", "bwd_data"), "avgpool": ("fwd", "bwd_data"),
+    "relu": ("fwd", "bwd_data"), "dropout": ("fwd", "bwd_data"),
+    "softmax_cross_entropy": ("fwd", "bwd_data"),
+}
 
 # Independent accumulator chains needed, as a multiple of fma_latency × fma_units. Measured
 # on VGG-A conv3 (AVX2, one thread): a 2x4 tile with exactly 8 chains ran at 75 GFLOP/s, a
@@ -53,24 +60,27 @@ class RegisterTile:
 class KernelPlan:
     layer: str
     pass_name: str
-    kind: str                       # conv_fwd | fc_fwd | maxpool_fwd
+    kind: str                       # <layer type>_<pass>, e.g. conv_fwd, fc_bwd_weights, maxpool_bwd_data
     isa: str
     vector_floats: int
     tile: RegisterTile | None = None
-    remainders: tuple[int, ...] = ()  # narrower tiles emitted for edges (conv: the one interior remainder; fc: every batch remainder)
-    ifm_block: int = 0              # conv: input-channel blocks per reduction chunk; fc: K elements per chunk
-    ow_lo: int = 0                  # conv: first output column whose window needs no left padding
-    ow_hi: int = 0                  # conv: one past the last column whose window needs no right padding
+    remainders: tuple[int, ...] = ()  # narrower tiles emitted for edges
+    chunk: int = 0                  # reduction chunk that keeps the streamed operand in cache ...
+    chunk_unit: str = ""            # ... counted in these units
+    ow_lo: int = 0                  # conv fwd: first output column whose window needs no left padding
+    ow_hi: int = 0                  # conv fwd: one past the last column whose window needs no right padding
     predicted_efficiency: float = 0.0  # register-level model, averaged over full, remainder and border tiles
-    l1_working_set: int = 0         # bytes of weights a tile streams per reduction chunk
-    l2_bytes_per_flop: float = 0.0  # bytes brought into L1 per FLOP (weights + inputs + partial outputs)
+    l1_working_set: int = 0         # bytes of the operand a tile streams per reduction chunk
+    l2_bytes_per_flop: float = 0.0  # bytes brought into L1 per FLOP
     reason: str = ""
+    geometry: dict = field(default_factory=dict, compare=False)  # edge tables the template emits as constants
+    scratch_floats: int = 0         # scratch the runtime passes in (conv bwd_data: transposed weights)
     rejected: tuple[RegisterTile, ...] = field(default=(), compare=False)
 
     def to_json(self) -> dict:
         d = {k: getattr(self, k) for k in (
-            "layer", "pass_name", "kind", "isa", "vector_floats", "remainders", "ifm_block",
-            "ow_lo", "ow_hi", "predicted_efficiency", "l1_working_set", "l2_bytes_per_flop", "reason")}
+            "layer", "pass_name", "kind", "isa", "vector_floats", "chunk", "chunk_unit",
+            "ow_lo", "ow_hi", "l1_working_set", "scratch_floats", "reason")}
         d["remainders"] = list(self.remainders)
         d["tile"] = None if self.tile is None else {
             "width": self.tile.width, "vectors": self.tile.vectors, "registers": self.tile.registers,
@@ -85,24 +95,46 @@ def blocks(channels: int, v: int) -> int:
     return -(-channels // v)
 
 
+_MEMORY_BOUND = {
+    "maxpool_fwd": "one vector of channels per output pixel, max over the clipped window; the argmax "
+                   "(index in the input plane, per lane) is kept for the backward pass",
+    "maxpool_bwd_data": "scatter-add of each output gradient to its argmax; overlapping windows "
+                        "accumulate, threads own whole (image, channel block) planes so no races",
+    "avgpool_fwd": "one vector per output pixel, mean over the window (divisor: kernel area, padding counts as 0)",
+    "avgpool_bwd_data": "each output gradient / kernel area added to its window; threads own whole planes",
+    "relu_fwd": "elementwise max(x, 0) on the blocked buffer",
+    "relu_bwd_data": "elementwise dy * (y > 0), using the forward output as the mask",
+    "dropout_fwd": "elementwise keep/drop from a counter-based hash of (seed, element index): "
+                   "deterministic for any thread count, nothing stored; kept values scaled by 1/(1-rate)",
+    "dropout_bwd_data": "the forward mask recomputed from the same seed, applied to dy",
+    "softmax_cross_entropy_fwd": "per row: max-shifted softmax, loss = log-sum-exp - logit[label], "
+                                 "accumulated in double; mean over the minibatch",
+    "softmax_cross_entropy_bwd_data": "(softmax - onehot(label)) / minibatch, padded lanes zero",
+}
+
+
 def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch) -> KernelPlan:
-    if pass_name not in PASSES:
-        raise PlanError(f"{layer.name}: pass {pass_name!r} is not generated yet (have: {', '.join(PASSES)})")
-    if layer.type == "conv":
-        return _plan_conv_fwd(layer, arch)
-    if layer.type == "fc":
-        return _plan_fc_fwd(layer, arch)
-    if layer.type == "maxpool":
-        return KernelPlan(layer.name, pass_name, "maxpool_fwd", arch.isa, arch.vector_floats,
-                          reason="one vector of channels per output pixel, max over the window; "
-                                 "memory-bound, no register tile to choose")
-    raise PlanError(f"{layer.name}: layer type {layer.type} has no generated kernel")
+    passes = LAYER_PASSES.get(layer.type, ())
+    if pass_name not in passes:
+        raise PlanError(f"{layer.name}: a {layer.type} layer has no {pass_name!r} pass "
+                        f"(it has: {', '.join(passes) or 'none'})")
+    planner = _PLANNERS.get((layer.type, pass_name))
+    if planner is not None:
+        return planner(layer, arch)
+    kind = f"{layer.type}_{pass_name}"
+    geometry = {}
+    if layer.type == "dropout":
+        geometry = {"threshold": round(layer.rate * 2 ** 32), "scale": f"{1.0 / (1.0 - layer.rate):.9g}"}
+    return KernelPlan(layer.name, pass_name, kind, arch.isa, arch.vector_floats, geometry=geometry,
+                      reason=_MEMORY_BOUND[kind] + "; memory-bound, no register tile to choose")
 
 
-def _candidates(max_width: int, vector_choices: list[int], arch: Arch) -> list[RegisterTile]:
+def _candidates(width_choices, vector_choices: list[int], arch: Arch) -> list[RegisterTile]:
+    if isinstance(width_choices, int):
+        width_choices = range(1, width_choices + 1)
     tiles = []
     for vectors in vector_choices:
-        for width in range(1, max_width + 1):
+        for width in width_choices:
             if width * vectors + vectors + 1 <= arch.vector_registers:
                 tiles.append(RegisterTile.evaluate(width, vectors, arch))
     if not tiles:
@@ -110,8 +142,19 @@ def _candidates(max_width: int, vector_choices: list[int], arch: Arch) -> list[R
     return tiles
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _divisors(n: int, limit: int | None = None) -> list[int]:
+    return [d for d in range(1, min(n, limit or n) + 1) if n % d == 0]
+
+
+def _best(tiles: list[RegisterTile]) -> list[RegisterTile]:
+    """Sorted best first: predicted efficiency, then bigger tiles (fewer loop trips), then fewer registers."""
+    return sorted(tiles, key=lambda t: (t.efficiency, t.width * t.vectors, -t.registers), reverse=True)
+
+
+def _tile_sentence(tile: RegisterTile, arch: Arch, rows: str, vectors: str) -> str:
+    return (f"register tile {tile.width} {rows} x {tile.vectors} {vectors}: {tile.width * tile.vectors} "
+            f"accumulators + {tile.vectors} vector loads + 1 = {tile.registers}/{arch.vector_registers} registers, "
+            f"{tile.loads_per_fma:.2f} loads/FMA")
 
 
 def _row_efficiency(tile: RegisterTile, interior: int, border: int, arch: Arch) -> tuple[float, int]:
@@ -169,8 +212,8 @@ def _plan_conv_fwd(layer: LayerSpec, arch: Arch) -> KernelPlan:
         f"{ifb * slice_bytes // 1024} KiB weight slice within half of L1 ({arch.l1d_bytes // 1024} KiB)"
     )
     return KernelPlan(layer.name, "fwd", "conv_fwd", arch.isa, v, tile, (rem,) if rem else (), ifb,
-                      ow_lo, ow_hi, eff, ifb * slice_bytes, l2_bpf, reason,
-                      tuple(s[3] for s in scored[1:6]))
+                      "input-channel blocks", ow_lo, ow_hi, eff, ifb * slice_bytes, l2_bpf, reason,
+                      rejected=tuple(s[3] for s in scored[1:6]))
 
 
 def _plan_fc_fwd(layer: LayerSpec, arch: Arch) -> KernelPlan:
@@ -179,8 +222,7 @@ def _plan_fc_fwd(layer: LayerSpec, arch: Arch) -> KernelPlan:
     k = blocks(c, v) * v * h * w
     ocb = blocks(layer.out_shape[0], v)
     # The minibatch (tile width) is only known at run time: score the full tile.
-    scored = sorted(_candidates(arch.vector_registers, _divisors(ocb), arch),
-                    key=lambda t: (t.efficiency, t.width * t.vectors, -t.registers), reverse=True)
+    scored = _best(_candidates(arch.vector_registers, _divisors(ocb), arch))
     tile = scored[0]
     per_k = (tile.vectors * v + tile.width) * 4  # weight panel + input rows, bytes per k
     kc = max(v, min(k, (arch.l1d_bytes // 2) // per_k // v * v))
@@ -194,5 +236,148 @@ def _plan_fc_fwd(layer: LayerSpec, arch: Arch) -> KernelPlan:
         f"{kc * per_k // 1024} KiB panel within half of L1"
     )
     return KernelPlan(layer.name, "fwd", "fc_fwd", arch.isa, v, tile,
-                      tuple(range(tile.width - 1, 0, -1)), kc, 0, 0, tile.efficiency,
-                      kc * per_k, l2_bpf, reason, tuple(scored[1:6]))
+                      tuple(range(tile.width - 1, 0, -1)), kc, "K elements", 0, 0, tile.efficiency,
+                      kc * per_k, l2_bpf, reason, rejected=tuple(scored[1:6]))
+
+
+def _valid_range(out_size: int, in_size: int, k: int, stride: int, pad: int) -> tuple[int, int]:
+    """Outputs [lo, hi) whose tap `k` reads an input inside [0, in_size) (not padding)."""
+    lo = 0
+    while lo < out_size and lo * stride - pad + k < 0:
+        lo += 1
+    hi = out_size
+    while hi > lo and (hi - 1) * stride - pad + k >= in_size:
+        hi -= 1
+    return lo, hi
+
+
+def _bwd_data_phases(layer: LayerSpec) -> list[dict]:
+    """Input columns iw = r + q*SW of one phase r all receive gradient from the same kernel
+    columns kw = kw_first, kw_first+SW, ..., from output column ow = q + d, where d starts at
+    d_first for kw_first and drops by one per step. Columns q in [q_lo, q_hi) see every such
+    kw inside the output; the others need a bounds check."""
+    iw, ow = layer.in_shape[2], layer.out_shape[2]
+    kw, sw, pw = layer.kernel[1], layer.stride[1], layer.pad[1]
+    phases = []
+    for r in range(min(sw, iw)):
+        q_count = -(-(iw - r) // sw)
+        kw_first = (r + pw) % sw
+        if kw_first >= kw:  # no kernel column lands on these input columns: their gradient is zero
+            phases.append(dict(r=r, q_count=q_count, kw_first=kw_first, d_first=0, q_lo=0, q_hi=q_count))
+            continue
+        kw_last = kw_first + (kw - 1 - kw_first) // sw * sw
+        d_first, d_last = (r + pw - kw_first) // sw, (r + pw - kw_last) // sw
+        q_lo = min(q_count, max(0, -d_last))
+        q_hi = max(q_lo, min(q_count, ow - d_first))
+        phases.append(dict(r=r, q_count=q_count, kw_first=kw_first, d_first=d_first, q_lo=q_lo, q_hi=q_hi))
+    return phases
+
+
+def _plan_conv_bwd_data(layer: LayerSpec, arch: Arch) -> KernelPlan:
+    v = arch.vector_floats
+    icb, ocb = blocks(layer.in_shape[0], v), blocks(layer.out_shape[0], v)
+    kh, kw = layer.kernel
+    phases = _bwd_data_phases(layer)
+    widest = max(p["q_hi"] - p["q_lo"] for p in phases)
+    scored = []
+    for tile in _candidates(max(1, min(widest, arch.vector_registers)), _divisors(icb), arch):
+        work = cycles = 0.0
+        for p in phases:
+            interior = p["q_hi"] - p["q_lo"]
+            eff, _ = _row_efficiency(tile, interior, p["q_count"] - interior, arch)
+            work += p["q_count"]
+            cycles += p["q_count"] / eff
+        scored.append((work / cycles, tile.width * tile.vectors, -tile.registers, tile))
+    scored.sort(key=lambda s: s[:3], reverse=True)
+    eff, _, _, tile = scored[0]
+    for p in phases:
+        p["rem"] = (p["q_hi"] - p["q_lo"]) % tile.width
+    slice_bytes = tile.vectors * v * v * kh * kw * 4  # transposed weights of one output-channel block
+    ofb = max(1, min(ocb, (arch.l1d_bytes // 2) // slice_bytes))
+    flops_row = 2 * layer.in_shape[2] * tile.vectors * v * ocb * v * kh * kw / (layer.stride[0] * layer.stride[1])
+    l2_bpf = (ocb * slice_bytes + ocb * layer.out_shape[2] * v * 4 * kh / layer.stride[0]) / flops_row
+    reason = (
+        f"input-gradient {_tile_sentence(tile, arch, 'same-phase input px', 'ic-vectors')}; broadcasts of the "
+        f"output gradient times transposed weights (IC/V, OC/V, KH, KW, V oc, V ic), written by this kernel's "
+        f"prologue; stride {layer.stride[1]} splits each row into {len(phases)} phase(s) with their own kernel "
+        f"columns -> {eff:.0%} of peak predicted; reduction chunk {ofb}/{ocb} output-channel blocks keeps the "
+        f"{ofb * slice_bytes // 1024} KiB weight slice within half of L1"
+    )
+    return KernelPlan(layer.name, "bwd_data", "conv_bwd_data", arch.isa, v, tile,
+                      tuple(sorted({p["rem"] for p in phases if p["rem"]}, reverse=True)), ofb, "output-channel blocks", 0, 0, eff,
+                      ofb * slice_bytes, l2_bpf, reason, geometry={"phases": phases},
+                      scratch_floats=icb * ocb * kh * kw * v * v, rejected=tuple(s[3] for s in scored[1:6]))
+
+
+def _plan_conv_bwd_weights(layer: LayerSpec, arch: Arch) -> KernelPlan:
+    v = arch.vector_floats
+    ic, ih, iw = layer.in_shape
+    oc, oh, ow = layer.out_shape
+    icb, ocb = blocks(ic, v), blocks(oc, v)
+    kh, kw = layer.kernel
+    sh, sw = layer.stride
+    ph, pw = layer.pad
+    scored = _best(_candidates(_divisors(v, arch.vector_registers), _divisors(ocb), arch))
+    tile = scored[0]
+    # Output rows per pixel block: the block's output gradients and inputs stay in half of L2
+    # while every weight tile (spread over the threads) reduces over them.
+    per_row = (ocb * ow + icb * sh * iw) * v * 4
+    rows = max(1, min(oh, (arch.l2_bytes // 2) // per_row))
+    flops_px = 2 * tile.width * tile.vectors * v
+    l2_bpf = (tile.vectors * v + tile.width) * 4 / flops_px
+    geometry = {"oh_range": [_valid_range(oh, ih, k, sh, ph) for k in range(kh)],
+                "ow_range": [_valid_range(ow, iw, k, sw, pw) for k in range(kw)]}
+    reason = (
+        f"weight-gradient {_tile_sentence(tile, arch, 'ic lanes', 'oc-vectors')}: broadcast inputs times "
+        f"output-gradient vectors, reduced over minibatch and output pixels -> {tile.efficiency:.0%} of peak "
+        f"predicted; threads split the weight tiles (each weight has one owner and a fixed summation order, "
+        f"so results do not depend on the thread count); pixel block of {rows}/{oh} output rows "
+        f"({rows * per_row // 1024} KiB of gradients and inputs) stays within half of L2"
+    )
+    return KernelPlan(layer.name, "bwd_weights", "conv_bwd_weights", arch.isa, v, tile, (), rows,
+                      "output rows", 0, 0, tile.efficiency, rows * per_row, l2_bpf, reason,
+                      geometry=geometry, rejected=tuple(scored[1:6]))
+
+
+def _fc_k(layer: LayerSpec, v: int) -> int:
+    c, h, w = layer.in_shape
+    return blocks(c, v) * v * h * w
+
+
+def _plan_fc_bwd_data(layer: LayerSpec, arch: Arch) -> KernelPlan:
+    v = arch.vector_floats
+    k, ocb = _fc_k(layer, v), blocks(layer.out_shape[0], v)
+    scored = _best(_candidates(arch.vector_registers, _divisors(k, arch.vector_registers), arch))
+    tile = scored[0]
+    reason = (
+        f"GEMM dX = dY . W read in W's own packed layout (OC/V, K, V): dot-product form, "
+        f"{_tile_sentence(tile, arch, 'minibatch rows', 'input features')}, each accumulator a vector over "
+        f"V output features, horizontally summed once after the {ocb}-block reduction -> "
+        f"{tile.efficiency:.0%} of peak predicted; no transposed copy of W"
+    )
+    return KernelPlan(layer.name, "bwd_data", "fc_bwd_data", arch.isa, v, tile,
+                      tuple(range(tile.width - 1, 0, -1)), 0, "", 0, 0, tile.efficiency,
+                      tile.vectors * v * ocb * 4, (tile.width + tile.vectors) * 4 / (2 * tile.width * tile.vectors * v),
+                      reason, rejected=tuple(scored[1:6]))
+
+
+def _plan_fc_bwd_weights(layer: LayerSpec, arch: Arch) -> KernelPlan:
+    v = arch.vector_floats
+    k, ocb = _fc_k(layer, v), blocks(layer.out_shape[0], v)
+    scored = _best(_candidates(_divisors(k, arch.vector_registers), _divisors(ocb), arch))
+    tile = scored[0]
+    reason = (
+        f"GEMM dW = dY^T . X into W's packed layout: {_tile_sentence(tile, arch, 'input features', 'out-vectors')}, "
+        f"broadcast inputs times output-gradient vectors, reduced over the minibatch -> "
+        f"{tile.efficiency:.0%} of peak predicted while the minibatch is long enough to amortise the stores"
+    )
+    return KernelPlan(layer.name, "bwd_weights", "fc_bwd_weights", arch.isa, v, tile, (), 0, "", 0, 0,
+                      tile.efficiency, 0, (tile.width + tile.vectors * v) * 4 / (2 * tile.width * tile.vectors * v),
+                      reason, rejected=tuple(scored[1:6]))
+
+
+_PLANNERS = {
+    ("conv", "fwd"): _plan_conv_fwd, ("conv", "bwd_data"): _plan_conv_bwd_data,
+    ("conv", "bwd_weights"): _plan_conv_bwd_weights,
+    ("fc", "fwd"): _plan_fc_fwd, ("fc", "bwd_data"): _plan_fc_bwd_data, ("fc", "bwd_weights"): _plan_fc_bwd_weights,
+}

@@ -19,10 +19,27 @@ from .errors import BuildDirError
 # Parameter lists, by kernel kind. Activations are blocked (N, C/V, H, W, V); weights are
 # blocked (OC/V, IC/V, KH, KW, V_ic, V_oc); `batch` is the minibatch, `nthreads` the
 # OpenMP thread count of this call.
+_FWD = "const float *in, const float *wt, const float *bias, float *out, int batch, int nthreads"
+# Backward kernels take the forward output `out` (or NULL): with a fused ReLU they first zero dy
+# where out <= 0, in place. bwd_data gets scratch for the transposed weights (conv only).
+_BWD_DATA = "float *dy, const float *out, const float *wt, float *scratch, float *dx, int batch, int nthreads"
+_BWD_WEIGHTS = "const float *in, float *dy, const float *out, float *dwt, float *dbias, int batch, int nthreads"
 SIGNATURES: dict[str, str] = {
-    "conv_fwd": "const float *in, const float *wt, const float *bias, float *out, int batch, int nthreads",
-    "fc_fwd": "const float *in, const float *wt, const float *bias, float *out, int batch, int nthreads",
-    "maxpool_fwd": "const float *in, float *out, int batch, int nthreads",
+    "conv_fwd": _FWD, "fc_fwd": _FWD,
+    "conv_bwd_data": _BWD_DATA, "fc_bwd_data": _BWD_DATA,
+    "conv_bwd_weights": _BWD_WEIGHTS, "fc_bwd_weights": _BWD_WEIGHTS,
+    "maxpool_fwd": "const float *in, float *out, int *argmax, int batch, int nthreads",
+    "maxpool_bwd_data": "const float *dy, const int *argmax, float *dx, int batch, int nthreads",
+    "avgpool_fwd": "const float *in, float *out, int batch, int nthreads",
+    "avgpool_bwd_data": "const float *dy, float *dx, int batch, int nthreads",
+    "relu_fwd": "const float *in, float *out, int batch, int nthreads",
+    "relu_bwd_data": "const float *dy, const float *out, float *dx, int batch, int nthreads",
+    "dropout_fwd": "const float *in, float *out, unsigned long long seed, int batch, int nthreads",
+    "dropout_bwd_data": "const float *dy, float *dx, unsigned long long seed, int batch, int nthreads",
+    "softmax_cross_entropy_fwd":
+        "const float *logits, const int *labels, float *probs, double *loss, int batch, int nthreads",
+    "softmax_cross_entropy_bwd_data":
+        "const float *probs, const int *labels, float *dx, int batch, int nthreads",
     "act_layout": "const float *src, float *dst, int batch, int nthreads",
     "weight_layout": "const float *src, float *dst",
 }
@@ -70,10 +87,15 @@ def load_library(path: Path, sha256: str, symbols: dict[str, str]) -> dict[str, 
 _keepalive: list = []
 
 
-def ptr(arr: np.ndarray):
-    """A `float *` to the data of a C-contiguous float32 array (no copy)."""
-    assert arr.dtype == np.float32 and arr.flags.c_contiguous
-    return _ffi.cast("float *", arr.ctypes.data)
+_C_TYPES = {np.dtype(np.float32): "float *", np.dtype(np.int32): "int *", np.dtype(np.float64): "double *"}
+
+
+def ptr(arr: np.ndarray | None):
+    """A typed C pointer to the data of a C-contiguous array (no copy); NULL for None."""
+    if arr is None:
+        return _ffi.NULL
+    assert arr.flags.c_contiguous, "kernels need C-contiguous arrays"
+    return _ffi.cast(_C_TYPES[arr.dtype], arr.ctypes.data)
 
 
 _ffi = cffi.FFI()

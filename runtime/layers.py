@@ -1,9 +1,11 @@
 """Layers at run time: generated kernels behind a canonical-layout numpy API.
 
-Each layer keeps its parameters in the blocked layout its kernels read. The public methods
-take and return canonical arrays (NCHW activations, OIHW / (OC, IC) weights) and convert at
-the boundary with the layer's generated layout kernels; `Net` chains the `_blocked`
-methods instead, so activations stay blocked between layers.
+Each layer has two faces. `forward_blocked` / `backward_blocked` run its kernels on blocked
+buffers owned by the caller: `Net` chains these, so activations stay blocked from the input
+conversion to the logits and back. `forward` / `backward_data` / `backward_weights` take and
+return canonical arrays (NCHW activations, OIHW / (OC, IC) weights), converting at the
+boundary with the layer's generated layout kernels, and remember the last forward pass (its
+input, output and argmax or dropout seed) for the backward calls that follow.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ def blocks(channels: int, v: int) -> int:
 
 
 class Layer:
-    """Common part: shapes, and the generated kernels of this layer by role."""
+    """Common part: shapes, the layer's kernels by role, canonical <-> blocked conversion."""
 
     def __init__(self, spec: dict, kernels: dict[str, Callable], v: int, net):
         self.name: str = spec["name"]
@@ -31,6 +33,7 @@ class Layer:
         self._k = kernels
         self._v = v
         self._net = net
+        self._saved: tuple | None = None  # (xb, yb, aux) of the last canonical forward
         # Set by Net: inside the fully-connected part of the chain activations are vectors.
         self.flat_input = self.type == "fc"
         self.flat_output = self.type == "fc"
@@ -42,63 +45,107 @@ class Layer:
         c, h, w = shape
         return (batch, blocks(c, self._v), h, w, self._v)
 
-    # -- canonical <-> blocked at the API boundary -----------------------------------
-    def _check_input(self, x: np.ndarray) -> np.ndarray:
+    def aux_buffer(self, batch: int):
+        """Per-minibatch state the backward pass needs besides x and y (argmax, seed)."""
+        return None
+
+    # -- the blocked fast path (buffers owned by the caller) --------------------------
+    def forward_blocked(self, xb: np.ndarray, yb: np.ndarray, aux=None, training: bool = False) -> None:
+        raise NotImplementedError
+
+    def backward_blocked(self, xb, yb, aux, dyb: np.ndarray, dxb: np.ndarray | None, grads=None) -> None:
+        """Gradient w.r.t. the input into dxb (skipped when None); weighted layers also write
+        (dw, db) into `grads` when given. dyb may be modified in place (ReLU mask)."""
+        raise NotImplementedError
+
+    # -- canonical API ------------------------------------------------------------------
+    def _check(self, x: np.ndarray, shape: tuple[int, int, int], flat: bool, what: str) -> np.ndarray:
         x = np.asarray(x)
-        c, h, w = self.in_shape
-        flat_ok = self.flat_input and x.ndim == 2 and x.shape[1] == c * h * w
+        c, h, w = shape
+        flat_ok = flat and x.ndim == 2 and x.shape[1] == c * h * w
         if not (flat_ok or (x.ndim == 4 and x.shape[1:] == (c, h, w))):
-            want = f"(N, {c}, {h}, {w})" + (f" or (N, {c * h * w})" if self.flat_input else "")
-            raise PcldnnError(f"layer {self.name}: input shape {x.shape}, expected {want}")
+            want = f"(N, {c}, {h}, {w})" + (f" or (N, {c * h * w})" if flat else "")
+            raise PcldnnError(f"layer {self.name}: {what} shape {x.shape}, expected {want}")
         if x.shape[0] < 1:
             raise PcldnnError(f"layer {self.name}: empty minibatch")
-        return np.ascontiguousarray(x, dtype=np.float32)
+        return np.ascontiguousarray(x, dtype=np.float32).reshape(x.shape[0], c, h, w)
+
+    def _check_input(self, x: np.ndarray) -> np.ndarray:
+        return self._check(x, self.in_shape, self.flat_input, "input")
 
     def _to_blocked(self, role: str, x: np.ndarray, shape: tuple[int, int, int]) -> np.ndarray:
         out = empty_aligned(self.blocked_shape(shape, x.shape[0]))
         self._k[f"{role}_to_blocked"](ptr(x), ptr(out), x.shape[0], self._net.threads)
         return out
 
-    def _from_blocked(self, role: str, xb: np.ndarray, shape: tuple[int, int, int]) -> np.ndarray:
+    def _from_blocked(self, role: str, xb: np.ndarray, shape: tuple[int, int, int], flat: bool) -> np.ndarray:
         out = np.empty((xb.shape[0], *shape), dtype=np.float32)
         self._k[f"{role}_from_blocked"](ptr(xb), ptr(out), xb.shape[0], self._net.threads)
-        return out
+        return out.reshape(out.shape[0], -1) if flat else out
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        """Forward pass on canonical arrays: (N, C, H, W) in, (N, C', H', W') out
-        ((N, F) out for fc)."""
+        """Forward pass (training mode) on canonical arrays; remembered for `backward_data`."""
+        self._given_shape = np.shape(x)  # backward_data answers in the shape x came in
         x = self._check_input(x)
-        xb = self._to_blocked("in", x.reshape(x.shape[0], *self.in_shape), self.in_shape)
+        xb = self._to_blocked("in", x, self.in_shape)
         yb = empty_aligned(self.blocked_shape(self.out_shape, x.shape[0]))
-        self.forward_blocked(xb, yb)
-        y = self._from_blocked("out", yb, self.out_shape)
-        return y.reshape(y.shape[0], -1) if self.flat_output else y
+        aux = self.aux_buffer(x.shape[0])
+        self.forward_blocked(xb, yb, aux, training=True)
+        self._saved = (xb, yb, aux)
+        return self._from_blocked("out", yb, self.out_shape, self.flat_output)
 
-    def forward_blocked(self, xb: np.ndarray, yb: np.ndarray) -> None:
-        raise NotImplementedError
+    def backward_data(self, dy: np.ndarray) -> np.ndarray:
+        """Gradient w.r.t. the input of the last `forward`, given the gradient of its output."""
+        if self._saved is None:
+            raise PcldnnError(f"layer {self.name}: backward_data needs a forward call first")
+        xb, yb, aux = self._saved
+        dy = self._check(dy, self.out_shape, self.flat_output, "output gradient")
+        if dy.shape[0] != xb.shape[0]:
+            raise PcldnnError(f"layer {self.name}: output gradient minibatch {dy.shape[0]} differs from "
+                              f"the last forward's {xb.shape[0]}")
+        dyb = self._to_blocked("out", dy, self.out_shape)
+        dxb = empty_aligned(xb.shape)
+        self.backward_blocked(xb, yb, aux, dyb, dxb)
+        return self._from_blocked("in", dxb, self.in_shape, False).reshape(self._given_shape)
 
 
 class WeightedLayer(Layer):
-    """conv and fc: blocked weights (OC/V, IC/V, KH, KW, V, V) and a padded bias."""
+    """conv and fc: blocked weights (OC/V, IC/V, KH, KW, V, V) and a padded bias, both views
+    into the net's flat parameter buffer; their gradients are views into the gradient buffer."""
 
-    def __init__(self, spec: dict, kernels: dict[str, Callable], v: int, net, rng: np.random.Generator):
+    def __init__(self, spec: dict, kernels: dict[str, Callable], v: int, net,
+                 params: tuple[np.ndarray, np.ndarray], grads: tuple[np.ndarray, np.ndarray]):
         super().__init__(spec, kernels, v, net)
         self.weight_shape: tuple[int, ...] = tuple(spec["weight_shape"])
-        oc, ic = self.out_shape[0], self.in_shape[0]
+        self.relu: bool = spec["relu"]
+        self._wt, self._bias = params
+        self._dwt, self._dbias = grads
+        self.scratch_floats: int = spec["kernels"]["bwd_data"]["plan"]["scratch_floats"]
+
+    @staticmethod
+    def blocked_sizes(spec: dict, v: int) -> tuple[tuple[int, ...], int]:
+        """(blocked weight shape, padded bias length) of a layer spec from the manifest."""
+        oc, ic = spec["out_shape"][0], spec["in_shape"][0]
         kh, kw = spec["kernel"]
-        self._wt = empty_aligned((blocks(oc, v), blocks(ic, v), kh, kw, v, v))
-        self._bias = np.zeros(blocks(oc, v) * v, dtype=np.float32)
-        self._fwd = kernels["fwd"]
-        fan_in = ic * kh * kw
-        # He-normal initialisation: keeps activation variance constant through ReLUs.
-        self.weights = rng.standard_normal(self.weight_shape, dtype=np.float32) * np.float32(np.sqrt(2.0 / fan_in))
+        return (blocks(oc, v), blocks(ic, v), kh, kw, v, v), blocks(oc, v) * v
+
+    def init_weights(self, rng: np.random.Generator) -> None:
+        """He-normal weights (variance 2 / fan_in keeps activations' scale through ReLUs), zero bias."""
+        fan_in = int(np.prod(self.weight_shape[1:]))
+        w = rng.standard_normal(self.weight_shape, dtype=np.float32)
+        w *= np.float32(np.sqrt(2.0 / fan_in))  # in place: one temporary the size of the weights
+        self.weights = w
+        self._bias.fill(0.0)
+
+    def _canonical(self, blocked: np.ndarray) -> np.ndarray:
+        out = np.empty(self.weight_shape, dtype=np.float32)
+        self._k["wt_from_blocked"](ptr(blocked), ptr(out))
+        return out
 
     @property
     def weights(self) -> np.ndarray:
         """Canonical copy: conv (OC, IC, KH, KW), fc (OC, IC). Assign to set."""
-        out = np.empty(self.weight_shape, dtype=np.float32)
-        self._k["wt_from_blocked"](ptr(self._wt), ptr(out))
-        return out
+        return self._canonical(self._wt)
 
     @weights.setter
     def weights(self, value: np.ndarray) -> None:
@@ -119,26 +166,135 @@ class WeightedLayer(Layer):
             raise PcldnnError(f"layer {self.name}: bias shape {value.shape}, expected ({self.out_shape[0]},)")
         self._bias[: self.out_shape[0]] = value
 
-    def forward_blocked(self, xb: np.ndarray, yb: np.ndarray) -> None:
-        self._fwd(ptr(xb), ptr(self._wt), ptr(self._bias), ptr(yb), xb.shape[0], self._net.threads)
+    @property
+    def grad_weights(self) -> np.ndarray:
+        """Canonical copy of the weight gradient left by the last `Net.backward`."""
+        return self._canonical(self._dwt)
+
+    @property
+    def grad_bias(self) -> np.ndarray:
+        return self._dbias[: self.out_shape[0]].copy()
+
+    def forward_blocked(self, xb, yb, aux=None, training=False) -> None:
+        self._k["fwd"](ptr(xb), ptr(self._wt), ptr(self._bias), ptr(yb), xb.shape[0], self._net.threads)
+
+    def backward_blocked(self, xb, yb, aux, dyb, dxb, grads=None) -> None:
+        batch, threads = xb.shape[0], self._net.threads
+        mask = yb if self.relu else None
+        if grads is not None:
+            dw, db = grads
+            self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(dw), ptr(db), batch, threads)
+            mask = None  # dy is masked in place now
+        if dxb is not None:
+            scratch = self._net.scratch(self.scratch_floats)
+            self._k["bwd_data"](ptr(dyb), ptr(mask), ptr(self._wt), ptr(scratch), ptr(dxb), batch, threads)
+
+    def backward_weights(self, x: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(dw, db) in canonical layouts for input x and output gradient dy (does not touch
+        the net's gradient buffer)."""
+        x = self._check_input(x)
+        dy = self._check(dy, self.out_shape, self.flat_output, "output gradient")
+        if dy.shape[0] != x.shape[0]:
+            raise PcldnnError(f"layer {self.name}: minibatch of x ({x.shape[0]}) and dy ({dy.shape[0]}) differ")
+        xb = self._to_blocked("in", x, self.in_shape)
+        dyb = self._to_blocked("out", dy, self.out_shape)
+        yb = None
+        if self.relu:  # the mask needs this input's forward output
+            yb = empty_aligned(dyb.shape)
+            self.forward_blocked(xb, yb)
+        dw, db = empty_aligned(self._dwt.shape), empty_aligned(self._dbias.shape)
+        self.backward_blocked(xb, yb, None, dyb, None, grads=(dw, db))
+        return self._canonical(dw), db[: self.out_shape[0]].copy()
 
 
-class PoolLayer(Layer):
-    def forward_blocked(self, xb: np.ndarray, yb: np.ndarray) -> None:
+class MaxPoolLayer(Layer):
+    def aux_buffer(self, batch: int) -> np.ndarray:
+        return np.empty(self.blocked_shape(self.out_shape, batch), dtype=np.int32)  # argmax per output lane
+
+    def forward_blocked(self, xb, yb, aux=None, training=False) -> None:
+        if aux is None:
+            aux = self.aux_buffer(xb.shape[0])
+        self._k["fwd"](ptr(xb), ptr(yb), ptr(aux), xb.shape[0], self._net.threads)
+
+    def backward_blocked(self, xb, yb, aux, dyb, dxb, grads=None) -> None:
+        self._k["bwd_data"](ptr(dyb), ptr(aux), ptr(dxb), dyb.shape[0], self._net.threads)
+
+
+class AvgPoolLayer(Layer):
+    def forward_blocked(self, xb, yb, aux=None, training=False) -> None:
         self._k["fwd"](ptr(xb), ptr(yb), xb.shape[0], self._net.threads)
+
+    def backward_blocked(self, xb, yb, aux, dyb, dxb, grads=None) -> None:
+        self._k["bwd_data"](ptr(dyb), ptr(dxb), dyb.shape[0], self._net.threads)
 
 
 class ReluLayer(Layer):
-    """Elementwise, so layout-agnostic: padded channels stay zero."""
+    def forward_blocked(self, xb, yb, aux=None, training=False) -> None:
+        self._k["fwd"](ptr(xb), ptr(yb), xb.shape[0], self._net.threads)
 
-    def forward_blocked(self, xb: np.ndarray, yb: np.ndarray) -> None:
-        np.maximum(xb, 0.0, out=yb)
+    def backward_blocked(self, xb, yb, aux, dyb, dxb, grads=None) -> None:
+        self._k["bwd_data"](ptr(dyb), ptr(yb), ptr(dxb), dyb.shape[0], self._net.threads)
+
+
+class DropoutLayer(Layer):
+    """Training: keep each element with probability 1 - rate, scaled by 1/(1 - rate), from a
+    hash of (seed, index); evaluation: identity. `aux` is a one-element array holding the seed."""
+
+    def __init__(self, spec: dict, kernels: dict[str, Callable], v: int, net):
+        super().__init__(spec, kernels, v, net)
+        self.rate: float = spec["rate"]
+
+    def aux_buffer(self, batch: int) -> np.ndarray:
+        return np.zeros(1, dtype=np.uint64)
+
+    def forward_blocked(self, xb, yb, aux=None, training=False) -> None:
+        if not training:
+            np.copyto(yb, xb)
+            return
+        aux[0] = self._net.next_dropout_seed(self)
+        self._k["fwd"](ptr(xb), ptr(yb), int(aux[0]), xb.shape[0], self._net.threads)
+
+    def backward_blocked(self, xb, yb, aux, dyb, dxb, grads=None) -> None:
+        self._k["bwd_data"](ptr(dyb), ptr(dxb), int(aux[0]), dyb.shape[0], self._net.threads)
 
 
 class LossLayer(Layer):
-    """softmax_cross_entropy: the end of the chain; `Net.forward` returns its input, the logits.
-    Its forward (mean loss) and backward come with the training passes."""
+    """softmax_cross_entropy over the logits (the previous layer's output)."""
 
-    def forward(self, x: np.ndarray) -> np.ndarray:
-        raise PcldnnError(f"layer {self.name}: the loss layer has no standalone forward yet; "
-                          "Net.forward returns the logits")
+    def check_labels(self, labels: np.ndarray, batch: int) -> np.ndarray:
+        labels = np.asarray(labels)
+        classes = self.in_shape[0]
+        if labels.shape != (batch,) or not np.issubdtype(labels.dtype, np.integer):
+            raise PcldnnError(f"layer {self.name}: labels must be {batch} integers, got {labels.dtype} {labels.shape}")
+        if batch and (labels.min() < 0 or labels.max() >= classes):
+            raise PcldnnError(f"layer {self.name}: labels must lie in [0, {classes}), got "
+                              f"[{labels.min()}, {labels.max()}]")
+        return np.ascontiguousarray(labels, dtype=np.int32)
+
+    def loss_blocked(self, logits_b: np.ndarray, labels: np.ndarray, probs: np.ndarray) -> float:
+        loss = np.zeros(1, dtype=np.float64)
+        self._k["fwd"](ptr(logits_b), ptr(labels), ptr(probs), ptr(loss), logits_b.shape[0], self._net.threads)
+        return float(loss[0])
+
+    def grad_blocked(self, probs: np.ndarray, labels: np.ndarray, dlogits_b: np.ndarray) -> None:
+        self._k["bwd_data"](ptr(probs), ptr(labels), ptr(dlogits_b), dlogits_b.shape[0], self._net.threads)
+
+    def forward(self, logits: np.ndarray, labels: np.ndarray) -> float:  # type: ignore[override]
+        """Mean cross-entropy of softmax(logits) against integer labels; remembered for backward_data."""
+        logits = self._check(logits, self.in_shape, True, "logits")
+        batch = logits.shape[0]
+        labels = self.check_labels(labels, batch)
+        lb = self._to_blocked("in", logits, self.in_shape)
+        probs = np.empty((batch, self.in_shape[0]), dtype=np.float32)
+        loss = self.loss_blocked(lb, labels, probs)
+        self._saved = (probs, labels)
+        return loss
+
+    def backward_data(self, dy=None) -> np.ndarray:
+        """Gradient of the last forward's mean loss w.r.t. its logits, (N, classes)."""
+        if self._saved is None:
+            raise PcldnnError(f"layer {self.name}: backward_data needs a forward call first")
+        probs, labels = self._saved
+        db = empty_aligned(self.blocked_shape(self.in_shape, probs.shape[0]))
+        self.grad_blocked(probs, labels, db)
+        return self._from_blocked("in", db, self.in_shape, True)

@@ -1,4 +1,5 @@
-"""Loading a build directory into a `Net` and running it with blocked layouts throughout."""
+"""Loading a build directory into a `Net`, and running it forward and backward with blocked
+layouts throughout: one conversion at the input, one at the logits, none in between."""
 from __future__ import annotations
 
 import time
@@ -8,16 +9,45 @@ import numpy as np
 
 from . import cpu
 from .errors import BuildDirError, PcldnnError
-from .kernels import empty_aligned, load_library, ptr
-from .layers import Layer, LossLayer, PoolLayer, ReluLayer, WeightedLayer
+from .kernels import empty_aligned, load_library, ptr, zeros_aligned
+from .layers import (AvgPoolLayer, DropoutLayer, Layer, LossLayer, MaxPoolLayer, ReluLayer,
+                     WeightedLayer)
 from .manifest import inside, read_manifest
 
-_LAYER_CLASSES = {"conv": WeightedLayer, "fc": WeightedLayer, "maxpool": PoolLayer,
-                  "relu": ReluLayer, "softmax_cross_entropy": LossLayer}
+_LAYER_CLASSES = {"conv": WeightedLayer, "fc": WeightedLayer, "maxpool": MaxPoolLayer,
+                  "avgpool": AvgPoolLayer, "relu": ReluLayer, "dropout": DropoutLayer,
+                  "softmax_cross_entropy": LossLayer}
+_ALIGN = 16  # floats: every parameter block starts on a 64-byte cache line
+
+
+class _Workspace:
+    """Everything a forward + backward pass of one minibatch size needs, allocated once:
+    every layer's blocked output (kept for the backward pass), argmax / dropout state, two
+    ping-pong buffers for activation gradients, softmax probabilities and labels."""
+
+    def __init__(self, net: "Net", batch: int):
+        chain = net.chain
+        self.batch = batch
+        self.acts = [empty_aligned(chain[0].blocked_shape(chain[0].in_shape, batch))]
+        self.acts += [empty_aligned(l.blocked_shape(l.out_shape, batch)) for l in chain]
+        self.aux = [l.aux_buffer(batch) for l in chain]
+        largest = max(a.size for a in self.acts)
+        self._grads = (empty_aligned((largest,)), empty_aligned((largest,)))
+        classes = chain[-1].out_shape[0]
+        self.probs = np.empty((batch, classes), dtype=np.float32)
+        self.labels = np.empty(batch, dtype=np.int32)
+
+    def grad(self, which: int, like: np.ndarray) -> np.ndarray:
+        """Ping-pong gradient buffer `which` viewed with the shape of `like`."""
+        return self._grads[which][: like.size].reshape(like.shape)
 
 
 class Net:
-    """A compiled network: `layers` in net.json order, `forward` on canonical arrays."""
+    """A compiled network: `layers` in net.json order; `forward`, `backward`, `loss_and_grad`.
+
+    Parameters live in one flat buffer (`params`) and their gradients in another (`grads`),
+    each layer's blocked weights and bias being views into them, so an optimizer or an MPI
+    reduction can work on contiguous slices."""
 
     def __init__(self, build_dir: Path, manifest: dict, threads: int, seed: int):
         self.build_dir = build_dir
@@ -26,29 +56,53 @@ class Net:
         self.isa: str = manifest["arch"]["isa"]
         self.vector_floats: int = manifest["arch"]["vector_bits"] // 32
         self.threads = threads
+        self.seed = seed
+        self._dropout_draws = 0
+        self._scratch = empty_aligned((0,))
+        self._workspaces: dict[int, _Workspace] = {}
+        self._pending: _Workspace | None = None  # set by a training-mode forward, used by backward
+        specs = manifest["layers"]
+        v = self.vector_floats
+
+        # Flat parameter and gradient buffers: [w0, b0, w1, b1, ...], each block cache-line aligned.
+        offsets, total = {}, 0
+        for spec in specs:
+            if _LAYER_CLASSES.get(spec["type"]) is WeightedLayer:
+                wshape, blen = WeightedLayer.blocked_sizes(spec, v)
+                wsize = int(np.prod(wshape))
+                offsets[spec["name"]] = (total, wshape, total + _round_up(wsize), blen)
+                total += _round_up(wsize) + _round_up(blen)
+        self.params = zeros_aligned((total,))
+        self.grads = zeros_aligned((total,))
+
         self.layers: dict[str, Layer] = {}
-        for index, spec in enumerate(manifest["layers"]):
+        for index, spec in enumerate(specs):
             cls = _LAYER_CLASSES.get(spec["type"])
             if cls is None:
                 raise BuildDirError(f"{build_dir}: layer {spec['name']} has unknown type {spec['type']!r}")
             kernels = self._load_kernels(spec)
             if cls is WeightedLayer:
+                w0, wshape, b0, blen = offsets[spec["name"]]
+                wsize = int(np.prod(wshape))
+                views = lambda buf: (buf[w0:w0 + wsize].reshape(wshape), buf[b0:b0 + blen])  # noqa: E731
+                layer = cls(spec, kernels, v, self, views(self.params), views(self.grads))
                 # Per-layer seed: a layer's initial weights do not depend on the other layers.
-                rng = np.random.default_rng(np.random.SeedSequence([seed, index]))
-                layer = cls(spec, kernels, self.vector_floats, self, rng)
+                layer.init_weights(np.random.default_rng(np.random.SeedSequence([seed, index])))
             else:
-                layer = cls(spec, kernels, self.vector_floats, self)
+                layer = cls(spec, kernels, v, self)
             self.layers[spec["name"]] = layer
-        self._chain = [l for l in self.layers.values() if not isinstance(l, LossLayer)]
+        self.chain: list[Layer] = [l for l in self.layers.values() if not isinstance(l, LossLayer)]
+        losses = [l for l in self.layers.values() if isinstance(l, LossLayer)]
+        self.loss_layer: LossLayer | None = losses[0] if losses else None
         seen_fc = False
         for layer in self.layers.values():
             layer.flat_input = layer.flat_input or seen_fc
             seen_fc = seen_fc or layer.type == "fc"
             layer.flat_output = seen_fc
-        self._buffers: dict[int, list[np.ndarray]] = {}
 
     def _load_kernels(self, spec: dict) -> dict:
-        """{role: callable}: 'fwd' and the layout roles ('in_to_blocked', 'wt_from_blocked', ...)."""
+        """{role: callable}: 'fwd', 'bwd_data', 'bwd_weights' and the layout roles
+        ('in_to_blocked', 'wt_from_blocked', ...)."""
         roles = {}
         prefix = f"pcldnn_{spec['name']}_"
         for pass_name, entry in spec["kernels"].items():
@@ -60,41 +114,91 @@ class Net:
     def __repr__(self) -> str:
         return f"<Net {self.name} ({self.isa}, {self.threads} threads): {', '.join(self.layers)}>"
 
-    def _batch_buffers(self, batch: int) -> list[np.ndarray]:
-        """Blocked activation buffers for this minibatch size, allocated once and reused."""
-        if batch not in self._buffers:
-            first = self._chain[0]
-            bufs = [empty_aligned(first.blocked_shape(first.in_shape, batch))]
-            bufs += [empty_aligned(l.blocked_shape(l.out_shape, batch)) for l in self._chain]
-            self._buffers[batch] = bufs
-        return self._buffers[batch]
+    # -- buffers -------------------------------------------------------------------------
+    def workspace(self, batch: int) -> _Workspace:
+        if batch not in self._workspaces:
+            self._workspaces[batch] = _Workspace(self, batch)
+        return self._workspaces[batch]
 
-    def forward(self, x: np.ndarray, timings: dict[str, float] | None = None) -> np.ndarray:
+    def scratch(self, floats: int) -> np.ndarray:
+        """Shared kernel scratch (conv backward-data's transposed weights), grown on demand."""
+        if self._scratch.size < floats:
+            self._scratch = empty_aligned((floats,))
+        return self._scratch
+
+    def next_dropout_seed(self, layer: Layer) -> int:
+        """A fresh seed for every dropout call, from (net seed, call count): runs are
+        reproducible, and each step and layer draws a new mask."""
+        self._dropout_draws += 1
+        return int(np.random.SeedSequence([self.seed, self._dropout_draws]).generate_state(1, np.uint64)[0])
+
+    # -- passes --------------------------------------------------------------------------
+    def forward(self, x: np.ndarray, training: bool = False, timings: dict[str, float] | None = None) -> np.ndarray:
         """Logits (N, classes) — or the last layer's output — for a canonical (N, C, H, W) batch.
-        One conversion at the input, one at the output, blocked layouts in between.
-        If `timings` is a dict, each layer's kernel time in seconds is stored under its name."""
-        first, last = self._chain[0], self._chain[-1]
+        training=True applies dropout and keeps what `backward` needs. If `timings` is a dict,
+        each layer's kernel time in seconds is stored under its name."""
+        first, last = self.chain[0], self.chain[-1]
         x = first._check_input(x)
         batch = x.shape[0]
-        bufs = self._batch_buffers(batch)
-        first._k["in_to_blocked"](ptr(x.reshape(batch, *first.in_shape)), ptr(bufs[0]), batch, self.threads)
-        for i, layer in enumerate(self._chain):
-            if timings is None:
-                layer.forward_blocked(bufs[i], bufs[i + 1])
-            else:
-                start = time.perf_counter()
-                layer.forward_blocked(bufs[i], bufs[i + 1])
+        ws = self.workspace(batch)
+        first._k["in_to_blocked"](ptr(x), ptr(ws.acts[0]), batch, self.threads)
+        for i, layer in enumerate(self.chain):
+            start = time.perf_counter()
+            layer.forward_blocked(ws.acts[i], ws.acts[i + 1], ws.aux[i], training)
+            if timings is not None:
                 timings[layer.name] = time.perf_counter() - start
-        y = np.empty((batch, *last.out_shape), dtype=np.float32)
-        last._k["out_from_blocked"](ptr(bufs[-1]), ptr(y), batch, self.threads)
-        return y.reshape(batch, -1) if last.flat_output else y
+        self._pending = ws if training else None
+        return last._from_blocked("out", ws.acts[-1], last.out_shape, last.flat_output)
+
+    def backward(self, labels: np.ndarray, timings: dict[str, float] | None = None) -> float:
+        """After `forward(x, training=True)`: the mean loss against `labels`, and every layer's
+        gradients (in `grads`; per layer `grad_weights` / `grad_bias`)."""
+        if self.loss_layer is None:
+            raise PcldnnError(f"net {self.name} has no loss layer to differentiate")
+        ws = self._pending
+        if ws is None:
+            raise PcldnnError("backward needs a forward(x, training=True) just before it")
+        labels = self.loss_layer.check_labels(labels, ws.batch)
+        np.copyto(ws.labels, labels)
+        loss = self.loss_layer.loss_blocked(ws.acts[-1], ws.labels, ws.probs)
+        dy = ws.grad(0, ws.acts[-1])
+        self.loss_layer.grad_blocked(ws.probs, ws.labels, dy)
+        for i in range(len(self.chain) - 1, -1, -1):
+            layer = self.chain[i]
+            start = time.perf_counter()
+            dx = ws.grad((len(self.chain) - i) % 2, ws.acts[i]) if i > 0 else None
+            grads = (layer._dwt, layer._dbias) if isinstance(layer, WeightedLayer) else None
+            layer.backward_blocked(ws.acts[i], ws.acts[i + 1], ws.aux[i], dy, dx, grads)
+            if timings is not None:
+                timings[layer.name] = time.perf_counter() - start
+            dy = dx
+        self._pending = None
+        return loss
+
+    def loss_and_grad(self, x: np.ndarray, labels: np.ndarray) -> float:
+        """Mean loss of a training-mode forward pass, with every gradient computed."""
+        self.forward(x, training=True)
+        return self.backward(labels)
+
+    def loss(self, x: np.ndarray, labels: np.ndarray) -> float:
+        """Mean loss in evaluation mode (no dropout); gradients untouched."""
+        logits = self.forward(x)
+        if self.loss_layer is None:
+            raise PcldnnError(f"net {self.name} has no loss layer")
+        ws = self.workspace(logits.shape[0])
+        labels = self.loss_layer.check_labels(labels, ws.batch)
+        return self.loss_layer.loss_blocked(ws.acts[-1], labels, ws.probs)
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
 
 
 def load(build_dir: str | Path, threads: int | None = None, seed: int = 0) -> Net:
     """Load a build directory made by `pcldnn-gen compile`.
 
     threads: OpenMP threads per kernel call (None: every core this process may use).
-    seed: seeds the He-normal weight initialisation (biases start at zero).
+    seed: seeds the He-normal weight initialisation (biases start at zero) and dropout.
     """
     build_dir = Path(build_dir)
     manifest = read_manifest(build_dir)

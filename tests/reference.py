@@ -1,27 +1,69 @@
-"""Plain numpy references (float64), written for clarity, not speed."""
+"""Plain numpy references (float64), written for clarity, not speed.
+
+Convolutions loop over the kernel taps and do one matrix product (tensordot) per tap, so
+that a VGG-A-sized check still runs in seconds.
+"""
 from __future__ import annotations
 
 import numpy as np
 
 
+def _pad(x, pad, value=0.0):
+    n, c, h, w = x.shape
+    ph, pw = pad
+    xp = np.full((n, c, h + 2 * ph, w + 2 * pw), value)
+    xp[:, :, ph:ph + h, pw:pw + w] = x
+    return xp
+
+
+def _out_size(h, w, kernel, stride, pad):
+    return (h + 2 * pad[0] - kernel[0]) // stride[0] + 1, (w + 2 * pad[1] - kernel[1]) // stride[1] + 1
+
+
+def _window(xp, i, j, stride, oh, ow):
+    """The input values tap (i, j) reads for every output pixel: (N, C, OH, OW)."""
+    return xp[:, :, i:i + stride[0] * (oh - 1) + 1:stride[0], j:j + stride[1] * (ow - 1) + 1:stride[1]]
+
+
 def conv2d(x, w, b, stride, pad, relu=False):
     """x (N, C, H, W), w (OC, C, KH, KW), b (OC,) -> (N, OC, OH, OW)."""
-    x = np.asarray(x, np.float64)
-    w = np.asarray(w, np.float64)
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
     n, c, h, wd = x.shape
     oc, _, kh, kw = w.shape
-    (sh, sw), (ph, pw) = stride, pad
-    xp = np.zeros((n, c, h + 2 * ph, wd + 2 * pw))
-    xp[:, :, ph:ph + h, pw:pw + wd] = x
-    oh = (h + 2 * ph - kh) // sh + 1
-    ow = (wd + 2 * pw - kw) // sw + 1
-    y = np.zeros((n, oc, oh, ow))
+    oh, ow = _out_size(h, wd, (kh, kw), stride, pad)
+    xp = _pad(x, pad)
+    y = np.zeros((n, oh, ow, oc))
     for i in range(kh):
         for j in range(kw):
-            patch = xp[:, :, i:i + sh * (oh - 1) + 1:sh, j:j + sw * (ow - 1) + 1:sw]  # (N, C, OH, OW)
-            y += np.einsum("nchw,oc->nohw", patch, w[:, :, i, j])
-    y += np.asarray(b, np.float64)[None, :, None, None]
+            y += np.tensordot(_window(xp, i, j, stride, oh, ow), w[:, :, i, j], axes=([1], [1]))
+    y = y.transpose(0, 3, 1, 2) + np.asarray(b, np.float64)[None, :, None, None]
     return np.maximum(y, 0) if relu else y
+
+
+def conv2d_bwd_data(dy, w, stride, pad, in_shape):
+    """Gradient w.r.t. the input (N, C, H, W) of conv2d, given dy (N, OC, OH, OW)."""
+    dy, w = np.asarray(dy, np.float64), np.asarray(w, np.float64)
+    n, c, h, wd = in_shape
+    _, _, kh, kw = w.shape
+    oh, ow = dy.shape[2:]
+    dxp = np.zeros((n, c, h + 2 * pad[0], wd + 2 * pad[1]))
+    for i in range(kh):
+        for j in range(kw):
+            contrib = np.tensordot(dy, w[:, :, i, j], axes=([1], [0]))  # (N, OH, OW, C)
+            _window(dxp, i, j, stride, oh, ow)[...] += contrib.transpose(0, 3, 1, 2)
+    return dxp[:, :, pad[0]:pad[0] + h, pad[1]:pad[1] + wd]
+
+
+def conv2d_bwd_weights(x, dy, kernel, stride, pad):
+    """(dw (OC, C, KH, KW), db (OC,)) of conv2d."""
+    x, dy = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+    oh, ow = dy.shape[2:]
+    xp = _pad(x, pad)
+    dw = np.zeros((dy.shape[1], x.shape[1], *kernel))
+    for i in range(kernel[0]):
+        for j in range(kernel[1]):
+            dw[:, :, i, j] = np.tensordot(dy, _window(xp, i, j, stride, oh, ow), axes=([0, 2, 3], [0, 2, 3]))
+    return dw, dy.sum(axis=(0, 2, 3))
 
 
 def fc(x, w, b, relu=False):
@@ -30,16 +72,92 @@ def fc(x, w, b, relu=False):
     return np.maximum(y, 0) if relu else y
 
 
+def fc_bwd_data(dy, w, in_shape):
+    return (np.asarray(dy, np.float64) @ np.asarray(w, np.float64)).reshape(in_shape)
+
+
+def fc_bwd_weights(x, dy):
+    x, dy = np.asarray(x, np.float64).reshape(x.shape[0], -1), np.asarray(dy, np.float64)
+    return dy.T @ x, dy.sum(axis=0)
+
+
 def maxpool(x, kernel, stride, pad):
     x = np.asarray(x, np.float64)
-    n, c, h, w = x.shape
-    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, pad
-    xp = np.full((n, c, h + 2 * ph, w + 2 * pw), -np.inf)
-    xp[:, :, ph:ph + h, pw:pw + w] = x
-    oh = (h + 2 * ph - kh) // sh + 1
-    ow = (w + 2 * pw - kw) // sw + 1
-    y = np.full((n, c, oh, ow), -np.inf)
-    for i in range(kh):
-        for j in range(kw):
-            y = np.maximum(y, xp[:, :, i:i + sh * (oh - 1) + 1:sh, j:j + sw * (ow - 1) + 1:sw])
+    oh, ow = _out_size(x.shape[2], x.shape[3], kernel, stride, pad)
+    xp = _pad(x, pad, -np.inf)
+    y = np.full((*x.shape[:2], oh, ow), -np.inf)
+    for i in range(kernel[0]):
+        for j in range(kernel[1]):
+            y = np.maximum(y, _window(xp, i, j, stride, oh, ow))
     return y
+
+
+def maxpool_bwd(x, dy, kernel, stride, pad):
+    """Each output's gradient goes to the first maximum of its window (row-major order)."""
+    x, dy = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+    y = maxpool(x, kernel, stride, pad)
+    oh, ow = y.shape[2:]
+    xp = _pad(x, pad, -np.inf)
+    dxp = np.zeros_like(xp)
+    taken = np.zeros(y.shape, bool)
+    for i in range(kernel[0]):
+        for j in range(kernel[1]):
+            hit = (_window(xp, i, j, stride, oh, ow) == y) & ~taken
+            _window(dxp, i, j, stride, oh, ow)[...] += np.where(hit, dy, 0.0)
+            taken |= hit
+    return dxp[:, :, pad[0]:pad[0] + x.shape[2], pad[1]:pad[1] + x.shape[3]]
+
+
+def avgpool(x, kernel, stride, pad):
+    """Mean over the window, padding counted as zeros (divisor = kernel area)."""
+    x = np.asarray(x, np.float64)
+    oh, ow = _out_size(x.shape[2], x.shape[3], kernel, stride, pad)
+    xp = _pad(x, pad)
+    y = np.zeros((*x.shape[:2], oh, ow))
+    for i in range(kernel[0]):
+        for j in range(kernel[1]):
+            y += _window(xp, i, j, stride, oh, ow)
+    return y / (kernel[0] * kernel[1])
+
+
+def avgpool_bwd(dy, in_shape, kernel, stride, pad):
+    dy = np.asarray(dy, np.float64)
+    oh, ow = dy.shape[2:]
+    n, c, h, w = in_shape
+    dxp = np.zeros((n, c, h + 2 * pad[0], w + 2 * pad[1]))
+    for i in range(kernel[0]):
+        for j in range(kernel[1]):
+            _window(dxp, i, j, stride, oh, ow)[...] += dy / (kernel[0] * kernel[1])
+    return dxp[:, :, pad[0]:pad[0] + h, pad[1]:pad[1] + w]
+
+
+def softmax_cross_entropy(logits, labels):
+    """(mean loss, gradient of the mean loss w.r.t. the logits)."""
+    z = np.asarray(logits, np.float64)
+    z = z - z.max(axis=1, keepdims=True)
+    p = np.exp(z)
+    p /= p.sum(axis=1, keepdims=True)
+    n = z.shape[0]
+    loss = -np.log(p[np.arange(n), labels]).mean()
+    grad = p.copy()
+    grad[np.arange(n), labels] -= 1
+    return loss, grad / n
+
+
+def net_forward(spec, net, x):
+    """The whole chain in float64, reading weights from a loaded pcldnn_runtime Net
+    (dropout as identity: evaluation mode). Returns the logits."""
+    h = np.asarray(x, np.float64)
+    for layer in spec.layers:
+        L = net.layers[layer.name]
+        if layer.type == "conv":
+            h = conv2d(h, L.weights, L.bias, layer.stride, layer.pad, layer.relu)
+        elif layer.type == "fc":
+            h = fc(h, L.weights, L.bias, layer.relu)
+        elif layer.type == "maxpool":
+            h = maxpool(h, layer.kernel, layer.stride, layer.pad)
+        elif layer.type == "avgpool":
+            h = avgpool(h, layer.kernel, layer.stride, layer.pad)
+        elif layer.type == "relu":
+            h = np.maximum(h, 0)
+    return h.reshape(h.shape[0], -1)

@@ -49,19 +49,33 @@ def _conv_layer(i, oc, k, s, p, relu):
 
 
 @pytest.mark.parametrize("case", range(len(CONV_SHAPES)))
-def test_conv_forward_matches_numpy(tmp_path, isa, case):
+def test_conv_passes_match_numpy(tmp_path, isa, case):
+    """Forward, backward-data and backward-weights of one conv layer, through the canonical API."""
     n, c, h, w, oc, k, s, p, relu = CONV_SHAPES[case]
     net = build_and_load(tmp_path, [_conv_layer(case, oc, k, s, p, relu)], (c, h, w), isa)
     layer = net.layers[f"c{case}"]
     rng = np.random.default_rng(case)
     layer.bias = rng.standard_normal(oc).astype(np.float32)
     x = rng.standard_normal((n, c, h, w)).astype(np.float32)
-    got = layer.forward(x)
     wts, b = layer.weights, layer.bias
-    want = ref.conv2d(x, wts, b, _pair(s), _pair(p), relu)
-    abs_want = ref.conv2d(np.abs(x), np.abs(wts), np.abs(b), _pair(s), _pair(p))
-    kh, kw = _pair(k)
-    assert_dot_close(got, want, abs_want, c * kh * kw)
+    stride, pad, (kh, kw) = _pair(s), _pair(p), _pair(k)
+
+    y = layer.forward(x)
+    want = ref.conv2d(x, wts, b, stride, pad, relu)
+    assert_dot_close(y, want, ref.conv2d(np.abs(x), np.abs(wts), np.abs(b), stride, pad), c * kh * kw)
+
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    dy_eff = dy * (y > 0) if relu else dy  # the gradient through the fused ReLU, masked by our output
+    dx = layer.backward_data(dy)
+    want = ref.conv2d_bwd_data(dy_eff, wts, stride, pad, x.shape)
+    assert_dot_close(dx, want, ref.conv2d_bwd_data(np.abs(dy_eff), np.abs(wts), stride, pad, x.shape), oc * kh * kw)
+
+    dw, db = layer.backward_weights(x, dy)
+    want_w, want_b = ref.conv2d_bwd_weights(x, dy_eff, (kh, kw), stride, pad)
+    abs_w, abs_b = ref.conv2d_bwd_weights(np.abs(x), np.abs(dy_eff), (kh, kw), stride, pad)
+    terms = n * y.shape[2] * y.shape[3]
+    assert_dot_close(dw, want_w, abs_w, terms)
+    assert_dot_close(db, want_b, abs_b, terms)
 
 
 # (batch, input C, H, W, out features, relu): features not multiples of the vector width,
@@ -79,7 +93,7 @@ FC_SHAPES = [
 
 
 @pytest.mark.parametrize("case", range(len(FC_SHAPES)))
-def test_fc_forward_matches_numpy(tmp_path, isa, case):
+def test_fc_passes_match_numpy(tmp_path, isa, case):
     n, c, h, w, oc, relu = FC_SHAPES[case]
     layer_spec = {"name": "f", "type": "fc", "out_features": oc}
     if relu:
@@ -89,24 +103,120 @@ def test_fc_forward_matches_numpy(tmp_path, isa, case):
     rng = np.random.default_rng(100 + case)
     layer.bias = rng.standard_normal(oc).astype(np.float32)
     x = rng.standard_normal((n, c, h, w)).astype(np.float32)
-    for batch in sorted({1, n}):  # every minibatch size reuses the same kernel
-        got = layer.forward(x[:batch])
-        want = ref.fc(x[:batch], layer.weights, layer.bias, relu)
-        abs_want = ref.fc(np.abs(x[:batch]), np.abs(layer.weights), np.abs(layer.bias))
-        assert_dot_close(got, want, abs_want, c * h * w)
+    wts, b, k = layer.weights, layer.bias, c * h * w
+    for batch in sorted({1, n}):  # every minibatch size reuses the same kernels
+        xs = x[:batch]
+        y = layer.forward(xs)
+        assert_dot_close(y, ref.fc(xs, wts, b, relu), ref.fc(np.abs(xs), np.abs(wts), np.abs(b)), k)
+        dy = rng.standard_normal(y.shape).astype(np.float32)
+        dy_eff = dy * (y > 0) if relu else dy
+        dx = layer.backward_data(dy)
+        assert dx.shape == xs.shape
+        assert_dot_close(dx, ref.fc_bwd_data(dy_eff, wts, xs.shape),
+                         ref.fc_bwd_data(np.abs(dy_eff), np.abs(wts), xs.shape), oc)
+        dw, db = layer.backward_weights(xs, dy)
+        want_w, want_b = ref.fc_bwd_weights(xs, dy_eff)
+        abs_w, abs_b = ref.fc_bwd_weights(np.abs(xs), np.abs(dy_eff))
+        assert_dot_close(dw, want_w, abs_w, batch)
+        assert_dot_close(db, want_b, abs_b, batch)
     # (N, F) input is accepted as well as (N, C, H, W)
     np.testing.assert_array_equal(layer.forward(x.reshape(n, -1)), layer.forward(x))
 
 
-@pytest.mark.parametrize("n,c,h,w,k,s,p", [
+POOL_SHAPES = [  # overlapping windows (3/2), padding, asymmetric, channels not multiples of V
     (2, 17, 9, 9, 3, 2, 0), (1, 8, 8, 8, 2, 2, 0), (3, 5, 10, 7, 3, 2, 1), (7, 9, 6, 11, [2, 3], [1, 2], [1, 1]),
-])
-def test_maxpool_forward_matches_numpy(tmp_path, isa, n, c, h, w, k, s, p):
-    net = build_and_load(tmp_path, [{"name": "p", "type": "maxpool", "kernel": k, "stride": s, "pad": p},
+    (2, 3, 13, 13, 3, 1, 1),
+]
+
+
+@pytest.mark.parametrize("kind", ["maxpool", "avgpool"])
+@pytest.mark.parametrize("n,c,h,w,k,s,p", POOL_SHAPES)
+def test_pooling_passes_match_numpy(tmp_path, isa, kind, n, c, h, w, k, s, p):
+    net = build_and_load(tmp_path, [{"name": "p", "type": kind, "kernel": k, "stride": s, "pad": p},
                                     {"name": "f", "type": "fc", "out_features": 2}], (c, h, w), isa)
-    x = np.random.default_rng(7).standard_normal((n, c, h, w)).astype(np.float32)
-    got = net.layers["p"].forward(x)
-    np.testing.assert_array_equal(got, ref.maxpool(x, _pair(k), _pair(s), _pair(p)).astype(np.float32))
+    layer = net.layers["p"]
+    rng = np.random.default_rng(7)
+    # distinct values: the maximum of a window is unique, so the argmax is well defined
+    x = rng.permutation(n * c * h * w).reshape(n, c, h, w).astype(np.float32) / 10
+    kernel, stride, pad = _pair(k), _pair(s), _pair(p)
+    y = layer.forward(x)
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    dx = layer.backward_data(dy)
+    if kind == "maxpool":
+        np.testing.assert_array_equal(y, ref.maxpool(x, kernel, stride, pad).astype(np.float32))
+        # each dx element adds at most one dy per window covering it: error of a short float32 sum
+        np.testing.assert_allclose(dx, ref.maxpool_bwd(x, dy, kernel, stride, pad), rtol=1e-6, atol=1e-6)
+    else:
+        area = kernel[0] * kernel[1]
+        assert_dot_close(y, ref.avgpool(x, kernel, stride, pad), ref.avgpool(np.abs(x), kernel, stride, pad), area + 1)
+        assert_dot_close(dx, ref.avgpool_bwd(dy, x.shape, kernel, stride, pad),
+                         ref.avgpool_bwd(np.abs(dy), x.shape, kernel, stride, pad), area + 1)
+
+
+def test_maxpool_ties_send_the_gradient_to_one_element(tmp_path, isa):
+    net = build_and_load(tmp_path, [{"name": "p", "type": "maxpool", "kernel": 3, "stride": 2},
+                                    {"name": "f", "type": "fc", "out_features": 2}], (4, 7, 7), isa)
+    x = np.ones((2, 4, 7, 7), np.float32)  # every window is a tie
+    layer = net.layers["p"]
+    y = layer.forward(x)
+    dx = layer.backward_data(np.ones_like(y))
+    np.testing.assert_array_equal(dx, ref.maxpool_bwd(x, np.ones(y.shape), (3, 3), (2, 2), (0, 0)))
+    assert dx.sum() == y.size
+
+
+def test_relu_and_dropout_layers(tmp_path, isa):
+    net = build_and_load(tmp_path, [{"name": "r", "type": "relu"}, {"name": "d", "type": "dropout", "rate": 0.25},
+                                    {"name": "f", "type": "fc", "out_features": 3}], (5, 6, 7), isa)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((4, 5, 6, 7)).astype(np.float32)
+    relu, drop = net.layers["r"], net.layers["d"]
+    y = relu.forward(x)
+    np.testing.assert_array_equal(y, np.maximum(x, 0))
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    np.testing.assert_array_equal(relu.backward_data(dy), np.where(x > 0, dy, 0))
+
+    xd = np.abs(x) + 1  # nonzero, so a zero output means "dropped"
+    yd = drop.forward(xd)
+    kept = yd != 0
+    np.testing.assert_allclose(yd[kept], xd[kept] / 0.75, rtol=1e-6)
+    # 840 Bernoulli(0.75) draws: the kept fraction is within 5 standard deviations (0.075) of 0.75
+    assert abs(kept.mean() - 0.75) < 0.075
+    np.testing.assert_allclose(drop.backward_data(dy), np.where(kept, dy / 0.75, 0), rtol=1e-6)
+    assert not np.array_equal(drop.forward(xd) != 0, kept)  # a new step draws a new mask
+    # evaluation mode: identity
+    logits = net.forward(x)
+    np.testing.assert_allclose(logits, ref.net_forward(_spec_of(net), net, x), rtol=1e-4, atol=1e-5)
+
+
+def _spec_of(net):
+    from pcldnn_gen.netspec import parse_netspec
+    m = net.manifest
+    c, h, w = m["net"]["input"]
+    layers = []
+    for l in m["layers"]:
+        d = {"name": l["name"], "type": l["type"]}
+        if l["type"] == "fc":
+            d["out_features"] = l["out_shape"][0]
+        elif l["type"] == "dropout":
+            d["rate"] = l["rate"]
+        layers.append(d)
+    return parse_netspec({"name": m["net"]["name"], "input": {"channels": c, "height": h, "width": w}, "layers": layers})
+
+
+def test_softmax_cross_entropy_layer(tmp_path, isa):
+    net = build_and_load(tmp_path, [{"name": "f", "type": "fc", "out_features": 13},
+                                    {"name": "loss", "type": "softmax_cross_entropy"}], (6, 1, 1), isa)
+    rng = np.random.default_rng(4)
+    logits = (rng.standard_normal((9, 13)) * 30).astype(np.float32)  # large: tests the max shift
+    labels = rng.integers(0, 13, 9)
+    loss_layer = net.layers["loss"]
+    loss = loss_layer.forward(logits, labels)
+    want_loss, want_grad = ref.softmax_cross_entropy(logits, labels)
+    assert np.isfinite(loss) and loss == pytest.approx(want_loss, rel=1e-5)
+    np.testing.assert_allclose(loss_layer.backward_data(), want_grad, rtol=1e-4, atol=1e-7)
+    import pcldnn_runtime as pr
+    with pytest.raises(pr.PcldnnError, match=r"labels must lie in \[0, 13\)"):
+        loss_layer.forward(logits, labels + 13)
 
 
 def test_small_l1_forces_several_reduction_chunks(tmp_path, isa):
@@ -128,8 +238,8 @@ def test_small_l1_forces_several_reduction_chunks(tmp_path, isa):
     result = build(spec, get_arch(str(arch_file)), tmp_path / "b")
     conv_plan, fc_plan = result.plans[("c", "fwd")], result.plans[("f", "fwd")]
     v = PRESETS[isa].vector_floats
-    assert conv_plan.ifm_block < -(-40 // v), conv_plan
-    assert fc_plan.ifm_block < 16 * 6 * 7, fc_plan
+    assert conv_plan.chunk < -(-40 // v), conv_plan
+    assert fc_plan.chunk < 16 * 6 * 7, fc_plan
     net = pr.load(tmp_path / "b")
     rng = np.random.default_rng(3)
     for layer in net.layers.values():

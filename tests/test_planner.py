@@ -30,7 +30,7 @@ def test_every_tile_fits_the_register_file(isa, net_file):
         # the tile's vectors evenly divide the output-channel blocks
         assert blocks(layer.out_shape[0], arch.vector_floats) % t.vectors == 0
         assert 0 < plan.predicted_efficiency <= 1
-        assert plan.ifm_block >= 1 and plan.l1_working_set <= arch.l1d_bytes // 2 or plan.ifm_block == 1
+        assert plan.chunk >= 1 and plan.l1_working_set <= arch.l1d_bytes // 2 or plan.chunk == 1
         if plan.kind == "conv_fwd":
             ow = layer.out_shape[2]
             assert 0 <= plan.ow_lo <= plan.ow_hi <= ow
@@ -83,4 +83,4 @@ def test_any_conv_plan_is_consistent(isa, c, oc, h, w, k, s, p):
     # border columns really touch the padding
     for col in list(range(plan.ow_lo)) + list(range(plan.ow_hi, ow)):
         assert col * s - p < 0 or col * s - p + k > w
-    assert 1 <= plan.ifm_block <= blocks(c, arch.vector_floats)
+    assert 1 <= plan.chunk <= blocks(c, arch.vector_floats)
