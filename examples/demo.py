@@ -41,7 +41,7 @@ def main() -> None:
     runs = []
     for _ in range(args.repeats):
         timings: dict[str, float] = {}
-        logits = net.forward(x, timings)
+        logits = net.forward(x, timings=timings)
         runs.append(timings)
     print(f"forward pass, minibatch {batch}, {net.threads} threads: input {x.shape} -> logits {logits.shape}")
     print(f"  {'layer':<8} {'type':<8} {'output (C x H x W)':<20} {'median ms':>10} {'GFLOP/s':>9}")

@@ -133,7 +133,7 @@ class Net:
         return int(np.random.SeedSequence([self.seed, self._dropout_draws]).generate_state(1, np.uint64)[0])
 
     # -- passes --------------------------------------------------------------------------
-    def forward(self, x: np.ndarray, training: bool = False, timings: dict[str, float] | None = None) -> np.ndarray:
+    def forward(self, x: np.ndarray, *, training: bool = False, timings: dict[str, float] | None = None) -> np.ndarray:
         """Logits (N, classes) — or the last layer's output — for a canonical (N, C, H, W) batch.
         training=True applies dropout and keeps what `backward` needs. If `timings` is a dict,
         each layer's kernel time in seconds is stored under its name."""
@@ -150,7 +150,7 @@ class Net:
         self._pending = ws if training else None
         return last._from_blocked("out", ws.acts[-1], last.out_shape, last.flat_output)
 
-    def backward(self, labels: np.ndarray, timings: dict[str, float] | None = None) -> float:
+    def backward(self, labels: np.ndarray, *, timings: dict[str, float] | None = None) -> float:
         """After `forward(x, training=True)`: the mean loss against `labels`, and every layer's
         gradients (in `grads`; per layer `grad_weights` / `grad_bias`)."""
         if self.loss_layer is None:

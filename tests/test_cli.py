@@ -26,6 +26,9 @@ def test_compile_writes_the_build_directory(tmp_path, capsys):
     assert fwd["plan"]["tile"]["registers"] <= 16
     assert sorted(p.name for p in (out / "src").iterdir()) == sorted(
         f"{l['name']}_{p}.c" for l in manifest["layers"] for p in l["kernels"])
+    from pcldnn_gen.planner import LAYER_PASSES
+    for layer in manifest["layers"]:  # every pass of every layer, plus its layout conversions
+        assert set(layer["kernels"]) == {*LAYER_PASSES[layer["type"]], "layout"}
 
 
 def test_inspect_prints_the_emitted_c_with_its_header(capsys):
@@ -36,6 +39,16 @@ def test_inspect_prints_the_emitted_c_with_its_header(capsys):
     assert "arch    : avx2" in header and "blocks  : register tile" in header and "why     :" in header
     assert "_mm256_fmadd_ps" in c and "#pragma omp parallel for" in c
     assert "void pcldnn_conv3_fwd(const float *in" in c
+
+
+@pytest.mark.parametrize("pass_name,needle", [
+    ("bwd_data", "scratch[((((size_t)icb * OCB + ocb)"), ("bwd_weights", "static const int OH_LO[KH]")])
+def test_inspect_backward_passes(capsys, pass_name, needle):
+    assert main(["inspect", str(NETS / "overfeat_fast.json"), "--layer", "conv2", "--pass", pass_name,
+                 "--arch", "avx2"]) == 0
+    c = capsys.readouterr().out
+    assert f"pass    : {pass_name} (conv_{pass_name})" in c and needle in c and "_mm256_fmadd_ps" in c
+    assert f"void pcldnn_conv2_{pass_name}(" in c
 
 
 def test_inspect_scalar_has_no_intrinsics(capsys):
@@ -54,6 +67,8 @@ def test_inspect_explain(capsys):
     (["compile", "missing.json"], "missing.json: cannot read"),
     (["inspect", str(NETS / "vgg_a.json"), "--layer", "nope", "--arch", "avx2"], "no layer named 'nope'"),
     (["compile", str(NETS / "vgg_a.json"), "--arch", "sse9"], "unknown arch 'sse9'"),
+    (["inspect", str(NETS / "vgg_a.json"), "--layer", "pool1", "--pass", "bwd_weights", "--arch", "avx2"],
+     "pool1: a maxpool layer has no 'bwd_weights' pass (it has: fwd, bwd_data)"),
 ])
 def test_user_errors_exit_2_with_one_line(argv, message, capsys):
     assert main(argv) == 2

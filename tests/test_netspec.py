@@ -51,6 +51,9 @@ def _with(path_edit):
     (lambda n: n.update(layers=[]), r"layers: must be a non-empty list"),
     (lambda n: n["layers"].__setitem__(2, 5), r"layers\[2\]: must be an object, got 5"),
     (lambda n: n["layers"][1].update(pad=2), r"layers\[1\]\.pad: pooling pad \[2, 2\] must be smaller than the kernel"),
+    (lambda n: n["layers"].insert(2, {"name": "d", "type": "dropout", "rate": 1.0}), r"layers\[2\]\.rate: must be a number in \[0, 1\), got 1\.0"),
+    (lambda n: n["layers"].insert(2, {"name": "a", "type": "avgpool"}), r"layers\[2\]\.kernel: missing required field"),
+    (lambda n: n.update(classes=None) or n["layers"].__delitem__(2), r"layers\[2\]: softmax_cross_entropy needs a vector of logits"),
 ])
 def test_errors_name_the_file_and_json_path(tmp_path, edit, message):
     path = tmp_path / "net.json"

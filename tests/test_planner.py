@@ -9,32 +9,51 @@ from conftest import NETS
 from pcldnn_gen.arch import PRESETS
 from pcldnn_gen.build import plan_net
 from pcldnn_gen.netspec import load_netspec, parse_netspec
-from pcldnn_gen.planner import LATENCY_HEADROOM, RegisterTile, blocks, plan_layer
+from pcldnn_gen.planner import LATENCY_HEADROOM, LAYER_PASSES, RegisterTile, blocks, plan_layer
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512", "scalar"])
 @pytest.mark.parametrize("net_file", ["vgg_a.json", "overfeat_fast.json", "cifar_small.json"])
 def test_every_tile_fits_the_register_file(isa, net_file):
     arch = PRESETS[isa]
+    v = arch.vector_floats
     net = load_netspec(NETS / net_file)
     plans = plan_net(net, arch)
-    assert {name for name, _ in plans} == {l.name for l in net.layers if l.type in ("conv", "fc", "maxpool")}
-    for (name, _), plan in plans.items():
+    assert set(plans) == {(l.name, p) for l in net.layers for p in LAYER_PASSES[l.type]}
+    for (name, pass_name), plan in plans.items():
         layer = net.layer(name)
-        assert plan.vector_floats == arch.vector_floats
+        assert plan.vector_floats == v and plan.pass_name == pass_name and plan.reason
         if plan.tile is None:
+            assert layer.type not in ("conv", "fc")
             continue
         t = plan.tile
-        # accumulators + weight vectors + one broadcast register
+        # accumulators + vector loads + one broadcast register
         assert t.width * t.vectors + t.vectors + 1 == t.registers <= arch.vector_registers
-        # the tile's vectors evenly divide the output-channel blocks
-        assert blocks(layer.out_shape[0], arch.vector_floats) % t.vectors == 0
         assert 0 < plan.predicted_efficiency <= 1
-        assert plan.chunk >= 1 and plan.l1_working_set <= arch.l1d_bytes // 2 or plan.chunk == 1
+        icb, ocb = blocks(layer.in_shape[0], v), blocks(layer.out_shape[0], v)
+        k = icb * v * layer.in_shape[1] * layer.in_shape[2]
         if plan.kind == "conv_fwd":
-            ow = layer.out_shape[2]
-            assert 0 <= plan.ow_lo <= plan.ow_hi <= ow
-            assert plan.remainders == (((plan.ow_hi - plan.ow_lo) % t.width,) if (plan.ow_hi - plan.ow_lo) % t.width else ())
+            assert ocb % t.vectors == 0
+            interior = plan.ow_hi - plan.ow_lo
+            assert 0 <= plan.ow_lo <= plan.ow_hi <= layer.out_shape[2]
+            assert plan.remainders == ((interior % t.width,) if interior % t.width else ())
+            assert plan.l1_working_set <= arch.l1d_bytes // 2 or plan.chunk == 1
+        elif plan.kind == "conv_bwd_data":
+            assert icb % t.vectors == 0
+            phases = plan.geometry["phases"]
+            assert sum(p["q_count"] for p in phases) == layer.in_shape[2]  # every input column, once
+            assert all(0 <= p["q_lo"] <= p["q_hi"] <= p["q_count"] for p in phases)
+            assert plan.scratch_floats == icb * ocb * layer.kernel[0] * layer.kernel[1] * v * v
+        elif plan.kind == "conv_bwd_weights":
+            assert v % t.width == 0 and ocb % t.vectors == 0
+            assert 1 <= plan.chunk <= layer.out_shape[1]
+            assert len(plan.geometry["oh_range"]) == layer.kernel[0]
+        elif plan.kind == "fc_fwd":
+            assert ocb % t.vectors == 0 and 1 <= plan.chunk <= k
+        elif plan.kind == "fc_bwd_data":
+            assert k % t.vectors == 0
+        elif plan.kind == "fc_bwd_weights":
+            assert k % t.width == 0 and ocb % t.vectors == 0
 
 
 def test_register_tile_model_by_hand():
@@ -71,9 +90,15 @@ def test_any_conv_plan_is_consistent(isa, c, oc, h, w, k, s, p):
     layer = net.layers[0]
     plan = plan_layer(layer, "fwd", arch)
     t = plan.tile
+    ow = layer.out_shape[2]
+    phases = plan_layer(layer, "bwd_data", arch).geometry["phases"]
+    assert sorted(p["r"] + q * s for p in phases for q in range(p["q_count"])) == list(range(w))
+    for ph in phases:  # interior input columns: every kernel column of the phase lands inside the output
+        for q in range(ph["q_lo"], ph["q_hi"]):
+            for j, kw in enumerate(range(ph["kw_first"], k, s)):
+                assert 0 <= q + ph["d_first"] - j < ow and (q + ph["d_first"] - j) * s - p + kw == ph["r"] + q * s
     assert t.registers <= arch.vector_registers
     assert blocks(oc, arch.vector_floats) % t.vectors == 0
-    ow = layer.out_shape[2]
     interior = plan.ow_hi - plan.ow_lo
     full = interior // t.width
     assert full * t.width + sum(plan.remainders) == interior

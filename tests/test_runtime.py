@@ -61,10 +61,18 @@ def test_chain_with_standalone_relu_and_timings(built):
     net = pr.load(built)
     x = np.random.default_rng(1).standard_normal((3, 3, 6, 6)).astype(np.float32)
     timings: dict[str, float] = {}
-    y = net.forward(x, timings)
+    y = net.forward(x, timings=timings)
     assert y.shape == (3, 5) and set(timings) == {"c", "p", "r", "f"}
     h = net.layers["r"].forward(net.layers["p"].forward(net.layers["c"].forward(x)))
     assert (h >= 0).all()
     np.testing.assert_allclose(net.layers["f"].forward(h), y, rtol=1e-6, atol=1e-6)
-    with pytest.raises(pr.PcldnnError, match="loss layer has no standalone forward"):
-        net.layers["loss"].forward(y)
+    labels = np.array([0, 4, 2])
+    loss = net.layers["loss"].forward(y, labels)
+    assert loss == pytest.approx(net.loss(x, labels), rel=1e-6)
+    with pytest.raises(pr.PcldnnError, match="backward needs a forward"):
+        net.backward(labels)  # the last forward was in evaluation mode
+    net.forward(x, training=True)
+    timings.clear()
+    assert net.backward(labels, timings=timings) == pytest.approx(loss, rel=1e-6)
+    assert set(timings) == {"c", "p", "r", "f"}
+
