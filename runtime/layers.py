@@ -251,7 +251,7 @@ class DropoutLayer(Layer):
         if not training:
             np.copyto(yb, xb)
             return
-        aux[0] = self._net.next_dropout_seed(self)
+        aux[0] = self._net.next_dropout_seed()
         self._k["fwd"](ptr(xb), ptr(yb), int(aux[0]), xb.shape[0], self._net.threads)
 
     def backward_blocked(self, xb, yb, aux, dyb, dxb, grads=None) -> None:

@@ -126,7 +126,7 @@ class Net:
             self._scratch = empty_aligned((floats,))
         return self._scratch
 
-    def next_dropout_seed(self, layer: Layer) -> int:
+    def next_dropout_seed(self) -> int:
         """A fresh seed for every dropout call, from (net seed, call count): runs are
         reproducible, and each step and layer draws a new mask."""
         self._dropout_draws += 1
