@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -50,6 +51,43 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _peak(args: argparse.Namespace) -> int:
+    from .bench import measure_peak
+    arch = get_arch(args.arch)
+    counts = sorted({1, args.threads or pr_cores()})
+    base = None
+    for n in counts:
+        gflops = measure_peak(arch, n)
+        base = base or gflops
+        print(f"{arch.name}: {n} thread(s): {gflops:.1f} GFLOP/s FMA peak ({gflops / base:.2f}x one thread)")
+    return 0
+
+
+def pr_cores() -> int:
+    from pcldnn_runtime import cpu
+    return cpu.usable_cores()
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from . import bench
+    net = load_netspec(args.net)
+    arch = get_arch(args.arch)
+    threads = args.threads or pr_cores()
+    passes = tuple(args.passes.split(","))
+    bad = [p for p in passes if p not in PASSES]
+    if bad:
+        raise PcldnnError(f"--passes: unknown pass {', '.join(bad)}; known: {', '.join(PASSES)}")
+    compare = tuple(c for c in args.compare.split(",") if c) if args.compare else ()
+    layers = args.layers.split(",") if args.layers else None
+    peak, results = bench.bench_net(net, arch, args.batch, threads, passes, layers, args.repeats, compare)
+    print(bench.format_table(net, arch, args.batch, threads, peak, results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(bench.results_json(net, arch, args.batch, threads, peak, results), indent=1))
+    if args.plot:
+        bench.plot(Path(args.plot), net, arch, results)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pcldnn-gen", description=__doc__.split(":")[0] + ": "
                                  "generate, compile and inspect CPU training kernels for a net.json")
@@ -70,6 +108,24 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--arch", default="native")
     i.add_argument("--explain", action="store_true", help="print the plan and rejected tiles instead of C")
     i.set_defaults(func=_inspect)
+
+    k = sub.add_parser("peak", help="measure the FMA peak (GFLOP/s) with a generated micro-kernel")
+    k.add_argument("--arch", default="native")
+    k.add_argument("--threads", type=_positive, default=None, help="also measure with N threads (default: all cores)")
+    k.set_defaults(func=_peak)
+
+    b = sub.add_parser("bench", help="time every conv/fc layer and pass against the peak and baselines")
+    b.add_argument("net")
+    b.add_argument("--arch", default="native")
+    b.add_argument("--threads", type=_positive, default=None, help="OpenMP threads (default: all cores)")
+    b.add_argument("--batch", type=_positive, default=16)
+    b.add_argument("--passes", default=",".join(PASSES), help="comma-separated, default all")
+    b.add_argument("--layers", default=None, help="comma-separated conv/fc layers (default all)")
+    b.add_argument("--repeats", type=_positive, default=5)
+    b.add_argument("--compare", default="", help="comma-separated baselines: numpy, onednn (needs torch)")
+    b.add_argument("--json", help="write the results as JSON")
+    b.add_argument("--plot", help="write a bar chart (PNG; needs matplotlib)")
+    b.set_defaults(func=_bench)
     return ap
 
 

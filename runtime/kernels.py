@@ -41,6 +41,7 @@ SIGNATURES: dict[str, str] = {
     "softmax_cross_entropy_bwd_data":
         "const float *probs, const int *labels, float *dx, int batch, int nthreads",
     "act_layout": "const float *src, float *dst, int batch, int nthreads",
+    "peak": "long long iters, int nthreads, float *sink",
     "weight_layout": "const float *src, float *dst",
 }
 

@@ -1,0 +1,175 @@
+"""Baseline timings, run as `python -m pcldnn_gen.baselines REQUEST.json RESULT.json` in a
+subprocess whose environment pins the ISA and threads (see bench.run_baselines).
+
+numpy: im2col + BLAS for conv, plain GEMMs for fc (whole pass, Python included).
+onednn: PyTorch's CPU convolution, which calls oneDNN; ONEDNN_VERBOSE=profile_exec makes
+oneDNN print each primitive's execution time, which we read back per pass, so the ratio
+compares kernels with kernels; the PyTorch call's wall time (with layout reorders) is kept too.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+
+import numpy as np
+
+MARK = "@@pcldnn-baseline"
+
+
+def _median(fn, repeats):
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def _numpy_conv(p, batch, rng):
+    c, h, w = p["in_shape"]
+    oc, (kh, kw), (sh, sw), (ph, pw) = p["out_channels"], p["kernel"], p["stride"], p["pad"]
+    oh, ow = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+    x = rng.standard_normal((batch, c, h, w), dtype=np.float32)
+    wt = rng.standard_normal((oc, c * kh * kw), dtype=np.float32)
+    dy = rng.standard_normal((batch * oh * ow, oc), dtype=np.float32)
+
+    def im2col():
+        xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+        s = xp.strides
+        view = np.lib.stride_tricks.as_strided(
+            xp, (batch, oh, ow, c, kh, kw), (s[0], s[2] * sh, s[3] * sw, s[1], s[2], s[3]))
+        return view.reshape(batch * oh * ow, c * kh * kw)
+
+    def col2im(cols):
+        dxp = np.zeros((batch, c, h + 2 * ph, w + 2 * pw), np.float32)
+        cols = cols.reshape(batch, oh, ow, c, kh, kw)
+        for i in range(kh):
+            for j in range(kw):
+                dxp[:, :, i:i + sh * (oh - 1) + 1:sh, j:j + sw * (ow - 1) + 1:sw] += cols[:, :, :, :, i, j].transpose(0, 3, 1, 2)
+        return dxp
+
+    return {"fwd": lambda: im2col() @ wt.T,
+            "bwd_data": lambda: col2im(dy @ wt),
+            "bwd_weights": lambda: dy.T @ im2col()}
+
+
+def _numpy_fc(p, batch, rng):
+    k = int(np.prod(p["in_shape"]))
+    x = rng.standard_normal((batch, k), dtype=np.float32)
+    wt = rng.standard_normal((p["out_channels"], k), dtype=np.float32)
+    dy = rng.standard_normal((batch, p["out_channels"]), dtype=np.float32)
+    return {"fwd": lambda: x @ wt.T, "bwd_data": lambda: dy @ wt, "bwd_weights": lambda: dy.T @ x}
+
+
+def numpy_times(req) -> dict:
+    rng = np.random.default_rng(0)
+    out = {}
+    for p in req["problems"]:
+        runs = (_numpy_conv if p["type"] == "conv" else _numpy_fc)(p, req["batch"], rng)
+        for pass_name in req["passes"]:
+            out[f"{p['name']}/{pass_name}"] = _median(runs[pass_name], req["repeats"])
+    return out
+
+
+def onednn_runs(req) -> dict:
+    """Run every conv problem through PyTorch, printing a marker line before each timed call
+    so the parent can attribute oneDNN's verbose lines. Returns PyTorch wall times."""
+    import torch
+    torch.set_num_threads(req["threads"])
+    batch, wall = req["batch"], {}
+    for p in req["problems"]:
+        if p["type"] != "conv":
+            continue
+        c, h, w = p["in_shape"]
+        x = torch.randn(batch, c, h, w)
+        wt = torch.randn(p["out_channels"], c, *p["kernel"])
+        conv = lambda inp, wgt: torch.nn.functional.conv2d(inp, wgt, stride=p["stride"], padding=p["pad"])  # noqa: E731
+        dy = torch.randn_like(conv(x, wt))
+        xg, wg = x.clone().requires_grad_(), wt.clone().requires_grad_()
+
+        def fwd():
+            with torch.no_grad():
+                conv(x, wt)
+
+        def bwd():
+            xg.grad = wg.grad = None
+            conv(xg, wg).backward(dy)
+
+        for label, fn in (("fwd", fwd), ("bwd", bwd)):
+            fn()  # warm-up: primitive creation
+            times = []
+            for _ in range(req["repeats"]):
+                print(f"{MARK} {p['name']} {label}", flush=True)
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            print(f"{MARK} end", flush=True)
+            wall[f"{p['name']}/{label}"] = float(np.median(times))
+    return wall
+
+
+_PROP = {"forward_training": "fwd", "forward_inference": "fwd", "backward_data": "bwd_data",
+         "backward_weights": "bwd_weights"}
+
+
+def parse_verbose(text: str) -> dict:
+    """{layer/pass: median primitive time in seconds} from marker-delimited verbose output."""
+    per_call: dict[str, list[float]] = {}
+    current = None
+    for line in text.splitlines():
+        if line.startswith(MARK):
+            parts = line.split()
+            current = parts[1] if len(parts) == 3 else None
+            calls: dict[str, float] = {}
+            if current:
+                per_call.setdefault(current, [])
+                per_call[current].append(calls)  # type: ignore[arg-type]
+            continue
+        if current is None or ",exec," not in line or ",convolution," not in line:
+            continue
+        fields = line.split(",")
+        prop = next((_PROP[f] for f in fields if f in _PROP), None)
+        if prop is not None:
+            calls[prop] = calls.get(prop, 0.0) + float(fields[-1]) / 1e3
+    out: dict[str, float] = {}
+    for layer, calls_list in per_call.items():
+        for prop in ("fwd", "bwd_data", "bwd_weights"):
+            values = [c[prop] for c in calls_list if prop in c]  # type: ignore[index]
+            if values:
+                out[f"{layer}/{prop}"] = float(np.median(values))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    request, result = argv
+    req = json.load(open(request))
+    out: dict[str, dict] = {}
+    if "numpy" in req["compare"]:
+        for key, t in numpy_times(req).items():
+            out.setdefault(key, {})["numpy"] = t
+    if "onednn" in req["compare"]:
+        import subprocess
+        env = dict(os.environ, ONEDNN_VERBOSE="profile_exec")
+        proc = subprocess.run([sys.executable, "-c", "import json, sys; from pcldnn_gen.baselines import onednn_runs; "
+                               "print('@@wall ' + json.dumps(onednn_runs(json.load(open(sys.argv[1])))))", request],
+                              env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stderr)
+            return 1
+        wall = json.loads(re.search(r"^@@wall (.*)$", proc.stdout, re.M).group(1))
+        for key, t in parse_verbose(proc.stdout).items():
+            out.setdefault(key, {})["onednn"] = t
+        for key, t in wall.items():
+            layer, label = key.split("/")
+            if label == "fwd":
+                out.setdefault(key, {})["onednn_wall"] = t
+    json.dump(out, open(result, "w"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,188 @@
+"""Benchmarks: the machine's FMA peak, and every layer and pass of a net against it and
+against baselines (numpy im2col + BLAS, oneDNN through PyTorch), measured in one run so
+that machine noise largely cancels in the ratios. Timings are medians over repeats after a
+warm-up; our kernels are timed on blocked layouts, like oneDNN's primitive times."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+import pcldnn_runtime as pr
+from pcldnn_runtime.kernels import empty_aligned, file_sha256, load_library, ptr
+
+from . import __version__
+from .arch import Arch
+from .build import build
+from .codegen import VECTOR_ISAS, Source, _env
+from .compiler import compile_source
+from .errors import PcldnnError
+from .netspec import NetSpec
+
+PASS_NAMES = ("fwd", "bwd_data", "bwd_weights")
+BASELINES = ("numpy", "onednn")
+
+
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall time of `fn` over `repeats` runs after one warm-up run."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def measure_peak(arch: Arch, threads: int, repeats: int = 5) -> float:
+    """FMA peak in GFLOP/s with `threads` threads, from a generated kernel of independent
+    FMA chains (no memory traffic)."""
+    pr.cpu.require(arch.isa, "measuring the peak")
+    accumulators = max(2 * arch.fma_latency * arch.fma_units, 1)
+    accumulators = min(accumulators, arch.vector_registers - 2)
+    symbol = "pcldnn_peak"
+    text = _env().get_template("peak.c.j2").render(
+        arch=arch, vec=VECTOR_ISAS[arch.isa], symbol=symbol, version=__version__,
+        params=pr.kernels.SIGNATURES["peak"], accumulators=accumulators)
+    lib = compile_source(Source("peak.c", text, {symbol: "peak"}), arch).library
+    fn = load_library(lib, file_sha256(lib), {symbol: "peak"})[symbol]
+    sink = np.zeros(1, dtype=np.float32)
+    flops_per_iter = 2 * arch.vector_floats * accumulators * threads
+    iters = 1 << 16
+    while True:  # calibrate to ~0.1 s per call
+        start = time.perf_counter()
+        fn(iters, threads, ptr(sink))
+        if time.perf_counter() - start > 0.05 or iters > 1 << 34:
+            break
+        iters *= 4
+    seconds = median_seconds(lambda: fn(iters, threads, ptr(sink)), repeats)
+    return flops_per_iter * iters / seconds / 1e9
+
+
+@dataclass(frozen=True)
+class PassResult:
+    layer: str
+    pass_name: str
+    ms: float
+    gflops: float
+    peak_fraction: float
+    vs_numpy: float | None = None          # numpy time / our time (>1: we are faster)
+    vs_onednn: float | None = None         # oneDNN primitive time / our kernel time
+    vs_onednn_wall: float | None = None    # PyTorch wall time (reorders included) / our kernel time
+
+
+def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASS_NAMES,
+              layers: list[str] | None = None, repeats: int = 5, compare=(), peak: float | None = None,
+              build_dir: Path | None = None) -> tuple[float, list[PassResult]]:
+    """Time every (weighted layer, pass). Returns (peak GFLOP/s, results)."""
+    chosen = [l for l in spec.layers if l.weighted and (layers is None or l.name in layers)]
+    if layers:
+        unknown = set(layers) - {l.name for l in spec.layers if l.weighted}
+        if unknown:
+            raise PcldnnError(f"{spec.name}: no conv/fc layer named {', '.join(sorted(unknown))}")
+    peak = peak or measure_peak(arch, threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = build_dir or Path(tmp) / "build"
+        build(spec, arch, out)
+        net = pr.load(out, threads=threads)
+        ours = {}
+        for ls in chosen:
+            layer = net.layers[ls.name]
+            rng = np.random.default_rng(0)
+            xb = empty_aligned(layer.blocked_shape(layer.in_shape, batch))
+            xb[...] = rng.standard_normal(xb.shape)
+            yb, dyb = (empty_aligned(layer.blocked_shape(layer.out_shape, batch)) for _ in range(2))
+            dxb = empty_aligned(xb.shape)
+            dyb[...] = rng.standard_normal(dyb.shape)
+            grads = (empty_aligned(layer._dwt.shape), empty_aligned(layer._dbias.shape))
+            runs = {"fwd": lambda: layer.forward_blocked(xb, yb),
+                    "bwd_data": lambda: layer.backward_blocked(xb, None, None, dyb, dxb),
+                    "bwd_weights": lambda: layer.backward_blocked(xb, None, None, dyb, None, grads)}
+            for p in passes:
+                ours[(ls.name, p)] = median_seconds(runs[p], repeats)
+    base = run_baselines(chosen, arch, batch, threads, passes, repeats, compare) if compare else {}
+    results = []
+    for ls in chosen:
+        flops = ls.flops(batch)
+        for p in passes:
+            t = ours[(ls.name, p)]
+            b = base.get(f"{ls.name}/{p}", {})
+            ratio = lambda key: (b[key] / t) if b.get(key) else None  # noqa: E731
+            results.append(PassResult(ls.name, p, t * 1e3, flops / t / 1e9, flops / t / 1e9 / peak,
+                                      ratio("numpy"), ratio("onednn"), ratio("onednn_wall")))
+    return peak, results
+
+
+def run_baselines(layers, arch: Arch, batch: int, threads: int, passes, repeats: int, compare) -> dict:
+    """Run pcldnn_gen.baselines in a subprocess whose environment pins the ISA and the thread
+    count of the libraries (OpenBLAS, oneDNN) to what our kernels get."""
+    unknown = set(compare) - set(BASELINES)
+    if unknown:
+        raise PcldnnError(f"unknown baseline {', '.join(sorted(unknown))}; known: {', '.join(BASELINES)}")
+    problems = [{"name": l.name, "type": l.type, "in_shape": l.in_shape, "out_channels": l.out_shape[0],
+                 "kernel": l.kernel, "stride": l.stride, "pad": l.pad} for l in layers]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads))
+    if arch.isa == "avx2":
+        env.update(ONEDNN_MAX_CPU_ISA="AVX2", OPENBLAS_CORETYPE="Haswell")
+    env.pop("OPENBLAS_L2_SIZE", None)
+    with tempfile.TemporaryDirectory() as tmp:
+        request = Path(tmp) / "request.json"
+        result = Path(tmp) / "result.json"
+        request.write_text(json.dumps({"problems": problems, "batch": batch, "threads": threads,
+                                       "passes": list(passes), "repeats": repeats, "compare": list(compare)}))
+        proc = subprocess.run([sys.executable, "-m", "pcldnn_gen.baselines", str(request), str(result)],
+                              env=env, capture_output=True, text=True, timeout=3600)
+        if proc.returncode != 0:
+            raise PcldnnError(f"baseline run failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr else proc.returncode}")
+        return json.loads(result.read_text())
+
+
+def format_table(spec: NetSpec, arch: Arch, batch: int, threads: int, peak: float, results: list[PassResult]) -> str:
+    lines = [f"{spec.name} on {arch.name}, minibatch {batch}, {threads} thread(s); measured FMA peak {peak:.1f} GFLOP/s",
+             f"{'layer':<8} {'pass':<12} {'ms':>9} {'GFLOP/s':>8} {'%peak':>6} {'xnumpy':>7} {'xoneDNN':>8} {'xoneDNN wall':>12}"]
+
+    def fmt(v, width):
+        return f"{v:{width}.2f}" if v is not None else f"{'-':>{width}}"
+
+    for r in results:
+        lines.append(f"{r.layer:<8} {r.pass_name:<12} {r.ms:9.2f} {r.gflops:8.1f} {r.peak_fraction:6.0%} "
+                     f"{fmt(r.vs_numpy, 7)} {fmt(r.vs_onednn, 8)} {fmt(r.vs_onednn_wall, 12)}")
+    lines.append("x columns: baseline time / our time (> 1: ours is faster); oneDNN = its primitive time "
+                 "(ONEDNN_VERBOSE), oneDNN wall = PyTorch call time including layout reorders")
+    return "\n".join(lines)
+
+
+def results_json(spec: NetSpec, arch: Arch, batch: int, threads: int, peak: float, results: list[PassResult]) -> dict:
+    return {"net": spec.name, "arch": arch.to_json(), "batch": batch, "threads": threads, "peak_gflops": peak,
+            "results": [asdict(r) for r in results]}
+
+
+def plot(path: Path, spec: NetSpec, arch: Arch, results: list[PassResult]) -> None:
+    """Bar chart: per layer and pass, our fraction of peak beside oneDNN's (ours / ratio)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PcldnnError("--plot needs matplotlib: pip install 'pcldnn-gen[bench]'") from None
+    labels = [f"{r.layer}\n{r.pass_name}" for r in results]
+    ours = [100 * r.peak_fraction for r in results]
+    theirs = [100 * r.peak_fraction / r.vs_onednn if r.vs_onednn else 0 for r in results]
+    x = np.arange(len(results))
+    fig, ax = plt.subplots(figsize=(max(6, 0.55 * len(results)), 4))
+    ax.bar(x - 0.2, ours, 0.4, label="pcldnn-gen")
+    if any(theirs):
+        ax.bar(x + 0.2, theirs, 0.4, label="oneDNN (primitive time)")
+    ax.set_xticks(x, labels, fontsize=7)
+    ax.set_ylabel("% of measured FMA peak")
+    ax.set_title(f"{spec.name}, {arch.name}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

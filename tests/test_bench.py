@@ -1,0 +1,68 @@
+"""Benchmark plumbing (not speed: timings are never asserted): peak kernel, per-pass table,
+baselines, and the parsing of oneDNN's verbose output."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import RUNNABLE_ISAS
+from pcldnn_gen import bench
+from pcldnn_gen.arch import get_arch
+from pcldnn_gen.baselines import MARK, parse_verbose
+from pcldnn_gen.cli import main
+from pcldnn_gen.netspec import parse_netspec
+
+TINY = parse_netspec({"name": "tiny", "input": {"channels": 3, "height": 8, "width": 8}, "layers": [
+    {"name": "c1", "type": "conv", "out_channels": 8, "kernel": 3, "pad": 1, "activation": "relu"},
+    {"name": "f1", "type": "fc", "out_features": 5}]})
+
+
+def test_peak_kernel_runs_and_reports_flops():
+    gflops = bench.measure_peak(get_arch(RUNNABLE_ISAS[-1]), threads=1, repeats=1)
+    assert np.isfinite(gflops) and gflops > 0
+
+
+def test_bench_net_with_numpy_baseline(tmp_path):
+    peak, results = bench.bench_net(TINY, get_arch(RUNNABLE_ISAS[-1]), batch=3, threads=1, repeats=1,
+                                    compare=("numpy",), peak=100.0)
+    assert peak == 100.0
+    assert [(r.layer, r.pass_name) for r in results] == [(l, p) for l in ("c1", "f1") for p in bench.PASS_NAMES]
+    for r in results:
+        assert r.ms > 0 and r.gflops > 0 and r.peak_fraction == pytest.approx(r.gflops / 100.0)
+        assert r.vs_numpy is not None and r.vs_numpy > 0 and r.vs_onednn is None
+    table = bench.format_table(TINY, get_arch("avx2"), 3, 1, peak, results)
+    assert "c1       bwd_weights" in table and "measured FMA peak 100.0" in table
+
+
+def test_parse_onednn_verbose_attributes_primitive_times_to_passes():
+    conv = ("onednn_verbose,v1,primitive,exec,cpu,convolution,jit:avx2,{prop},src:f32 wei:f32 dst:f32,"
+            "attr-scratchpad:user,alg:convolution_direct,mb16_ic128oc256_ih56oh56kh3sh1dh0ph1_iw56ow56kw3sw1dw0pw1,{ms}")
+    reorder = "onednn_verbose,v1,primitive,exec,cpu,reorder,jit:blk,undef,src:f32 dst:f32,,16x128x56x56,23.9"
+    text = "\n".join([
+        f"{MARK} conv3 fwd", reorder, conv.format(prop="forward_inference", ms="10.0"),
+        f"{MARK} conv3 fwd", reorder, conv.format(prop="forward_inference", ms="12.0"),
+        f"{MARK} conv3 fwd", conv.format(prop="forward_inference", ms="30.0"), f"{MARK} end",
+        f"{MARK} conv3 bwd", reorder, conv.format(prop="backward_data", ms="20.0"),
+        conv.format(prop="backward_weights", ms="40.0"), f"{MARK} end",
+        conv.format(prop="forward_inference", ms="999"),  # outside any marker: ignored
+    ])
+    got = parse_verbose(text)
+    assert got == {"conv3/fwd": pytest.approx(0.012), "conv3/bwd_data": pytest.approx(0.020),
+                   "conv3/bwd_weights": pytest.approx(0.040)}
+
+
+def test_cli_bench_json_and_errors(tmp_path, capsys):
+    net = tmp_path / "tiny.json"
+    net.write_text(json.dumps({"name": "tiny", "input": {"channels": 3, "height": 8, "width": 8}, "layers": [
+        {"name": "c1", "type": "conv", "out_channels": 8, "kernel": 3, "pad": 1}]}))
+    out = tmp_path / "r.json"
+    assert main(["bench", str(net), "--arch", RUNNABLE_ISAS[-1], "--batch", "2", "--threads", "1",
+                 "--repeats", "1", "--passes", "fwd", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["batch"] == 2 and [r["pass_name"] for r in data["results"]] == ["fwd"]
+    assert main(["bench", str(net), "--passes", "sideways"]) == 2
+    assert "unknown pass sideways" in capsys.readouterr().err
+    assert main(["bench", str(net), "--layers", "nope", "--arch", RUNNABLE_ISAS[-1]]) == 2
+    assert "no conv/fc layer named nope" in capsys.readouterr().err
