@@ -89,6 +89,7 @@ FC_SHAPES = [
     (6, 64, 2, 2, 8, True),
     (2, 1, 1, 1, 1, False),
     (11, 256, 1, 1, 40, True),
+    (3, 20, 1, 1, 300, False),  # more than 32 output blocks on AVX2: backward-data reduces in chunks
 ]
 
 
