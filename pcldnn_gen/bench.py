@@ -189,7 +189,7 @@ def plot(path: Path, spec: NetSpec, arch: Arch, results: list[PassResult]) -> No
     ax.bar(x - 0.2, ours, 0.4, label="pcldnn-gen")
     if any(theirs):
         ax.bar(x + 0.2, theirs, 0.4, label="oneDNN (primitive time)")
-    ax.set_xticks(x, labels, fontsize=7)
+    ax.set_xticks(x, [l.replace("\n", " ") for l in labels], fontsize=7, rotation=60, ha="right")
     ax.set_ylabel("% of measured FMA peak")
     ax.set_title(f"{spec.name}, {arch.name}")
     ax.legend()
