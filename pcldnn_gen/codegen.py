@@ -157,8 +157,8 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
     widths: set[int] = set()
     if plan.tile is not None:
         widths = {plan.tile.width, *plan.remainders}
-        if plan.kind == "conv_fwd" and (plan.ow_lo > 0 or plan.ow_hi < layer.out_shape[2]):
-            widths.add(1)  # border pixels
+        if plan.kind == "conv_fwd" and plan.geometry["border_px"]:
+            widths.add(1)  # border pixels without an edge tile
     text = _env().get_template(TEMPLATES[plan.kind]).render(
         layer=layer, arch=arch, plan=plan, V=v, vec=VECTOR_ISAS[arch.isa], symbol=symbol,
         params=SIGNATURES[plan.kind], version=__version__, plan_lines=_comment_lines(plan),

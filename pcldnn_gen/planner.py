@@ -178,6 +178,54 @@ def _row_efficiency(tile: RegisterTile, interior: int, border: int, arch: Arch) 
     return work / cycles, rem
 
 
+def _edge_tile(layer: LayerSpec, start: int, width: int) -> dict:
+    """A tile of output columns [start, start + width) at the edge of the row: for each kernel
+    column, the (pixel, input column) pairs that read inside the input. The table is static, so
+    the emitted tile issues FMAs for exactly those pairs and never tests a bound."""
+    iw, kw, sw, pw = layer.in_shape[2], layer.kernel[1], layer.stride[1], layer.pad[1]
+    taps = []
+    for k in range(kw):
+        pixels = [(p, (start + p) * sw - pw + k) for p in range(width) if 0 <= (start + p) * sw - pw + k < iw]
+        if pixels:
+            taps.append({"kw": k, "pixels": pixels})
+    return {"start": start, "width": width, "taps": taps}
+
+
+def _conv_row_plan(layer: LayerSpec, tile: RegisterTile, ow_lo: int, ow_hi: int, arch: Arch) -> tuple[float, dict]:
+    """How one output row is covered with `tile`: an edge tile at each padded end when the row
+    is wide enough (else 1-px border tiles), full tiles and one remainder in between. Returns
+    the predicted fraction of peak over the row, and the geometry the template emits."""
+    ow, kw, w = layer.out_shape[2], layer.kernel[1], tile.width
+    left = ow_lo > 0 and ow_lo <= w and 2 * w <= ow
+    right = ow_hi < ow and ow - ow_hi <= w and 2 * w <= ow
+    mid_lo = w if left else ow_lo
+    mid_hi = ow - w if right else ow_hi
+    if mid_hi < mid_lo:
+        left = right = False
+        mid_lo, mid_hi = ow_lo, ow_hi
+    full, rem = divmod(mid_hi - mid_lo, w)
+    geometry = {"left": _edge_tile(layer, 0, w) if left else None,
+                "right": _edge_tile(layer, ow - w, w) if right else None,
+                "mid_lo": mid_lo, "mid_hi": mid_hi, "rem": rem,
+                "border_px": (0 if left else ow_lo) + (0 if right else ow - ow_hi)}
+    work = cycles = 0.0
+
+    def add(pixels: int, count: int = 1) -> None:
+        nonlocal work, cycles
+        if pixels and count:
+            t = RegisterTile.evaluate(pixels, tile.vectors, arch)
+            work += pixels * tile.vectors * count
+            cycles += pixels * tile.vectors * count / t.efficiency
+
+    add(w, full * kw)
+    add(rem, kw)
+    add(1, geometry["border_px"] * kw)
+    for edge in (geometry["left"], geometry["right"]):
+        for tap in edge["taps"] if edge else ():
+            add(len(tap["pixels"]))
+    return (work / cycles if work else 1.0), geometry  # a row of pure padding has nothing to compute
+
+
 def _plan_conv_fwd(layer: LayerSpec, arch: Arch) -> KernelPlan:
     v = arch.vector_floats
     ic, ih, iw = layer.in_shape
@@ -192,11 +240,12 @@ def _plan_conv_fwd(layer: LayerSpec, arch: Arch) -> KernelPlan:
     interior, border = ow_hi - ow_lo, ow - (ow_hi - ow_lo)
 
     scored = []
-    for tile in _candidates(max(1, min(interior, arch.vector_registers)), _divisors(ocb), arch):
-        eff, rem = _row_efficiency(tile, interior, border, arch)
-        scored.append((eff, tile.width * tile.vectors, -tile.registers, tile, rem))
+    for tile in _candidates(max(1, min(ow, arch.vector_registers)), _divisors(ocb), arch):
+        eff, geometry = _conv_row_plan(layer, tile, ow_lo, ow_hi, arch)
+        scored.append((eff, tile.width * tile.vectors, -tile.registers, tile, geometry))
     scored.sort(key=lambda s: s[:3], reverse=True)
-    eff, _, _, tile, rem = scored[0]
+    eff, _, _, tile, geometry = scored[0]
+    rem = geometry["rem"]
 
     slice_bytes = tile.vectors * v * v * kh * kw * 4  # weights of one input-channel block
     ifb = max(1, min(icb, (arch.l1d_bytes // 2) // slice_bytes))
@@ -213,14 +262,18 @@ def _plan_conv_fwd(layer: LayerSpec, arch: Arch) -> KernelPlan:
         f"{tile.loads_per_fma:.2f} loads/FMA, {tile.width * tile.vectors} independent chains "
         f"(latency {arch.fma_latency} x {arch.fma_units} FMA units x headroom {LATENCY_HEADROOM} needs "
         f"{LATENCY_HEADROOM * arch.fma_latency * arch.fma_units:g}); "
-        f"row of {ow} px = {interior // tile.width} full tiles"
-        + (f" + 1 of {rem}" if rem else "") + (f" + {border} border px" if border else "")
+        f"row of {ow} px = " + " + ".join(
+            ([f"left edge tile of {tile.width}"] if geometry["left"] else [])
+            + [f"{(geometry['mid_hi'] - geometry['mid_lo']) // tile.width} full tiles"]
+            + ([f"1 of {rem}"] if rem else [])
+            + ([f"right edge tile of {tile.width}"] if geometry["right"] else [])
+            + ([f"{geometry['border_px']} border px"] if geometry["border_px"] else []))
         + f" -> {eff:.0%} of peak predicted; ifm block {ifb}/{icb} channel blocks keeps the "
         f"{ifb * slice_bytes // 1024} KiB weight slice within half of L1 ({arch.l1d_bytes // 1024} KiB)"
     )
     return KernelPlan(layer.name, "fwd", "conv_fwd", arch.isa, v, tile, (rem,) if rem else (), ifb,
                       "input-channel blocks", ow_lo, ow_hi, eff, ifb * slice_bytes, l2_bpf, reason,
-                      rejected=tuple(s[3] for s in scored[1:6]))
+                      geometry=geometry, rejected=tuple(s[3] for s in scored[1:6]))
 
 
 def _plan_fc_fwd(layer: LayerSpec, arch: Arch) -> KernelPlan:

@@ -34,9 +34,7 @@ def test_every_tile_fits_the_register_file(isa, net_file):
         k = icb * v * layer.in_shape[1] * layer.in_shape[2]
         if plan.kind == "conv_fwd":
             assert ocb % t.vectors == 0
-            interior = plan.ow_hi - plan.ow_lo
-            assert 0 <= plan.ow_lo <= plan.ow_hi <= layer.out_shape[2]
-            assert plan.remainders == ((interior % t.width,) if interior % t.width else ())
+            _check_conv_row(layer, plan)
             assert plan.l1_working_set <= arch.l1d_bytes // 2 or plan.chunk == 1
         elif plan.kind == "conv_bwd_data":
             assert icb % t.vectors == 0
@@ -54,6 +52,28 @@ def test_every_tile_fits_the_register_file(isa, net_file):
             assert k % t.vectors == 0
         elif plan.kind == "fc_bwd_weights":
             assert k % t.width == 0 and ocb % t.vectors == 0
+
+
+def _check_conv_row(layer, plan):
+    """The forward row plan covers every output column exactly once, edge tiles read only
+    inside the input, and the middle needs no bounds at all."""
+    ow, iw = layer.out_shape[2], layer.in_shape[2]
+    (kw,), (sw,), (pw,) = layer.kernel[1:], layer.stride[1:], layer.pad[1:]
+    g, w = plan.geometry, plan.tile.width
+    assert 0 <= plan.ow_lo <= plan.ow_hi <= ow
+    assert plan.ow_lo <= g["mid_lo"] <= g["mid_hi"] <= plan.ow_hi
+    assert plan.remainders == (((g["mid_hi"] - g["mid_lo"]) % w,) if (g["mid_hi"] - g["mid_lo"]) % w else ())
+    left = g["left"]["width"] if g["left"] else plan.ow_lo
+    right = g["right"]["width"] if g["right"] else ow - plan.ow_hi
+    assert left == g["mid_lo"] and ow - right == g["mid_hi"]
+    assert g["border_px"] == (0 if g["left"] else plan.ow_lo) + (0 if g["right"] else ow - plan.ow_hi)
+    for edge in (g["left"], g["right"]):
+        if edge:
+            taps = {(p, tap["kw"]): col for tap in edge["taps"] for p, col in tap["pixels"]}
+            for p in range(edge["width"]):
+                for k in range(kw):
+                    col = (edge["start"] + p) * sw - pw + k
+                    assert taps.get((p, k)) == (col if 0 <= col < iw else None)
 
 
 def test_register_tile_model_by_hand():
@@ -100,8 +120,7 @@ def test_any_conv_plan_is_consistent(isa, c, oc, h, w, k, s, p):
     assert t.registers <= arch.vector_registers
     assert blocks(oc, arch.vector_floats) % t.vectors == 0
     interior = plan.ow_hi - plan.ow_lo
-    full = interior // t.width
-    assert full * t.width + sum(plan.remainders) == interior
+    _check_conv_row(layer, plan)
     # interior columns need no bounds: their windows lie inside the unpadded input
     for col in (plan.ow_lo, plan.ow_hi - 1) if interior else ():
         assert 0 <= col * s - p and col * s - p + k <= w
