@@ -16,17 +16,9 @@ import time
 
 import numpy as np
 
+from .bench import median_seconds
+
 MARK = "@@pcldnn-baseline"
-
-
-def _median(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 def _numpy_conv(p, batch, rng):
@@ -71,7 +63,7 @@ def numpy_times(req) -> dict:
     for p in req["problems"]:
         runs = (_numpy_conv if p["type"] == "conv" else _numpy_fc)(p, req["batch"], rng)
         for pass_name in req["passes"]:
-            out[f"{p['name']}/{pass_name}"] = _median(runs[pass_name], req["repeats"])
+            out[f"{p['name']}/{pass_name}"] = median_seconds(runs[pass_name], req["repeats"])
     return out
 
 
