@@ -35,6 +35,18 @@ class VectorISA:
     _set1: str
     _add: str
     _hsum: str
+    index_type: str       # a vector of int32 lane indices (kept as float bits in AVX registers)
+    _argmax: str          # statement: where the value beats best, take it and its index
+    _index_store: str
+
+    def argmax_update(self, value: str, best: str, where: str, pos: str) -> str:
+        return self._argmax.format(v=value, b=best, w=where, p=pos)
+
+    def index_zero(self) -> str:
+        return "0" if self.index_type == "int" else self.zero()  # all-zero bits are int32 zeros
+
+    def index_store(self, addr: str, value: str) -> str:
+        return self._index_store.format(a=addr, v=value)
 
     def load(self, addr: str) -> str:
         return self._load.format(a=addr)
@@ -79,13 +91,21 @@ static inline float hsum256(__m256 v)
 VECTOR_ISAS: dict[str, VectorISA] = {
     "avx2": VectorISA("__m256", "immintrin.h", _AVX2_HSUM, "_mm256_loadu_ps({a})", "_mm256_storeu_ps({a}, {v})",
                       "_mm256_broadcast_ss({a})", "_mm256_fmadd_ps({a}, {b}, {c})",
-                      "_mm256_max_ps({a}, {b})", "_mm256_set1_ps({v})", "_mm256_add_ps({a}, {b})", "hsum256({a})"),
+                      "_mm256_max_ps({a}, {b})", "_mm256_set1_ps({v})", "_mm256_add_ps({a}, {b})", "hsum256({a})",
+                      "__m256",
+                      "{{ const __m256 gt = _mm256_cmp_ps({v}, {b}, _CMP_GT_OQ); {b} = _mm256_blendv_ps({b}, {v}, gt); "
+                      "{w} = _mm256_blendv_ps({w}, _mm256_castsi256_ps(_mm256_set1_epi32({p})), gt); }}",
+                      "_mm256_storeu_ps((float *)({a}), {v})"),
     "avx512": VectorISA("__m512", "immintrin.h", "", "_mm512_loadu_ps({a})", "_mm512_storeu_ps({a}, {v})",
                         "_mm512_set1_ps(*({a}))", "_mm512_fmadd_ps({a}, {b}, {c})",
                         "_mm512_max_ps({a}, {b})", "_mm512_set1_ps({v})", "_mm512_add_ps({a}, {b})",
-                        "_mm512_reduce_add_ps({a})"),
+                        "_mm512_reduce_add_ps({a})", "__m512",
+                        "{{ const __mmask16 gt = _mm512_cmp_ps_mask({v}, {b}, _CMP_GT_OQ); {b} = _mm512_mask_blend_ps(gt, {b}, {v}); "
+                        "{w} = _mm512_mask_blend_ps(gt, {w}, _mm512_castsi512_ps(_mm512_set1_epi32({p}))); }}",
+                        "_mm512_storeu_ps((float *)({a}), {v})"),
     "scalar": VectorISA("float", "", "", "*({a})", "*({a}) = {v}", "*({a})", "{c} + {a} * {b}",
-                        "fmaxf({a}, {b})", "({v})", "{a} + {b}", "({a})"),
+                        "fmaxf({a}, {b})", "({v})", "{a} + {b}", "({a})", "int",
+                        "if ({v} > {b}) {{ {b} = {v}; {w} = {p}; }}", "*({a}) = {v}"),
 }
 
 # Template of each kernel kind.
