@@ -21,7 +21,7 @@ from pcldnn_runtime.kernels import empty_aligned, file_sha256, load_library, ptr
 from . import __version__
 from .arch import Arch
 from .build import build
-from .codegen import VECTOR_ISAS, Source, _env
+from .codegen import VECTOR_ISAS, Source, template_env
 from .compiler import compile_source
 from .errors import PcldnnError
 from .netspec import NetSpec
@@ -48,7 +48,7 @@ def measure_peak(arch: Arch, threads: int, repeats: int = 5) -> float:
     accumulators = max(2 * arch.fma_latency * arch.fma_units, 1)
     accumulators = min(accumulators, arch.vector_registers - 2)
     symbol = "pcldnn_peak"
-    text = _env().get_template("peak.c.j2").render(
+    text = template_env().get_template("peak.c.j2").render(
         arch=arch, vec=VECTOR_ISAS[arch.isa], symbol=symbol, version=__version__,
         params=pr.kernels.SIGNATURES["peak"], accumulators=accumulators)
     lib = compile_source(Source("peak.c", text, {symbol: "peak"}), arch).library

@@ -54,7 +54,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _peak(args: argparse.Namespace) -> int:
     from .bench import measure_peak
     arch = get_arch(args.arch)
-    counts = sorted({1, args.threads or pr_cores()})
+    counts = sorted({1, args.threads or _cores()})
     base = None
     for n in counts:
         gflops = measure_peak(arch, n)
@@ -63,7 +63,7 @@ def _peak(args: argparse.Namespace) -> int:
     return 0
 
 
-def pr_cores() -> int:
+def _cores() -> int:
     from pcldnn_runtime import cpu
     return cpu.usable_cores()
 
@@ -72,7 +72,7 @@ def _bench(args: argparse.Namespace) -> int:
     from . import bench
     net = load_netspec(args.net)
     arch = get_arch(args.arch)
-    threads = args.threads or pr_cores()
+    threads = args.threads or _cores()
     passes = tuple(args.passes.split(","))
     bad = [p for p in passes if p not in PASSES]
     if bad:

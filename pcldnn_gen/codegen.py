@@ -6,6 +6,7 @@ template serves scalar C, AVX2 and AVX-512 and never assumes a vector width.
 """
 from __future__ import annotations
 
+import functools
 import textwrap
 from dataclasses import dataclass
 from importlib import resources
@@ -129,25 +130,16 @@ class Source:
     symbols: dict[str, str]
 
 
-def _environment() -> jinja2.Environment:
+@functools.lru_cache(maxsize=1)
+def template_env() -> jinja2.Environment:
+    """The templates, found through the package (editable install or wheel alike)."""
     folder = resources.files("pcldnn_gen.templates")
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(folder)),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
-        trim_blocks=False,
         autoescape=False,
     )
-
-
-_ENV: jinja2.Environment | None = None
-
-
-def _env() -> jinja2.Environment:
-    global _ENV
-    if _ENV is None:
-        _ENV = _environment()
-    return _ENV
 
 
 def kernel_symbol(layer: str, pass_name: str) -> str:
@@ -179,7 +171,7 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
         widths = {plan.tile.width, *plan.remainders}
         if plan.kind == "conv_fwd" and plan.geometry["border_px"]:
             widths.add(1)  # border pixels without an edge tile
-    text = _env().get_template(TEMPLATES[plan.kind]).render(
+    text = template_env().get_template(TEMPLATES[plan.kind]).render(
         layer=layer, arch=arch, plan=plan, V=v, vec=VECTOR_ISAS[arch.isa], symbol=symbol,
         params=SIGNATURES[plan.kind], version=__version__, plan_lines=_comment_lines(plan),
         R=plan.tile.vectors if plan.tile else 0, tile_widths=sorted(widths, reverse=True),
@@ -202,7 +194,7 @@ def render_layout(layer: LayerSpec, arch: Arch) -> Source:
     if layer.weighted:
         oc, ic = layer.out_shape[0], layer.in_shape[0]
         wshape = (oc, ic, *layer.kernel)
-    text = _env().get_template("layout.c.j2").render(
+    text = template_env().get_template("layout.c.j2").render(
         layer=layer, arch=arch, V=arch.vector_floats, vec=VECTOR_ISAS[arch.isa], version=__version__,
         prefix=f"pcldnn_{layer.name}", wshape=wshape, params=SIGNATURES)
     roles = layout_symbols(layer.name)
