@@ -237,7 +237,6 @@ def _plan_conv_fwd(layer: LayerSpec, arch: Arch) -> KernelPlan:
     # Columns whose whole window lies inside the input need no bounds: [ow_lo, ow_hi).
     ow_lo = min(ow, -(-pw // sw))
     ow_hi = max(ow_lo, min(ow, (iw + pw - kw) // sw + 1))
-    interior, border = ow_hi - ow_lo, ow - (ow_hi - ow_lo)
 
     scored = []
     for tile in _candidates(max(1, min(ow, arch.vector_registers)), _divisors(ocb), arch):
