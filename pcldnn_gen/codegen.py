@@ -175,7 +175,7 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
         layer=layer, arch=arch, plan=plan, V=v, vec=VECTOR_ISAS[arch.isa], symbol=symbol,
         params=SIGNATURES[plan.kind], version=__version__, plan_lines=_comment_lines(plan),
         R=plan.tile.vectors if plan.tile else 0, tile_widths=sorted(widths, reverse=True),
-        icb=blocks(c, v), ocb=blocks(layer.out_shape[0], v), k=blocks(c, v) * v * h * w,
+        icb=blocks(c, v), ocb=blocks(layer.out_shape[0], v), ic_tail=c - (blocks(c, v) - 1) * v, k=blocks(c, v) * v * h * w,
         size=blocks(c, v) * v * h * w, classes=c, ld=blocks(c, v) * v)
     return Source(f"{layer.name}_{plan.pass_name}.c", text, {symbol: plan.kind})
 

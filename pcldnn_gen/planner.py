@@ -8,7 +8,8 @@ issues width×vectors FMAs. A step takes at least
 cycles (the last term: every accumulator carries one dependent FMA per step, and the
 chains need LATENCY_HEADROOM times the bare latency × units to also hide the broadcast
 loads and loop overhead), so the fraction of the FMA peak a tile can reach is (FMAs / fma_units) / that. Candidates must fit
-the register file (width×vectors accumulators + vectors weights + 1 broadcast). Cache
+the register file (width×vectors accumulators + the shorter side of the tile held in
+registers + 1 register the longer side streams through). Cache
 blocks then keep the weights a tile streams within half of L1.
 """
 from __future__ import annotations
@@ -41,12 +42,16 @@ LATENCY_HEADROOM = 1.5
 # horizontal sums dominate), 366 with 16, 317 with 32, 322 with 64.
 PREFETCH_STREAMS = 32
 
+# The minibatch is a run-time argument of the fc kernels; cache blocks along K are sized for
+# this many rows (the targets' largest), and smaller minibatches only use less of the cache.
+FC_PLAN_BATCH = 256
+
 
 @dataclass(frozen=True)
 class RegisterTile:
     width: int          # outputs along the broadcast dimension (pixels, or minibatch rows)
     vectors: int        # output-channel vectors
-    registers: int      # accumulators + weight vectors + 1 broadcast
+    registers: int      # accumulators + the shorter side held in registers + 1 streaming register
     loads_per_fma: float
     efficiency: float   # fraction of FMA peak this tile alone can reach
 
@@ -55,7 +60,7 @@ class RegisterTile:
         fmas = width * vectors
         loads = width + vectors
         cycles = max(fmas / arch.fma_units, loads / arch.load_ports, LATENCY_HEADROOM * arch.fma_latency)
-        return RegisterTile(width, vectors, fmas + vectors + 1, loads / fmas,
+        return RegisterTile(width, vectors, fmas + min(width, vectors) + 1, loads / fmas,
                             (fmas / arch.fma_units) / cycles)
 
     def describe(self) -> str:
@@ -142,7 +147,7 @@ def _candidates(width_choices, vector_choices: list[int], arch: Arch) -> list[Re
     tiles = []
     for vectors in vector_choices:
         for width in width_choices:
-            if width * vectors + vectors + 1 <= arch.vector_registers:
+            if width * vectors + min(width, vectors) + 1 <= arch.vector_registers:
                 tiles.append(RegisterTile.evaluate(width, vectors, arch))
     if not tiles:
         raise PlanError(f"{arch.name}: {arch.vector_registers} vector registers cannot hold any register tile")
@@ -160,7 +165,7 @@ def _best(tiles: list[RegisterTile]) -> list[RegisterTile]:
 
 def _tile_sentence(tile: RegisterTile, arch: Arch, rows: str, vectors: str) -> str:
     return (f"register tile {tile.width} {rows} x {tile.vectors} {vectors}: {tile.width * tile.vectors} "
-            f"accumulators + {tile.vectors} vector loads + 1 = {tile.registers}/{arch.vector_registers} registers, "
+            f"accumulators + {min(tile.width, tile.vectors)} held + 1 streamed = {tile.registers}/{arch.vector_registers} registers, "
             f"{tile.loads_per_fma:.2f} loads/FMA")
 
 
@@ -238,26 +243,34 @@ def _plan_conv_fwd(layer: LayerSpec, arch: Arch) -> KernelPlan:
     ow_lo = min(ow, -(-pw // sw))
     ow_hi = max(ow_lo, min(ow, (iw + pw - kw) // sw + 1))
 
+    # Weights of one input-channel block for one oc-vector group; with a single, partly filled
+    # block (3-channel images) the kernel reads only the real lanes.
+    lanes = ic if icb == 1 else v
+    peak_flops_per_cycle = 2 * v * arch.fma_units
     scored = []
     for tile in _candidates(max(1, min(ow, arch.vector_registers)), _divisors(ocb), arch):
-        eff, geometry = _conv_row_plan(layer, tile, ow_lo, ow_hi, arch)
-        scored.append((eff, tile.width * tile.vectors, -tile.registers, tile, geometry))
-    scored.sort(key=lambda s: s[:3], reverse=True)
-    eff, _, _, tile, geometry = scored[0]
+        row_eff, geometry = _conv_row_plan(layer, tile, ow_lo, ow_hi, arch)
+        slice_bytes = tile.vectors * v * lanes * kh * kw * 4
+        ifb = max(1, min(icb, (arch.l1d_bytes // 2) // slice_bytes))
+        # L2 -> L1 traffic per output row of one oc-vector group, against its FLOPs: the
+        # weights once per row while an ifm block of them fits half of L1, else once per tile;
+        # each input row once; partial sums in and out once per ifm block.
+        tiles_row = -(-ow // tile.width)
+        flops_row = 2 * ow * tile.vectors * v * icb * lanes * kh * kw
+        weights_row = icb * slice_bytes * (1 if ifb * slice_bytes <= arch.l1d_bytes // 2 else tiles_row)
+        inputs_row = icb * kh * iw * v * 4
+        partials_row = 2 * math.ceil(icb / ifb) * ow * tile.vectors * v * 4
+        l2_bpf = (weights_row + inputs_row + partials_row) / flops_row
+        # Roofline: the row cannot run faster than L2 delivers its bytes.
+        eff = min(row_eff, arch.l2_bytes_per_cycle / (l2_bpf * peak_flops_per_cycle))
+        scored.append((eff, tile.width * tile.vectors, -tile.registers, -l2_bpf, tile, geometry, ifb, slice_bytes, l2_bpf))
+    scored.sort(key=lambda s: s[:4], reverse=True)
+    eff, _, _, _, tile, geometry, ifb, slice_bytes, l2_bpf = scored[0]
     rem = geometry["rem"]
-
-    slice_bytes = tile.vectors * v * v * kh * kw * 4  # weights of one input-channel block
-    ifb = max(1, min(icb, (arch.l1d_bytes // 2) // slice_bytes))
-    # L2 → L1 traffic per output row of one oc-vector group, against its FLOPs.
-    flops_row = 2 * ow * tile.vectors * v * icb * v * kh * kw
-    weights_row = icb * slice_bytes
-    inputs_row = icb * kh * iw * v * 4
-    partials_row = 2 * math.ceil(icb / ifb) * ow * tile.vectors * v * 4
-    l2_bpf = (weights_row + inputs_row + partials_row) / flops_row
 
     reason = (
         f"register tile {tile.width} px x {tile.vectors} oc-vectors: {tile.width * tile.vectors} accumulators "
-        f"+ {tile.vectors} weights + 1 broadcast = {tile.registers}/{arch.vector_registers} registers, "
+        f"+ {min(tile.width, tile.vectors)} held + 1 streamed = {tile.registers}/{arch.vector_registers} registers, "
         f"{tile.loads_per_fma:.2f} loads/FMA, {tile.width * tile.vectors} independent chains "
         f"(latency {arch.fma_latency} x {arch.fma_units} FMA units x headroom {LATENCY_HEADROOM} needs "
         f"{LATENCY_HEADROOM * arch.fma_latency * arch.fma_units:g}); "
@@ -267,12 +280,15 @@ def _plan_conv_fwd(layer: LayerSpec, arch: Arch) -> KernelPlan:
             + ([f"1 of {rem}"] if rem else [])
             + ([f"right edge tile of {tile.width}"] if geometry["right"] else [])
             + ([f"{geometry['border_px']} border px"] if geometry["border_px"] else []))
-        + f" -> {eff:.0%} of peak predicted; ifm block {ifb}/{icb} channel blocks keeps the "
-        f"{ifb * slice_bytes // 1024} KiB weight slice within half of L1 ({arch.l1d_bytes // 1024} KiB)"
+        + f" -> {eff:.0%} of peak predicted ({l2_bpf:.3f} B/FLOP from L2 against "
+        f"{arch.l2_bytes_per_cycle / peak_flops_per_cycle:.2f} deliverable); ifm block {ifb}/{icb} channel blocks: "
+        f"{ifb * slice_bytes // 1024} KiB weight slice"
+        + (" within" if ifb * slice_bytes <= arch.l1d_bytes // 2 else " (does not fit) against")
+        + f" half of L1 ({arch.l1d_bytes // 1024} KiB)"
     )
     return KernelPlan(layer.name, "fwd", "conv_fwd", arch.isa, v, tile, (rem,) if rem else (), ifb,
                       "input-channel blocks", ow_lo, ow_hi, eff, ifb * slice_bytes, l2_bpf, reason,
-                      geometry=geometry, rejected=tuple(s[3] for s in scored[1:6]))
+                      geometry=geometry, rejected=tuple(s[4] for s in scored[1:6]))
 
 
 def _plan_fc_fwd(layer: LayerSpec, arch: Arch) -> KernelPlan:
@@ -289,7 +305,7 @@ def _plan_fc_fwd(layer: LayerSpec, arch: Arch) -> KernelPlan:
     l2_bpf = per_k / flops_per_k
     reason = (
         f"GEMM register tile {tile.width} minibatch rows x {tile.vectors} out-vectors: "
-        f"{tile.width * tile.vectors} accumulators + {tile.vectors} weights + 1 broadcast = "
+        f"{tile.width * tile.vectors} accumulators + {min(tile.width, tile.vectors)} held + 1 streamed = "
         f"{tile.registers}/{arch.vector_registers} registers, {tile.loads_per_fma:.2f} loads/FMA -> "
         f"{tile.efficiency:.0%} of peak predicted; K chunk {kc} of {k} keeps the "
         f"{kc * per_k // 1024} KiB panel within half of L1"
@@ -376,22 +392,38 @@ def _plan_conv_bwd_weights(layer: LayerSpec, arch: Arch) -> KernelPlan:
     kh, kw = layer.kernel
     sh, sw = layer.stride
     ph, pw = layer.pad
-    scored = _best(_candidates(_divisors(v, arch.vector_registers), _divisors(ocb), arch))
+    # Input-channel lanes that carry data: with fewer channels than a vector (a first layer on
+    # RGB images) the tiles cover only the real lanes and the padded ones are written as zeros.
+    lanes = ic if icb == 1 else v
+    scored = _best(_candidates(_divisors(lanes, arch.vector_registers), _divisors(ocb), arch))
     tile = scored[0]
     # Output rows per pixel block: the block's output gradients and inputs stay in half of L2
-    # while every weight tile (spread over the threads) reduces over them.
+    # while every weight tile (spread over the threads) reduces over them, and the slice one
+    # tile streams (its oc vectors of dy, one input channel block) stays in half of L1, where
+    # the next tiles (other kernel taps and lanes of the same oc vectors) find it again.
     per_row = (ocb * ow + icb * sh * iw) * v * 4
-    rows = max(1, min(oh, (arch.l2_bytes // 2) // per_row))
+    per_row_tile = (tile.vectors * ow + sh * iw) * v * 4
+    rows = max(1, min(oh, (arch.l2_bytes // 2) // per_row, (arch.l1d_bytes // 2) // per_row_tile))
+    # A single row still too big for L1 (wide early layers) is cut into column blocks; the
+    # tile then reads the input rows of all its kernel taps (kh) from L1 as well.
+    cols = ow
+    if rows == 1 and per_row_tile > arch.l1d_bytes // 2:
+        per_col = (tile.vectors + kh * sw) * v * 4
+        widest = max(1, min(ow, (arch.l1d_bytes // 2) // per_col))
+        cols = -(-ow // -(-ow // widest))  # equal blocks, none narrower than needed
     flops_px = 2 * tile.width * tile.vectors * v
     l2_bpf = (tile.vectors * v + tile.width) * 4 / flops_px
     geometry = {"oh_range": [_valid_range(oh, ih, k, sh, ph) for k in range(kh)],
-                "ow_range": [_valid_range(ow, iw, k, sw, pw) for k in range(kw)]}
+                "ow_range": [_valid_range(ow, iw, k, sw, pw) for k in range(kw)], "lanes": lanes,
+                "cols": cols}
     reason = (
         f"weight-gradient {_tile_sentence(tile, arch, 'ic lanes', 'oc-vectors')}: broadcast inputs times "
         f"output-gradient vectors, reduced over minibatch and output pixels -> {tile.efficiency:.0%} of peak "
-        f"predicted; threads split the weight tiles (each weight has one owner and a fixed summation order, "
-        f"so results do not depend on the thread count); pixel block of {rows}/{oh} output rows "
-        f"({rows * per_row // 1024} KiB of gradients and inputs) stays within half of L2"
+        f"predicted{f' on the {lanes} real input lanes' if lanes < v else ''}; threads split the weight tiles (each weight has one owner and a fixed summation order, "
+        f"so results do not depend on the thread count); pixel block of {rows}/{oh} output rows: "
+        f"{rows * per_row // 1024} KiB of gradients and inputs within half of L2, "
+        f"{rows * per_row_tile // 1024} KiB streamed per tile within half of L1"
+        + (f" (cut into blocks of {cols}/{ow} columns)" if cols < ow else "")
     )
     return KernelPlan(layer.name, "bwd_weights", "conv_bwd_weights", arch.isa, v, tile, (), rows,
                       "output rows", 0, 0, tile.efficiency, rows * per_row, l2_bpf, reason,
@@ -426,16 +458,32 @@ def _plan_fc_bwd_data(layer: LayerSpec, arch: Arch) -> KernelPlan:
 def _plan_fc_bwd_weights(layer: LayerSpec, arch: Arch) -> KernelPlan:
     v = arch.vector_floats
     k, ocb = _fc_k(layer, v), blocks(layer.out_shape[0], v)
-    scored = _best(_candidates(_divisors(k, arch.vector_registers), _divisors(ocb), arch))
+    # Neither side of the tile needs to divide its dimension: the last K panel and the last
+    # output-vector group get narrower tiles. A tile reduces over the whole minibatch, so the
+    # output-gradient slice it loads (minibatch x vectors) must stay in half of L1 to be reused
+    # by the next panel's tile; sized for FC_PLAN_BATCH rows.
+    max_vectors = max(1, min(ocb, (arch.l1d_bytes // 2) // (FC_PLAN_BATCH * v * 4)))
+    scored = _best(_candidates(arch.vector_registers, list(range(1, max_vectors + 1)), arch))
     tile = scored[0]
+    rem_k, rem_n = k % tile.width, ocb % tile.vectors
+    # K chunk: the packed input panels (minibatch x chunk) fill at most half of L2 at the
+    # planning minibatch; every output-vector group sweeps them from L2.
+    kc = max(tile.width, min(k, (arch.l2_bytes // 2) // (4 * FC_PLAN_BATCH) // tile.width * tile.width))
     reason = (
-        f"GEMM dW = dY^T . X into W's packed layout: {_tile_sentence(tile, arch, 'input features', 'out-vectors')}, "
-        f"broadcast inputs times output-gradient vectors, reduced over the minibatch -> "
-        f"{tile.efficiency:.0%} of peak predicted while the minibatch is long enough to amortise the stores"
+        f"packed-panel GEMM dW = dY^T . X into W's packed layout: "
+        f"{_tile_sentence(tile, arch, 'input features', 'out-vectors')}"
+        + (f"; the last panel has {rem_k} feature(s)" if rem_k else "")
+        + (f"; the last group {rem_n} vector(s)" if rem_n else "")
+        + f"; broadcast inputs times output-gradient vectors, reduced over the minibatch -> "
+        f"{tile.efficiency:.0%} of peak predicted; the tile's dy slice ({FC_PLAN_BATCH} rows x {tile.vectors} "
+        f"vectors = {FC_PLAN_BATCH * tile.vectors * v * 4 // 1024} KiB at minibatch {FC_PLAN_BATCH}) stays within half of L1; "
+        f"K chunk {kc}/{k}: the input chunk is packed into contiguous {tile.width}-wide panels "
+        f"({FC_PLAN_BATCH * kc * 4 // 1024} KiB, within half of L2) that every output-vector group reuses"
     )
-    return KernelPlan(layer.name, "bwd_weights", "fc_bwd_weights", arch.isa, v, tile, (), 0, "", 0, 0,
-                      tile.efficiency, 0, (tile.width + tile.vectors * v) * 4 / (2 * tile.width * tile.vectors * v),
-                      reason, rejected=tuple(scored[1:6]))
+    return KernelPlan(layer.name, "bwd_weights", "fc_bwd_weights", arch.isa, v, tile, (), kc,
+                      "K elements", 0, 0, tile.efficiency, FC_PLAN_BATCH * tile.vectors * v * 4,
+                      (tile.width + tile.vectors * v) * 4 / (2 * tile.width * tile.vectors * v),
+                      reason, geometry={"rem_k": rem_k, "rem_n": rem_n}, rejected=tuple(scored[1:6]))
 
 
 _PLANNERS = {

@@ -209,13 +209,15 @@ def test_softmax_cross_entropy_layer(tmp_path, isa):
         loss_layer.forward(logits, labels + 13)
 
 
-def test_small_l1_forces_several_reduction_chunks(tmp_path, isa):
-    """A 1 KiB L1 makes the planner split the input-channel and K reductions into several
-    chunks, exercising the partial-sum reload and the epilogue on the last chunk only."""
+def test_small_caches_force_several_reduction_chunks(tmp_path, isa):
+    """A 512-byte L1 and 64 KiB L2 make the planner split every reduction into several chunks:
+    partial-sum reloads and the epilogue on the last chunk only (forward), several packed K
+    chunks with narrower last panels and vector groups (fc backward-weights), pixel blocks cut
+    into column blocks (conv backward-weights)."""
     import json
 
     from pcldnn_gen.arch import PRESETS
-    arch = PRESETS[isa].to_json() | {"name": f"tiny-{isa}", "l1d_bytes": 1024}
+    arch = PRESETS[isa].to_json() | {"name": f"tiny-{isa}", "l1d_bytes": 512, "l2_bytes": 64 * 1024}
     arch_file = tmp_path / "tiny.json"
     arch_file.write_text(json.dumps(arch))
     from pcldnn_gen.arch import get_arch
@@ -230,6 +232,13 @@ def test_small_l1_forces_several_reduction_chunks(tmp_path, isa):
     v = PRESETS[isa].vector_floats
     assert conv_plan.chunk < -(-40 // v), conv_plan
     assert fc_plan.chunk < 16 * 6 * 7, fc_plan
+    fc_dw_plan, conv_dw_plan = result.plans[("f", "bwd_weights")], result.plans[("c", "bwd_weights")]
+    k = -(-16 // v) * v * 6 * 7
+    assert fc_dw_plan.chunk < k, fc_dw_plan  # several packed K chunks
+    # a single output row whose tile slice (dy vectors + input row) overflows half of L1 is cut into columns
+    row_slice = (conv_dw_plan.tile.vectors * 7 + 7) * v * 4
+    assert (conv_dw_plan.geometry["cols"] < 7) == (conv_dw_plan.chunk == 1 and row_slice > 256), conv_dw_plan
+    assert isa == "scalar" or conv_dw_plan.geometry["cols"] < 7
     net = pr.load(tmp_path / "b")
     rng = np.random.default_rng(3)
     for layer in net.layers.values():
@@ -244,6 +253,19 @@ def test_small_l1_forces_several_reduction_chunks(tmp_path, isa):
     # Two stacked dot products: bound the second by the float32 error of its input as well.
     abs_want = ref.fc(habs, np.abs(f.weights), np.abs(f.bias))
     assert_dot_close(y, want, abs_want, 40 * 9 + 16 * 42)
+    # Backward weights of both layers, on the kernels' own forward outputs (relu masks).
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    dy_eff = dy * (y > 0)
+    hk = c.forward(x)
+    dw, db = f.backward_weights(hk, dy)
+    for got, want, bound in zip((dw, db), ref.fc_bwd_weights(hk, dy_eff), ref.fc_bwd_weights(np.abs(hk), np.abs(dy_eff))):
+        assert_dot_close(got, want, bound, 3)
+    gy = rng.standard_normal(hk.shape).astype(np.float32) * (hk > 0)
+    dw, db = c.backward_weights(x, gy)
+    want_w, want_b = ref.conv2d_bwd_weights(x, gy, (3, 3), (1, 1), (1, 1))
+    abs_w, abs_b = ref.conv2d_bwd_weights(np.abs(x), np.abs(gy), (3, 3), (1, 1), (1, 1))
+    assert_dot_close(dw, want_w, abs_w, 3 * 42)
+    assert_dot_close(db, want_b, abs_b, 3 * 42)
 
 
 def test_whole_net_forward_matches_layer_by_layer_reference(tmp_path, isa):
