@@ -74,6 +74,7 @@ class Net:
                 total += _round_up(wsize) + _round_up(blen)
         self.params = zeros_aligned((total,))
         self.grads = zeros_aligned((total,))
+        self._bias_slices = [(b0, b0 + blen) for _, _, b0, blen in offsets.values()]
 
         self.layers: dict[str, Layer] = {}
         for index, spec in enumerate(specs):
@@ -119,6 +120,15 @@ class Net:
         if batch not in self._workspaces:
             self._workspaces[batch] = _Workspace(self, batch)
         return self._workspaces[batch]
+
+    def bias_slices(self) -> list[tuple[int, int]]:
+        """[start, stop) of every bias inside `params` (optimizers may exempt them from decay)."""
+        return list(self._bias_slices)
+
+    @property
+    def net_hash(self) -> str:
+        """sha256 of the net description the build was made from (checkpoints carry it)."""
+        return self.manifest["net"]["hash"]
 
     def scratch(self, floats: int) -> np.ndarray:
         """Shared kernel scratch (conv backward-data's transposed weights), grown on demand."""
