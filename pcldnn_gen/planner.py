@@ -395,8 +395,19 @@ def _plan_conv_bwd_weights(layer: LayerSpec, arch: Arch) -> KernelPlan:
     # Input-channel lanes that carry data: with fewer channels than a vector (a first layer on
     # RGB images) the tiles cover only the real lanes and the padded ones are written as zeros.
     lanes = ic if icb == 1 else v
-    scored = _best(_candidates(_divisors(lanes, arch.vector_registers), _divisors(ocb), arch))
-    tile = scored[0]
+    # Output vectors need not divide OCB: the last group gets a narrower tile, so 4 lanes x 3
+    # vectors (12 chains) is open to power-of-two channel counts. Score = work-weighted
+    # efficiency of the full and the remainder group.
+    scored = []
+    for t in _candidates(_divisors(lanes, arch.vector_registers), list(range(1, ocb + 1)), arch):
+        full, rest = divmod(ocb, t.vectors)
+        cycles = full * t.vectors / t.efficiency
+        if rest:
+            cycles += rest / RegisterTile.evaluate(t.width, rest, arch).efficiency
+        scored.append((ocb / cycles, t.width * t.vectors, -t.registers, t))
+    scored.sort(key=lambda s: s[:3], reverse=True)
+    eff, _, _, tile = scored[0]
+    rem_n = ocb % tile.vectors
     # Output rows per pixel block: the block's output gradients and inputs stay in half of L2
     # while every weight tile (spread over the threads) reduces over them, and the slice one
     # tile streams (its oc vectors of dy, one input channel block) stays in half of L1, where
@@ -414,20 +425,21 @@ def _plan_conv_bwd_weights(layer: LayerSpec, arch: Arch) -> KernelPlan:
     flops_px = 2 * tile.width * tile.vectors * v
     l2_bpf = (tile.vectors * v + tile.width) * 4 / flops_px
     geometry = {"oh_range": [_valid_range(oh, ih, k, sh, ph) for k in range(kh)],
-                "ow_range": [_valid_range(ow, iw, k, sw, pw) for k in range(kw)], "lanes": lanes,
+                "ow_range": [_valid_range(ow, iw, k, sw, pw) for k in range(kw)], "lanes": lanes, "rem_n": rem_n,
                 "cols": cols}
     reason = (
         f"weight-gradient {_tile_sentence(tile, arch, 'ic lanes', 'oc-vectors')}: broadcast inputs times "
-        f"output-gradient vectors, reduced over minibatch and output pixels -> {tile.efficiency:.0%} of peak "
-        f"predicted{f' on the {lanes} real input lanes' if lanes < v else ''}; threads split the weight tiles (each weight has one owner and a fixed summation order, "
+        f"output-gradient vectors, reduced over minibatch and output pixels"
+        + (f" (the last group of {rem_n} vector(s) with a {tile.width}x{rem_n} tile)" if rem_n else "")
+        + f" -> {eff:.0%} of peak predicted{f' on the {lanes} real input lanes' if lanes < v else ''}; threads split the weight tiles (each weight has one owner and a fixed summation order, "
         f"so results do not depend on the thread count); pixel block of {rows}/{oh} output rows: "
         f"{rows * per_row // 1024} KiB of gradients and inputs within half of L2, "
         f"{rows * per_row_tile // 1024} KiB streamed per tile within half of L1"
         + (f" (cut into blocks of {cols}/{ow} columns)" if cols < ow else "")
     )
     return KernelPlan(layer.name, "bwd_weights", "conv_bwd_weights", arch.isa, v, tile, (), rows,
-                      "output rows", 0, 0, tile.efficiency, rows * per_row, l2_bpf, reason,
-                      geometry=geometry, rejected=tuple(scored[1:6]))
+                      "output rows", 0, 0, eff, rows * per_row, l2_bpf, reason,
+                      geometry=geometry, rejected=tuple(s[3] for s in scored[1:6]))
 
 
 def _fc_k(layer: LayerSpec, v: int) -> int:

@@ -45,7 +45,7 @@ def test_every_tile_fits_the_register_file(isa, net_file):
         elif plan.kind == "conv_bwd_weights":
             lanes = plan.geometry["lanes"]
             assert lanes == (layer.in_shape[0] if icb == 1 else v)  # padded lanes of a lone block are skipped
-            assert lanes % t.width == 0 and ocb % t.vectors == 0
+            assert lanes % t.width == 0 and plan.geometry["rem_n"] == ocb % t.vectors and t.vectors <= ocb
             assert 1 <= plan.chunk <= layer.out_shape[1]
             assert len(plan.geometry["oh_range"]) == layer.kernel[0]
         elif plan.kind == "fc_fwd":
