@@ -169,20 +169,6 @@ def _tile_sentence(tile: RegisterTile, arch: Arch, rows: str, vectors: str) -> s
             f"{tile.loads_per_fma:.2f} loads/FMA")
 
 
-def _row_efficiency(tile: RegisterTile, interior: int, border: int, arch: Arch) -> tuple[float, int]:
-    """Peak fraction over one output row: full tiles, one remainder tile, 1-wide border tiles.
-    Returns (efficiency, remainder width)."""
-    full, rem = divmod(interior, tile.width)
-    work = cycles = 0.0
-    for count, width in ((full, tile.width), (1 if rem else 0, rem), (border, 1)):
-        if count:
-            t = RegisterTile.evaluate(width, tile.vectors, arch)
-            fmas = width * tile.vectors * count
-            work += fmas
-            cycles += fmas / t.efficiency
-    return work / cycles, rem
-
-
 def _edge_tile(layer: LayerSpec, start: int, width: int) -> dict:
     """A tile of output columns [start, start + width) at the edge of the row: for each kernel
     column, the (pixel, input column) pairs that read inside the input. The table is static, so
@@ -348,6 +334,33 @@ def _bwd_data_phases(layer: LayerSpec) -> list[dict]:
     return phases
 
 
+def _bwd_data_row_plan(layer: LayerSpec, phase: dict, w: int) -> None:
+    """Cover one phase's input columns q in [0, q_count): an edge tile of width w at each end
+    whose columns need bounds, when the phase is wide enough (else 1-px border tiles), full
+    tiles and one remainder between. Edge tiles list, per kernel column kw (output column
+    q + d), the pixels whose output column exists: a static table, no bound is tested."""
+    q_count, q_lo, q_hi = phase["q_count"], phase["q_lo"], phase["q_hi"]
+    left = 0 < q_lo <= w and 2 * w <= q_count
+    right = q_hi < q_count and q_count - q_hi <= w and 2 * w <= q_count
+    mid_lo, mid_hi = (w if left else q_lo), (q_count - w if right else q_hi)
+    if mid_hi < mid_lo:
+        left = right = False
+        mid_lo, mid_hi = q_lo, q_hi
+    ow, kw_all, sw = layer.out_shape[2], layer.kernel[1], layer.stride[1]
+
+    def edge(start: int) -> dict:
+        taps = []
+        for i, kw in enumerate(range(phase["kw_first"], kw_all, sw)):
+            d = phase["d_first"] - i
+            pixels = [(p, start + p + d) for p in range(w) if 0 <= start + p + d < ow]
+            if pixels:
+                taps.append({"kw": kw, "pixels": pixels})
+        return {"start": start, "width": w, "taps": taps}
+
+    phase.update(left=edge(0) if left else None, right=edge(q_count - w) if right else None,
+                 mid_lo=mid_lo, mid_hi=mid_hi, rem=(mid_hi - mid_lo) % w)
+
+
 def _plan_conv_bwd_data(layer: LayerSpec, arch: Arch) -> KernelPlan:
     v = arch.vector_floats
     icb, ocb = blocks(layer.in_shape[0], v), blocks(layer.out_shape[0], v)
@@ -357,16 +370,21 @@ def _plan_conv_bwd_data(layer: LayerSpec, arch: Arch) -> KernelPlan:
     scored = []
     for tile in _candidates(max(1, min(widest, arch.vector_registers)), _divisors(icb), arch):
         work = cycles = 0.0
-        for p in phases:
-            interior = p["q_hi"] - p["q_lo"]
-            eff, _ = _row_efficiency(tile, interior, p["q_count"] - interior, arch)
-            work += p["q_count"]
-            cycles += p["q_count"] / eff
-        scored.append((work / cycles, tile.width * tile.vectors, -tile.registers, tile))
-    scored.sort(key=lambda s: s[:3], reverse=True)
-    eff, _, _, tile = scored[0]
-    for p in phases:
-        p["rem"] = (p["q_hi"] - p["q_lo"]) % tile.width
+        planned = [dict(p) for p in phases]
+        for p in planned:
+            _bwd_data_row_plan(layer, p, tile.width)
+            taps = len(range(p["kw_first"], kw, layer.stride[1]))
+            border = (p["mid_lo"] if p["left"] is None else 0) + (p["q_count"] - p["mid_hi"] if p["right"] is None else 0)
+            pieces = [(tile.width, (p["mid_hi"] - p["mid_lo"]) // tile.width * taps), (p["rem"], taps), (1, border * taps)]
+            pieces += [(len(tap["pixels"]), 1) for e in (p["left"], p["right"]) if e for tap in e["taps"]]
+            for width, count in pieces:
+                if width and count:
+                    fmas = width * tile.vectors * count
+                    work += fmas
+                    cycles += fmas / RegisterTile.evaluate(width, tile.vectors, arch).efficiency
+        scored.append((work / cycles if work else 1.0, tile.width * tile.vectors, -tile.loads_per_fma, tile, planned))
+    scored.sort(key=lambda s: s[:3], reverse=True)  # ties: more chains, then fewer loads per FMA
+    eff, _, _, tile, phases = scored[0]
     slice_bytes = tile.vectors * v * v * kh * kw * 4  # transposed weights of one output-channel block
     ofb = max(1, min(ocb, (arch.l1d_bytes // 2) // slice_bytes))
     flops_row = 2 * layer.in_shape[2] * tile.vectors * v * ocb * v * kh * kw / (layer.stride[0] * layer.stride[1])

@@ -41,6 +41,8 @@ def test_every_tile_fits_the_register_file(isa, net_file):
             phases = plan.geometry["phases"]
             assert sum(p["q_count"] for p in phases) == layer.in_shape[2]  # every input column, once
             assert all(0 <= p["q_lo"] <= p["q_hi"] <= p["q_count"] for p in phases)
+            for p in phases:
+                _check_bwd_data_phase(layer, p, t.width)
             assert plan.scratch_floats == icb * ocb * layer.kernel[0] * layer.kernel[1] * v * v
         elif plan.kind == "conv_bwd_weights":
             lanes = plan.geometry["lanes"]
@@ -57,6 +59,28 @@ def test_every_tile_fits_the_register_file(isa, net_file):
             assert plan.geometry == {"rem_k": k % t.width, "rem_n": ocb % t.vectors}
             assert t.vectors == 1 or plan.l1_working_set <= arch.l1d_bytes // 2
             assert t.width <= plan.chunk <= k
+
+
+def _check_bwd_data_phase(layer, p, w):
+    """Every input column q of a phase is covered once (edge tiles, the bound-free middle, 1-px
+    borders), the middle needs no bounds, and an edge tile's table holds exactly the
+    (pixel, kernel column) pairs whose output column exists."""
+    ow, kw, sw = layer.out_shape[2], layer.kernel[1], layer.stride[1]
+    covered = list(range(p["mid_lo"], p["mid_hi"]))
+    assert p["rem"] == (p["mid_hi"] - p["mid_lo"]) % w
+    assert p["q_lo"] <= p["mid_lo"] and p["mid_hi"] <= p["q_hi"] or p["mid_lo"] == p["mid_hi"]
+    covered += list(range(p["mid_lo"])) if p["left"] is None else []
+    covered += list(range(p["mid_hi"], p["q_count"])) if p["right"] is None else []
+    for edge in (p["left"], p["right"]):
+        if edge is None:
+            continue
+        covered += list(range(edge["start"], edge["start"] + edge["width"]))
+        want = {(q - edge["start"], k, q + p["d_first"] - i)
+                for q in range(edge["start"], edge["start"] + edge["width"])
+                for i, k in enumerate(range(p["kw_first"], kw, sw)) if 0 <= q + p["d_first"] - i < ow}
+        got = {(px, tap["kw"], col) for tap in edge["taps"] for px, col in tap["pixels"]}
+        assert got == want
+    assert sorted(covered) == list(range(p["q_count"]))
 
 
 def _check_conv_row(layer, plan):
