@@ -17,7 +17,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(PY) examples/demo.py
+	$(PY) examples/train.py --plot build/digits_curve.png
 
 clean:
 	rm -rf build dist *.egg-info

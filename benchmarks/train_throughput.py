@@ -1,0 +1,163 @@
+"""Training throughput (images/s) of a whole SGD step: ours against PyTorch CPU, one run.
+
+    python benchmarks/train_throughput.py [--net examples/nets/cifar_small.json] [--batch 64]
+        [--threads 1,2] [--steps 20] [--arch avx2] [--json out.json]
+
+Ours: Trainer-equivalent steps (forward, loss, backward, SGD with momentum on the flat
+buffers), median step time after warm-up, and where the step's time goes (the kernels of
+every layer forward and backward, the optimizer, the rest: input layout, loss, Python).
+PyTorch: the same net as nn.Sequential with the same SGD, run in a subprocess per setting so
+that ONEDNN_MAX_CPU_ISA and the thread count are fixed before torch loads: AVX2 and the
+default ISA (AVX-512 here), NCHW and channels_last. Needs the `bench` extra (torch 2.13.0 CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def ours(net_file: str, arch_name: str, batch: int, threads: int, steps: int) -> dict:
+    import pcldnn_runtime as pr
+    from pcldnn_gen.arch import get_arch
+    from pcldnn_gen.build import build
+    from pcldnn_gen.netspec import load_netspec
+
+    spec = load_netspec(net_file)
+    with tempfile.TemporaryDirectory() as tmp:
+        build(spec, get_arch(arch_name), Path(tmp) / "b")
+        net = pr.load(Path(tmp) / "b", threads=threads)
+        classes = net.loss_layer.out_shape[0]
+        data = pr.synthetic(batch * 4, tuple(spec.input), classes, seed=0)
+        opt = pr.SGD(0.01, momentum=0.9, weight_decay=5e-4)
+        opt.bind(net)
+        batches = list(data.batches(batch))
+        totals, kernels, optim = [], [], []
+        for i in range(steps + 3):
+            x, y = batches[i % len(batches)]
+            ft, bt = {}, {}
+            t0 = time.perf_counter()
+            net.forward(x, training=True, timings=ft)
+            net.backward(y, timings=bt)
+            t1 = time.perf_counter()
+            opt.apply(net.params, net.grads, i)
+            t2 = time.perf_counter()
+            if i >= 3:  # warm-up: buffers, OpenMP threads, caches
+                totals.append(t2 - t0)
+                kernels.append(sum(ft.values()) + sum(bt.values()))
+                optim.append(t2 - t1)
+    step = float(np.median(totals))
+    return {"images_per_s": batch / step, "step_ms": step * 1e3,
+            "kernels_ms": float(np.median(kernels)) * 1e3, "optimizer_ms": float(np.median(optim)) * 1e3}
+
+
+def torch_child(req: dict) -> dict:
+    import torch
+    from torch import nn
+
+    from pcldnn_gen.netspec import load_netspec
+    torch.set_num_threads(req["threads"])
+    spec = load_netspec(req["net"])
+    mods, flat = [], False
+    for l in spec.layers:
+        if l.type == "conv":
+            mods.append(nn.Conv2d(l.in_shape[0], l.out_shape[0], l.kernel, l.stride, l.pad))
+        elif l.type == "fc":
+            if not flat:
+                mods.append(nn.Flatten())
+                flat = True
+            mods.append(nn.Linear(int(np.prod(l.in_shape)), l.out_shape[0]))
+        elif l.type == "maxpool":
+            mods.append(nn.MaxPool2d(l.kernel, l.stride, l.pad))
+        elif l.type == "avgpool":
+            mods.append(nn.AvgPool2d(l.kernel, l.stride, l.pad))
+        elif l.type == "dropout":
+            mods.append(nn.Dropout(l.rate))
+        elif l.type == "relu":
+            mods.append(nn.ReLU())
+        if l.relu and l.type in ("conv", "fc"):
+            mods.append(nn.ReLU())
+    model = nn.Sequential(*mods)
+    fmt = torch.channels_last if req["layout"] == "channels_last" else torch.contiguous_format
+    model = model.to(memory_format=fmt)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+    loss_fn = nn.CrossEntropyLoss()
+    b = req["batch"]
+    x = torch.randn(b, *spec.input).contiguous(memory_format=fmt)
+    y = torch.randint(0, spec.layers[-2].out_shape[0], (b,))
+    times = []
+    for i in range(req["steps"] + 3):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    step = float(np.median(times))
+    return {"images_per_s": b / step, "step_ms": step * 1e3}
+
+
+def pytorch(net_file: str, batch: int, threads: int, steps: int, isa: str | None, layout: str) -> dict | None:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    env.pop("ONEDNN_MAX_CPU_ISA", None)
+    if isa:
+        env["ONEDNN_MAX_CPU_ISA"] = isa
+    req = {"net": net_file, "batch": batch, "threads": threads, "steps": steps, "layout": layout}
+    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(req)], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode:
+        print(f"pytorch ({isa or 'default'}, {layout}) failed: {proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--net", default=str(REPO / "examples" / "nets" / "cifar_small.json"))
+    ap.add_argument("--arch", default="avx2")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(torch_child(json.loads(args.child))))
+        return
+    rows = []
+    for threads in [int(t) for t in args.threads.split(",")]:
+        mine = ours(args.net, args.arch, args.batch, threads, args.steps)
+        row = {"threads": threads, "ours": mine}
+        for isa, label in (("AVX2", "avx2"), (None, "default")):
+            best = None
+            for layout in ("nchw", "channels_last"):
+                r = pytorch(args.net, args.batch, threads, args.steps, isa, layout)
+                if r:
+                    row[f"torch_{label}_{layout}"] = r
+                    best = max(best or 0, r["images_per_s"])
+            row[f"ratio_vs_torch_{label}"] = mine["images_per_s"] / best if best else None
+        rows.append(row)
+        rest = mine["step_ms"] - mine["kernels_ms"] - mine["optimizer_ms"]
+        print(f"{threads} thread(s): ours {mine['images_per_s']:.0f} images/s (step {mine['step_ms']:.1f} ms = "
+              f"kernels {mine['kernels_ms']:.1f} + optimizer {mine['optimizer_ms']:.1f} + rest {rest:.1f})")
+        for key in sorted(k for k in row if k.startswith("torch_")):
+            print(f"    {key:28s} {row[key]['images_per_s']:7.0f} images/s")
+        for label in ("avx2", "default"):
+            ratio = row[f"ratio_vs_torch_{label}"]
+            print(f"    x PyTorch {label:8s} (better layout): {ratio:.2f}" if ratio else f"    x PyTorch {label}: n/a")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"net": args.net, "batch": args.batch, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

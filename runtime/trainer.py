@@ -1,0 +1,196 @@
+"""Trainer: steps, evaluation, epochs with progress and metrics, atomic checkpoints.
+
+Reproducibility: the data order of epoch e is a permutation drawn from (seed, e), and the
+net's dropout masks from (net seed, draw count), so a run resumed from a checkpoint at
+step k replays exactly the steps an uninterrupted run takes after k.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from .data import ArrayDataset
+from .errors import PcldnnError
+from .optim import SGD
+
+CHECKPOINT_FORMAT = "pcldnn-checkpoint/1"
+
+
+def softmax_metrics(logits: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
+    """(mean cross-entropy, top-1 accuracy) of a batch of logits, in float64."""
+    z = logits.astype(np.float64)
+    z -= z.max(axis=1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    loss = -logp[np.arange(len(labels)), labels].mean()
+    return float(loss), float((logits.argmax(axis=1) == labels).mean())
+
+
+class Trainer:
+    """`Trainer(net, optimizer=SGD(...), seed=0)`: `step`, `evaluate`, `fit`, `save`, `resume`."""
+
+    def __init__(self, net, optimizer: SGD | None = None, seed: int = 0):
+        if net.loss_layer is None:
+            raise PcldnnError(f"net {net.name} has no loss layer: add a softmax_cross_entropy layer to train it")
+        self.net = net
+        self.optimizer = optimizer or SGD(lr=0.01)
+        self.optimizer.bind(net)
+        self.seed = seed
+        self.step_count = 0          # optimizer updates done
+        self.last_accuracy = math.nan
+
+    # -- one minibatch -------------------------------------------------------------------
+    def step(self, x: np.ndarray, labels: np.ndarray) -> float:
+        """Forward, backward and one SGD update on a minibatch; returns its mean loss."""
+        labels = np.asarray(labels)
+        logits = self.net.forward(x, training=True)
+        loss = self.net.backward(labels)
+        if not math.isfinite(loss):
+            raise PcldnnError(f"step {self.step_count}: the loss is {loss} (diverged: lower the learning rate)")
+        self.optimizer.apply(self.net.params, self.net.grads, self.step_count)
+        self.step_count += 1
+        self.last_accuracy = float((logits.argmax(axis=1) == labels).mean())
+        return loss
+
+    def evaluate(self, x: np.ndarray | ArrayDataset, labels: np.ndarray | None = None, batch_size: int = 256) -> dict:
+        """{'loss', 'accuracy'} over all of (x, labels), or of a dataset, in evaluation mode
+        (no dropout)."""
+        data = x if isinstance(x, ArrayDataset) else ArrayDataset(x, labels, "evaluation data")
+        total_loss = correct = 0.0
+        for start in range(0, len(data), batch_size):
+            xb, yb = data.x[start:start + batch_size], data.y[start:start + batch_size]
+            loss, acc = softmax_metrics(self.net.forward(xb), yb)
+            total_loss += loss * len(yb)
+            correct += acc * len(yb)
+        return {"loss": total_loss / len(data), "accuracy": correct / len(data)}
+
+    # -- epochs --------------------------------------------------------------------------
+    def epoch_order(self, epoch: int, n: int) -> np.ndarray:
+        return np.random.default_rng(np.random.SeedSequence([self.seed, epoch])).permutation(n)
+
+    def fit(self, train: ArrayDataset, val: ArrayDataset | None = None, *, epochs: int, batch_size: int,
+            metrics_file: str | Path | None = None, checkpoint: str | Path | None = None,
+            progress: bool = True) -> list[dict]:
+        """Train until `epochs` epochs are done in total (a resumed trainer continues where it
+        stopped). Per step, a JSON line {step, epoch, loss, accuracy, lr, images_per_s} is
+        appended to `metrics_file`; after each epoch the validation metrics are computed and,
+        with `checkpoint`, the trainer is saved there. Returns one dict per epoch run."""
+        if not isinstance(epochs, int) or epochs < 1:
+            raise PcldnnError(f"fit: epochs must be a positive int, got {epochs!r}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise PcldnnError(f"fit: batch_size must be a positive int, got {batch_size!r}")
+        if batch_size > len(train):
+            raise PcldnnError(f"fit: batch size {batch_size} is larger than the {len(train)} training samples")
+        per_epoch = len(train) // batch_size
+        history = []
+        metrics = open(metrics_file, "a") if metrics_file else None
+        try:
+            for epoch in range(self.step_count // per_epoch, epochs):
+                skip = self.step_count - epoch * per_epoch  # resumed mid-epoch: batches already done
+                batches = list(train.batches(batch_size, self.epoch_order(epoch, len(train))))[skip:]
+                bar = _progress(len(batches), f"epoch {epoch + 1}/{epochs}", progress)
+                seen, losses, accs, start = 0, [], [], time.perf_counter()
+                for xb, yb in batches:
+                    t0 = time.perf_counter()
+                    loss = self.step(xb, yb)
+                    dt = time.perf_counter() - t0
+                    seen += len(yb)
+                    losses.append(loss)
+                    accs.append(self.last_accuracy)
+                    rate = seen / (time.perf_counter() - start)
+                    if metrics:
+                        metrics.write(json.dumps({
+                            "step": self.step_count, "epoch": epoch + 1, "loss": loss, "accuracy": self.last_accuracy,
+                            "lr": self.optimizer.lr_at(self.step_count - 1), "images_per_s": len(yb) / dt}) + "\n")
+                    if bar:
+                        bar.set_postfix(loss=f"{loss:.4f}", acc=f"{self.last_accuracy:.3f}", img_s=f"{rate:.0f}")
+                        bar.update(1)
+                if bar:
+                    bar.close()
+                record = {"epoch": epoch + 1, "step": self.step_count,
+                          "train_loss": float(np.mean(losses)) if losses else math.nan,
+                          "train_accuracy": float(np.mean(accs)) if accs else math.nan,
+                          "images_per_s": seen / max(time.perf_counter() - start, 1e-9)}
+                if val is not None:
+                    ev = self.evaluate(val)
+                    record.update(val_loss=ev["loss"], val_accuracy=ev["accuracy"])
+                if metrics:
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
+                history.append(record)
+                if checkpoint:
+                    self.save(checkpoint)
+        finally:
+            if metrics:
+                metrics.close()
+        return history
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """Write weights, optimizer state, step and RNG state to `path` atomically: a
+        temporary file in the same directory, flushed to disk, then renamed over `path`."""
+        path = Path(path)
+        meta = {"format": CHECKPOINT_FORMAT, "net": self.net.name, "net_hash": self.net.net_hash,
+                "step": self.step_count, "seed": self.seed, "net_seed": self.net.seed,
+                "dropout_draws": self.net._dropout_draws,
+                "optimizer": self.optimizer.config(), "params": int(self.net.params.size)}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                _write_checkpoint(f, meta, self.net.params, self.optimizer.velocity)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    @classmethod
+    def resume(cls, path: str | Path, net, optimizer: SGD | None = None) -> "Trainer":
+        """A trainer in the state `save` recorded, for `net` (which must be built from the same
+        net description). The optimizer's hyperparameters come from the checkpoint unless one
+        is given."""
+        path = Path(path)
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                meta = json.loads(bytes(z["meta"]).decode())
+                params, velocity = z["params"], z["velocity"]
+        except FileNotFoundError:
+            raise PcldnnError(f"{path}: no such checkpoint") from None
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile, UnicodeDecodeError, EOFError) as e:
+            raise PcldnnError(f"{path}: not a readable pcldnn checkpoint ({type(e).__name__}: {e})") from None
+        if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
+            raise PcldnnError(f"{path}: not a pcldnn checkpoint (format {meta.get('format') if isinstance(meta, dict) else None!r})")
+        if meta["net_hash"] != net.net_hash:
+            raise PcldnnError(f"{path}: checkpoint of net {meta['net']!r} (description {meta['net_hash'][:12]}), "
+                              f"but this net is {net.name!r} ({net.net_hash[:12]})")
+        if params.shape != net.params.shape or velocity.shape != net.params.shape:
+            raise PcldnnError(f"{path}: parameter buffer has {params.size} floats, this net needs {net.params.size}")
+        trainer = cls(net, optimizer or SGD(**meta["optimizer"]), seed=meta["seed"])
+        np.copyto(net.params, params)
+        np.copyto(trainer.optimizer.velocity, velocity)
+        trainer.step_count = meta["step"]
+        net.seed, net._dropout_draws = meta["net_seed"], meta["dropout_draws"]  # dropout masks continue
+        return trainer
+
+
+def _write_checkpoint(f, meta: dict, params: np.ndarray, velocity: np.ndarray) -> None:
+    buf = io.BytesIO()
+    np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), params=params, velocity=velocity)
+    f.write(buf.getbuffer())
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit="step", leave=True, dynamic_ncols=True)
