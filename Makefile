@@ -17,7 +17,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(PY) examples/train.py --plot build/digits_curve.png
+	$(VENV)/bin/mpiexec -n 2 $(PY) examples/train.py --threads 1 --plot build/digits_curve.png
 
 clean:
 	rm -rf build dist *.egg-info

@@ -43,12 +43,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def world():
+    """MPI.COMM_WORLD when launched by mpiexec with more than one rank, else None."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    return MPI.COMM_WORLD if MPI.COMM_WORLD.size > 1 else None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    comm = world()
+    lead = comm is None or comm.rank == 0
     try:
         spec = load_netspec(args.net)
-        result = build(spec, get_arch(args.arch))
-        net = pr.load(result.directory, threads=args.threads, seed=args.seed)
+        directory = build(spec, get_arch(args.arch)).directory if lead else None
+        if comm is not None:  # rank 0 compiles (or finds the cache), the others load its build
+            directory = comm.bcast(directory, root=0)
+        net = pr.load(directory, threads=args.threads, seed=args.seed)
         if args.data == "digits":
             train, test = pr.digits(size=spec.input[1])
         else:
@@ -59,8 +72,8 @@ def main(argv=None) -> int:
                      total_steps=steps if args.schedule == "cosine" else 0,
                      step_size=max(1, steps // 3) if args.schedule == "step" else 0,
                      warmup_steps=args.warmup_steps)
-        trainer = (pr.Trainer.resume(args.resume, net, opt) if args.resume
-                   else pr.Trainer(net, opt, seed=args.seed))
+        trainer = (pr.Trainer.resume(args.resume, net, opt, comm=comm) if args.resume
+                   else pr.Trainer(net, opt, seed=args.seed, comm=comm))
         checkpoint = Path(args.checkpoint_dir) / "checkpoint.npz" if args.checkpoint_dir else None
         start = time.perf_counter()
         history = trainer.fit(train, test, epochs=args.epochs, batch_size=args.batch_size,
@@ -68,18 +81,24 @@ def main(argv=None) -> int:
         wall = time.perf_counter() - start
     except (pr.PcldnnError, GenError) as e:
         print(f"train.py: error: {e}", file=sys.stderr)
+        if comm is not None:  # the other ranks may be inside a collective: end the whole job
+            sys.stderr.flush()
+            comm.Abort(2)
         return 2
+    final = trainer.evaluate(test)
+    if not lead:
+        return 0
     for h in history:
         print(f"epoch {h['epoch']:3d}  train loss {h['train_loss']:.4f}  acc {h['train_accuracy']:.4f}  "
               f"test loss {h['val_loss']:.4f}  acc {h['val_accuracy']:.4f}  {h['images_per_s']:.0f} images/s")
     if args.plot and history:
         save_plot(history, args.plot)
-    final = trainer.evaluate(test)
     per_epoch = len(train) // args.batch_size * args.batch_size
     train_seconds = sum(per_epoch / h["images_per_s"] for h in history)
     rate = per_epoch * len(history) / train_seconds if history else float("nan")
     print(f"{spec.name}: test accuracy {final['accuracy']:.4f} (loss {final['loss']:.4f}) after "
-          f"{trainer.step_count} steps; training {rate:.0f} images/s on {net.threads} thread(s); "
+          f"{trainer.step_count} steps; training {rate:.0f} images/s on {comm.size if comm else 1} rank(s) x "
+          f"{net.threads} thread(s); "
           f"{wall:.1f} s in all, evaluation included")
     return 0
 

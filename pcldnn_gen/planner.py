@@ -35,6 +35,17 @@ LAYER_PASSES: dict[str, tuple[str, ...]] = {
 # 6x2 tile with 12 chains at 80, and on the 28- and 14-wide layers the gap was 54 vs 74.
 LATENCY_HEADROOM = 1.5
 
+# In conv forward and backward-data tiles, each weight vector comes from another channel
+# block (tens of KiB apart): a separate stream. More than 4 ran far below the model's
+# prediction: OverFeat-FAST conv2 backward-data (AVX2, one thread) at 43% of peak with a
+# 1 x 12 tile against 56% with 4 x 3, both predicted above 90%.
+WEIGHT_STREAMS = 4
+
+# A backward-weights tile loads and stores its accumulators once per pixel block: column
+# blocks narrower than this spend over 6% of the tile on that (OverFeat-FAST conv1, 10-column
+# blocks: 45% of peak).
+MIN_BLOCK_COLUMNS = 32
+
 # Concurrent sequential streams the hardware prefetchers follow (Intel's L2 streamer tracks
 # 32). Kernels whose reduction walks across rows of a large matrix chunk the reduction so that
 # no more rows than this are live. Measured on VGG-A fc6 backward-data (AVX2, minibatch 64,
@@ -234,7 +245,7 @@ def _plan_conv_fwd(layer: LayerSpec, arch: Arch) -> KernelPlan:
     lanes = ic if icb == 1 else v
     peak_flops_per_cycle = 2 * v * arch.fma_units
     scored = []
-    for tile in _candidates(max(1, min(ow, arch.vector_registers)), _divisors(ocb), arch):
+    for tile in _candidates(max(1, min(ow, arch.vector_registers)), _divisors(ocb, WEIGHT_STREAMS), arch):
         row_eff, geometry = _conv_row_plan(layer, tile, ow_lo, ow_hi, arch)
         slice_bytes = tile.vectors * v * lanes * kh * kw * 4
         ifb = max(1, min(icb, (arch.l1d_bytes // 2) // slice_bytes))
@@ -282,9 +293,12 @@ def _plan_fc_fwd(layer: LayerSpec, arch: Arch) -> KernelPlan:
     c, h, w = layer.in_shape
     k = blocks(c, v) * v * h * w
     ocb = blocks(layer.out_shape[0], v)
-    # The minibatch (tile width) is only known at run time: score the full tile.
-    scored = _best(_candidates(arch.vector_registers, _divisors(ocb), arch))
+    # The minibatch (tile width) is only known at run time: score the full tile. Output
+    # vectors need not divide OCB (the last group gets a narrower tile): fc8's 125 blocks
+    # would otherwise allow only 1 or 5 vectors.
+    scored = _best(_candidates(arch.vector_registers, list(range(1, ocb + 1)), arch))
     tile = scored[0]
+    rem_n = ocb % tile.vectors
     per_k = (tile.vectors * v + tile.width) * 4  # weight panel + input rows, bytes per k
     kc = max(v, min(k, (arch.l1d_bytes // 2) // per_k // v * v))
     flops_per_k = 2 * tile.width * tile.vectors * v
@@ -293,12 +307,13 @@ def _plan_fc_fwd(layer: LayerSpec, arch: Arch) -> KernelPlan:
         f"GEMM register tile {tile.width} minibatch rows x {tile.vectors} out-vectors: "
         f"{tile.width * tile.vectors} accumulators + {min(tile.width, tile.vectors)} held + 1 streamed = "
         f"{tile.registers}/{arch.vector_registers} registers, {tile.loads_per_fma:.2f} loads/FMA -> "
-        f"{tile.efficiency:.0%} of peak predicted; K chunk {kc} of {k} keeps the "
-        f"{kc * per_k // 1024} KiB panel within half of L1"
+        f"{tile.efficiency:.0%} of peak predicted"
+        + (f" (the last group of {rem_n} vector(s) with narrower tiles)" if rem_n else "")
+        + f"; K chunk {kc} of {k} keeps the {kc * per_k // 1024} KiB panel within half of L1"
     )
     return KernelPlan(layer.name, "fwd", "fc_fwd", arch.isa, v, tile,
                       tuple(range(tile.width - 1, 0, -1)), kc, "K elements", 0, 0, tile.efficiency,
-                      kc * per_k, l2_bpf, reason, rejected=tuple(scored[1:6]))
+                      kc * per_k, l2_bpf, reason, geometry={"rem_n": rem_n}, rejected=tuple(scored[1:6]))
 
 
 def _valid_range(out_size: int, in_size: int, k: int, stride: int, pad: int) -> tuple[int, int]:
@@ -368,7 +383,7 @@ def _plan_conv_bwd_data(layer: LayerSpec, arch: Arch) -> KernelPlan:
     phases = _bwd_data_phases(layer)
     widest = max(p["q_hi"] - p["q_lo"] for p in phases)
     scored = []
-    for tile in _candidates(max(1, min(widest, arch.vector_registers)), _divisors(icb), arch):
+    for tile in _candidates(max(1, min(widest, arch.vector_registers)), _divisors(icb, WEIGHT_STREAMS), arch):
         work = cycles = 0.0
         planned = [dict(p) for p in phases]
         for p in planned:
@@ -438,8 +453,8 @@ def _plan_conv_bwd_weights(layer: LayerSpec, arch: Arch) -> KernelPlan:
     cols = ow
     if rows == 1 and per_row_tile > arch.l1d_bytes // 2:
         per_col = (tile.vectors + kh * sw) * v * 4
-        widest = max(1, min(ow, (arch.l1d_bytes // 2) // per_col))
-        cols = -(-ow // -(-ow // widest))  # equal blocks, none narrower than needed
+        widest = max(MIN_BLOCK_COLUMNS, min(ow, (arch.l1d_bytes // 2) // per_col))
+        cols = -(-ow // max(1, ow // widest))  # equal blocks, none narrower than `widest`
     flops_px = 2 * tile.width * tile.vectors * v
     l2_bpf = (tile.vectors * v + tile.width) * 4 / flops_px
     geometry = {"oh_range": [_valid_range(oh, ih, k, sh, ph) for k in range(kh)],
@@ -471,18 +486,24 @@ def _plan_fc_bwd_data(layer: LayerSpec, arch: Arch) -> KernelPlan:
     scored = _best(_candidates(arch.vector_registers, _divisors(k, arch.vector_registers), arch))
     tile = scored[0]
     chunk = min(ocb, PREFETCH_STREAMS)
+    # K block: the slice of W one chunk covers (chunk rows x kb features x V) stays in a
+    # quarter of L2 while every minibatch row tile passes over it; within the block a row
+    # tile's dy (rows x chunk vectors) stays in L1 across the k tiles. Without it dy is
+    # re-read from L2 for every k tile, ~1 byte per FLOP: L2-bound at minibatch 256.
+    kb = max(tile.vectors, min(k, (arch.l2_bytes // 4) // (chunk * v * 4) // tile.vectors * tile.vectors))
     reason = (
         f"GEMM dX = dY . W read in W's own packed layout (OC/V, K, V): dot-product form, "
         f"{_tile_sentence(tile, arch, 'minibatch rows', 'input features')}, each accumulator a vector over "
         f"V output features, summed horizontally into dX after each chunk of {chunk}/{ocb} output-feature "
         f"blocks (so only {chunk} rows of W stream at once, each sequentially) -> {tile.efficiency:.0%} of peak "
-        f"predicted before the horizontal sums; no transposed copy of W"
+        f"predicted before the horizontal sums; no transposed copy of W; K blocks of {kb}: "
+        f"{chunk * kb * v * 4 // 1024} KiB of W within a quarter of L2, reused by every row tile"
     )
     return KernelPlan(layer.name, "bwd_data", "fc_bwd_data", arch.isa, v, tile,
                       remainders=tuple(range(tile.width - 1, 0, -1)), chunk=chunk, chunk_unit="output-feature blocks",
-                      predicted_efficiency=tile.efficiency, l1_working_set=tile.vectors * v * chunk * 4,
+                      predicted_efficiency=tile.efficiency, l1_working_set=tile.width * v * chunk * 4,
                       l2_bytes_per_flop=(tile.width + tile.vectors) * 4 / (2 * tile.width * tile.vectors * v),
-                      reason=reason, rejected=tuple(scored[1:6]))
+                      reason=reason, geometry={"k_block": kb}, rejected=tuple(scored[1:6]))
 
 
 def _plan_fc_bwd_weights(layer: LayerSpec, arch: Arch) -> KernelPlan:

@@ -75,6 +75,8 @@ class Net:
         self.params = zeros_aligned((total,))
         self.grads = zeros_aligned((total,))
         self._bias_slices = [(b0, b0 + blen) for _, _, b0, blen in offsets.values()]
+        # [start, stop) of each weighted layer's block (weights, then bias) in params / grads
+        self.param_ranges = {name: (w0, b0 + _round_up(blen)) for name, (w0, _, b0, blen) in offsets.items()}
 
         self.layers: dict[str, Layer] = {}
         for index, spec in enumerate(specs):
@@ -125,6 +127,14 @@ class Net:
         """[start, stop) of every bias inside `params` (optimizers may exempt them from decay)."""
         return list(self._bias_slices)
 
+    def build_fingerprint(self) -> str:
+        """sha256 over the build's kernel libraries and arch: ranks of one job must agree on it."""
+        import hashlib
+        import json
+        kernels = {l["name"]: {p: k["sha256"] for p, k in l["kernels"].items()} for l in self.manifest["layers"]}
+        blob = json.dumps({"arch": self.manifest["arch"], "kernels": kernels}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
     @property
     def net_hash(self) -> str:
         """sha256 of the net description the build was made from (checkpoints carry it)."""
@@ -143,16 +153,20 @@ class Net:
         return int(np.random.SeedSequence([self.seed, self._dropout_draws]).generate_state(1, np.uint64)[0])
 
     # -- passes --------------------------------------------------------------------------
-    def forward(self, x: np.ndarray, *, training: bool = False, timings: dict[str, float] | None = None) -> np.ndarray:
+    def forward(self, x: np.ndarray, *, training: bool = False, timings: dict[str, float] | None = None,
+                before_layer=None) -> np.ndarray:
         """Logits (N, classes) — or the last layer's output — for a canonical (N, C, H, W) batch.
         training=True applies dropout and keeps what `backward` needs. If `timings` is a dict,
-        each layer's kernel time in seconds is stored under its name."""
+        each layer's kernel time in seconds is stored under its name. `before_layer(layer)` is
+        called before each layer runs (the MPI runtime waits there for that layer's weights)."""
         first, last = self.chain[0], self.chain[-1]
         x = first._check_input(x)
         batch = x.shape[0]
         ws = self.workspace(batch)
         first._k["in_to_blocked"](ptr(x), ptr(ws.acts[0]), batch, self.threads)
         for i, layer in enumerate(self.chain):
+            if before_layer is not None:
+                before_layer(layer)
             start = time.perf_counter()
             layer.forward_blocked(ws.acts[i], ws.acts[i + 1], ws.aux[i], training)
             if timings is not None:
@@ -160,9 +174,12 @@ class Net:
         self._pending = ws if training else None
         return last._from_blocked("out", ws.acts[-1], last.out_shape, last.flat_output)
 
-    def backward(self, labels: np.ndarray, *, timings: dict[str, float] | None = None) -> float:
+    def backward(self, labels: np.ndarray, *, timings: dict[str, float] | None = None,
+                 grad_scale: float = 1.0, after_layer=None) -> float:
         """After `forward(x, training=True)`: the mean loss against `labels`, and every layer's
-        gradients (in `grads`; per layer `grad_weights` / `grad_bias`)."""
+        gradients (in `grads`; per layer `grad_weights` / `grad_bias`). The gradients are those
+        of grad_scale x the mean loss (the MPI runtime weights each rank's shard by its share of
+        the global minibatch); `after_layer(layer)` is called as each layer's gradients are done."""
         if self.loss_layer is None:
             raise PcldnnError(f"net {self.name} has no loss layer to differentiate")
         ws = self._pending
@@ -173,6 +190,8 @@ class Net:
         loss = self.loss_layer.loss_blocked(ws.acts[-1], ws.labels, ws.probs)
         dy = ws.grad(0, ws.acts[-1])
         self.loss_layer.grad_blocked(ws.probs, ws.labels, dy)
+        if grad_scale != 1.0:
+            dy *= np.float32(grad_scale)
         for i in range(len(self.chain) - 1, -1, -1):
             layer = self.chain[i]
             start = time.perf_counter()
@@ -181,6 +200,8 @@ class Net:
             layer.backward_blocked(ws.acts[i], ws.acts[i + 1], ws.aux[i], dy, dx, grads)
             if timings is not None:
                 timings[layer.name] = time.perf_counter() - start
+            if after_layer is not None:
+                after_layer(layer)
             dy = dx
         self._pending = None
         return loss

@@ -36,7 +36,12 @@ def softmax_metrics(logits: np.ndarray, labels: np.ndarray) -> tuple[float, floa
 class Trainer:
     """`Trainer(net, optimizer=SGD(...), seed=0)`: `step`, `evaluate`, `fit`, `save`, `resume`."""
 
-    def __init__(self, net, optimizer: SGD | None = None, seed: int = 0):
+    def __init__(self, net, optimizer: SGD | None = None, seed: int = 0, *, comm=None, parallel: str = "auto",
+                 trace: list | None = None):
+        """comm: an MPI communicator (e.g. MPI.COMM_WORLD) for synchronous SGD over its ranks;
+        each rank then passes its own shard to `step`. parallel: "auto" or "data" (every layer
+        data parallel; model-parallel fc layers are not implemented yet). trace: a list that
+        collects Chrome-trace events of each step (MPI only)."""
         if net.loss_layer is None:
             raise PcldnnError(f"net {net.name} has no loss layer: add a softmax_cross_entropy layer to train it")
         self.net = net
@@ -45,31 +50,58 @@ class Trainer:
         self.seed = seed
         self.step_count = 0          # optimizer updates done
         self.last_accuracy = math.nan
+        self.comm, self.dist = comm, None
+        if comm is not None:
+            if parallel not in ("auto", "data"):
+                raise PcldnnError(f"parallel={parallel!r}: only data parallelism ('auto', 'data') is implemented")
+            from .distributed import DataParallel, abort_on_exception
+            if comm.size > 1:
+                abort_on_exception(comm)
+            self.dist = DataParallel(net, self.optimizer, comm, trace=trace)
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank if self.comm is not None else 0
 
     # -- one minibatch -------------------------------------------------------------------
     def step(self, x: np.ndarray, labels: np.ndarray) -> float:
         """Forward, backward and one SGD update on a minibatch; returns its mean loss."""
         labels = np.asarray(labels)
-        logits = self.net.forward(x, training=True)
-        loss = self.net.backward(labels)
+        if self.dist is not None:  # x, labels: this rank's shard; loss and accuracy: global
+            loss, self.last_accuracy = self.dist.step(x, labels, self.step_count)
+        else:
+            logits = self.net.forward(x, training=True)
+            loss = self.net.backward(labels)
+            self.optimizer.apply(self.net.params, self.net.grads, self.step_count)
+            self.last_accuracy = float((logits.argmax(axis=1) == labels).mean())
         if not math.isfinite(loss):
             raise PcldnnError(f"step {self.step_count}: the loss is {loss} (diverged: lower the learning rate)")
-        self.optimizer.apply(self.net.params, self.net.grads, self.step_count)
         self.step_count += 1
-        self.last_accuracy = float((logits.argmax(axis=1) == labels).mean())
         return loss
+
+    def sync(self) -> None:
+        """Under MPI, wait for the last step's part-broadcasts: `net.params` is then complete."""
+        if self.dist is not None:
+            self.dist.sync()
 
     def evaluate(self, x: np.ndarray | ArrayDataset, labels: np.ndarray | None = None, batch_size: int = 256) -> dict:
         """{'loss', 'accuracy'} over all of (x, labels), or of a dataset, in evaluation mode
         (no dropout)."""
         data = x if isinstance(x, ArrayDataset) else ArrayDataset(x, labels, "evaluation data")
-        total_loss = correct = 0.0
-        for start in range(0, len(data), batch_size):
-            xb, yb = data.x[start:start + batch_size], data.y[start:start + batch_size]
+        lo, hi = 0, len(data)
+        if self.dist is not None:  # each rank evaluates its share of the samples
+            self.sync()
+            from .distributed import shard_bounds
+            lo, hi = shard_bounds(len(data), self.comm.size, self.rank)
+        sums = np.zeros(2)
+        for start in range(lo, hi, batch_size):
+            xb, yb = data.x[start:min(start + batch_size, hi)], data.y[start:min(start + batch_size, hi)]
             loss, acc = softmax_metrics(self.net.forward(xb), yb)
-            total_loss += loss * len(yb)
-            correct += acc * len(yb)
-        return {"loss": total_loss / len(data), "accuracy": correct / len(data)}
+            sums += (loss * len(yb), acc * len(yb))
+        if self.dist is not None:
+            from mpi4py import MPI
+            self.comm.Allreduce(MPI.IN_PLACE, sums)
+        return {"loss": sums[0] / len(data), "accuracy": sums[1] / len(data)}
 
     # -- epochs --------------------------------------------------------------------------
     def epoch_order(self, epoch: int, n: int) -> np.ndarray:
@@ -90,7 +122,9 @@ class Trainer:
             raise PcldnnError(f"fit: batch size {batch_size} is larger than the {len(train)} training samples")
         per_epoch = len(train) // batch_size
         history = []
-        metrics = open(metrics_file, "a") if metrics_file else None
+        lead = self.rank == 0  # progress, metrics and checkpoint files: rank 0 only
+        progress = progress and lead
+        metrics = open(metrics_file, "a") if metrics_file and lead else None
         try:
             for epoch in range(self.step_count // per_epoch, epochs):
                 skip = self.step_count - epoch * per_epoch  # resumed mid-epoch: batches already done
@@ -98,17 +132,21 @@ class Trainer:
                 bar = _progress(len(batches), f"epoch {epoch + 1}/{epochs}", progress)
                 seen, losses, accs, start = 0, [], [], time.perf_counter()
                 for xb, yb in batches:
+                    if self.dist is not None:  # batch_size is the global minibatch: take this rank's shard
+                        from .distributed import shard_bounds
+                        lo, hi = shard_bounds(len(yb), self.comm.size, self.rank)
+                        xb, yb = xb[lo:hi], yb[lo:hi]
                     t0 = time.perf_counter()
                     loss = self.step(xb, yb)
                     dt = time.perf_counter() - t0
-                    seen += len(yb)
+                    seen += batch_size
                     losses.append(loss)
                     accs.append(self.last_accuracy)
                     rate = seen / (time.perf_counter() - start)
                     if metrics:
                         metrics.write(json.dumps({
                             "step": self.step_count, "epoch": epoch + 1, "loss": loss, "accuracy": self.last_accuracy,
-                            "lr": self.optimizer.lr_at(self.step_count - 1), "images_per_s": len(yb) / dt}) + "\n")
+                            "lr": self.optimizer.lr_at(self.step_count - 1), "images_per_s": batch_size / dt}) + "\n")
                     if bar:
                         bar.set_postfix(loss=f"{loss:.4f}", acc=f"{self.last_accuracy:.3f}", img_s=f"{rate:.0f}")
                         bar.update(1)
@@ -137,6 +175,13 @@ class Trainer:
         """Write weights, optimizer state, step and RNG state to `path` atomically: a
         temporary file in the same directory, flushed to disk, then renamed over `path`."""
         path = Path(path)
+        velocity = self.optimizer.velocity
+        if self.dist is not None:  # collective: every rank calls save; rank 0 writes the gathered state
+            self.sync()
+            velocity = self.dist.gather_velocity()
+            if self.rank != 0:
+                self.comm.Barrier()
+                return path
         meta = {"format": CHECKPOINT_FORMAT, "net": self.net.name, "net_hash": self.net.net_hash,
                 "step": self.step_count, "seed": self.seed, "net_seed": self.net.seed,
                 "dropout_draws": self.net._dropout_draws,
@@ -145,42 +190,51 @@ class Trainer:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
-                _write_checkpoint(f, meta, self.net.params, self.optimizer.velocity)
+                _write_checkpoint(f, meta, self.net.params, velocity)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+        if self.dist is not None:
+            self.comm.Barrier()
         return path
 
     @classmethod
-    def resume(cls, path: str | Path, net, optimizer: SGD | None = None) -> "Trainer":
+    def resume(cls, path: str | Path, net, optimizer: SGD | None = None, *, comm=None, **kwargs) -> "Trainer":
         """A trainer in the state `save` recorded, for `net` (which must be built from the same
         net description). The optimizer's hyperparameters come from the checkpoint unless one
-        is given."""
+        is given. Under MPI (comm), every rank calls it, with any number of ranks: the file
+        holds the full state."""
         path = Path(path)
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                meta = json.loads(bytes(z["meta"]).decode())
-                params, velocity = z["params"], z["velocity"]
-        except FileNotFoundError:
-            raise PcldnnError(f"{path}: no such checkpoint") from None
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile, UnicodeDecodeError, EOFError) as e:
-            raise PcldnnError(f"{path}: not a readable pcldnn checkpoint ({type(e).__name__}: {e})") from None
-        if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
-            raise PcldnnError(f"{path}: not a pcldnn checkpoint (format {meta.get('format') if isinstance(meta, dict) else None!r})")
-        if meta["net_hash"] != net.net_hash:
-            raise PcldnnError(f"{path}: checkpoint of net {meta['net']!r} (description {meta['net_hash'][:12]}), "
-                              f"but this net is {net.name!r} ({net.net_hash[:12]})")
-        if params.shape != net.params.shape or velocity.shape != net.params.shape:
-            raise PcldnnError(f"{path}: parameter buffer has {params.size} floats, this net needs {net.params.size}")
-        trainer = cls(net, optimizer or SGD(**meta["optimizer"]), seed=meta["seed"])
+        meta, params, velocity = _read_checkpoint(path, net)
+        trainer = cls(net, optimizer or SGD(**meta["optimizer"]), seed=meta["seed"], comm=comm, **kwargs)
         np.copyto(net.params, params)
         np.copyto(trainer.optimizer.velocity, velocity)
         trainer.step_count = meta["step"]
         net.seed, net._dropout_draws = meta["net_seed"], meta["dropout_draws"]  # dropout masks continue
         return trainer
+
+
+def _read_checkpoint(path: Path, net):
+    """(meta, params, velocity) of a checkpoint file, checked against `net`."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            params, velocity = z["params"], z["velocity"]
+    except FileNotFoundError:
+        raise PcldnnError(f"{path}: no such checkpoint") from None
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, UnicodeDecodeError, EOFError) as e:
+        raise PcldnnError(f"{path}: not a readable pcldnn checkpoint ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
+        raise PcldnnError(f"{path}: not a pcldnn checkpoint (format {meta.get('format') if isinstance(meta, dict) else None!r})")
+    if meta["net_hash"] != net.net_hash:
+        raise PcldnnError(f"{path}: checkpoint of net {meta['net']!r} (description {meta['net_hash'][:12]}), "
+                          f"but this net is {net.name!r} ({net.net_hash[:12]})")
+    if params.shape != net.params.shape or velocity.shape != net.params.shape:
+        raise PcldnnError(f"{path}: parameter buffer has {params.size} floats, this net needs {net.params.size}")
+    return meta, params, velocity
 
 
 def _write_checkpoint(f, meta: dict, params: np.ndarray, velocity: np.ndarray) -> None:

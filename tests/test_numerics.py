@@ -224,26 +224,25 @@ def test_small_caches_force_several_reduction_chunks(tmp_path, isa):
     from pcldnn_gen.build import build
     from pcldnn_gen.netspec import parse_netspec
     import pcldnn_runtime as pr
-    spec = parse_netspec({"name": "chunks", "input": {"channels": 40, "height": 6, "width": 7}, "layers": [
+    spec = parse_netspec({"name": "chunks", "input": {"channels": 40, "height": 6, "width": 70}, "layers": [
         {"name": "c", "type": "conv", "out_channels": 16, "kernel": 3, "pad": 1, "activation": "relu"},
         {"name": "f", "type": "fc", "out_features": 20, "activation": "relu"}]})
     result = build(spec, get_arch(str(arch_file)), tmp_path / "b")
     conv_plan, fc_plan = result.plans[("c", "fwd")], result.plans[("f", "fwd")]
     v = PRESETS[isa].vector_floats
     assert conv_plan.chunk < -(-40 // v), conv_plan
-    assert fc_plan.chunk < 16 * 6 * 7, fc_plan
+    assert fc_plan.chunk < 16 * 6 * 70, fc_plan
     fc_dw_plan, conv_dw_plan = result.plans[("f", "bwd_weights")], result.plans[("c", "bwd_weights")]
-    k = -(-16 // v) * v * 6 * 7
+    k = -(-16 // v) * v * 6 * 70
     assert fc_dw_plan.chunk < k, fc_dw_plan  # several packed K chunks
-    # a single output row whose tile slice (dy vectors + input row) overflows half of L1 is cut into columns
-    row_slice = (conv_dw_plan.tile.vectors * 7 + 7) * v * 4
-    assert (conv_dw_plan.geometry["cols"] < 7) == (conv_dw_plan.chunk == 1 and row_slice > 256), conv_dw_plan
-    assert isa == "scalar" or conv_dw_plan.geometry["cols"] < 7
+    # a single output row whose tile slice (dy vectors + input row) overflows half of L1 is cut
+    # into column blocks (here two of 35)
+    assert conv_dw_plan.chunk == 1 and conv_dw_plan.geometry["cols"] == 35, conv_dw_plan
     net = pr.load(tmp_path / "b")
     rng = np.random.default_rng(3)
     for layer in net.layers.values():
         layer.bias = rng.standard_normal(layer.out_shape[0]).astype(np.float32)
-    x = rng.standard_normal((3, 40, 6, 7)).astype(np.float32)
+    x = rng.standard_normal((3, 40, 6, 70)).astype(np.float32)
     c, f = net.layers["c"], net.layers["f"]
     h = ref.conv2d(x, c.weights, c.bias, (1, 1), (1, 1), relu=True)
     habs = ref.conv2d(np.abs(x), np.abs(c.weights), np.abs(c.bias), (1, 1), (1, 1))
@@ -252,11 +251,15 @@ def test_small_caches_force_several_reduction_chunks(tmp_path, isa):
     want = ref.fc(h, f.weights, f.bias, relu=True)
     # Two stacked dot products: bound the second by the float32 error of its input as well.
     abs_want = ref.fc(habs, np.abs(f.weights), np.abs(f.bias))
-    assert_dot_close(y, want, abs_want, 40 * 9 + 16 * 42)
+    assert_dot_close(y, want, abs_want, 40 * 9 + 16 * 6 * 70)
     # Backward weights of both layers, on the kernels' own forward outputs (relu masks).
     dy = rng.standard_normal(y.shape).astype(np.float32)
     dy_eff = dy * (y > 0)
     hk = c.forward(x)
+    assert result.plans[("f", "bwd_data")].geometry["k_block"] < k  # several K blocks
+    np.testing.assert_array_equal(f.forward(hk), y)  # the layer-level call remembers its input
+    dx = f.backward_data(dy)
+    assert_dot_close(dx, ref.fc_bwd_data(dy_eff, f.weights, hk.shape), ref.fc_bwd_data(np.abs(dy_eff), np.abs(f.weights), hk.shape), 20)
     dw, db = f.backward_weights(hk, dy)
     for got, want, bound in zip((dw, db), ref.fc_bwd_weights(hk, dy_eff), ref.fc_bwd_weights(np.abs(hk), np.abs(dy_eff))):
         assert_dot_close(got, want, bound, 3)
@@ -264,8 +267,8 @@ def test_small_caches_force_several_reduction_chunks(tmp_path, isa):
     dw, db = c.backward_weights(x, gy)
     want_w, want_b = ref.conv2d_bwd_weights(x, gy, (3, 3), (1, 1), (1, 1))
     abs_w, abs_b = ref.conv2d_bwd_weights(np.abs(x), np.abs(gy), (3, 3), (1, 1), (1, 1))
-    assert_dot_close(dw, want_w, abs_w, 3 * 42)
-    assert_dot_close(db, want_b, abs_b, 3 * 42)
+    assert_dot_close(dw, want_w, abs_w, 3 * 6 * 70)
+    assert_dot_close(db, want_b, abs_b, 3 * 6 * 70)
 
 
 def test_whole_net_forward_matches_layer_by_layer_reference(tmp_path, isa):

@@ -51,9 +51,10 @@ def test_every_tile_fits_the_register_file(isa, net_file):
             assert 1 <= plan.chunk <= layer.out_shape[1]
             assert len(plan.geometry["oh_range"]) == layer.kernel[0]
         elif plan.kind == "fc_fwd":
-            assert ocb % t.vectors == 0 and 1 <= plan.chunk <= k
+            assert plan.geometry["rem_n"] == ocb % t.vectors and t.vectors <= ocb and 1 <= plan.chunk <= k
         elif plan.kind == "fc_bwd_data":
-            assert k % t.vectors == 0
+            kb = plan.geometry["k_block"]
+            assert k % t.vectors == 0 and kb % t.vectors == 0 and t.vectors <= kb <= k
         elif plan.kind == "fc_bwd_weights":
             # narrower last panel / vector group instead of divisibility; dy slice within half of L1
             assert plan.geometry == {"rem_k": k % t.width, "rem_n": ocb % t.vectors}

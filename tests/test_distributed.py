@@ -1,0 +1,132 @@
+"""Synchronous SGD under mpiexec: p ranks with global minibatch B equal one rank with B.
+
+Each test launches `mpiexec -n P python tests/mpi_worker.py ...` with a timeout, so a hang
+fails instead of stalling the suite; P = 3 oversubscribes this 2-core machine (MPICH's
+hydra launcher allows it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pcldnn_runtime as pr
+from conftest import build_and_load
+
+WORKER = Path(__file__).parent / "mpi_worker.py"
+MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (the mpich wheel provides one)")
+
+LAYERS = [
+    {"name": "conv1", "type": "conv", "out_channels": 8, "kernel": 3, "pad": 1, "activation": "relu"},
+    {"name": "pool1", "type": "maxpool", "kernel": 2, "stride": 2},
+    {"name": "fc1", "type": "fc", "out_features": 20, "activation": "relu"},
+    {"name": "fc2", "type": "fc", "out_features": 5},
+    {"name": "loss", "type": "softmax_cross_entropy"},
+]
+SHAPE = (3, 8, 8)
+
+
+@pytest.fixture(scope="module")
+def build_dir(tmp_path_factory):
+    return build_and_load(tmp_path_factory.mktemp("mpi"), LAYERS, SHAPE, "scalar", name="mpinet").build_dir
+
+
+def mpirun(p: int, mode: str, cfg: dict, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PCLDNN_COMM_TIMEOUT="60",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([MPIEXEC, "-n", str(p), sys.executable, str(WORKER), mode, json.dumps(cfg)],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode:
+        raise AssertionError(f"mpiexec -n {p} {mode} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def single_rank_reference(build_dir, cfg):
+    """The same steps by one process without MPI, on the whole global minibatches."""
+    net = pr.load(build_dir, threads=1, seed=cfg["seed"])
+    trainer = pr.Trainer(net, pr.SGD(cfg["lr"], momentum=0.9, weight_decay=1e-3, schedule="cosine",
+                                     total_steps=cfg["steps_total"]), seed=0)
+    data = pr.synthetic(cfg["batch"] * cfg["steps_total"], SHAPE, 5, seed=4)
+    losses = [trainer.step(x, y) for x, y in list(data.batches(cfg["batch"]))[:cfg["steps"]]]
+    return net.params.copy(), np.array(losses)
+
+
+def _cfg(build_dir, tmp_path, **kw):
+    cfg = {"build": str(build_dir), "batch": 12, "steps": 10, "steps_total": 10, "lr": 0.05, "seed": 1,
+           "shape": list(SHAPE), "classes": 5, "out": str(tmp_path / "out.npz")}
+    cfg.update(kw)
+    return cfg
+
+
+@pytest.mark.parametrize("p, batch", [(1, 12), (2, 12), (3, 12), (3, 10)])
+def test_p_ranks_match_one_rank(build_dir, tmp_path, p, batch):
+    cfg = _cfg(build_dir, tmp_path, batch=batch)
+    mpirun(p, "train", cfg)
+    got = np.load(cfg["out"])
+    want_params, want_losses = single_rank_reference(build_dir, cfg)
+    init = pr.load(build_dir, threads=1, seed=cfg["seed"]).params
+    moved = np.abs(want_params - init).max()
+    # Only the order of float32 additions differs (shard sums reduced across ranks instead of
+    # one long sum): ~1e-7 relative per gradient element, carried through 10 momentum steps.
+    # 1e-4 of the distance the weights travelled is well above that, and a wrong scaling of
+    # one shard (b_r/B), a missed reduction or a stale broadcast moves them by far more.
+    assert moved > 1e-2
+    np.testing.assert_allclose(got["params"], want_params, rtol=0, atol=1e-4 * moved)
+    np.testing.assert_allclose(got["losses"], want_losses, rtol=1e-5)
+    trace = json.loads(Path(cfg["out"] + ".trace.json").read_text())["traceEvents"]
+    names = {e["name"] for e in trace}
+    assert {"forward", "backward", "part-reduce fc2", "sgd conv1"} <= names
+
+
+def test_part_reduce_and_broadcast_equal_allreduce(tmp_path):
+    sizes = [1, 2, 15, 16, 17, 100, 1001, 4099]
+    cfg = {"sizes": sizes, "out": str(tmp_path / "c.json")}
+    for p in (2, 3):
+        mpirun(p, "collectives", cfg)
+        report = json.loads(Path(cfg["out"]).read_text())
+        assert [r["n"] for r in report] == sizes
+        for r in report:
+            assert r["equal"], r
+            counts = r["counts"]
+            last = max(i for i, c in enumerate(counts) if c)  # pieces before the last one end on cache lines
+            assert sum(counts) == r["n"] and all(c % 16 == 0 for c in counts[:last])
+            assert max(counts) - min(counts) < 32 or r["n"] < 16 * p  # as even as whole lines allow
+
+
+def test_exception_on_one_rank_ends_the_job(build_dir, tmp_path):
+    start = time.monotonic()
+    proc = mpirun(2, "fail", _cfg(build_dir, tmp_path), timeout=60, check=False)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 30
+    assert "[rank 1] uncaught RuntimeError: rank 1 fails on purpose" in proc.stderr
+
+
+def test_mismatched_builds_are_refused(build_dir, tmp_path):
+    other = build_and_load(tmp_path, LAYERS[:2] + [{"name": "fc1", "type": "fc", "out_features": 21, "activation": "relu"}]
+                           + LAYERS[3:], SHAPE, "scalar", name="mpinet").build_dir
+    proc = mpirun(2, "mismatch", _cfg(build_dir, tmp_path, other_build=str(other)), timeout=60, check=False)
+    assert proc.returncode != 0
+    assert "ranks loaded different nets or builds; refusing to train" in proc.stdout
+    assert "rank 1: net" in proc.stdout
+
+
+def test_checkpoint_from_two_ranks_resumes_on_one_and_three(build_dir, tmp_path):
+    cfg = _cfg(build_dir, tmp_path, steps=4, steps_total=8, save=str(tmp_path / "ck.npz"))
+    mpirun(2, "train", cfg)
+    finals = []
+    for p in (1, 3):
+        out = str(tmp_path / f"resumed{p}.npz")
+        mpirun(p, "train", dict(cfg, steps=8, save=None, resume=cfg["save"], out=out))
+        finals.append(np.load(out)["params"])
+    want, _ = single_rank_reference(build_dir, dict(cfg, steps=8))
+    moved = np.abs(want - pr.load(build_dir, threads=1, seed=cfg["seed"]).params).max()
+    for got in finals:
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * moved)
