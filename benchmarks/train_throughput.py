@@ -156,7 +156,8 @@ def main() -> None:
             ratio = row[f"ratio_vs_torch_{label}"]
             print(f"    x PyTorch {label:8s} (better layout): {ratio:.2f}" if ratio else f"    x PyTorch {label}: n/a")
     if args.json:
-        Path(args.json).write_text(json.dumps({"net": args.net, "batch": args.batch, "rows": rows}, indent=1))
+        net = os.path.relpath(args.net, REPO)
+        Path(args.json).write_text(json.dumps({"net": net, "batch": args.batch, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ The last line reports the test accuracy and the training throughput in images/s.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -39,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--resume", default=None, help="checkpoint file to continue from")
     ap.add_argument("--metrics", default=None, help="append per-step JSON lines to this file")
     ap.add_argument("--plot", default=None, help="save the loss / accuracy curves to this PNG")
+    ap.add_argument("--trace", default=None, help="under mpiexec: write each rank's Chrome-trace timeline to "
+                    "TRACE/trace-rank<r>.json (open in chrome://tracing or ui.perfetto.dev)")
     ap.add_argument("--no-progress", action="store_true")
     return ap.parse_args(argv)
 
@@ -72,8 +75,10 @@ def main(argv=None) -> int:
                      total_steps=steps if args.schedule == "cosine" else 0,
                      step_size=max(1, steps // 3) if args.schedule == "step" else 0,
                      warmup_steps=args.warmup_steps)
-        trainer = (pr.Trainer.resume(args.resume, net, opt, comm=comm) if args.resume
-                   else pr.Trainer(net, opt, seed=args.seed, comm=comm))
+        trace = [] if args.trace and comm is not None else None
+        extra = {"trace": trace} if comm is not None else {}
+        trainer = (pr.Trainer.resume(args.resume, net, opt, comm=comm, **extra) if args.resume
+                   else pr.Trainer(net, opt, seed=args.seed, comm=comm, **extra))
         checkpoint = Path(args.checkpoint_dir) / "checkpoint.npz" if args.checkpoint_dir else None
         start = time.perf_counter()
         history = trainer.fit(train, test, epochs=args.epochs, batch_size=args.batch_size,
@@ -86,6 +91,9 @@ def main(argv=None) -> int:
             comm.Abort(2)
         return 2
     final = trainer.evaluate(test)
+    if trace is not None:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
+        (Path(args.trace) / f"trace-rank{comm.rank}.json").write_text(json.dumps({"traceEvents": trace}))
     if not lead:
         return 0
     for h in history:

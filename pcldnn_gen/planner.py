@@ -147,7 +147,7 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch) -> KernelPlan:
     kind = f"{layer.type}_{pass_name}"
     geometry = {}
     if layer.type == "dropout":
-        geometry = {"threshold": round(layer.rate * 2 ** 32), "scale": f"{1.0 / (1.0 - layer.rate):.9g}"}
+        geometry = {"threshold": round(layer.rate * 2 ** 32), "scale": f"{1.0 / (1.0 - layer.rate):.9e}"}  # always a float literal
     return KernelPlan(layer.name, pass_name, kind, arch.isa, arch.vector_floats, geometry=geometry,
                       reason=_MEMORY_BOUND[kind] + "; memory-bound, no register tile to choose")
 

@@ -115,7 +115,7 @@ class DataParallel:
         self.watchdog = _Watchdog(comm, timeout)
         self.trace = trace
         self._t0 = time.perf_counter()
-        self.comm_wait = 0.0  # seconds spent blocked in Wait this step (exposed communication)
+        self.comm_wait = 0.0  # seconds blocked in MPI this step (exposed communication and rank skew)
 
     # -- events --------------------------------------------------------------------------
     def _event(self, name: str, cat: str, start: float, end: float) -> None:
@@ -164,9 +164,11 @@ class DataParallel:
         t = time.perf_counter()
         local = np.array([len(labels)], np.int64)
         total = np.empty_like(local)
-        self.comm.Allreduce(local, total)
+        self.comm.Allreduce(local, total)  # blocking: also where ranks that arrive early wait
         b_local, b_global = int(local[0]), int(total[0])
         t1 = time.perf_counter()
+        self.comm_wait += t1 - t
+        self._event("allreduce minibatch size", "wait", t, t1)
         logits = self.net.forward(x, training=True, before_layer=self._before_forward)
         t2 = time.perf_counter()
         self._event("forward", "compute", t1, t2)
@@ -175,7 +177,10 @@ class DataParallel:
         self._event("backward", "compute", t2, t3)
         correct = float((logits.argmax(axis=1) == np.asarray(labels)).sum())
         sums = np.array([loss * b_local, correct], np.float64)
+        s = time.perf_counter()
         self.comm.Allreduce(self.MPI.IN_PLACE, sums)
+        self.comm_wait += time.perf_counter() - s
+        self._event("allreduce loss", "wait", s, time.perf_counter())
         for b in reversed(self.blocks):  # the order their reductions started: the top layer first
             self._wait(b["reduce"], f"part-reduce {b['name']}")
             b["reduce"] = None

@@ -167,8 +167,9 @@ def test_maxpool_ties_send_the_gradient_to_one_element(tmp_path, isa):
     assert dx.sum() == y.size
 
 
-def test_relu_and_dropout_layers(tmp_path, isa):
-    net = build_and_load(tmp_path, [{"name": "r", "type": "relu"}, {"name": "d", "type": "dropout", "rate": 0.25},
+@pytest.mark.parametrize("rate", [0.25, 0.5])  # 0.5: the scale 2 must still be emitted as a float literal
+def test_relu_and_dropout_layers(tmp_path, isa, rate):
+    net = build_and_load(tmp_path, [{"name": "r", "type": "relu"}, {"name": "d", "type": "dropout", "rate": rate},
                                     {"name": "f", "type": "fc", "out_features": 3}], (5, 6, 7), isa)
     rng = np.random.default_rng(2)
     x = rng.standard_normal((4, 5, 6, 7)).astype(np.float32)
@@ -178,13 +179,14 @@ def test_relu_and_dropout_layers(tmp_path, isa):
     dy = rng.standard_normal(x.shape).astype(np.float32)
     np.testing.assert_array_equal(relu.backward_data(dy), np.where(x > 0, dy, 0))
 
+    keep = 1.0 - rate
     xd = np.abs(x) + 1  # nonzero, so a zero output means "dropped"
     yd = drop.forward(xd)
     kept = yd != 0
-    np.testing.assert_allclose(yd[kept], xd[kept] / 0.75, rtol=1e-6)
-    # 840 Bernoulli(0.75) draws: the kept fraction is within 5 standard deviations (0.075) of 0.75
-    assert abs(kept.mean() - 0.75) < 0.075
-    np.testing.assert_allclose(drop.backward_data(dy), np.where(kept, dy / 0.75, 0), rtol=1e-6)
+    np.testing.assert_allclose(yd[kept], xd[kept] / keep, rtol=1e-6)
+    # 840 Bernoulli(keep) draws: the kept fraction is within 5 standard deviations of keep
+    assert abs(kept.mean() - keep) < 5 * np.sqrt(keep * rate / kept.size)
+    np.testing.assert_allclose(drop.backward_data(dy), np.where(kept, dy / keep, 0), rtol=1e-6)
     assert not np.array_equal(drop.forward(xd) != 0, kept)  # a new step draws a new mask
     # evaluation mode: dropout is the identity
     fc = net.layers["f"]
