@@ -50,7 +50,8 @@ def markdown(path: Path) -> str:
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in d["results"]:
         lines.append(f"| {r['layer']} | {r['pass_name']} | {r['ms']:.1f} | {r['gflops']:.1f} | {r['peak_fraction']:.0%} | "
-                     f"{fmt(r.get('vs_numpy'), '.2f')} | {fmt(r.get('vs_onednn'), '.2f')} | {fmt(r.get('vs_onednn_wall'), '.2f')} |")
+                     f"{fmt(r.get('vs_numpy'), '.2f')} | {fmt(r.get('vs_onednn'), '.2f')} | "
+                     f"{fmt(r.get('vs_onednn_wall'), '.2f')} |")
     return "\n".join(lines)
 
 

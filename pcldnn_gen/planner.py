@@ -147,7 +147,8 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch) -> KernelPlan:
     kind = f"{layer.type}_{pass_name}"
     geometry = {}
     if layer.type == "dropout":
-        geometry = {"threshold": round(layer.rate * 2 ** 32), "scale": f"{1.0 / (1.0 - layer.rate):.9e}"}  # always a float literal
+        # the scale in exponent form is a float literal in C even when it is whole (rate 0.5 -> 2)
+        geometry = {"threshold": round(layer.rate * 2 ** 32), "scale": f"{1.0 / (1.0 - layer.rate):.9e}"}
     return KernelPlan(layer.name, pass_name, kind, arch.isa, arch.vector_floats, geometry=geometry,
                       reason=_MEMORY_BOUND[kind] + "; memory-bound, no register tile to choose")
 
@@ -412,7 +413,8 @@ def _plan_conv_bwd_data(layer: LayerSpec, arch: Arch) -> KernelPlan:
         f"{ofb * slice_bytes // 1024} KiB weight slice within half of L1"
     )
     return KernelPlan(layer.name, "bwd_data", "conv_bwd_data", arch.isa, v, tile,
-                      tuple(sorted({p["rem"] for p in phases if p["rem"]}, reverse=True)), ofb, "output-channel blocks", 0, 0, eff,
+                      tuple(sorted({p["rem"] for p in phases if p["rem"]}, reverse=True)), ofb,
+                      "output-channel blocks", 0, 0, eff,
                       ofb * slice_bytes, l2_bpf, reason, geometry={"phases": phases},
                       scratch_floats=icb * ocb * kh * kw * v * v, rejected=tuple(s[3] for s in scored[1:6]))
 
@@ -464,7 +466,8 @@ def _plan_conv_bwd_weights(layer: LayerSpec, arch: Arch) -> KernelPlan:
         f"weight-gradient {_tile_sentence(tile, arch, 'ic lanes', 'oc-vectors')}: broadcast inputs times "
         f"output-gradient vectors, reduced over minibatch and output pixels"
         + (f" (the last group of {rem_n} vector(s) with a {tile.width}x{rem_n} tile)" if rem_n else "")
-        + f" -> {eff:.0%} of peak predicted{f' on the {lanes} real input lanes' if lanes < v else ''}; threads split the weight tiles (each weight has one owner and a fixed summation order, "
+        + f" -> {eff:.0%} of peak predicted" + (f" on the {lanes} real input lanes" if lanes < v else "")
+        + "; threads split the weight tiles (each weight has one owner and a fixed summation order, "
         f"so results do not depend on the thread count); pixel block of {rows}/{oh} output rows: "
         f"{rows * per_row // 1024} KiB of gradients and inputs within half of L2, "
         f"{rows * per_row_tile // 1024} KiB streamed per tile within half of L1"

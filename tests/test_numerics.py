@@ -261,7 +261,8 @@ def test_small_caches_force_several_reduction_chunks(tmp_path, isa):
     assert result.plans[("f", "bwd_data")].geometry["k_block"] < k  # several K blocks
     np.testing.assert_array_equal(f.forward(hk), y)  # the layer-level call remembers its input
     dx = f.backward_data(dy)
-    assert_dot_close(dx, ref.fc_bwd_data(dy_eff, f.weights, hk.shape), ref.fc_bwd_data(np.abs(dy_eff), np.abs(f.weights), hk.shape), 20)
+    assert_dot_close(dx, ref.fc_bwd_data(dy_eff, f.weights, hk.shape),
+                     ref.fc_bwd_data(np.abs(dy_eff), np.abs(f.weights), hk.shape), 20)
     dw, db = f.backward_weights(hk, dy)
     for got, want, bound in zip((dw, db), ref.fc_bwd_weights(hk, dy_eff), ref.fc_bwd_weights(np.abs(hk), np.abs(dy_eff))):
         assert_dot_close(got, want, bound, 3)
