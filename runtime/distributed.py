@@ -10,7 +10,10 @@ block just before that layer runs. So the reduction of layer L overlaps the back
 of the layers below it, and the broadcast overlaps the next forward pass of the layers above.
 
 MPI may not progress nonblocking collectives on its own: the runtime tests every pending
-request between layer kernels (explicit progress, no extra thread).
+request between layer kernels (explicit progress). With PCLDNN_PROGRESS_THREAD=1 and an MPI
+library that provides MPI_THREAD_MULTIPLE, a helper thread also tests them every 0.2 ms while
+the kernels run (they release the GIL), for networks where a reduction needs many progress
+calls; on one machine (shared-memory transport) both measured the same.
 
 Each rank's gradient is that of (b_r / B) x its mean loss (b_r its shard, B the global
 minibatch), so the sum over ranks is the gradient of the global mean loss, also for unequal
@@ -115,6 +118,15 @@ class DataParallel:
         self.watchdog = _Watchdog(comm, timeout)
         self.trace = trace
         self._t0 = time.perf_counter()
+        # Progress: requests are tested between layer kernels; with PCLDNN_PROGRESS_THREAD=1
+        # (and MPI_THREAD_MULTIPLE) a helper thread also tests them while kernels run (they
+        # release the GIL). Every MPI call on a request holds _lock: MPI does not allow two
+        # threads to complete the same request.
+        self._lock = threading.Lock()
+        self._threaded = (self.p > 1 and os.environ.get("PCLDNN_PROGRESS_THREAD", "0") == "1"
+                          and MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+        if self._threaded:
+            threading.Thread(target=self._progress_loop, daemon=True, name="pcldnn-progress").start()
         self.comm_wait = 0.0  # seconds blocked in MPI this step (exposed communication and rank skew)
 
     # -- events --------------------------------------------------------------------------
@@ -128,7 +140,14 @@ class DataParallel:
             return
         start = time.perf_counter()
         self.watchdog.waiting(what)
-        req.Wait()
+        if self._threaded:
+            while True:
+                with self._lock:
+                    if req.Test():
+                        break
+                time.sleep(20e-6)
+        else:
+            req.Wait()
         self.watchdog.waiting(None)
         end = time.perf_counter()
         self.comm_wait += end - start
@@ -136,10 +155,16 @@ class DataParallel:
 
     def _progress(self) -> None:
         """Explicit progress: test every pending request (cheap when nothing is pending)."""
-        for b in self.blocks:
-            for key in ("reduce", "gather"):
-                if b[key] is not None:
-                    b[key].Test()  # a finished request becomes REQUEST_NULL: waiting on it is free
+        with self._lock:
+            for b in self.blocks:
+                for key in ("reduce", "gather"):
+                    if b[key] is not None:
+                        b[key].Test()  # a finished request becomes REQUEST_NULL: waiting on it is free
+
+    def _progress_loop(self) -> None:
+        while True:
+            self._progress()
+            time.sleep(200e-6)
 
     # -- hooks called by Net between layers ---------------------------------------------------
     def _before_forward(self, layer) -> None:
@@ -153,8 +178,9 @@ class DataParallel:
         b = self.by_name.get(layer.name)
         if b is not None:
             start, stop = b["range"]
-            b["reduce"] = self.comm.Ireduce_scatter(self.net.grads[start:stop], b["recv"],
-                                                    recvcounts=[int(c) for c in b["counts"]], op=self.MPI.SUM)
+            with self._lock:
+                b["reduce"] = self.comm.Ireduce_scatter(self.net.grads[start:stop], b["recv"],
+                                                        recvcounts=[int(c) for c in b["counts"]], op=self.MPI.SUM)
             b["t_reduce"] = time.perf_counter()
         self._progress()
 
@@ -189,9 +215,10 @@ class DataParallel:
             np.copyto(self.net.grads[b["own"]], b["recv"])
             self.opt.apply(self.net.params, self.net.grads, step_index, b["own"])
             start, stop = b["range"]
-            b["gather"] = self.comm.Iallgatherv(
-                self.MPI.IN_PLACE, [self.net.params[start:stop], ([int(c) for c in b["counts"]],
-                                                                  [int(d) for d in b["displs"]]), self.MPI.FLOAT])
+            with self._lock:
+                b["gather"] = self.comm.Iallgatherv(
+                    self.MPI.IN_PLACE, [self.net.params[start:stop], ([int(c) for c in b["counts"]],
+                                                                      [int(d) for d in b["displs"]]), self.MPI.FLOAT])
             self._event(f"sgd {b['name']}", "compute", s, time.perf_counter())
         self._event("step", "step", t, time.perf_counter())
         return float(sums[0] / b_global), float(sums[1] / b_global)

@@ -39,8 +39,10 @@ def build_dir(tmp_path_factory):
     return build_and_load(tmp_path_factory.mktemp("mpi"), LAYERS, SHAPE, "scalar", name="mpinet").build_dir
 
 
-def mpirun(p: int, mode: str, cfg: dict, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+def mpirun(p: int, mode: str, cfg: dict, timeout: float = 120, check: bool = True,
+           progress_thread: bool = False) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PCLDNN_COMM_TIMEOUT="60",
+               PCLDNN_PROGRESS_THREAD="1" if progress_thread else "0",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([MPIEXEC, "-n", str(p), sys.executable, str(WORKER), mode, json.dumps(cfg)],
                           env=env, capture_output=True, text=True, timeout=timeout)
@@ -66,10 +68,12 @@ def _cfg(build_dir, tmp_path, **kw):
     return cfg
 
 
-@pytest.mark.parametrize("p, batch", [(1, 12), (2, 12), (3, 12), (3, 10)])
-def test_p_ranks_match_one_rank(build_dir, tmp_path, p, batch):
+@pytest.mark.parametrize("p, batch, thread", [(1, 12, False), (2, 12, False), (3, 12, False), (3, 10, False),
+                                              (2, 10, True)])
+def test_p_ranks_match_one_rank(build_dir, tmp_path, p, batch, thread):
+    """thread: progress by a helper thread as well as between layers."""
     cfg = _cfg(build_dir, tmp_path, batch=batch)
-    mpirun(p, "train", cfg)
+    mpirun(p, "train", cfg, progress_thread=thread)
     got = np.load(cfg["out"])
     want_params, want_losses = single_rank_reference(build_dir, cfg)
     init = pr.load(build_dir, threads=1, seed=cfg["seed"]).params
