@@ -498,9 +498,9 @@ def _plan_fc_bwd_data(layer: LayerSpec, arch: Arch) -> KernelPlan:
         f"GEMM dX = dY . W read in W's own packed layout (OC/V, K, V): dot-product form, "
         f"{_tile_sentence(tile, arch, 'minibatch rows', 'input features')}, each accumulator a vector over "
         f"V output features, summed horizontally into dX after each chunk of {chunk}/{ocb} output-feature "
-        f"blocks (so only {chunk} rows of W stream at once, each sequentially) -> {tile.efficiency:.0%} of peak "
-        f"predicted before the horizontal sums; no transposed copy of W; K blocks of {kb}: "
-        f"{chunk * kb * v * 4 // 1024} KiB of W within a quarter of L2, reused by every row tile"
+        f"blocks -> {tile.efficiency:.0%} of peak predicted before the horizontal sums; no transposed copy of W: "
+        f"per K block of {kb} features a thread packs the chunk's W slice into a contiguous panel "
+        f"({chunk * kb * v * 4 // 1024} KiB, within a quarter of L2) that every row tile reuses"
     )
     return KernelPlan(layer.name, "bwd_data", "fc_bwd_data", arch.isa, v, tile,
                       remainders=tuple(range(tile.width - 1, 0, -1)), chunk=chunk, chunk_unit="output-feature blocks",
