@@ -80,19 +80,21 @@ class PassResult:
 
 def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASS_NAMES,
               layers: list[str] | None = None, repeats: int = 5, compare=(), peak: float | None = None,
-              build_dir: Path | None = None) -> tuple[float, list[PassResult]]:
+              build_dir: Path | None = None, rounds: int = 1) -> tuple[float, list[PassResult]]:
     """Time every (weighted layer, pass). Returns (peak GFLOP/s, results).
 
-    Layer by layer, our kernels then the baselines run back to back, and the FMA peak is
-    measured again after each layer; the denominator is the highest peak seen in the run (the
-    machine's demonstrated capability), so a slow moment cannot inflate the efficiencies."""
+    Layer by layer, `rounds` times: our kernels then the baselines, back to back. Our time is
+    the median over rounds, and each ratio the median of the per-round ratios, so a slow
+    moment that hits one side of one round does not decide a ratio. The FMA peak is measured
+    again after each layer; the denominator is the highest peak seen in the run (the machine's
+    demonstrated capability), so a slow moment cannot inflate the efficiencies."""
     chosen = [l for l in spec.layers if l.weighted and (layers is None or l.name in layers)]
     if layers:
         unknown = set(layers) - {l.name for l in spec.layers if l.weighted}
         if unknown:
             raise PcldnnError(f"{spec.name}: no conv/fc layer named {', '.join(sorted(unknown))}")
     peaks = [peak] if peak else [measure_peak(arch, threads)]
-    ours, base = {}, {}
+    ours, ratios = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         out = build_dir or Path(tmp) / "build"
         build(spec, arch, out)
@@ -109,10 +111,18 @@ def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASS_N
             runs = {"fwd": lambda: layer.forward_blocked(xb, yb),
                     "bwd_data": lambda: layer.backward_blocked(xb, None, None, dyb, dxb),
                     "bwd_weights": lambda: layer.backward_blocked(xb, None, None, dyb, None, grads)}
+            per_round = []  # [({pass: our seconds}, {"layer/pass": {baseline: seconds}})]
+            for _ in range(rounds):
+                mine = {p: median_seconds(runs[p], repeats) for p in passes}
+                per_round.append((mine, run_baselines([ls], arch, batch, threads, passes, repeats, compare)
+                                  if compare else {}))
             for p in passes:
-                ours[(ls.name, p)] = median_seconds(runs[p], repeats)
-            if compare:
-                base.update(run_baselines([ls], arch, batch, threads, passes, repeats, compare))
+                ours[(ls.name, p)] = float(np.median([mine[p] for mine, _ in per_round]))
+                keys = {k for _, b in per_round for k in b.get(f"{ls.name}/{p}", {})}
+                ratios[(ls.name, p)] = {
+                    k: float(np.median([b[f"{ls.name}/{p}"][k] / mine[p] for mine, b in per_round
+                                        if b.get(f"{ls.name}/{p}", {}).get(k)]))
+                    for k in keys if any(b.get(f"{ls.name}/{p}", {}).get(k) for _, b in per_round)}
             if not peak:
                 peaks.append(measure_peak(arch, threads))
     best_peak = max(peaks)
@@ -120,11 +130,9 @@ def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASS_N
     for ls in chosen:
         flops = ls.flops(batch)
         for p in passes:
-            t = ours[(ls.name, p)]
-            b = base.get(f"{ls.name}/{p}", {})
-            ratio = lambda key: (b[key] / t) if b.get(key) else None  # noqa: E731
+            t, r = ours[(ls.name, p)], ratios[(ls.name, p)]
             results.append(PassResult(ls.name, p, t * 1e3, flops / t / 1e9, flops / t / 1e9 / best_peak,
-                                      ratio("numpy"), ratio("onednn"), ratio("onednn_wall")))
+                                      r.get("numpy"), r.get("onednn"), r.get("onednn_wall")))
     return best_peak, results
 
 

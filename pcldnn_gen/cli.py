@@ -79,7 +79,8 @@ def _bench(args: argparse.Namespace) -> int:
         raise PcldnnError(f"--passes: unknown pass {', '.join(bad)}; known: {', '.join(PASSES)}")
     compare = tuple(c for c in args.compare.split(",") if c) if args.compare else ()
     layers = args.layers.split(",") if args.layers else None
-    peak, results = bench.bench_net(net, arch, args.batch, threads, passes, layers, args.repeats, compare)
+    peak, results = bench.bench_net(net, arch, args.batch, threads, passes, layers, args.repeats, compare,
+                                    rounds=args.rounds)
     print(bench.format_table(net, arch, args.batch, threads, peak, results))
     if args.json:
         Path(args.json).write_text(json.dumps(bench.results_json(net, arch, args.batch, threads, peak, results), indent=1))
@@ -122,6 +123,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--passes", default=",".join(PASSES), help="comma-separated, default all")
     b.add_argument("--layers", default=None, help="comma-separated conv/fc layers (default all)")
     b.add_argument("--repeats", type=_positive, default=5)
+    b.add_argument("--rounds", type=_positive, default=2,
+                   help="rounds of (our kernels, baselines) per layer; ratios are the median of the per-round ratios")
     b.add_argument("--compare", default="", help="comma-separated baselines: numpy, onednn (needs torch)")
     b.add_argument("--json", help="write the results as JSON")
     b.add_argument("--plot", help="write a bar chart (PNG; needs matplotlib)")

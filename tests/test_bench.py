@@ -36,6 +36,19 @@ def test_bench_net_with_numpy_baseline(tmp_path):
     assert "c1       bwd_weights" in table and "measured FMA peak 100.0" in table
 
 
+def test_rounds_pair_each_baseline_with_the_kernel_time_next_to_it(monkeypatch):
+    """Ratios are the median of per-round ratios (pairs measured back to back), not the ratio
+    of medians: here a slow first round for ours and a slow third round for numpy."""
+    ours, theirs = iter([1.0, 4.0, 4.0]), iter([2.0, 2.0, 20.0])
+    monkeypatch.setattr(bench, "median_seconds", lambda fn, repeats: next(ours))
+    monkeypatch.setattr(bench, "run_baselines", lambda layers, *a: {f"{layers[0].name}/fwd": {"numpy": next(theirs)}})
+    _, results = bench.bench_net(TINY, get_arch(RUNNABLE_ISAS[-1]), batch=2, threads=1, passes=("fwd",),
+                                 layers=["c1"], compare=("numpy",), peak=100.0, rounds=3)
+    (r,) = results
+    assert r.ms == pytest.approx(4000.0)      # median of our three rounds
+    assert r.vs_numpy == pytest.approx(2.0)   # median of 2/1, 2/4, 20/4 (the ratio of medians would be 0.5)
+
+
 def test_parse_onednn_verbose_attributes_primitive_times_to_passes():
     conv = ("onednn_verbose,v1,primitive,exec,cpu,convolution,jit:avx2,{prop},src:f32 wei:f32 dst:f32,"
             "attr-scratchpad:user,alg:convolution_direct,mb16_ic128oc256_ih56oh56kh3sh1dh0ph1_iw56ow56kw3sw1dw0pw1,{ms}")
