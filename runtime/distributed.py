@@ -190,7 +190,9 @@ class DataParallel:
         t = time.perf_counter()
         local = np.array([len(labels)], np.int64)
         total = np.empty_like(local)
+        self.watchdog.waiting(f"step {step_index}: allreduce of the minibatch size")
         self.comm.Allreduce(local, total)  # blocking: also where ranks that arrive early wait
+        self.watchdog.waiting(None)
         b_local, b_global = int(local[0]), int(total[0])
         t1 = time.perf_counter()
         self.comm_wait += t1 - t
@@ -204,11 +206,13 @@ class DataParallel:
         correct = float((logits.argmax(axis=1) == np.asarray(labels)).sum())
         sums = np.array([loss * b_local, correct], np.float64)
         s = time.perf_counter()
+        self.watchdog.waiting(f"step {step_index}: allreduce of the loss")
         self.comm.Allreduce(self.MPI.IN_PLACE, sums)
+        self.watchdog.waiting(None)
         self.comm_wait += time.perf_counter() - s
         self._event("allreduce loss", "wait", s, time.perf_counter())
         for b in reversed(self.blocks):  # the order their reductions started: the top layer first
-            self._wait(b["reduce"], f"part-reduce {b['name']}")
+            self._wait(b["reduce"], f"step {step_index}: part-reduce of layer {b['name']}")
             b["reduce"] = None
             self._event(f"part-reduce {b['name']}", "comm", b.pop("t_reduce", t3), time.perf_counter())
             s = time.perf_counter()

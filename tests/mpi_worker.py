@@ -82,6 +82,18 @@ def fail(cfg):
     trainer.step(*shard(xb, yb))  # the other ranks would wait here forever without the abort
 
 
+def stall(cfg):
+    """Rank 1 stops taking part after one step (as if stuck): rank 0's watchdog must end the job."""
+    import time
+    net = pr.load(cfg["build"], threads=1)
+    trainer = pr.Trainer(net, optimizer(cfg), comm=comm)
+    xb, yb = batches(cfg)[0]
+    trainer.step(*shard(xb, yb))
+    if comm.rank == 1:
+        time.sleep(120)
+    trainer.step(*shard(xb, yb))
+
+
 def mismatch(cfg):
     build = cfg["build"] if comm.rank == 0 else cfg["other_build"]
     try:
@@ -93,4 +105,4 @@ def mismatch(cfg):
 
 if __name__ == "__main__":
     mode, cfg = sys.argv[1], json.loads(sys.argv[2])
-    {"train": train, "collectives": collectives, "fail": fail, "mismatch": mismatch}[mode](cfg)
+    {"train": train, "collectives": collectives, "fail": fail, "stall": stall, "mismatch": mismatch}[mode](cfg)

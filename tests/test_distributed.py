@@ -40,8 +40,8 @@ def build_dir(tmp_path_factory):
 
 
 def mpirun(p: int, mode: str, cfg: dict, timeout: float = 120, check: bool = True,
-           progress_thread: bool = False) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PCLDNN_COMM_TIMEOUT="60",
+           progress_thread: bool = False, comm_timeout: float = 60) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PCLDNN_COMM_TIMEOUT=str(comm_timeout),
                PCLDNN_PROGRESS_THREAD="1" if progress_thread else "0",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([MPIEXEC, "-n", str(p), sys.executable, str(WORKER), mode, json.dumps(cfg)],
@@ -111,6 +111,14 @@ def test_exception_on_one_rank_ends_the_job(build_dir, tmp_path):
     assert proc.returncode != 0
     assert time.monotonic() - start < 30
     assert "[rank 1] uncaught RuntimeError: rank 1 fails on purpose" in proc.stderr
+
+
+def test_watchdog_ends_a_stalled_job_and_names_the_wait(build_dir, tmp_path):
+    start = time.monotonic()
+    proc = mpirun(2, "stall", _cfg(build_dir, tmp_path), timeout=90, check=False, comm_timeout=3)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 30  # rank 1 sleeps 120 s: the watchdog, not rank 1, ended it
+    assert "[rank 0] pcldnn watchdog: step 1: allreduce of the minibatch size has waited more than 3 s" in proc.stderr
 
 
 def test_mismatched_builds_are_refused(build_dir, tmp_path):
