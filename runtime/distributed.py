@@ -107,11 +107,11 @@ class DataParallel:
         comm.Bcast(net.params, root=0)  # identical starting weights whatever each rank's seed
         self.blocks = []  # per weighted layer: name, [start, stop), counts, displacements, owned slice, recv
         for name, (start, stop) in net.param_ranges.items():
-            counts = part_counts(stop - start, self.p)
-            displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
-            own = slice(start + int(displs[self.rank]), start + int(displs[self.rank] + counts[self.rank]))
+            counts = [int(c) for c in part_counts(stop - start, self.p)]
+            displs = [sum(counts[:r]) for r in range(self.p)]
+            own = slice(start + displs[self.rank], start + displs[self.rank] + counts[self.rank])
             self.blocks.append({"name": name, "range": (start, stop), "counts": counts, "displs": displs,
-                                "own": own, "recv": np.empty(int(counts[self.rank]), np.float32),
+                                "own": own, "recv": np.empty(counts[self.rank], np.float32),
                                 "reduce": None, "gather": None})
         self.by_name = {b["name"]: b for b in self.blocks}
         timeout = float(os.environ.get("PCLDNN_COMM_TIMEOUT", 600)) if timeout is None else timeout
@@ -180,7 +180,7 @@ class DataParallel:
             start, stop = b["range"]
             with self._lock:
                 b["reduce"] = self.comm.Ireduce_scatter(self.net.grads[start:stop], b["recv"],
-                                                        recvcounts=[int(c) for c in b["counts"]], op=self.MPI.SUM)
+                                                        recvcounts=b["counts"], op=self.MPI.SUM)
             b["t_reduce"] = time.perf_counter()
         self._progress()
 
@@ -221,8 +221,7 @@ class DataParallel:
             start, stop = b["range"]
             with self._lock:
                 b["gather"] = self.comm.Iallgatherv(
-                    self.MPI.IN_PLACE, [self.net.params[start:stop], ([int(c) for c in b["counts"]],
-                                                                      [int(d) for d in b["displs"]]), self.MPI.FLOAT])
+                    self.MPI.IN_PLACE, [self.net.params[start:stop], (b["counts"], b["displs"]), self.MPI.FLOAT])
             self._event(f"sgd {b['name']}", "compute", s, time.perf_counter())
         self._event("step", "step", t, time.perf_counter())
         return float(sums[0] / b_global), float(sums[1] / b_global)
@@ -241,8 +240,7 @@ class DataParallel:
         for b in self.blocks:
             start, stop = b["range"]
             out[b["own"]] = v[b["own"]]
-            self.comm.Allgatherv(self.MPI.IN_PLACE, [out[start:stop], ([int(c) for c in b["counts"]],
-                                                                       [int(d) for d in b["displs"]]), self.MPI.FLOAT])
+            self.comm.Allgatherv(self.MPI.IN_PLACE, [out[start:stop], (b["counts"], b["displs"]), self.MPI.FLOAT])
         return out
 
 
