@@ -2,6 +2,8 @@
 layouts throughout: one conversion at the input, one at the logits, none in between."""
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from pathlib import Path
 
@@ -129,8 +131,6 @@ class Net:
 
     def build_fingerprint(self) -> str:
         """sha256 over the build's kernel libraries and arch: ranks of one job must agree on it."""
-        import hashlib
-        import json
         kernels = {l["name"]: {p: k["sha256"] for p, k in l["kernels"].items()} for l in self.manifest["layers"]}
         blob = json.dumps({"arch": self.manifest["arch"], "kernels": kernels}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from .data import ArrayDataset
+from .distributed import shard_bounds
 from .errors import PcldnnError
 from .optim import SGD
 
@@ -91,7 +92,6 @@ class Trainer:
         lo, hi = 0, len(data)
         if self.dist is not None:  # each rank evaluates its share of the samples
             self.sync()
-            from .distributed import shard_bounds
             lo, hi = shard_bounds(len(data), self.comm.size, self.rank)
         sums = np.zeros(2)
         for start in range(lo, hi, batch_size):
@@ -99,8 +99,7 @@ class Trainer:
             loss, acc = softmax_metrics(self.net.forward(xb), yb)
             sums += (loss * len(yb), acc * len(yb))
         if self.dist is not None:
-            from mpi4py import MPI
-            self.comm.Allreduce(MPI.IN_PLACE, sums)
+            self.comm.Allreduce(self.dist.MPI.IN_PLACE, sums)
         return {"loss": sums[0] / len(data), "accuracy": sums[1] / len(data)}
 
     # -- epochs --------------------------------------------------------------------------
@@ -133,7 +132,6 @@ class Trainer:
                 seen, losses, accs, start = 0, [], [], time.perf_counter()
                 for xb, yb in batches:
                     if self.dist is not None:  # batch_size is the global minibatch: take this rank's shard
-                        from .distributed import shard_bounds
                         lo, hi = shard_bounds(len(yb), self.comm.size, self.rank)
                         xb, yb = xb[lo:hi], yb[lo:hi]
                     t0 = time.perf_counter()

@@ -27,6 +27,17 @@ RUNNABLE_ISAS = [isa for isa in ("scalar", "avx2", "avx512") if cpu.supports(isa
 U32 = 2.0 ** -24  # unit roundoff of float32
 
 
+# A small net that trains in milliseconds: conv + relu, max-pool, two fc, softmax loss.
+TRAIN_LAYERS = [
+    {"name": "conv1", "type": "conv", "out_channels": 6, "kernel": 3, "pad": 1, "activation": "relu"},
+    {"name": "pool1", "type": "maxpool", "kernel": 2, "stride": 2},
+    {"name": "fc1", "type": "fc", "out_features": 12, "activation": "relu"},
+    {"name": "fc2", "type": "fc", "out_features": 5},
+    {"name": "loss", "type": "softmax_cross_entropy"},
+]
+TRAIN_SHAPE = (3, 8, 8)
+
+
 def build_and_load(tmp_path: Path, layers: list[dict], input_shape, isa: str, name: str = "t", threads: int = 2):
     c, h, w = input_shape
     net = parse_netspec({"name": name, "input": {"channels": c, "height": h, "width": w}, "layers": layers})

@@ -72,24 +72,17 @@ def collectives(cfg):
         Path(cfg["out"]).write_text(json.dumps(report))
 
 
-def fail(cfg):
-    net = pr.load(cfg["build"], threads=1)
-    trainer = pr.Trainer(net, optimizer(cfg), comm=comm)
-    xb, yb = batches(cfg)[0]
-    trainer.step(*shard(xb, yb))
-    if comm.rank == 1:
-        raise RuntimeError("rank 1 fails on purpose")
-    trainer.step(*shard(xb, yb))  # the other ranks would wait here forever without the abort
-
-
-def stall(cfg):
-    """Rank 1 stops taking part after one step (as if stuck): rank 0's watchdog must end the job."""
+def misbehave(cfg, how):
+    """After one step rank 1 raises ("fail": the abort hook must end the job) or stops taking
+    part ("stall": rank 0's watchdog must end it); the other ranks would wait forever."""
     import time
     net = pr.load(cfg["build"], threads=1)
     trainer = pr.Trainer(net, optimizer(cfg), comm=comm)
     xb, yb = batches(cfg)[0]
     trainer.step(*shard(xb, yb))
     if comm.rank == 1:
+        if how == "fail":
+            raise RuntimeError("rank 1 fails on purpose")
         time.sleep(120)
     trainer.step(*shard(xb, yb))
 
@@ -105,4 +98,6 @@ def mismatch(cfg):
 
 if __name__ == "__main__":
     mode, cfg = sys.argv[1], json.loads(sys.argv[2])
-    {"train": train, "collectives": collectives, "fail": fail, "stall": stall, "mismatch": mismatch}[mode](cfg)
+    modes = {"train": train, "collectives": collectives, "mismatch": mismatch,
+             "fail": lambda c: misbehave(c, "fail"), "stall": lambda c: misbehave(c, "stall")}
+    modes[mode](cfg)

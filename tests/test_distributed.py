@@ -18,20 +18,13 @@ import numpy as np
 import pytest
 
 import pcldnn_runtime as pr
-from conftest import build_and_load
+from conftest import TRAIN_LAYERS, TRAIN_SHAPE, build_and_load
 
 WORKER = Path(__file__).parent / "mpi_worker.py"
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (the mpich wheel provides one)")
 
-LAYERS = [
-    {"name": "conv1", "type": "conv", "out_channels": 8, "kernel": 3, "pad": 1, "activation": "relu"},
-    {"name": "pool1", "type": "maxpool", "kernel": 2, "stride": 2},
-    {"name": "fc1", "type": "fc", "out_features": 20, "activation": "relu"},
-    {"name": "fc2", "type": "fc", "out_features": 5},
-    {"name": "loss", "type": "softmax_cross_entropy"},
-]
-SHAPE = (3, 8, 8)
+LAYERS, SHAPE = TRAIN_LAYERS, TRAIN_SHAPE
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +115,7 @@ def test_watchdog_ends_a_stalled_job_and_names_the_wait(build_dir, tmp_path):
 
 
 def test_mismatched_builds_are_refused(build_dir, tmp_path):
-    other = build_and_load(tmp_path, LAYERS[:2] + [{"name": "fc1", "type": "fc", "out_features": 21, "activation": "relu"}]
+    other = build_and_load(tmp_path, LAYERS[:2] + [{"name": "fc1", "type": "fc", "out_features": 13, "activation": "relu"}]
                            + LAYERS[3:], SHAPE, "scalar", name="mpinet").build_dir
     proc = mpirun(2, "mismatch", _cfg(build_dir, tmp_path, other_build=str(other)), timeout=60, check=False)
     assert proc.returncode != 0

@@ -9,16 +9,9 @@ import pytest
 
 import pcldnn_runtime as pr
 import reference as ref
-from conftest import build_and_load
+from conftest import TRAIN_LAYERS, TRAIN_SHAPE, build_and_load
 
-LAYERS = [
-    {"name": "conv1", "type": "conv", "out_channels": 6, "kernel": 3, "pad": 1, "activation": "relu"},
-    {"name": "pool1", "type": "maxpool", "kernel": 2, "stride": 2},
-    {"name": "fc1", "type": "fc", "out_features": 12, "activation": "relu"},
-    {"name": "fc2", "type": "fc", "out_features": 5},
-    {"name": "loss", "type": "softmax_cross_entropy"},
-]
-SHAPE = (3, 8, 8)
+LAYERS, SHAPE = TRAIN_LAYERS, TRAIN_SHAPE
 
 
 @pytest.fixture(scope="module")
@@ -100,22 +93,19 @@ def test_schedules_and_bias_decay(build_dir):
     cos = pr.SGD(1.0, schedule="cosine", total_steps=100, min_lr=0.1)
     assert cos.lr_at(0) == 1.0 and cos.lr_at(50) == pytest.approx(0.55) and cos.lr_at(100) == pytest.approx(0.1)
     assert cos.lr_at(500) == pytest.approx(0.1)
-    # decay_bias=False: with zero gradients, only the weights shrink.
-    net = _net(build_dir)
-    before = net.params.copy()
-    net.grads[...] = 0
-    opt = pr.SGD(0.1, weight_decay=0.5, decay_bias=False)
-    opt.bind(net)
-    opt.apply(net.params, net.grads, 0)
-    layer = net.layers["fc1"]
-    np.testing.assert_array_equal(net.layers["fc1"].bias, before[_bias_slice(net, "fc1")][: layer.out_shape[0]])
-    np.testing.assert_allclose(net.params[before != 0][:10], (before[before != 0] * 0.95)[:10], rtol=1e-6)
-
-
-def _bias_slice(net, name):
-    names = [n for n, l in net.layers.items() if hasattr(l, "bias") and l.type in ("conv", "fc")]
-    start, stop = net.bias_slices()[names.index(name)]
-    return slice(start, stop)
+    # With zero gradients, decay alone moves the parameters: every weight shrinks by 1 - lr*wd;
+    # biases (made nonzero first) shrink too by default and stay put with decay_bias=False.
+    for decay_bias, bias_factor in ((True, 0.95), (False, 1.0)):
+        net = _net(build_dir)
+        for layer in ("conv1", "fc1", "fc2"):
+            net.layers[layer].bias = np.ones(net.layers[layer].out_shape[0], np.float32)
+        weights, biases = net.layers["fc1"].weights, net.layers["fc1"].bias
+        net.grads[...] = 0
+        opt = pr.SGD(0.1, weight_decay=0.5, decay_bias=decay_bias)
+        opt.bind(net)
+        opt.apply(net.params, net.grads, 0)
+        np.testing.assert_allclose(net.layers["fc1"].weights, weights * 0.95, rtol=1e-6)
+        np.testing.assert_allclose(net.layers["fc1"].bias, biases * bias_factor, rtol=1e-6)
 
 
 @pytest.mark.parametrize("kwargs, message", [
