@@ -16,6 +16,8 @@ from .errors import ArchError
 
 # ISAs whose kernels the code generator emits.
 GENERATED_ISAS = ("scalar", "avx2", "avx512")
+# Arch fields that are measured rates (fractional); every other numeric field is a count.
+RATE_FIELDS = ("broadcasts_per_cycle",)
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,12 @@ class Arch:
     cflags: tuple[str, ...]   # ISA flags for the C compiler (never -march=native)
     fma_latency: int = 4      # cycles; with fma_units it sets how many accumulators hide latency
     load_ports: int = 2       # vector loads per cycle from L1
+    # Broadcast loads (one float to every lane) sustained per cycle alongside FMAs. They use
+    # the load ports too but ran slower than vector loads: `benchmarks/tile_microbench.py`
+    # here (AVX2, one thread, operands in L1) holds every Nx1 tile (N broadcasts + 1 vector
+    # load per step) at 77-79% of the FMA peak for N = 8..14, while 1xN tiles (N vector loads
+    # + 1 broadcast) reach 87-94%: 14x1 takes 9 cycles per step, i.e. ~1.6 broadcasts/cycle.
+    broadcasts_per_cycle: float = 1.6
     # Sustained read bandwidth into L1 from L2, bytes per core cycle: the roofline term of the
     # planner's cache model (a block whose L1 working set overflows streams from L2). Measured
     # here (Sapphire-Rapids-class VM): 100 GB/s reading a 1 MiB buffer at ~3 GHz = 34 B/cycle;
@@ -59,7 +67,7 @@ PRESETS: dict[str, Arch] = {
                    ("-mavx512f", "-mavx2", "-mfma")),
     # Portable C: one float per "vector", 16 FP registers, no FMA instruction assumed.
     "scalar": Arch("scalar", "scalar", 32, 16, 1, 32 * 1024, 1024 * 1024, 32 * 1024 * 1024, 2,
-                   (), fma_latency=4, load_ports=2),
+                   (), fma_latency=4, load_ports=2, broadcasts_per_cycle=2.0),
 }
 
 
@@ -86,7 +94,7 @@ def native_arch() -> Arch:
         l1d_bytes=caches.get(1, base.l1d_bytes), l2_bytes=caches.get(2, base.l2_bytes),
         l3_bytes=caches.get(3, base.l3_bytes), cores=cpu.usable_cores(), cflags=base.cflags,
         fma_latency=base.fma_latency, load_ports=base.load_ports,
-        l2_bytes_per_cycle=base.l2_bytes_per_cycle,
+        broadcasts_per_cycle=base.broadcasts_per_cycle, l2_bytes_per_cycle=base.l2_bytes_per_cycle,
     )
 
 
@@ -124,6 +132,10 @@ def arch_from_dict(data: Any, origin: str) -> Arch:
             if any("native" in x for x in v):
                 raise ArchError(f"{origin}: cflags: -march/-mtune=native is not allowed: name the ISA")
             v = tuple(v)
+        elif name in RATE_FIELDS:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e6:
+                raise ArchError(f"{origin}: {name}: must be a positive number, got {v!r}")
+            v = float(v)
         elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ArchError(f"{origin}: {name}: must be a positive int, got {v!r}")
         values[name] = v

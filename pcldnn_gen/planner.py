@@ -4,7 +4,7 @@ The model (DESIGN §6): an accumulator tile of `width` outputs (pixels, or minib
 for fc) × `vectors` output-channel vectors lives in registers across the whole reduction.
 Per inner step the kernel loads `vectors` weight vectors and broadcasts `width` inputs, then
 issues width×vectors FMAs. A step takes at least
-    max(FMAs / fma_units, loads / load_ports, fma_latency)
+    max(FMAs / fma_units, vector loads / load_ports + broadcasts / broadcasts_per_cycle, fma_latency)
 cycles (the last term: every accumulator carries one dependent FMA per step, and the
 chains need LATENCY_HEADROOM times the bare latency × units to also hide the broadcast
 loads and loop overhead), so the fraction of the FMA peak a tile can reach is (FMAs / fma_units) / that. Candidates must fit
@@ -67,10 +67,14 @@ class RegisterTile:
     efficiency: float   # fraction of FMA peak this tile alone can reach
 
     @staticmethod
-    def evaluate(width: int, vectors: int, arch: Arch) -> "RegisterTile":
+    def evaluate(width: int, vectors: int, arch: Arch, broadcast: bool = True) -> "RegisterTile":
+        """`broadcast`: the width side is read as broadcasts (False: a dot-product tile whose
+        both sides are vector loads)."""
         fmas = width * vectors
         loads = width + vectors
-        cycles = max(fmas / arch.fma_units, loads / arch.load_ports, LATENCY_HEADROOM * arch.fma_latency)
+        load_cycles = (vectors / arch.load_ports + width / arch.broadcasts_per_cycle if broadcast
+                       else loads / arch.load_ports)
+        cycles = max(fmas / arch.fma_units, load_cycles, LATENCY_HEADROOM * arch.fma_latency)
         return RegisterTile(width, vectors, fmas + min(width, vectors) + 1, loads / fmas,
                             (fmas / arch.fma_units) / cycles)
 
@@ -153,14 +157,14 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch) -> KernelPlan:
                       reason=_MEMORY_BOUND[kind] + "; memory-bound, no register tile to choose")
 
 
-def _candidates(width_choices, vector_choices: list[int], arch: Arch) -> list[RegisterTile]:
+def _candidates(width_choices, vector_choices: list[int], arch: Arch, broadcast: bool = True) -> list[RegisterTile]:
     if isinstance(width_choices, int):
         width_choices = range(1, width_choices + 1)
     tiles = []
     for vectors in vector_choices:
         for width in width_choices:
             if width * vectors + min(width, vectors) + 1 <= arch.vector_registers:
-                tiles.append(RegisterTile.evaluate(width, vectors, arch))
+                tiles.append(RegisterTile.evaluate(width, vectors, arch, broadcast))
     if not tiles:
         raise PlanError(f"{arch.name}: {arch.vector_registers} vector registers cannot hold any register tile")
     return tiles
@@ -486,7 +490,7 @@ def _fc_k(layer: LayerSpec, v: int) -> int:
 def _plan_fc_bwd_data(layer: LayerSpec, arch: Arch) -> KernelPlan:
     v = arch.vector_floats
     k, ocb = _fc_k(layer, v), blocks(layer.out_shape[0], v)
-    scored = _best(_candidates(arch.vector_registers, _divisors(k, arch.vector_registers), arch))
+    scored = _best(_candidates(arch.vector_registers, _divisors(k, arch.vector_registers), arch, broadcast=False))
     tile = scored[0]
     chunk = min(ocb, PREFETCH_STREAMS)
     # K block: the slice of W one chunk covers (chunk rows x kb features x V) stays in a

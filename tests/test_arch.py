@@ -32,13 +32,18 @@ def test_native_reads_this_cpu():
 
 def test_arch_from_json_file(tmp_path):
     path = tmp_path / "mine.json"
-    path.write_text(json.dumps({**PRESETS["avx2"].to_json(), "name": "mine", "l2_bytes": 2 * 1024 * 1024}))
+    path.write_text(json.dumps({**PRESETS["avx2"].to_json(), "name": "mine", "l2_bytes": 2 * 1024 * 1024,
+                                "broadcasts_per_cycle": 2}))
     arch = get_arch(str(path))
     assert arch.name == "mine" and arch.l2_bytes == 2 * 1024 * 1024 and arch.fma_latency == 4
+    assert arch.broadcasts_per_cycle == 2.0
 
 
 @pytest.mark.parametrize("patch,message", [
     ({"vector_registers": 0}, "vector_registers: must be a positive int"),
+    ({"fma_units": 1.5}, "fma_units: must be a positive int"),
+    ({"broadcasts_per_cycle": 0}, "broadcasts_per_cycle: must be a positive number"),
+    ({"broadcasts_per_cycle": True}, "broadcasts_per_cycle: must be a positive number"),
     ({"isa": "neon"}, "isa: unknown ISA 'neon'"),
     ({"cflags": ["-march=native"]}, "cflags: -march/-mtune=native is not allowed"),
     ({"cflags": ["-mavx2; rm -rf /"]}, "cflags: must be a list of -m ISA flags"),

@@ -107,16 +107,22 @@ def _check_conv_row(layer, plan):
 
 
 def test_register_tile_model_by_hand():
-    avx2 = PRESETS["avx2"]  # 2 FMA units, 2 load ports, latency 4
+    avx2 = PRESETS["avx2"]  # 2 FMA units, 2 load ports, 1.6 broadcasts per cycle, latency 4
     t = RegisterTile.evaluate(6, 2, avx2)
-    # 12 FMAs -> 6 cycles; 8 loads -> 4 cycles; 12 chains cover 1.5 x 4 = 6 cycles of latency
+    # 12 FMAs -> 6 cycles; 2 vector loads + 6 broadcasts -> 1 + 3.75 cycles; 12 chains cover
+    # 1.5 x 4 = 6 cycles of latency
     assert t.registers == 15 and t.loads_per_fma == pytest.approx(8 / 12) and t.efficiency == 1.0
     t = RegisterTile.evaluate(2, 4, avx2)
     # 8 FMAs -> 4 cycles, but the chains need LATENCY_HEADROOM * 4 cycles
     assert t.efficiency == pytest.approx(4 / (LATENCY_HEADROOM * 4))
     t = RegisterTile.evaluate(14, 1, avx2)
-    # 15 loads on 2 ports = 7.5 cycles for 7 cycles of FMAs: load-bound
-    assert t.efficiency == pytest.approx(7 / 7.5)
+    # 1 vector load (0.5 cycle) + 14 broadcasts (8.75 cycles) for 7 cycles of FMAs: load-bound
+    assert t.efficiency == pytest.approx(7 / 9.25)
+    # the same tile as a dot product (both sides vector loads): 15 loads on 2 ports = 7.5 cycles
+    assert RegisterTile.evaluate(14, 1, avx2, broadcast=False).efficiency == pytest.approx(7 / 7.5)
+    t = RegisterTile.evaluate(1, 12, avx2)
+    # 12 vector loads (6 cycles) + 1 broadcast (0.625) against 6 cycles of FMAs
+    assert t.efficiency == pytest.approx(6 / 6.625)
 
 
 def test_conv_interior_geometry():

@@ -1,0 +1,128 @@
+"""Register tiles alone, from L1: what fraction of the FMA peak each tile shape sustains.
+
+    python benchmarks/tile_microbench.py [--repeats 9] [--tiles 14x1,4x3,...]
+
+Checks the planner's register-level model (pcldnn_gen/planner.py, RegisterTile) without any
+cache effect: every tile runs the kernels' inner step (the shorter side of the tile held in
+registers, the longer side streamed through one register, weights as aligned vector loads,
+inputs as broadcasts) over operands that stay in L1, four steps unrolled per loop trip. Each
+tile is timed right after the pure-FMA loop `pcldnn-gen peak` uses (12 independent chains, no
+loads), and the ratio of the two is reported as the median over repeats, so that a slow moment
+of a shared machine moves both sides. AVX2 only (the ISA of the targets).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pcldnn_gen.arch import PRESETS  # noqa: E402
+from pcldnn_gen.planner import RegisterTile  # noqa: E402
+
+STEPS_PER_TRIP = 4
+
+
+def tile_function(width: int, vectors: int) -> str:
+    """One tile's timing loop: accumulators a<i>_<j>, the held side loaded once per step."""
+    acc = [[f"a{i}_{j}" for j in range(vectors)] for i in range(width)]
+    lines = [f"__attribute__((noinline)) static double tile_{width}x{vectors}(long trips) {{"]
+    lines += [f"    __m256 {a} = _mm256_setzero_ps();" for row in acc for a in row]
+    lines.append("    double t = now();")
+    lines.append("    for (long s = 0; s < trips; s++) {")
+    lines.append("        const float *x = in + (s & 31), *w = wt + (s & 31) * 8;")
+    for step in range(STEPS_PER_TRIP):
+        # weights: vector j of step at w + (step * vectors + j) * 8; inputs: x + step * 64 + i
+        def wload(j: int) -> str:
+            return f"_mm256_load_ps(w + {(step * vectors + j) * 8})"
+
+        def xcast(i: int) -> str:
+            return f"_mm256_broadcast_ss(x + {step * 64 + i})"
+
+        lines.append("        {")
+        if width <= vectors:   # hold the broadcasts, stream the weight vectors
+            lines += [f"            __m256 b{i} = {xcast(i)};" for i in range(width)]
+            for j in range(vectors):
+                lines.append(f"            {{ __m256 wv = {wload(j)};")
+                lines += [f"              {acc[i][j]} = _mm256_fmadd_ps(b{i}, wv, {acc[i][j]});" for i in range(width)]
+                lines.append("            }")
+        else:                  # hold the weight vectors, stream the broadcasts
+            lines += [f"            __m256 w{j} = {wload(j)};" for j in range(vectors)]
+            for i in range(width):
+                lines.append(f"            {{ __m256 bx = {xcast(i)};")
+                lines += [f"              {acc[i][j]} = _mm256_fmadd_ps(bx, w{j}, {acc[i][j]});" for j in range(vectors)]
+                lines.append("            }")
+        lines.append("        }")
+    lines.append("    }")
+    lines.append("    t = now() - t;")
+    lines.append("    __m256 z = _mm256_setzero_ps();")
+    lines += [f"    z = _mm256_add_ps(z, {a});" for row in acc for a in row]
+    lines.append("    sink = z[0];")
+    lines.append(f"    return {width * vectors * STEPS_PER_TRIP}.0 * trips / t;")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def program(tiles: list[tuple[int, int]], repeats: int) -> str:
+    chains = 12
+    peak = ["__attribute__((noinline)) static double peak(long trips) {"]
+    peak += [f"    __m256 p{i} = _mm256_set1_ps({i}.0f);" for i in range(chains)]
+    peak.append("    const __m256 m = _mm256_set1_ps(0.9999f), c = _mm256_set1_ps(1e-4f);")
+    peak.append("    double t = now();")
+    peak.append("    for (long s = 0; s < trips; s++) {")
+    peak += [f"        p{i} = _mm256_fmadd_ps(p{i}, m, c);" for i in range(chains)]
+    peak.append("    }")
+    peak.append("    t = now() - t;")
+    peak.append("    __m256 z = p0;")
+    peak += [f"    z = _mm256_add_ps(z, p{i});" for i in range(1, chains)]
+    peak.append(f"    sink = z[0];\n    return {chains}.0 * trips / t;\n}}")
+    body = [f"    {{ double p = peak(FMAS / {chains}); r[{k}][rep] = tile_{w}x{v}(FMAS / {w * v * STEPS_PER_TRIP}) / p; }}"
+            for k, (w, v) in enumerate(tiles)]
+    report = [f'    qsort(r[{k}], R, sizeof(double), cmp); printf("{w}x{v} %.3f %.3f %.3f\\n", '
+              f"r[{k}][R / 2], r[{k}][0], r[{k}][R - 1]);" for k, (w, v) in enumerate(tiles)]
+    return "\n".join([
+        "#include <immintrin.h>", "#include <stdio.h>", "#include <stdlib.h>", "#include <time.h>",
+        "static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }",
+        "static int cmp(const void *a, const void *b) { double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }",
+        "static float in[32 + 64 * 4] __attribute__((aligned(64)));",
+        "static float wt[32 * 8 + 8 * 16 * 4] __attribute__((aligned(64)));",
+        "static volatile float sink;",
+        "\n".join(peak), *(tile_function(w, v) for w, v in tiles),
+        "int main(void) {",
+        "    enum { R = %d }; const long FMAS = 400000000L;" % repeats,
+        f"    static double r[{len(tiles)}][R];",
+        "    for (unsigned i = 0; i < sizeof in / sizeof *in; i++) in[i] = 1e-3f * i;",
+        "    for (unsigned i = 0; i < sizeof wt / sizeof *wt; i++) wt[i] = 1e-4f;",
+        "    for (int rep = 0; rep < R; rep++) {", *body, "    }", *report, "    return 0;", "}"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--tiles", default="", help="comma-separated WxV; default: every tile the planner may pick")
+    args = ap.parse_args()
+    arch = PRESETS["avx2"]
+    if args.tiles:
+        tiles = [tuple(int(n) for n in t.split("x")) for t in args.tiles.split(",")]
+    else:
+        tiles = [(w, v) for v in range(1, 13) for w in range(1, 15)
+                 if w * v + min(w, v) + 1 <= arch.vector_registers and w * v >= 8]
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "tiles.c", Path(tmp) / "tiles"
+        src.write_text(program(tiles, args.repeats))
+        subprocess.run([os.environ.get("CC", "cc"), "-O2", *arch.cflags, "-o", str(exe), str(src)], check=True)
+        out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    print(f"{'tile':>6} {'regs':>4} {'loads/FMA':>9} {'model':>6} {'measured (median, min-max)':>28}")
+    for line in out.splitlines():
+        name, med, lo, hi = line.split()
+        w, v = (int(n) for n in name.split("x"))
+        t = RegisterTile.evaluate(w, v, arch)
+        print(f"{name:>6} {t.registers:>4} {t.loads_per_fma:>9.2f} {t.efficiency:>6.0%} "
+              f"{float(med):>12.0%} ({float(lo):.0%}-{float(hi):.0%})")
+
+
+if __name__ == "__main__":
+    main()
