@@ -24,10 +24,13 @@ _FWD = "const float *in, const float *wt, const float *bias, float *out, int bat
 # where out <= 0, in place. bwd_data gets scratch for the transposed weights (conv only).
 _BWD_DATA = "float *dy, const float *out, const float *wt, float *scratch, float *dx, int batch, int nthreads"
 _BWD_WEIGHTS = "const float *in, float *dy, const float *out, float *dwt, float *dbias, int batch, int nthreads"
+# fc kernels compute only the output-feature blocks [ocb_lo, ocb_hi): a model-parallel rank's
+# slice of the layer (0, OC/V: the whole layer).
+_SLICE = ", int ocb_lo, int ocb_hi"
 SIGNATURES: dict[str, str] = {
-    "conv_fwd": _FWD, "fc_fwd": _FWD,
-    "conv_bwd_data": _BWD_DATA, "fc_bwd_data": _BWD_DATA,
-    "conv_bwd_weights": _BWD_WEIGHTS, "fc_bwd_weights": _BWD_WEIGHTS,
+    "conv_fwd": _FWD, "fc_fwd": _FWD + _SLICE,
+    "conv_bwd_data": _BWD_DATA, "fc_bwd_data": _BWD_DATA + _SLICE,
+    "conv_bwd_weights": _BWD_WEIGHTS, "fc_bwd_weights": _BWD_WEIGHTS + _SLICE,
     "maxpool_fwd": "const float *in, float *out, int *argmax, int batch, int nthreads",
     "maxpool_bwd_data": "const float *dy, const int *argmax, float *dx, int batch, int nthreads",
     "avgpool_fwd": "const float *in, float *out, int batch, int nthreads",

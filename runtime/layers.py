@@ -121,6 +121,9 @@ class WeightedLayer(Layer):
         self._wt, self._bias = params
         self._dwt, self._dbias = grads
         self.scratch_floats: int = spec["kernels"]["bwd_data"]["plan"]["scratch_floats"]
+        # fc: the output-feature blocks this process computes (all of them unless a model-parallel
+        # runtime gives it a slice); conv kernels always compute the whole layer.
+        self.ocb_range: tuple[int, int] | None = (0, blocks(self.out_shape[0], v)) if self.type == "fc" else None
 
     @staticmethod
     def blocked_sizes(spec: dict, v: int) -> tuple[tuple[int, ...], int]:
@@ -176,18 +179,19 @@ class WeightedLayer(Layer):
         return self._dbias[: self.out_shape[0]].copy()
 
     def forward_blocked(self, xb, yb, aux=None, training=False) -> None:
-        self._k["fwd"](ptr(xb), ptr(self._wt), ptr(self._bias), ptr(yb), xb.shape[0], self._net.threads)
+        self._k["fwd"](ptr(xb), ptr(self._wt), ptr(self._bias), ptr(yb), xb.shape[0], self._net.threads,
+                       *(self.ocb_range or ()))
 
     def backward_blocked(self, xb, yb, aux, dyb, dxb, grads=None) -> None:
-        batch, threads = xb.shape[0], self._net.threads
+        batch, threads, part = xb.shape[0], self._net.threads, self.ocb_range or ()
         mask = yb if self.relu else None
         if grads is not None:
             dw, db = grads
-            self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(dw), ptr(db), batch, threads)
+            self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(dw), ptr(db), batch, threads, *part)
             mask = None  # dy is masked in place now
         if dxb is not None:
             scratch = self._net.scratch(self.scratch_floats)
-            self._k["bwd_data"](ptr(dyb), ptr(mask), ptr(self._wt), ptr(scratch), ptr(dxb), batch, threads)
+            self._k["bwd_data"](ptr(dyb), ptr(mask), ptr(self._wt), ptr(scratch), ptr(dxb), batch, threads, *part)
 
     def backward_weights(self, x: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(dw, db) in canonical layouts for input x and output gradient dy (does not touch

@@ -126,6 +126,44 @@ def test_fc_passes_match_numpy(tmp_path, isa, case):
     np.testing.assert_array_equal(layer.forward(x.reshape(n, -1)), layer.forward(x))
 
 
+@pytest.mark.parametrize("case", [4, 7, 8])
+def test_fc_slices_match_numpy(tmp_path, isa, case):
+    """A model-parallel rank's slice: each pass over output-feature blocks [lo, hi) only, for
+    slices that start and end inside a register tile's group, a single block, the ragged last
+    block, and an empty slice (backward-data then returns zeros)."""
+    n, c, h, w, oc, relu = FC_SHAPES[case]
+    layer_spec = {"name": "f", "type": "fc", "out_features": oc, **({"activation": "relu"} if relu else {})}
+    net = build_and_load(tmp_path, [layer_spec], (c, h, w), isa)
+    layer, v = net.layers["f"], net.vector_floats
+    ocb = -(-oc // v)
+    rng = np.random.default_rng(200 + case)
+    layer.bias = rng.standard_normal(oc).astype(np.float32)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    wts, b = layer.weights, layer.bias
+    full_y = ref.fc(x, wts, b, relu)
+    dy = rng.standard_normal(full_y.shape).astype(np.float32)
+    dy_eff = dy * (full_y > 0) if relu else dy
+    for lo, hi in sorted({(1, ocb), (0, 1), (ocb - 1, ocb), (ocb // 3, ocb - ocb // 3), (ocb // 2, ocb // 2)}):
+        layer.ocb_range = (lo, hi)
+        if lo == hi:
+            layer.forward(x)
+            assert not layer.backward_data(dy).any()
+            continue
+        cols = slice(lo * v, min(hi * v, oc))
+        y = layer.forward(x)
+        assert_dot_close(y[:, cols], full_y[:, cols], ref.fc(np.abs(x), np.abs(wts), np.abs(b))[:, cols], c * h * w)
+        dx = layer.backward_data(dy)
+        part = np.zeros_like(dy_eff)
+        part[:, cols] = dy_eff[:, cols]
+        assert_dot_close(dx, ref.fc_bwd_data(part, wts, x.shape), ref.fc_bwd_data(np.abs(part), np.abs(wts), x.shape),
+                         (hi - lo) * v)
+        dw, db = layer.backward_weights(x, dy)
+        want_w, want_b = ref.fc_bwd_weights(x, dy_eff)
+        abs_w, abs_b = ref.fc_bwd_weights(np.abs(x), np.abs(dy_eff))
+        assert_dot_close(dw[cols], want_w[cols], abs_w[cols], n)
+        assert_dot_close(db[cols], want_b[cols], abs_b[cols], n)
+
+
 POOL_SHAPES = [  # overlapping windows (3/2), padding, asymmetric, channels not multiples of V
     (2, 17, 9, 9, 3, 2, 0), (1, 8, 8, 8, 2, 2, 0), (3, 5, 10, 7, 3, 2, 1), (7, 9, 6, 11, [2, 3], [1, 2], [1, 1]),
     (2, 3, 13, 13, 3, 1, 1),
