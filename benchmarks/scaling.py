@@ -1,8 +1,11 @@
-"""Data-parallel scaling on this machine: 1 rank x 2 threads against 2 ranks x 1 thread at the
-same global minibatch, with the communication the MPI runtime does and how much of it shows.
+"""Scaling on this machine: 1 rank x 2 threads against 2 ranks x 1 thread at the same global
+minibatch, with the communication the MPI runtime does and how much of it shows.
 
-    python benchmarks/scaling.py [--nets cifar_small,vgg_a_small] [--batch 64] [--steps 12] [--json out.json]
+    python benchmarks/scaling.py [--nets cifar_small,vgg_a_small] [--batch 64] [--steps 12]
+        [--parallel data|auto|model] [--json out.json]
 
+--parallel: the trainer's choice per layer (data: every layer data parallel; model: every fc
+layer model parallel over the ranks; auto: the runtime's rule).
 Per configuration (median over steps after warm-up): step time, compute time (forward,
 backward, SGD on the owned part), exposed communication (time blocked waiting for a
 part-reduce or part-broadcast), and the effective bandwidth of part-reduce + part-broadcast
@@ -37,7 +40,9 @@ def worker(cfg: dict) -> None:
     comm = MPI.COMM_WORLD
     net = pr.load(cfg["build"], threads=cfg["threads"])
     trace: list = []
-    trainer = pr.Trainer(net, pr.SGD(0.01, momentum=0.9, weight_decay=5e-4), comm=comm, trace=trace)
+    parallel = {"fc*": "model"} if cfg["parallel"] == "model" else cfg["parallel"]
+    trainer = pr.Trainer(net, pr.SGD(0.01, momentum=0.9, weight_decay=5e-4), comm=comm, trace=trace,
+                         parallel=parallel)
     classes = net.loss_layer.out_shape[0]
     data = pr.synthetic(cfg["batch"] * 2, tuple(net.chain[0].in_shape), classes, seed=0)
     batches = list(data.batches(cfg["batch"]))
@@ -51,7 +56,9 @@ def worker(cfg: dict) -> None:
         if i >= 2:
             events = trace[mark:]
             wait = sum(e["dur"] for e in events if e["cat"] == "wait") * 1e-6
-            compute = sum(e["dur"] for e in events if e["cat"] == "compute") * 1e-6
+            # model-parallel layers block inside the forward and backward events: not compute
+            inside = sum(e["dur"] for e in events if e["name"].startswith("model-parallel")) * 1e-6
+            compute = sum(e["dur"] for e in events if e["cat"] == "compute") * 1e-6 - inside
             steps.append((time.perf_counter() - t0, compute, wait))
     trainer.sync()
     # bandwidth: part-reduce + part-broadcast of the whole buffer against Allreduce
@@ -95,6 +102,7 @@ def main() -> None:
     ap.add_argument("--arch", default="avx2")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--parallel", default="data", choices=("data", "auto", "model"))
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -111,13 +119,14 @@ def main() -> None:
             out = Path(tmp) / name
             build(load_netspec(NETS[name]), get_arch(args.arch), out)
             for ranks, threads in ((1, 2), (2, 1)):
-                cfg = {"build": str(out), "threads": threads, "batch": args.batch, "steps": args.steps}
+                cfg = {"build": str(out), "threads": threads, "batch": args.batch, "steps": args.steps,
+                       "parallel": args.parallel}
                 env = dict(os.environ, OMP_NUM_THREADS=str(threads))
                 proc = subprocess.run([mpiexec, "-n", str(ranks), sys.executable, __file__, "--worker", json.dumps(cfg)],
                                       env=env, capture_output=True, text=True, timeout=1800)
                 if proc.returncode:
                     sys.exit(f"{name} {ranks}x{threads}: {proc.stderr}")
-                r = json.loads(proc.stdout.strip().splitlines()[-1]) | {"net": name}
+                r = json.loads(proc.stdout.strip().splitlines()[-1]) | {"net": name, "parallel": args.parallel}
                 results.append(r)
                 print(f"{name:12s} {ranks} rank(s) x {threads} thread(s): {r['images_per_s']:7.1f} images/s, step "
                       f"{r['step_ms']:7.1f} ms = compute {r['compute_ms']:7.1f} + exposed comm {r['exposed_comm_ms']:5.1f}"

@@ -21,6 +21,7 @@ shards: one step on p ranks equals one step on one rank with the concatenated mi
 """
 from __future__ import annotations
 
+import fnmatch
 import os
 import sys
 import threading
@@ -30,6 +31,7 @@ import traceback
 import numpy as np
 
 from .errors import PcldnnError
+from .kernels import zeros_aligned
 
 ALIGN = 16  # floats: part boundaries on cache lines
 
@@ -93,27 +95,181 @@ class _Watchdog:
                 self.comm.Abort(3)
 
 
-class DataParallel:
-    """Part-reduce / SGD on the owned part / part-broadcast for every weighted layer of `net`.
+def layer_modes(net, parallel, p: int, batch: int) -> dict[str, int]:
+    """{weighted layer: model-parallel group size} (1: data parallel) for `parallel`:
+    "data"; "auto" (the rule below); or a mapping of layer-name patterns (fnmatch) to "data",
+    "model" (model parallel over all p ranks) or "model:G" (hybrid: model parallel within
+    groups of G consecutive ranks, data parallel across the p/G groups); unmatched layers are
+    data parallel. Only fc layers can be model parallel.
+
+    The "auto" rule compares the bytes each rank moves per step. Data parallel: the part-reduce
+    and part-broadcast of the weights, ~2 |W| (p-1)/p. Model parallel over p ranks: the layer's
+    input gathered forward and its gradient reduce-scattered backward (~2 B K (p-1)/p), its
+    output and output gradient exchanged all-to-all (~2 B N (p-1)/p). So an fc layer goes model
+    parallel when B (K + N) < K N, i.e. when the minibatch is small against the layer; conv
+    layers (few weights, large activations) stay data parallel. The scaling planner
+    (`pcldnn-gen plan`) refines this with latencies and overlap."""
+    weighted = [name for name, layer in net.layers.items() if name in net.param_ranges]
+    modes = dict.fromkeys(weighted, 1)
+    if p == 1 or parallel == "data":
+        return modes
+    if parallel == "auto":
+        for name in weighted:
+            layer = net.layers[name]
+            if layer.type == "fc":
+                k, n = int(np.prod(layer.in_shape)), layer.out_shape[0]
+                if batch * (k + n) < k * n:
+                    modes[name] = p
+        return modes
+    if not isinstance(parallel, dict):
+        raise PcldnnError(f'parallel={parallel!r}: use "auto", "data" or a mapping like {{"fc*": "model"}}')
+    for pattern, how in parallel.items():
+        matched = [name for name in weighted if fnmatch.fnmatchcase(name, str(pattern))]
+        if not matched:
+            raise PcldnnError(f"parallel: pattern {pattern!r} matches no layer with weights "
+                              f"(those are: {', '.join(weighted)})")
+        group = _group_size(pattern, how, p)
+        for name in matched:
+            if group > 1 and net.layers[name].type != "fc":
+                raise PcldnnError(f"parallel: layer {name} is {net.layers[name].type}; only fc layers can be "
+                                  "model parallel")
+            modes[name] = group
+    return modes
+
+
+def _group_size(pattern, how, p: int) -> int:
+    if how == "data":
+        return 1
+    if how == "model":
+        return p
+    if isinstance(how, str) and how.startswith("model:") and how[6:].isdigit():
+        g = int(how[6:])
+        if g >= 1 and p % g == 0:
+            return g
+        raise PcldnnError(f"parallel: {pattern!r}: {how!r}: the group size must divide the {p} ranks")
+    raise PcldnnError(f'parallel: {pattern!r}: {how!r}: use "data", "model" or "model:G" (groups of G ranks)')
+
+
+class _ModelParallelFC:
+    """One fc layer split by output features over a group of ranks (`gcomm`): each member owns
+    output-feature blocks [lo, hi) of the weights, bias and optimizer state.
+
+    Forward: the group's input rows are gathered (Allgatherv), the owned columns computed for
+    all of them, and each member's rows sent back with every column (Alltoallv). Backward: the
+    output gradient goes the reverse way, the owned weight gradient is complete over the
+    group's rows, and the input gradients, partial sums over the owned features, are added
+    and returned to their rows' owners (Reduce_scatter)."""
+
+    def __init__(self, sgd: "SyncSGD", layer, gcomm):
+        self.sgd, self.layer, self.comm = sgd, layer, gcomm
+        v = layer._net.vector_floats
+        self.v, self.ocb = v, layer.ocb_range[1]
+        counts = part_counts(self.ocb, gcomm.size, align=1)
+        self.parts = [(int(counts[:r].sum()), int(counts[:r + 1].sum())) for r in range(gcomm.size)]
+        self.lo, self.hi = self.parts[gcomm.rank]
+        self.k = int(np.prod(layer.blocked_shape(layer.in_shape, 1)))
+        self.rows: list[int] = []      # this step's shard sizes of the group's members
+        self.bufs: dict[int, dict] = {}  # by group minibatch
+
+    def begin_step(self, sizes: list[int]) -> None:
+        self.rows = sizes
+
+    def _buffers(self, total: int) -> dict:
+        if total not in self.bufs:
+            n = self.ocb * self.v
+            self.bufs[total] = {"x": zeros_aligned((total, self.k)), "y": zeros_aligned((total, n)),
+                                "dy": zeros_aligned((total, n)), "dx": zeros_aligned((total, self.k))}
+        return self.bufs[total]
+
+    def _exchange(self, src: np.ndarray, dst: np.ndarray, forward: bool, what: str) -> None:
+        """Forward: src = the group's rows x the owned columns (group minibatch, N), dst = this
+        rank's rows x all columns. Backward: the reverse."""
+        v, q = self.v, self.comm.rank
+        widths = [(hi - lo) * v for lo, hi in self.parts]
+        mine = self.rows[q]
+        lo, hi = self.parts[q]
+        if forward:
+            send = np.ascontiguousarray(src[:, lo * v:hi * v])
+            scounts = [r * widths[q] for r in self.rows]
+            rcounts = [mine * w for w in widths]
+        else:
+            send = np.concatenate([src[:, a * v:b * v].ravel() for a, b in self.parts])
+            scounts = [mine * w for w in widths]
+            rcounts = [r * widths[q] for r in self.rows]
+        recv = np.empty(sum(rcounts), np.float32)
+        self.sgd._blocking(lambda: self.comm.Alltoallv([send, (scounts, _displs(scounts))],
+                                                       [recv, (rcounts, _displs(rcounts))]), what)
+        if forward:
+            for (a, b), off, count in zip(self.parts, _displs(rcounts), rcounts):
+                dst[:, a * v:b * v] = recv[off:off + count].reshape(mine, (b - a) * v)
+        else:
+            dst[:, lo * v:hi * v] = recv.reshape(sum(self.rows), (hi - lo) * v)
+
+    def forward(self, xb: np.ndarray, yb: np.ndarray) -> None:
+        name, total = self.layer.name, sum(self.rows)
+        buf = self._buffers(total)
+        counts = [r * self.k for r in self.rows]
+        self.sgd._blocking(lambda: self.comm.Allgatherv(xb, [buf["x"], (counts, _displs(counts))]),
+                           f"model-parallel {name}: gather of the input")
+        self.layer.run_forward(buf["x"], buf["y"], (self.lo, self.hi))
+        self._exchange(buf["y"], yb.reshape(len(xb), -1), True, f"model-parallel {name}: all-to-all of the output")
+
+    def backward(self, dyb: np.ndarray, dxb: np.ndarray | None) -> None:
+        name, total = self.layer.name, sum(self.rows)
+        buf = self.bufs[total]
+        self._exchange(dyb.reshape(len(dyb), -1), buf["dy"], False,
+                       f"model-parallel {name}: all-to-all of the output gradient")
+        self.layer.run_backward(buf["x"], buf["y"], buf["dy"], buf["dx"] if dxb is not None else None,
+                                (self.layer._dwt, self.layer._dbias), (self.lo, self.hi))
+        if dxb is not None:
+            counts = [r * self.k for r in self.rows]
+            self.sgd._blocking(lambda: self.comm.Reduce_scatter(buf["dx"], dxb.reshape(-1), recvcounts=counts,
+                                                                op=self.sgd.MPI.SUM),
+                               f"model-parallel {name}: reduce-scatter of the input gradient")
+
+    def owned_ranges(self) -> list[tuple[int, int]]:
+        """[start, stop) in the flat parameter buffer of the owned weight rows and bias."""
+        w0, wshape = self.layer._wt_offset, self.layer._wt.shape
+        per_block = int(np.prod(wshape[1:]))
+        b0 = self.layer._bias_offset
+        return [(w0 + self.lo * per_block, w0 + self.hi * per_block), (b0 + self.lo * self.v, b0 + self.hi * self.v)]
+
+    def complete(self, buf: np.ndarray) -> None:
+        """Gather every member's owned rows of `buf` (params or velocity): the layer is then
+        whole on every rank of the group."""
+        w0, per_block, b0 = self.layer._wt_offset, int(np.prod(self.layer._wt.shape[1:])), self.layer._bias_offset
+        for base, unit in ((w0, per_block), (b0, self.v)):
+            counts = [(hi - lo) * unit for lo, hi in self.parts]
+            whole = buf[base:base + self.ocb * unit]
+            self.comm.Allgatherv(self.sgd.MPI.IN_PLACE, [whole, (counts, _displs(counts)), self.sgd.MPI.FLOAT])
+
+
+def _displs(counts: list[int]) -> list[int]:
+    return [int(sum(counts[:r])) for r in range(len(counts))]
+
+
+class SyncSGD:
+    """Synchronous SGD over `comm` for every weighted layer of `net`: data parallel
+    (part-reduce / SGD on the owned part / part-broadcast) or, for fc layers, model parallel
+    within groups of ranks (hybrid when the groups are smaller than the job), per `parallel`
+    (see `layer_modes`; decided at the first step, when the global minibatch is known).
 
     `step(x_local, labels_local, step_index)` runs one synchronous step and returns the global
     mean loss and accuracy. `trace` (a list) collects Chrome-trace events when given."""
 
-    def __init__(self, net, optimizer, comm, *, timeout: float | None = None, trace: list | None = None):
+    def __init__(self, net, optimizer, comm, *, parallel="auto", timeout: float | None = None,
+                 trace: list | None = None):
         from mpi4py import MPI
         self.MPI, self.net, self.opt, self.comm = MPI, net, optimizer, comm
         self.p, self.rank = comm.size, comm.rank
+        self.parallel = parallel
         check_same_net(net, comm)
+        layer_modes(net, parallel, self.p, 1)  # refuse a bad mapping before the first step
         comm.Bcast(net.params, root=0)  # identical starting weights whatever each rank's seed
-        self.blocks = []  # per weighted layer: name, [start, stop), counts, displacements, owned slice, recv
-        for name, (start, stop) in net.param_ranges.items():
-            counts = [int(c) for c in part_counts(stop - start, self.p)]
-            displs = [sum(counts[:r]) for r in range(self.p)]
-            own = slice(start + displs[self.rank], start + displs[self.rank] + counts[self.rank])
-            self.blocks.append({"name": name, "range": (start, stop), "counts": counts, "displs": displs,
-                                "own": own, "recv": np.empty(counts[self.rank], np.float32),
-                                "reduce": None, "gather": None})
-        self.by_name = {b["name"]: b for b in self.blocks}
+        self.modes: dict[str, int] | None = None
+        self.blocks: list[dict] = []
+        self.by_name: dict[str, list[dict]] = {}
+        self.model: dict[str, _ModelParallelFC] = {}
         timeout = float(os.environ.get("PCLDNN_COMM_TIMEOUT", 600)) if timeout is None else timeout
         self.watchdog = _Watchdog(comm, timeout)
         self.trace = trace
@@ -129,11 +285,48 @@ class DataParallel:
             threading.Thread(target=self._progress_loop, daemon=True, name="pcldnn-progress").start()
         self.comm_wait = 0.0  # seconds blocked in MPI this step (exposed communication and rank skew)
 
+    def _setup(self, batch: int) -> None:
+        """Per-layer choice and communication blocks, once the global minibatch is known."""
+        self.modes = layer_modes(self.net, self.parallel, self.p, batch)
+        splits: dict[int, tuple] = {}
+        for name, (start, stop) in self.net.param_ranges.items():
+            group = self.modes[name]
+            ranges, comm = [(start, stop)], self.comm
+            if group > 1:
+                if group not in splits:  # groups of consecutive ranks; across them, the same part
+                    splits[group] = (self.comm.Split(self.rank // group, self.rank),
+                                     self.comm.Split(self.rank % group, self.rank))
+                gcomm, comm = splits[group]
+                runner = _ModelParallelFC(self, self.net.layers[name], gcomm)
+                self.net.layers[name].runner = self.model[name] = runner
+                ranges = runner.owned_ranges()
+            self.by_name[name] = []
+            for lo, hi in ranges:
+                counts = [int(c) for c in part_counts(hi - lo, comm.size)]
+                displs = _displs(counts)
+                own = slice(lo + displs[comm.rank], lo + displs[comm.rank] + counts[comm.rank])
+                block = {"name": name, "range": (lo, hi), "comm": comm, "counts": counts, "displs": displs,
+                         "own": own, "recv": np.empty(counts[comm.rank], np.float32), "reduce": None, "gather": None}
+                self.blocks.append(block)
+                self.by_name[name].append(block)
+
     # -- events --------------------------------------------------------------------------
     def _event(self, name: str, cat: str, start: float, end: float) -> None:
         if self.trace is not None:
             self.trace.append({"name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": cat,
                                "ts": (start - self._t0) * 1e6, "dur": (end - start) * 1e6})
+
+    def _blocking(self, call, what: str):
+        """A blocking collective under the watchdog, counted as communication wait."""
+        start = time.perf_counter()
+        self.watchdog.waiting(what)
+        with self._lock:
+            out = call()
+        self.watchdog.waiting(None)
+        end = time.perf_counter()
+        self.comm_wait += end - start
+        self._event(what, "wait", start, end)
+        return out
 
     def _wait(self, req, what: str) -> None:
         if req is None:
@@ -168,18 +361,17 @@ class DataParallel:
 
     # -- hooks called by Net between layers ---------------------------------------------------
     def _before_forward(self, layer) -> None:
-        b = self.by_name.get(layer.name)
-        if b is not None and b["gather"] is not None:
-            self._wait(b["gather"], f"part-broadcast {layer.name}")
-            b["gather"] = None
+        for b in self.by_name.get(layer.name, ()):
+            if b["gather"] is not None:
+                self._wait(b["gather"], f"part-broadcast {layer.name}")
+                b["gather"] = None
         self._progress()
 
     def _after_backward(self, layer) -> None:
-        b = self.by_name.get(layer.name)
-        if b is not None:
+        for b in self.by_name.get(layer.name, ()):
             start, stop = b["range"]
             with self._lock:
-                b["reduce"] = self.comm.Ireduce_scatter(self.net.grads[start:stop], b["recv"],
+                b["reduce"] = b["comm"].Ireduce_scatter(self.net.grads[start:stop], b["recv"],
                                                         recvcounts=b["counts"], op=self.MPI.SUM)
             b["t_reduce"] = time.perf_counter()
         self._progress()
@@ -188,15 +380,16 @@ class DataParallel:
     def step(self, x: np.ndarray, labels: np.ndarray, step_index: int) -> tuple[float, float]:
         self.comm_wait = 0.0
         t = time.perf_counter()
-        local = np.array([len(labels)], np.int64)
-        total = np.empty_like(local)
-        self.watchdog.waiting(f"step {step_index}: allreduce of the minibatch size")
-        self.comm.Allreduce(local, total)  # blocking: also where ranks that arrive early wait
-        self.watchdog.waiting(None)
-        b_local, b_global = int(local[0]), int(total[0])
+        sizes = self._blocking(lambda: self.comm.allgather(len(labels)),
+                               f"step {step_index}: allgather of the shard sizes")  # also where early ranks wait
+        b_local, b_global = len(labels), sum(sizes)
+        if self.modes is None:
+            self._setup(b_global)
+        for runner in self.model.values():
+            members = runner.comm.size
+            first = self.rank // members * members
+            runner.begin_step(sizes[first:first + members])
         t1 = time.perf_counter()
-        self.comm_wait += t1 - t
-        self._event("allreduce minibatch size", "wait", t, t1)
         logits = self.net.forward(x, training=True, before_layer=self._before_forward)
         t2 = time.perf_counter()
         self._event("forward", "compute", t1, t2)
@@ -205,12 +398,7 @@ class DataParallel:
         self._event("backward", "compute", t2, t3)
         correct = float((logits.argmax(axis=1) == np.asarray(labels)).sum())
         sums = np.array([loss * b_local, correct], np.float64)
-        s = time.perf_counter()
-        self.watchdog.waiting(f"step {step_index}: allreduce of the loss")
-        self.comm.Allreduce(self.MPI.IN_PLACE, sums)
-        self.watchdog.waiting(None)
-        self.comm_wait += time.perf_counter() - s
-        self._event("allreduce loss", "wait", s, time.perf_counter())
+        self._blocking(lambda: self.comm.Allreduce(self.MPI.IN_PLACE, sums), f"step {step_index}: allreduce of the loss")
         for b in reversed(self.blocks):  # the order their reductions started: the top layer first
             self._wait(b["reduce"], f"step {step_index}: part-reduce of layer {b['name']}")
             b["reduce"] = None
@@ -220,27 +408,33 @@ class DataParallel:
             self.opt.apply(self.net.params, self.net.grads, step_index, b["own"])
             start, stop = b["range"]
             with self._lock:
-                b["gather"] = self.comm.Iallgatherv(
+                b["gather"] = b["comm"].Iallgatherv(
                     self.MPI.IN_PLACE, [self.net.params[start:stop], (b["counts"], b["displs"]), self.MPI.FLOAT])
             self._event(f"sgd {b['name']}", "compute", s, time.perf_counter())
         self._event("step", "step", t, time.perf_counter())
         return float(sums[0] / b_global), float(sums[1] / b_global)
 
     def sync(self) -> None:
-        """Wait for every pending part-broadcast: the full weights are then current on every rank."""
+        """Wait for every pending part-broadcast and gather the model-parallel layers' parts:
+        the full weights are then current on every rank."""
         for b in self.blocks:
             if b["gather"] is not None:
                 self._wait(b["gather"], f"part-broadcast {b['name']}")
                 b["gather"] = None
+        for runner in self.model.values():
+            runner.complete(self.net.params)
 
     def gather_velocity(self) -> np.ndarray:
         """The full momentum buffer (each rank holds its own parts), for checkpoints."""
         v = self.opt.velocity
-        out = np.zeros_like(v)
+        out = v.copy()
         for b in self.blocks:
             start, stop = b["range"]
+            out[start:stop] = 0.0
             out[b["own"]] = v[b["own"]]
-            self.comm.Allgatherv(self.MPI.IN_PLACE, [out[start:stop], (b["counts"], b["displs"]), self.MPI.FLOAT])
+            b["comm"].Allgatherv(self.MPI.IN_PLACE, [out[start:stop], (b["counts"], b["displs"]), self.MPI.FLOAT])
+        for runner in self.model.values():
+            runner.complete(out)
         return out
 
 

@@ -124,6 +124,11 @@ class WeightedLayer(Layer):
         # fc: the output-feature blocks this process computes (all of them unless a model-parallel
         # runtime gives it a slice); conv kernels always compute the whole layer.
         self.ocb_range: tuple[int, int] | None = (0, blocks(self.out_shape[0], v)) if self.type == "fc" else None
+        # Under MPI, a model-parallel fc layer's training passes go through its runner
+        # (pcldnn_runtime.distributed), which exchanges activations and calls run_forward /
+        # run_backward on its slice; evaluation runs locally on the whole layer.
+        self.runner = None
+        self._wt_offset = self._bias_offset = 0  # where the weights and bias start in the flat buffers
 
     @staticmethod
     def blocked_sizes(spec: dict, v: int) -> tuple[tuple[int, ...], int]:
@@ -179,11 +184,24 @@ class WeightedLayer(Layer):
         return self._dbias[: self.out_shape[0]].copy()
 
     def forward_blocked(self, xb, yb, aux=None, training=False) -> None:
-        self._k["fwd"](ptr(xb), ptr(self._wt), ptr(self._bias), ptr(yb), xb.shape[0], self._net.threads,
-                       *(self.ocb_range or ()))
+        if training and self.runner is not None:
+            self.runner.forward(xb, yb)
+        else:
+            self.run_forward(xb, yb, self.ocb_range)
 
     def backward_blocked(self, xb, yb, aux, dyb, dxb, grads=None) -> None:
-        batch, threads, part = xb.shape[0], self._net.threads, self.ocb_range or ()
+        if self.runner is not None:
+            self.runner.backward(dyb, dxb)
+        else:
+            self.run_backward(xb, yb, dyb, dxb, grads, self.ocb_range)
+
+    def run_forward(self, xb, yb, part: tuple[int, int] | None) -> None:
+        """The forward kernel on this process's data; fc: output blocks `part` only."""
+        self._k["fwd"](ptr(xb), ptr(self._wt), ptr(self._bias), ptr(yb), xb.shape[0], self._net.threads, *(part or ()))
+
+    def run_backward(self, xb, yb, dyb, dxb, grads, part: tuple[int, int] | None) -> None:
+        """The backward kernels on this process's data (dxb / grads None: skip that pass)."""
+        batch, threads, part = xb.shape[0], self._net.threads, part or ()
         mask = yb if self.relu else None
         if grads is not None:
             dw, db = grads

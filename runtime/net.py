@@ -91,6 +91,7 @@ class Net:
                 wsize = int(np.prod(wshape))
                 views = lambda buf: (buf[w0:w0 + wsize].reshape(wshape), buf[b0:b0 + blen])  # noqa: E731
                 layer = cls(spec, kernels, v, self, views(self.params), views(self.grads))
+                layer._wt_offset, layer._bias_offset = w0, b0
                 # Per-layer seed: a layer's initial weights do not depend on the other layers.
                 layer.init_weights(np.random.default_rng(np.random.SeedSequence([seed, index])))
             else:

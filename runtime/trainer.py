@@ -37,12 +37,15 @@ def softmax_metrics(logits: np.ndarray, labels: np.ndarray) -> tuple[float, floa
 class Trainer:
     """`Trainer(net, optimizer=SGD(...), seed=0)`: `step`, `evaluate`, `fit`, `save`, `resume`."""
 
-    def __init__(self, net, optimizer: SGD | None = None, seed: int = 0, *, comm=None, parallel: str = "auto",
+    def __init__(self, net, optimizer: SGD | None = None, seed: int = 0, *, comm=None, parallel="auto",
                  trace: list | None = None):
         """comm: an MPI communicator (e.g. MPI.COMM_WORLD) for synchronous SGD over its ranks;
-        each rank then passes its own shard to `step`. parallel: "auto" or "data" (every layer
-        data parallel; model-parallel fc layers are not implemented yet). trace: a list that
-        collects Chrome-trace events of each step (MPI only)."""
+        each rank then passes its own shard to `step`. parallel: "auto" (fc layers that are
+        large against the minibatch go model parallel), "data" (every layer data parallel), or
+        a mapping of layer-name patterns to "data", "model" (over all ranks) or "model:G"
+        (hybrid: model parallel within groups of G ranks), e.g. {"fc*": "model:2"}; see
+        `pcldnn_runtime.distributed.layer_modes`. trace: a list that collects Chrome-trace
+        events of each step (MPI only)."""
         if net.loss_layer is None:
             raise PcldnnError(f"net {net.name} has no loss layer: add a softmax_cross_entropy layer to train it")
         self.net = net
@@ -53,12 +56,10 @@ class Trainer:
         self.last_accuracy = math.nan
         self.comm, self.dist = comm, None
         if comm is not None:
-            if parallel not in ("auto", "data"):
-                raise PcldnnError(f"parallel={parallel!r}: only data parallelism ('auto', 'data') is implemented")
-            from .distributed import DataParallel, abort_on_exception
+            from .distributed import SyncSGD, abort_on_exception
             if comm.size > 1:
                 abort_on_exception(comm)
-            self.dist = DataParallel(net, self.optimizer, comm, trace=trace)
+            self.dist = SyncSGD(net, self.optimizer, comm, parallel=parallel, trace=trace)
 
     @property
     def rank(self) -> int:

@@ -37,9 +37,9 @@ def train(cfg):
     net = pr.load(cfg["build"], threads=1, seed=cfg["seed"] + comm.rank)
     trace = []
     if cfg.get("resume"):
-        trainer = pr.Trainer.resume(cfg["resume"], net, comm=comm, trace=trace)
+        trainer = pr.Trainer.resume(cfg["resume"], net, comm=comm, trace=trace, parallel=cfg.get("parallel", "data"))
     else:
-        trainer = pr.Trainer(net, optimizer(cfg), seed=0, comm=comm, trace=trace)
+        trainer = pr.Trainer(net, optimizer(cfg), seed=0, comm=comm, trace=trace, parallel=cfg.get("parallel", "data"))
     losses = []
     for xb, yb in batches(cfg)[trainer.step_count:cfg["steps"]]:
         losses.append(trainer.step(*shard(xb, yb)))

@@ -61,11 +61,18 @@ def _cfg(build_dir, tmp_path, **kw):
     return cfg
 
 
-@pytest.mark.parametrize("p, batch, thread", [(1, 12, False), (2, 12, False), (3, 12, False), (3, 10, False),
-                                              (2, 10, True)])
-def test_p_ranks_match_one_rank(build_dir, tmp_path, p, batch, thread):
+MODEL_FC = {"fc*": "model"}
+
+
+@pytest.mark.parametrize("p, batch, thread, parallel", [
+    (1, 12, False, "data"), (2, 12, False, "data"), (3, 12, False, "data"), (3, 10, False, "data"),
+    (2, 10, True, "data"),
+    (2, 12, False, MODEL_FC), (3, 10, False, MODEL_FC),        # model-parallel fc, uneven shards
+    (4, 12, False, {"fc*": "model:2"}),                          # hybrid: 2 groups of 2
+    (3, 10, False, "auto")])                                     # the rule: fc1 model, fc2 data at B = 10
+def test_p_ranks_match_one_rank(build_dir, tmp_path, p, batch, thread, parallel):
     """thread: progress by a helper thread as well as between layers."""
-    cfg = _cfg(build_dir, tmp_path, batch=batch)
+    cfg = _cfg(build_dir, tmp_path, batch=batch, parallel=parallel)
     mpirun(p, "train", cfg, progress_thread=thread)
     got = np.load(cfg["out"])
     want_params, want_losses = single_rank_reference(build_dir, cfg)
@@ -81,6 +88,8 @@ def test_p_ranks_match_one_rank(build_dir, tmp_path, p, batch, thread):
     trace = json.loads(Path(cfg["out"] + ".trace.json").read_text())["traceEvents"]
     names = {e["name"] for e in trace}
     assert {"forward", "backward", "part-reduce fc2", "sgd conv1"} <= names
+    model = set() if p == 1 or parallel == "data" else {"fc1"} if parallel == "auto" else {"fc1", "fc2"}
+    assert {n.split()[1].rstrip(":") for n in names if n.startswith("model-parallel")} == model
 
 
 def test_part_reduce_and_broadcast_equal_allreduce(tmp_path):
@@ -111,7 +120,7 @@ def test_watchdog_ends_a_stalled_job_and_names_the_wait(build_dir, tmp_path):
     proc = mpirun(2, "stall", _cfg(build_dir, tmp_path), timeout=90, check=False, comm_timeout=3)
     assert proc.returncode != 0
     assert time.monotonic() - start < 30  # rank 1 sleeps 120 s: the watchdog, not rank 1, ended it
-    assert "[rank 0] pcldnn watchdog: step 1: allreduce of the minibatch size has waited more than 3 s" in proc.stderr
+    assert "[rank 0] pcldnn watchdog: step 1: allgather of the shard sizes has waited more than 3 s" in proc.stderr
 
 
 def test_mismatched_builds_are_refused(build_dir, tmp_path):
@@ -123,8 +132,11 @@ def test_mismatched_builds_are_refused(build_dir, tmp_path):
     assert "rank 1: net" in proc.stdout
 
 
-def test_checkpoint_from_two_ranks_resumes_on_one_and_three(build_dir, tmp_path):
-    cfg = _cfg(build_dir, tmp_path, steps=4, steps_total=8, save=str(tmp_path / "ck.npz"))
+@pytest.mark.parametrize("parallel", ["data", MODEL_FC])
+def test_checkpoint_from_two_ranks_resumes_on_one_and_three(build_dir, tmp_path, parallel):
+    """Model parallel: each rank holds only its slice of fc1/fc2 and of their momentum; the
+    checkpoint must gather both, and a job of another size must split them its own way."""
+    cfg = _cfg(build_dir, tmp_path, steps=4, steps_total=8, save=str(tmp_path / "ck.npz"), parallel=parallel)
     mpirun(2, "train", cfg)
     finals = []
     for p in (1, 3):
@@ -135,3 +147,28 @@ def test_checkpoint_from_two_ranks_resumes_on_one_and_three(build_dir, tmp_path)
     moved = np.abs(want - pr.load(build_dir, threads=1, seed=cfg["seed"]).params).max()
     for got in finals:
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * moved)
+
+
+def test_layer_modes_rule_and_mappings(build_dir):
+    from pcldnn_runtime.distributed import layer_modes
+    net = pr.load(build_dir, threads=1)  # fc1: K = 96 inputs, N = 12 outputs (scalar build)
+    assert layer_modes(net, "data", 4, 8) == {"conv1": 1, "fc1": 1, "fc2": 1}
+    # auto: model parallel when B (K + N) < K N: fc1 below B = 1152 / 108 = 10.7, fc2 (12 x 5) below 3.5
+    assert layer_modes(net, "auto", 4, 10) == {"conv1": 1, "fc1": 4, "fc2": 1}
+    assert layer_modes(net, "auto", 4, 11) == {"conv1": 1, "fc1": 1, "fc2": 1}
+    assert layer_modes(net, "auto", 4, 3) == {"conv1": 1, "fc1": 4, "fc2": 4}
+    assert layer_modes(net, "auto", 1, 3) == {"conv1": 1, "fc1": 1, "fc2": 1}  # one rank: nothing to split
+    assert layer_modes(net, {"fc*": "model:2", "fc2": "data"}, 4, 64) == {"conv1": 1, "fc1": 2, "fc2": 1}
+
+
+@pytest.mark.parametrize("parallel, message", [
+    ({"fc9": "model"}, "pattern 'fc9' matches no layer with weights"),
+    ({"conv*": "model"}, "layer conv1 is conv; only fc layers can be model parallel"),
+    ({"fc1": "model:3"}, "the group size must divide the 4 ranks"),
+    ({"fc1": "tensor"}, "'tensor': use \"data\", \"model\" or \"model:G\""),
+    ("everything", "parallel='everything'"),
+])
+def test_layer_modes_refuse_bad_mappings(build_dir, parallel, message):
+    from pcldnn_runtime.distributed import layer_modes
+    with pytest.raises(pr.PcldnnError, match=message):
+        layer_modes(pr.load(build_dir, threads=1), parallel, 4, 8)
