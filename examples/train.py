@@ -42,8 +42,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--plot", default=None, help="save the loss / accuracy curves to this PNG")
     ap.add_argument("--trace", default=None, help="under mpiexec: write each rank's Chrome-trace timeline to "
                     "TRACE/trace-rank<r>.json (open in chrome://tracing or ui.perfetto.dev)")
+    ap.add_argument("--parallel", default="auto", type=parallel_arg,
+                    help='under mpiexec: auto, data, or a JSON mapping like \'{"fc*": "model:2"}\'')
     ap.add_argument("--no-progress", action="store_true")
     return ap.parse_args(argv)
+
+
+def parallel_arg(text: str):
+    """--parallel: "auto", "data" or a JSON object of layer patterns to "data" / "model" / "model:G"."""
+    if text in ("auto", "data"):
+        return text
+    try:
+        mapping = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not auto, data or a JSON object: {e.msg}") from None
+    if not isinstance(mapping, dict):
+        raise argparse.ArgumentTypeError("a JSON object of layer patterns, like {\"fc*\": \"model\"}")
+    return mapping
 
 
 def world():
@@ -76,7 +91,7 @@ def main(argv=None) -> int:
                      step_size=max(1, steps // 3) if args.schedule == "step" else 0,
                      warmup_steps=args.warmup_steps)
         trace = [] if args.trace and comm is not None else None
-        extra = {"trace": trace} if comm is not None else {}
+        extra = {"trace": trace, "parallel": args.parallel} if comm is not None else {}
         trainer = (pr.Trainer.resume(args.resume, net, opt, comm=comm, **extra) if args.resume
                    else pr.Trainer(net, opt, seed=args.seed, comm=comm, **extra))
         checkpoint = Path(args.checkpoint_dir) / "checkpoint.npz" if args.checkpoint_dir else None
