@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pcldnn_runtime.layers import DROPOUT_HASH_STEP
+
 from .arch import Arch
 from .errors import PlanError
 from .netspec import LayerSpec
@@ -152,7 +154,8 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch) -> KernelPlan:
     geometry = {}
     if layer.type == "dropout":
         # the scale in exponent form is a float literal in C even when it is whole (rate 0.5 -> 2)
-        geometry = {"threshold": round(layer.rate * 2 ** 32), "scale": f"{1.0 / (1.0 - layer.rate):.9e}"}
+        geometry = {"threshold": round(layer.rate * 2 ** 32), "scale": f"{1.0 / (1.0 - layer.rate):.9e}",
+                    "hash_step": f"0x{DROPOUT_HASH_STEP:X}ULL"}  # the runtime shifts seeds by multiples of it
     return KernelPlan(layer.name, pass_name, kind, arch.isa, arch.vector_floats, geometry=geometry,
                       reason=_MEMORY_BOUND[kind] + "; memory-bound, no register tile to choose")
 

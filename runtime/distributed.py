@@ -266,6 +266,7 @@ class SyncSGD:
         check_same_net(net, comm)
         layer_modes(net, parallel, self.p, 1)  # refuse a bad mapping before the first step
         comm.Bcast(net.params, root=0)  # identical starting weights whatever each rank's seed
+        net.seed = comm.bcast(net.seed, root=0)  # and the dropout masks one process would draw
         self.modes: dict[str, int] | None = None
         self.blocks: list[dict] = []
         self.by_name: dict[str, list[dict]] = {}
@@ -383,6 +384,7 @@ class SyncSGD:
         sizes = self._blocking(lambda: self.comm.allgather(len(labels)),
                                f"step {step_index}: allgather of the shard sizes")  # also where early ranks wait
         b_local, b_global = len(labels), sum(sizes)
+        self.net.row_offset = sum(sizes[:self.rank])
         if self.modes is None:
             self._setup(b_global)
         for runner in self.model.values():

@@ -258,9 +258,20 @@ class ReluLayer(Layer):
         self._k["bwd_data"](ptr(dyb), ptr(yb), ptr(dxb), dyb.shape[0], self._net.threads)
 
 
+# G of the dropout kernels' counter hash (the golden-ratio increment of SplitMix64); the
+# generator emits it from here so that the seed shift below matches the kernels.
+DROPOUT_HASH_STEP = 0x9E3779B97F4A7C15
+
+
 class DropoutLayer(Layer):
     """Training: keep each element with probability 1 - rate, scaled by 1/(1 - rate), from a
-    hash of (seed, index); evaluation: identity. `aux` is a one-element array holding the seed."""
+    hash of (seed, index); evaluation: identity. `aux` is a one-element array holding the seed.
+
+    The index counts from the first row of the *global* minibatch: a rank whose shard starts
+    at row `net.row_offset` shifts the seed instead (the hash takes seed + (i + 1) x G, so
+    adding offset x G to the seed is the same as adding offset to i), and p ranks draw exactly
+    the masks one process draws for the whole minibatch."""
+
 
     def __init__(self, spec: dict, kernels: dict[str, Callable], v: int, net):
         super().__init__(spec, kernels, v, net)
@@ -273,7 +284,8 @@ class DropoutLayer(Layer):
         if not training:
             np.copyto(yb, xb)
             return
-        aux[0] = self._net.next_dropout_seed()
+        offset = self._net.row_offset * int(np.prod(yb.shape[1:]))
+        aux[0] = (self._net.next_dropout_seed() + offset * DROPOUT_HASH_STEP) % 2 ** 64
         self._k["fwd"](ptr(xb), ptr(yb), int(aux[0]), xb.shape[0], self._net.threads)
 
     def backward_blocked(self, xb, yb, aux, dyb, dxb, grads=None) -> None:

@@ -60,6 +60,7 @@ class Net:
         self.threads = threads
         self.seed = seed
         self._dropout_draws = 0
+        self.row_offset = 0  # first row of this process's shard in the global minibatch (dropout masks)
         self._scratch = empty_aligned((0,))
         self._workspaces: dict[int, _Workspace] = {}
         self._pending: _Workspace | None = None  # set by a training-mode forward, used by backward

@@ -32,6 +32,12 @@ def build_dir(tmp_path_factory):
     return build_and_load(tmp_path_factory.mktemp("mpi"), LAYERS, SHAPE, "scalar", name="mpinet").build_dir
 
 
+@pytest.fixture(scope="module")
+def dropout_build_dir(tmp_path_factory):
+    layers = LAYERS[:3] + [{"name": "drop", "type": "dropout", "rate": 0.3}] + LAYERS[3:]
+    return build_and_load(tmp_path_factory.mktemp("mpi"), layers, SHAPE, "scalar", name="mpidrop").build_dir
+
+
 def mpirun(p: int, mode: str, cfg: dict, timeout: float = 120, check: bool = True,
            progress_thread: bool = False, comm_timeout: float = 60) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PCLDNN_COMM_TIMEOUT=str(comm_timeout),
@@ -90,6 +96,17 @@ def test_p_ranks_match_one_rank(build_dir, tmp_path, p, batch, thread, parallel)
     assert {"forward", "backward", "part-reduce fc2", "sgd conv1"} <= names
     model = set() if p == 1 or parallel == "data" else {"fc1"} if parallel == "auto" else {"fc1", "fc2"}
     assert {n.split()[1].rstrip(":") for n in names if n.startswith("model-parallel")} == model
+
+
+@pytest.mark.parametrize("parallel", ["data", {"fc1": "model"}])
+def test_dropout_masks_match_one_rank(dropout_build_dir, tmp_path, parallel):
+    """Each rank draws the masks of its rows of the global minibatch (rank-specific seeds are
+    replaced by rank 0's): with per-rank masks the weights would differ by far more."""
+    cfg = _cfg(dropout_build_dir, tmp_path, batch=10, parallel=parallel)
+    mpirun(3, "train", cfg)
+    want, _ = single_rank_reference(dropout_build_dir, cfg)
+    moved = np.abs(want - pr.load(dropout_build_dir, threads=1, seed=cfg["seed"]).params).max()
+    np.testing.assert_allclose(np.load(cfg["out"])["params"], want, rtol=0, atol=1e-4 * moved)
 
 
 def test_part_reduce_and_broadcast_equal_allreduce(tmp_path):
