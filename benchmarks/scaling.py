@@ -1,5 +1,5 @@
-"""Scaling on this machine: 1 rank x 2 threads against 2 ranks x 1 thread at the same global
-minibatch, with the communication the MPI runtime does and how much of it shows.
+"""Scaling on this machine: 1 rank x 1 thread, 1 rank x 2 threads and 2 ranks x 1 thread at the
+same global minibatch, with the communication the MPI runtime does and how much of it shows.
 
     python benchmarks/scaling.py [--nets cifar_small,vgg_a_small] [--batch 64] [--steps 12]
         [--parallel data|auto|model] [--json out.json]
@@ -118,7 +118,7 @@ def main() -> None:
         for name in args.nets.split(","):
             out = Path(tmp) / name
             build(load_netspec(NETS[name]), get_arch(args.arch), out)
-            for ranks, threads in ((1, 2), (2, 1)):
+            for ranks, threads in ((1, 1), (1, 2), (2, 1)):
                 cfg = {"build": str(out), "threads": threads, "batch": args.batch, "steps": args.steps,
                        "parallel": args.parallel}
                 env = dict(os.environ, OMP_NUM_THREADS=str(threads))

@@ -89,6 +89,26 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from pcldnn_runtime import scaling
+
+    from . import plan
+    net = load_netspec(args.net)
+    nodes = plan.parse_nodes(args.nodes)
+    machine = (plan.local_machine(net, args.arch, args.bench_json, args.threads) if args.machine == "local"
+               else scaling.get_machine(args.machine))
+    plans, simulated, minima, sims = plan.run(net, machine, nodes, args.batch, args.threshold)
+    print(plan.format_table(net, machine, plans, simulated, minima, args.threshold))
+    if args.json:
+        Path(args.json).write_text(json.dumps(plan.plans_json(net, machine, plans, simulated, minima, args.threshold),
+                                              indent=1))
+    if args.plot:
+        plan.plot_speedup(Path(args.plot), net, machine, plans)
+    if args.timeline:
+        plan.plot_timeline(Path(args.timeline), net, machine, plans[-1], sims[-1])
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pcldnn-gen", description=__doc__.split(":")[0] + ": "
                                  "generate, compile and inspect CPU training kernels for a net.json")
@@ -129,6 +149,23 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--json", help="write the results as JSON")
     b.add_argument("--plot", help="write a bar chart (PNG; needs matplotlib)")
     b.set_defaults(func=_bench)
+
+    pl = sub.add_parser("plan", help="predict multi-node scaling and choose data / model / hybrid parallelism per layer")
+    pl.add_argument("net")
+    pl.add_argument("--machine", required=True,
+                    help="cori-haswell, aws-c4, local (measured now) or a machine JSON file")
+    pl.add_argument("--nodes", default="1,2,4,8,16", help="comma-separated node counts (default 1,2,4,8,16)")
+    pl.add_argument("--batch", type=_positive, required=True, help="global minibatch")
+    pl.add_argument("--threshold", type=float, default=0.8,
+                    help="parallel efficiency for the minimum per-node minibatch column (default 0.8)")
+    pl.add_argument("--arch", default="native", help="--machine local: the ISA whose FMA peak is measured")
+    pl.add_argument("--threads", type=_positive, default=1, help="--machine local: threads per rank (a node)")
+    pl.add_argument("--bench-json", default=None,
+                    help="--machine local: kernel efficiencies from `pcldnn-gen bench NET --json` of this net")
+    pl.add_argument("--json", help="write the plans as JSON")
+    pl.add_argument("--plot", help="write predicted speedup against nodes (PNG)")
+    pl.add_argument("--timeline", help="write the simulated timeline of one iteration at the largest node count (PNG)")
+    pl.set_defaults(func=_plan)
     return ap
 
 

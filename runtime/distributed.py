@@ -97,29 +97,23 @@ class _Watchdog:
 
 def layer_modes(net, parallel, p: int, batch: int) -> dict[str, int]:
     """{weighted layer: model-parallel group size} (1: data parallel) for `parallel`:
-    "data"; "auto" (the rule below); or a mapping of layer-name patterns (fnmatch) to "data",
-    "model" (model parallel over all p ranks) or "model:G" (hybrid: model parallel within
-    groups of G consecutive ranks, data parallel across the p/G groups); unmatched layers are
-    data parallel. Only fc layers can be model parallel.
+    "data"; "auto"; or a mapping of layer-name patterns (fnmatch) to "data", "model" (model
+    parallel over all p ranks) or "model:G" (hybrid: model parallel within groups of G
+    consecutive ranks, data parallel across the p/G groups); unmatched layers are data
+    parallel. Only fc layers can be model parallel.
 
-    The "auto" rule compares the bytes each rank moves per step. Data parallel: the part-reduce
-    and part-broadcast of the weights, ~2 |W| (p-1)/p. Model parallel over p ranks: the layer's
-    input gathered forward and its gradient reduce-scattered backward (~2 B K (p-1)/p), its
-    output and output gradient exchanged all-to-all (~2 B N (p-1)/p). So an fc layer goes model
-    parallel when B (K + N) < K N, i.e. when the minibatch is small against the layer; conv
-    layers (few weights, large activations) stay data parallel. The scaling planner
-    (`pcldnn-gen plan`) refines this with latencies and overlap."""
+    "auto" asks the communication model (`pcldnn_runtime.scaling.plan`, the one behind
+    `pcldnn-gen plan`) for the choice that minimises the iteration time at this global
+    minibatch, on the machine PCLDNN_MACHINE names (a preset or a machine JSON file; default
+    scaling.DEFAULT_MACHINE)."""
     weighted = [name for name, layer in net.layers.items() if name in net.param_ranges]
     modes = dict.fromkeys(weighted, 1)
     if p == 1 or parallel == "data":
         return modes
     if parallel == "auto":
-        for name in weighted:
-            layer = net.layers[name]
-            if layer.type == "fc":
-                k, n = int(np.prod(layer.in_shape)), layer.out_shape[0]
-                if batch * (k + n) < k * n:
-                    modes[name] = p
+        from . import scaling
+        chosen = scaling.plan(scaling.loads_of(net.layers.values()), p, batch, scaling.machine_from_env())
+        modes.update({c.layer: c.group for c in chosen.costs})
         return modes
     if not isinstance(parallel, dict):
         raise PcldnnError(f'parallel={parallel!r}: use "auto", "data" or a mapping like {{"fc*": "model"}}')

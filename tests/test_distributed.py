@@ -75,7 +75,7 @@ MODEL_FC = {"fc*": "model"}
     (2, 10, True, "data"),
     (2, 12, False, MODEL_FC), (3, 10, False, MODEL_FC),        # model-parallel fc, uneven shards
     (4, 12, False, {"fc*": "model:2"}),                          # hybrid: 2 groups of 2
-    (3, 10, False, "auto")])                                     # the rule: fc1 model, fc2 data at B = 10
+    (3, 10, False, "auto")])                                     # the communication model's choice
 def test_p_ranks_match_one_rank(build_dir, tmp_path, p, batch, thread, parallel):
     """thread: progress by a helper thread as well as between layers."""
     cfg = _cfg(build_dir, tmp_path, batch=batch, parallel=parallel)
@@ -94,7 +94,10 @@ def test_p_ranks_match_one_rank(build_dir, tmp_path, p, batch, thread, parallel)
     trace = json.loads(Path(cfg["out"] + ".trace.json").read_text())["traceEvents"]
     names = {e["name"] for e in trace}
     assert {"forward", "backward", "part-reduce fc2", "sgd conv1"} <= names
-    model = set() if p == 1 or parallel == "data" else {"fc1"} if parallel == "auto" else {"fc1", "fc2"}
+    from pcldnn_runtime.distributed import layer_modes
+    model = {name for name, g in layer_modes(pr.load(build_dir, threads=1), parallel, p, batch).items() if g > 1}
+    if parallel not in ("data", "auto") and p > 1:
+        assert model == {"fc1", "fc2"}
     assert {n.split()[1].rstrip(":") for n in names if n.startswith("model-parallel")} == model
 
 
@@ -166,16 +169,26 @@ def test_checkpoint_from_two_ranks_resumes_on_one_and_three(build_dir, tmp_path,
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * moved)
 
 
-def test_layer_modes_rule_and_mappings(build_dir):
+def test_layer_modes_auto_and_mappings(build_dir, tmp_path, monkeypatch):
+    from pcldnn_runtime import scaling
     from pcldnn_runtime.distributed import layer_modes
-    net = pr.load(build_dir, threads=1)  # fc1: K = 96 inputs, N = 12 outputs (scalar build)
+    net = pr.load(build_dir, threads=1)
     assert layer_modes(net, "data", 4, 8) == {"conv1": 1, "fc1": 1, "fc2": 1}
-    # auto: model parallel when B (K + N) < K N: fc1 below B = 1152 / 108 = 10.7, fc2 (12 x 5) below 3.5
-    assert layer_modes(net, "auto", 4, 10) == {"conv1": 1, "fc1": 4, "fc2": 1}
-    assert layer_modes(net, "auto", 4, 11) == {"conv1": 1, "fc1": 1, "fc2": 1}
-    assert layer_modes(net, "auto", 4, 3) == {"conv1": 1, "fc1": 4, "fc2": 4}
-    assert layer_modes(net, "auto", 1, 3) == {"conv1": 1, "fc1": 1, "fc2": 1}  # one rank: nothing to split
     assert layer_modes(net, {"fc*": "model:2", "fc2": "data"}, 4, 64) == {"conv1": 1, "fc1": 2, "fc2": 1}
+    assert layer_modes(net, "auto", 1, 3) == {"conv1": 1, "fc1": 1, "fc2": 1}  # one rank: nothing to split
+    # auto follows the machine PCLDNN_MACHINE describes: links so slow that only the bytes
+    # count put fc1 (96 x 12 weights = 4.6 KB) model parallel at minibatch 4, where its
+    # activations (4 x (96 + 12) floats) are far fewer bytes; with the weights no bigger
+    # than the activations (minibatch 64) it stays data parallel
+    slow = dict(scaling.PRESETS["aws-c4"].to_json(), name="slow", latency_us=1e-6, bandwidth_gbs=1e-6)
+    (tmp_path / "slow.json").write_text(json.dumps(slow))
+    monkeypatch.setenv("PCLDNN_MACHINE", str(tmp_path / "slow.json"))
+    assert layer_modes(net, "auto", 4, 4)["fc1"] > 1
+    assert layer_modes(net, "auto", 4, 64)["fc1"] == 1
+    assert layer_modes(net, "auto", 4, 4)["conv1"] == 1
+    monkeypatch.setenv("PCLDNN_MACHINE", "no-such-machine")
+    with pytest.raises(pr.PcldnnError, match="unknown machine 'no-such-machine'"):
+        layer_modes(net, "auto", 4, 4)
 
 
 @pytest.mark.parametrize("parallel, message", [

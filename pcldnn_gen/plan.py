@@ -1,0 +1,184 @@
+"""`pcldnn-gen plan`: the communication model (pcldnn_runtime.scaling) over a range of node
+counts, as a table, JSON and plots; and the `local` machine, measured on the spot."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from pcldnn_runtime import scaling
+
+from .arch import get_arch
+from .errors import PcldnnError
+from .netspec import NetSpec
+
+# Kernel efficiencies of `local` when no bench JSON is given: this project's measured medians
+# over the VGG-A and OverFeat-FAST layers, one thread (benchmarks/RESULTS.md).
+LOCAL_EFFICIENCY = {"conv_fwd": 0.75, "conv_bwd_data": 0.72, "conv_bwd_weights": 0.72,
+                    "fc_fwd": 0.70, "fc_bwd_data": 0.60, "fc_bwd_weights": 0.78}
+
+
+def parse_nodes(text: str) -> list[int]:
+    try:
+        nodes = [int(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        raise PcldnnError(f"--nodes: {text!r}: use comma-separated node counts like 1,2,4,8") from None
+    if not nodes or any(n < 1 for n in nodes):
+        raise PcldnnError(f"--nodes: {text!r}: node counts must be positive")
+    return sorted(set(nodes))
+
+
+def local_machine(spec: NetSpec, arch_name: str, bench_json: str | None = None, threads: int = 1) -> scaling.Machine:
+    """This machine as nodes of one MPI rank with `threads` threads each: the FMA peak of that
+    many threads (generated kernel), kernel efficiencies from a
+    `pcldnn-gen bench --json` file (median per layer type and pass) or LOCAL_EFFICIENCY, and
+    alpha / beta / gamma / memory bandwidth from an MPI probe between two ranks."""
+    from pcldnn_runtime import cpu
+
+    from .bench import measure_peak
+    arch = get_arch(arch_name)
+    cores = cpu.usable_cores()
+    if threads > cores:
+        raise PcldnnError(f"--threads {threads}: this machine has {cores} usable core(s)")
+    peak = measure_peak(arch, threads)
+    efficiency = dict(LOCAL_EFFICIENCY)
+    if bench_json:
+        efficiency.update(_bench_efficiency(Path(bench_json), spec))
+    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+    if mpiexec is None:
+        raise PcldnnError("--machine local needs mpiexec (the mpich wheel provides one) for the network probe")
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "pcldnn_runtime.scaling"],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if proc.returncode:
+        raise PcldnnError(f"network probe failed (mpiexec -n 2 python -m pcldnn_runtime.scaling): {proc.stderr.strip()}")
+    net = json.loads(proc.stdout.strip().splitlines()[-1])
+    return scaling.Machine(
+        "local", f"one rank x {threads} thread(s) of this {cores}-core machine ({arch.name}), ranks over shared memory",
+        peak, efficiency,
+        net["memory_gbs"], net["latency_us"], net["bandwidth_gbs"], net["reduce_gbs"], "rhd", True,
+        "measured: pcldnn-gen peak, MPI ping-pong and array sums" + (f", efficiencies from {bench_json}" if bench_json else ""))
+
+
+def _bench_efficiency(path: Path, spec: NetSpec) -> dict:
+    """Median fraction of peak per kernel kind in a bench JSON of the net being planned."""
+    types = {layer.name: layer.type for layer in spec.layers}
+    try:
+        data = json.loads(path.read_text())
+        if data["net"] != spec.name:
+            raise PcldnnError(f"{path}: bench results of net {data['net']!r}, not {spec.name!r}")
+        kinds: dict[str, list[float]] = {}
+        for r in data["results"]:
+            kinds.setdefault(f"{types[r['layer']]}_{r['pass_name']}", []).append(min(1.0, r["peak_fraction"]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise PcldnnError(f"{path}: not a `pcldnn-gen bench --json` file of {spec.name} "
+                          f"({type(e).__name__}: {e})") from None
+    return {k: statistics.median(v) for k, v in kinds.items() if k in scaling.KINDS}
+
+
+def plan_nodes(spec: NetSpec, machine: scaling.Machine, nodes: list[int], batch: int) -> list[scaling.Plan]:
+    loads = scaling.loads_of(spec.layers)
+    if not loads:
+        raise PcldnnError(f"net {spec.name} has no conv or fc layer to plan")
+    return [scaling.plan(loads, p, batch, machine) for p in nodes]
+
+
+def format_table(spec: NetSpec, machine: scaling.Machine, plans: list[scaling.Plan], simulated: list[float],
+                 min_batches: list[int | None], threshold: float) -> str:
+    m = machine
+    lines = [f"{spec.name} on {m.name} ({m.nodes_note}): peak {m.peak_gflops:.0f} GFLOP/s per node, "
+             f"link {m.bandwidth_gbs:g} GB/s, latency {m.latency_us:g} us, {m.algorithm} collectives, "
+             f"{'overlapped' if m.overlap else 'no overlap'}; global minibatch {plans[0].batch}",
+             "",
+             f"{'nodes':>6} {'img/node':>8} {'iter ms':>9} {'simulated':>9} {'images/s':>9} {'speedup':>8} "
+             f"{'eff':>5} {'min img/node':>12}  model/hybrid layers (others data parallel)"]
+    for pl, sim, mb in zip(plans, simulated, min_batches):
+        split = ", ".join(f"{c.layer} {c.mode}" for c in pl.costs if c.group > 1) or "-"
+        lines.append(f"{pl.nodes:>6} {pl.batch / pl.nodes:>8.1f} {pl.time * 1e3:>9.1f} {sim * 1e3:>9.1f} "
+                     f"{pl.images_per_s:>9.1f} {pl.speedup:>8.1f} {pl.efficiency:>5.0%} "
+                     f"{(str(mb) if mb else 'none'):>12}  {split}")
+    lines.append("")
+    lines.append(f"min img/node: the smallest per-node minibatch at which that many nodes still reach "
+                 f"{threshold:.0%} parallel efficiency (against one node with the same global minibatch)")
+    last = plans[-1]
+    lines.append(f"per layer at {last.nodes} nodes (ms: forward, backward, model-parallel exchanges, "
+                 f"part-reduce + part-broadcast):")
+    for c in last.costs:
+        lines.append(f"  {c.layer:<10} {c.mode:<9} fwd {c.fwd * 1e3:8.2f}  bwd {c.bwd * 1e3:8.2f}  "
+                     f"exchange {(c.mp_fwd + c.mp_bwd) * 1e3:8.2f}  weights {c.dp * 1e3:8.2f}")
+    return "\n".join(lines)
+
+
+def plans_json(spec: NetSpec, machine: scaling.Machine, plans, simulated, min_batches, threshold) -> dict:
+    return {"net": spec.name, "machine": machine.to_json(), "threshold": threshold,
+            "plans": [pl.to_json() | {"simulated_time_s": sim, "min_batch_per_node": mb}
+                      for pl, sim, mb in zip(plans, simulated, min_batches)]}
+
+
+def _pyplot():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PcldnnError("plots need matplotlib: pip install 'pcldnn-gen[demo]'") from None
+    return plt
+
+
+def plot_speedup(path: Path, spec: NetSpec, machine: scaling.Machine, plans: list[scaling.Plan]) -> None:
+    plt = _pyplot()
+    nodes = [pl.nodes for pl in plans]
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    ax.plot(nodes, nodes, "k:", label="linear")
+    ax.plot(nodes, [pl.speedup for pl in plans], "o-", label=f"predicted, minibatch {plans[0].batch}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("nodes")
+    ax.set_ylabel("speedup over one node")
+    ax.set_title(f"{spec.name} on {machine.name}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_timeline(path: Path, spec: NetSpec, machine: scaling.Machine, pl: scaling.Plan, sim: dict) -> None:
+    """Node 0's iteration: compute per layer on one row, communication on the other."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 3))
+    rows = {"compute": 1, "comm": 0}
+    for name, kind, start, end in sim["events"]:
+        colour = "tab:blue" if name.startswith("fwd") else "tab:orange" if name.startswith("bwd") else (
+            "tab:red" if name.startswith("model") else "tab:green")
+        ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (rows[kind] - 0.4, 0.8), facecolors=colour,
+                       edgecolor="white", linewidth=0.5)
+        if (end - start) > 0.03 * sim["time"]:
+            ax.text((start + end) / 2 * 1e3, rows[kind], name.split()[-1], ha="center", va="center", fontsize=6)
+    ax.set_yticks([0, 1], ["network", "compute"])
+    ax.set_xlabel("ms")
+    ax.set_title(f"{spec.name} on {pl.nodes} {machine.name} nodes, minibatch {pl.batch}: one iteration, node 0 "
+                 "(blue forward, orange backward, red model-parallel exchanges, green part-reduce/broadcast)",
+                 fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(spec: NetSpec, machine: scaling.Machine, nodes: list[int], batch: int, threshold: float = 0.8):
+    """(plans, simulated times, per-node minibatch minima, simulation of the largest count)."""
+    if batch < 1:
+        raise PcldnnError(f"--batch must be positive, got {batch}")
+    if batch < max(nodes):
+        raise PcldnnError(f"--batch {batch} is smaller than {max(nodes)} nodes: a node would get no images")
+    if not 0 < threshold <= 1:
+        raise PcldnnError(f"--threshold must be in (0, 1], got {threshold}")
+    plans = plan_nodes(spec, machine, nodes, batch)
+    sims = [scaling.simulate(pl.costs, pl.nodes, machine.overlap) for pl in plans]
+    loads = scaling.loads_of(spec.layers)
+    minima = [scaling.min_batch_per_node(loads, p, machine, threshold) for p in nodes]
+    return plans, [s["time"] for s in sims], minima, sims
+
+

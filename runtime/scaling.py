@@ -1,0 +1,435 @@
+"""The communication model of synchronous SGD on p nodes (the paper's RQ2), closed form and
+simulated: which layers go data, model or hybrid parallel, and what an iteration costs.
+
+Per layer and global minibatch B on p nodes, with a group size g (1: data parallel; p: model
+parallel; in between: hybrid, model parallel within groups of g nodes and data parallel
+across the p/g groups):
+
+- compute, per pass: max(FLOPs / (peak x efficiency of that kernel), bytes / memory
+  bandwidth): each node computes B g / p rows for 1/g of the layer's outputs. The memory term
+  is what makes a small-minibatch fc layer slow: its weights are read once per pass.
+- data-parallel communication (hidden behind the backward pass of the layers below when the
+  machine overlaps): part-reduce (reduce-scatter) and part-broadcast (all-gather) of the
+  node's 1/g of the weights over the p/g groups.
+- model-parallel communication (on the critical path), within the group: the input gathered
+  and the output exchanged all-to-all in the forward pass; the output gradient exchanged and
+  the input gradient reduce-scattered in the backward pass.
+
+Collective costs are the alpha-beta-gamma models of Thakur, Rabenseifner and Gropp (2005),
+for ring or recursive halving/doubling algorithms. Memory-bound layers (pooling, ReLU,
+dropout, the loss) and the SGD update are not modelled: a few per cent of a step here.
+
+The iteration time, layers 1..n bottom to top, b_L the backward time of layer L (model-parallel
+exchanges included) and c_L its data-parallel communication, issued when its backward ends and
+served in that order by one network link per node:
+
+    T = F + max(sum_L b_L, max_L (sum_{j >= L} b_j + sum_{j <= L} c_j))      (overlap)
+    T = F + sum_L b_L + sum_L c_L                                             (no overlap)
+
+`simulate` replays the same iteration event by event on p nodes (where model-parallel
+exchanges also wait for the link), as the closed form's check and for timelines.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from .errors import PcldnnError
+
+KINDS = ("conv_fwd", "conv_bwd_data", "conv_bwd_weights", "fc_fwd", "fc_bwd_data", "fc_bwd_weights")
+ALGORITHMS = ("ring", "rhd")
+
+
+@dataclass(frozen=True)
+class Machine:
+    name: str
+    nodes_note: str          # what one node is
+    peak_gflops: float       # FP32 FMA peak of one node
+    efficiency: dict         # fraction of the peak each kernel kind reaches (KINDS)
+    memory_gbs: float        # sustained memory bandwidth of one node
+    latency_us: float        # alpha: one message
+    bandwidth_gbs: float     # 1 / beta: one node's link
+    reduce_gbs: float        # 1 / gamma: summing received data
+    algorithm: str = "rhd"   # ring | rhd (recursive halving / doubling)
+    overlap: bool = True     # data-parallel communication runs behind the backward pass
+    source: str = ""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _eff(conv: tuple[float, float, float], fc: tuple[float, float, float]) -> dict:
+    return dict(zip(KINDS, conv + fc))
+
+
+PRESETS: dict[str, Machine] = {
+    # NERSC Cori phase 1 (the paper's cluster): 2x Xeon E5-2698 v3, 16 Haswell cores each at
+    # 2.3 GHz, 2 AVX2 FMA units: 32 x 2.3 GHz x 32 FLOP/cycle = 2355 GFLOP/s. DDR4-2133, 8
+    # channels: 136 GB/s peak, ~110 sustained (STREAM). Cray Aries dragonfly: ~8 GB/s MPI
+    # bandwidth per node and ~2 us latency (NERSC's published MPI figures); Cray MPICH reduces
+    # with recursive halving / doubling. Efficiencies: the paper's single-node claims (~90% of
+    # peak on convolutions, ~70% on fc), taken a little lower for the backward passes.
+    "cori-haswell": Machine("cori-haswell", "2x Xeon E5-2698 v3 (32 Haswell cores, 2.3 GHz), Cray Aries",
+                            2355.2, _eff((0.85, 0.80, 0.80), (0.70, 0.65, 0.65)), 110.0, 2.0, 8.0, 35.0,
+                            "rhd", True, "Das et al. 2016 section 5; NERSC Cori phase 1 configuration"),
+    # AWS c4.8xlarge: 36 vCPUs = 18 Haswell cores (Xeon E5-2666 v3) at 2.9 GHz:
+    # 18 x 2.9 GHz x 32 = 1670 GFLOP/s; ~80 GB/s memory; 10 Gigabit Ethernet (1.25 GB/s line
+    # rate, ~1.1 GB/s through TCP) with ~50 us MPI latency in a placement group; ring
+    # collectives (Open MPI over TCP for large messages). Same kernel efficiencies as Cori.
+    "aws-c4": Machine("aws-c4", "c4.8xlarge (18 Haswell cores, 2.9 GHz), 10 GbE",
+                      1670.4, _eff((0.85, 0.80, 0.80), (0.70, 0.65, 0.65)), 80.0, 50.0, 1.1, 25.0,
+                      "ring", True, "Das et al. 2016 section 6; AWS c4 instance specifications"),
+}
+
+# The machine parallel="auto" plans for when PCLDNN_MACHINE names none: Ethernet-class links,
+# where choosing badly costs most.
+DEFAULT_MACHINE = "aws-c4"
+
+
+def get_machine(spec: str) -> Machine:
+    """A preset name or the path of a machine JSON file (Machine's fields)."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    path = Path(spec)
+    if path.suffix == ".json" or path.exists():
+        return machine_from_file(path)
+    raise PcldnnError(f"unknown machine {spec!r}: use one of {', '.join(PRESETS)}, local, or a machine JSON file")
+
+
+def machine_from_file(path: Path) -> Machine:
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise PcldnnError(f"{path}: cannot read: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise PcldnnError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    return machine_from_dict(data, str(path))
+
+
+def machine_from_dict(data, origin: str) -> Machine:
+    if not isinstance(data, dict):
+        raise PcldnnError(f"{origin}: (top level): must be an object")
+    known = {f.name: f for f in fields(Machine)}
+    for key in data:
+        if key not in known:
+            raise PcldnnError(f"{origin}: {key}: unknown field (allowed: {', '.join(known)})")
+    optional = {"algorithm", "overlap", "source", "nodes_note"}
+    for name in known:
+        if name not in data and name not in optional:
+            raise PcldnnError(f"{origin}: {name}: missing required field")
+    for name in ("peak_gflops", "memory_gbs", "latency_us", "bandwidth_gbs", "reduce_gbs"):
+        v = data[name]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e12:
+            raise PcldnnError(f"{origin}: {name}: must be a positive number, got {v!r}")
+    eff = data["efficiency"]
+    if not isinstance(eff, dict) or set(eff) != set(KINDS):
+        raise PcldnnError(f"{origin}: efficiency: must be an object with exactly the keys {', '.join(KINDS)}")
+    for kind, v in eff.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+            raise PcldnnError(f"{origin}: efficiency.{kind}: must be a fraction in (0, 1], got {v!r}")
+    if data.get("algorithm", "rhd") not in ALGORITHMS:
+        raise PcldnnError(f"{origin}: algorithm: must be one of {', '.join(ALGORITHMS)}, got {data['algorithm']!r}")
+    if not isinstance(data.get("overlap", True), bool):
+        raise PcldnnError(f"{origin}: overlap: must be true or false")
+    values = {k: data[k] for k in known if k in data}
+    values.setdefault("nodes_note", origin)
+    return Machine(**values)
+
+
+def machine_from_env() -> Machine:
+    """PCLDNN_MACHINE (a preset or JSON file), else DEFAULT_MACHINE: the one "auto" plans for."""
+    return get_machine(os.environ.get("PCLDNN_MACHINE", DEFAULT_MACHINE))
+
+
+# -- collectives (Thakur, Rabenseifner, Gropp 2005) ------------------------------------------
+def collective_time(op: str, nbytes: float, q: int, m: Machine) -> float:
+    """Seconds for `op` among q nodes. reduce_scatter / allgather / allreduce: nbytes is the
+    whole vector; alltoall: the bytes each node holds and redistributes."""
+    if q <= 1 or nbytes <= 0:
+        return 0.0
+    alpha, beta, gamma = m.latency_us * 1e-6, 1 / (m.bandwidth_gbs * 1e9), 1 / (m.reduce_gbs * 1e9)
+    steps = q - 1 if m.algorithm == "ring" else math.ceil(math.log2(q))
+    share = (q - 1) / q * nbytes
+    if op == "reduce_scatter":
+        return steps * alpha + share * (beta + gamma)
+    if op == "allgather":
+        return steps * alpha + share * beta
+    if op == "allreduce":
+        return collective_time("reduce_scatter", nbytes, q, m) + collective_time("allgather", nbytes, q, m)
+    if op == "alltoall":  # pairwise exchange: q - 1 rounds whatever the algorithm
+        return (q - 1) * alpha + share * beta
+    raise ValueError(op)
+
+
+# -- layers ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerLoad:
+    """What the model needs of one weighted layer; per image unless said."""
+    name: str
+    type: str            # conv | fc
+    flops: float         # one pass (forward; each backward pass does as many)
+    weight_bytes: float
+    in_bytes: float
+    out_bytes: float
+    first: bool          # the first layer: no backward-data pass (nothing below needs it)
+
+    @staticmethod
+    def from_shapes(name: str, type_: str, in_shape, out_shape, kernel, first: bool) -> "LayerLoad":
+        ic, ih, iw = in_shape
+        oc, oh, ow = out_shape
+        kh, kw = kernel
+        macs = oc * oh * ow * ic * kh * kw
+        return LayerLoad(name, type_, 2.0 * macs, 4.0 * (oc * ic * kh * kw + oc), 4.0 * ic * ih * iw,
+                         4.0 * oc * oh * ow, first)
+
+
+def loads_of(layers) -> list[LayerLoad]:
+    """LayerLoads of the conv and fc layers among `layers` (objects with name, type, in_shape,
+    out_shape and kernel: the generator's LayerSpec or a runtime Layer), bottom to top."""
+    out = []
+    for layer in layers:
+        if layer.type in ("conv", "fc"):
+            kernel = layer.kernel if hasattr(layer, "kernel") else layer.spec["kernel"]
+            out.append(LayerLoad.from_shapes(layer.name, layer.type, layer.in_shape, layer.out_shape,
+                                             tuple(kernel), not out))
+    return out
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    layer: str
+    group: int           # 1: data parallel; p: model parallel; else hybrid
+    fwd: float           # seconds: forward compute
+    bwd: float           # backward compute (data + weights)
+    mp_fwd: float        # model-parallel exchanges, forward (critical path)
+    mp_bwd: float        # model-parallel exchanges, backward (critical path)
+    dp: float            # part-reduce + part-broadcast (overlappable)
+
+    @property
+    def mode(self) -> str:
+        return "data" if self.group == 1 else f"model:{self.group}"
+
+
+def _compute(load: LayerLoad, kind: str, rows: float, share: float, m: Machine) -> float:
+    flops = load.flops * rows * share
+    nbytes = load.weight_bytes * share + rows * (load.in_bytes + load.out_bytes * share)
+    return max(flops / (m.peak_gflops * 1e9 * m.efficiency[f"{load.type}_{kind}"]), nbytes / (m.memory_gbs * 1e9))
+
+
+def layer_cost(load: LayerLoad, group: int, p: int, batch: int, m: Machine) -> LayerCost:
+    """Times of one layer per iteration on p nodes with global minibatch `batch`, model
+    parallel within groups of `group` nodes (1: data parallel)."""
+    if p % group:
+        raise PcldnnError(f"group size {group} does not divide {p} nodes")
+    rows = batch * group / p          # rows a group computes (each node: all of them, 1/group of the outputs)
+    share = 1.0 / group
+    fwd = _compute(load, "fwd", rows, share, m)
+    bwd = _compute(load, "bwd_weights", rows, share, m)
+    if not load.first:
+        bwd += _compute(load, "bwd_data", rows, share, m)
+    dp = (collective_time("reduce_scatter", load.weight_bytes * share, p // group, m)
+          + collective_time("allgather", load.weight_bytes * share, p // group, m))
+    mp_fwd = mp_bwd = 0.0
+    if group > 1:
+        exchange = collective_time("alltoall", rows * load.out_bytes * share, group, m)
+        mp_fwd = collective_time("allgather", rows * load.in_bytes, group, m) + exchange
+        mp_bwd = exchange + (0.0 if load.first else collective_time("reduce_scatter", rows * load.in_bytes, group, m))
+    return LayerCost(load.name, group, fwd, bwd, mp_fwd, mp_bwd, dp)
+
+
+def iteration_time(costs: list[LayerCost], overlap: bool) -> float:
+    """The closed form of the module docstring; costs bottom to top."""
+    forward = sum(c.fwd + c.mp_fwd for c in costs)
+    back = [c.bwd + c.mp_bwd for c in costs]
+    if not overlap:
+        return forward + sum(back) + sum(c.dp for c in costs)
+    above = finish = 0.0
+    for i in range(len(costs) - 1, -1, -1):  # released when the backward of layers >= i is done
+        above += back[i]
+        finish = max(finish, above) + costs[i].dp
+    return forward + max(above, finish)
+
+
+def group_sizes(load: LayerLoad, p: int) -> list[int]:
+    """Candidate group sizes: data parallel for every layer; for fc layers also every divisor
+    of p (the runtime splits only fc layers by output features)."""
+    if load.type != "fc":
+        return [1]
+    return [g for g in range(1, p + 1) if p % g == 0]
+
+
+@dataclass
+class Plan:
+    nodes: int
+    batch: int
+    costs: list[LayerCost]
+    time: float          # predicted seconds per iteration
+    single: float        # one node, same global minibatch
+    machine: Machine = field(repr=False)
+
+    @property
+    def images_per_s(self) -> float:
+        return self.batch / self.time
+
+    @property
+    def speedup(self) -> float:
+        return self.single / self.time
+
+    @property
+    def efficiency(self) -> float:
+        return self.speedup / self.nodes
+
+    def modes(self) -> dict[str, str]:
+        return {c.layer: c.mode for c in self.costs}
+
+    def to_json(self) -> dict:
+        return {"nodes": self.nodes, "batch": self.batch, "time_s": self.time, "images_per_s": self.images_per_s,
+                "speedup": self.speedup, "efficiency": self.efficiency,
+                "layers": [asdict(c) | {"mode": c.mode} for c in self.costs]}
+
+
+def plan(loads: list[LayerLoad], p: int, batch: int, m: Machine) -> Plan:
+    """The per-layer choice that minimises the iteration time: coordinate descent from all
+    data parallel (each layer in turn takes its best group size given the others) until no
+    layer changes; the layers interact only through the overlap term, so this settles in a
+    few rounds."""
+    if p < 1:
+        raise PcldnnError(f"nodes must be positive, got {p}")
+    if batch < p:
+        raise PcldnnError(f"global minibatch {batch} is smaller than {p} nodes: a node would get no images")
+    options = [{g: layer_cost(load, g, p, batch, m) for g in group_sizes(load, p)} for load in loads]
+    chosen = [opts[1] for opts in options]
+    best = iteration_time(chosen, m.overlap)
+    for _ in range(10):
+        changed = False
+        for i, opts in enumerate(options):
+            for cost in opts.values():
+                trial = chosen[:i] + [cost] + chosen[i + 1:]
+                t = iteration_time(trial, m.overlap)
+                if t < best * (1 - 1e-9):
+                    chosen, best, changed = trial, t, True
+        if not changed:
+            break
+    single = iteration_time([layer_cost(load, 1, 1, batch, m) for load in loads], m.overlap)
+    return Plan(p, batch, chosen, best, single, m)
+
+
+def min_batch_per_node(loads: list[LayerLoad], p: int, m: Machine, threshold: float, limit: int = 4096) -> int | None:
+    """The smallest per-node minibatch at which p nodes reach `threshold` parallel efficiency
+    (against one node with the same global minibatch); None if none up to `limit`."""
+    if p == 1:
+        return 1
+    lo, hi = 1, limit
+    if plan(loads, p, hi * p, m).efficiency < threshold:
+        return None
+    while lo < hi:  # efficiency grows with the per-node minibatch (compute grows, weight traffic does not)
+        mid = (lo + hi) // 2
+        if plan(loads, p, mid * p, m).efficiency >= threshold:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+# -- event-level simulation ------------------------------------------------------------------
+def simulate(costs: list[LayerCost], p: int, overlap: bool, jitter: list[float] | None = None) -> dict:
+    """One iteration on p nodes, event by event: each node has a compute unit and one network
+    link; a collective starts when every participant has issued it and their links are free,
+    and holds all those links; model-parallel exchanges also hold compute (the layer waits
+    for them), data-parallel ones are issued as each layer's backward ends and run behind
+    the layers below (without overlap: after the whole backward pass). `jitter[n]` scales node
+    n's compute times (stragglers). Returns {"time", "events": node 0's (name, kind, start, end)}."""
+    scale = jitter or [1.0] * p
+    busy = [0.0] * p   # compute free at
+    link = [0.0] * p   # network free at
+    events: list[tuple[str, str, float, float]] = []
+
+    def compute(name: str, seconds: float) -> None:
+        for n in range(p):
+            start = busy[n]
+            busy[n] = start + seconds * scale[n]
+            if n == 0:
+                events.append((name, "compute", start, busy[n]))
+
+    def collective(name: str, seconds: float, groups: list[list[int]], blocking: bool) -> None:
+        if seconds <= 0:
+            return
+        for members in groups:
+            start = max(max(busy[n], link[n]) for n in members)
+            for n in members:
+                link[n] = start + seconds
+                if blocking:
+                    busy[n] = start + seconds
+            if 0 in members:
+                events.append((name, "comm", start, start + seconds))
+
+    def groups_of(cost: LayerCost) -> tuple[list[list[int]], list[list[int]]]:
+        g = cost.group
+        within = [list(range(s, s + g)) for s in range(0, p, g)]
+        across = [list(range(r, p, g)) for r in range(g)]
+        return within, across
+
+    for c in costs:
+        within, _ = groups_of(c)
+        compute(f"fwd {c.layer}", c.fwd)
+        collective(f"model-parallel fwd {c.layer}", c.mp_fwd, within, True)
+    pending = []
+    for c in reversed(costs):
+        within, across = groups_of(c)
+        collective(f"model-parallel bwd {c.layer}", c.mp_bwd, within, True)
+        compute(f"bwd {c.layer}", c.bwd)
+        if overlap:
+            collective(f"part-reduce+broadcast {c.layer}", c.dp, across, False)
+        else:
+            pending.append((c, across))
+    for c, across in pending:
+        collective(f"part-reduce+broadcast {c.layer}", c.dp, across, False)
+    return {"time": max(max(busy), max(link)), "events": events}
+
+
+# -- measuring this machine ------------------------------------------------------------------
+def probe(comm) -> dict:
+    """Alpha, beta (ping-pong between ranks 0 and 1), gamma (summing float32 arrays) and the
+    memory bandwidth (copying them), medians of repeats. Run under mpiexec with 2 ranks."""
+    import time
+
+    import numpy as np
+    from mpi4py import MPI
+
+    def median_time(fn, repeats: int) -> float:
+        times = []
+        for _ in range(repeats):
+            comm.Barrier()
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return sorted(times)[len(times) // 2]
+
+    def pingpong(buf: np.ndarray) -> None:
+        if comm.rank == 0:
+            comm.Send(buf, dest=1)
+            comm.Recv(buf, source=1)
+        elif comm.rank == 1:
+            comm.Recv(buf, source=0)
+            comm.Send(buf, dest=0)
+
+    small, big = np.zeros(2, np.float32), np.zeros(4 << 20, np.float32)  # 8 B, 16 MB
+    latency = median_time(lambda: pingpong(small), 200) / 2
+    bandwidth = big.nbytes / (median_time(lambda: pingpong(big), 10) / 2 - latency)
+    a, b = np.ones(4 << 20, np.float32), np.ones(4 << 20, np.float32)
+    reduce_rate = a.nbytes / median_time(lambda: np.add(a, b, out=a), 10)
+    copy_rate = 2 * a.nbytes / median_time(lambda: np.copyto(b, a), 10)  # read + write
+    out = {"latency_us": latency * 1e6, "bandwidth_gbs": bandwidth / 1e9, "reduce_gbs": reduce_rate / 1e9,
+           "memory_gbs": copy_rate / 1e9}
+    return comm.bcast(out, root=0) if comm.size > 1 else out
+
+
+if __name__ == "__main__":  # mpiexec -n 2 python -m pcldnn_runtime.scaling: the probe, as JSON
+    from mpi4py import MPI
+
+    result = probe(MPI.COMM_WORLD)
+    if MPI.COMM_WORLD.rank == 0:
+        print(json.dumps(result))

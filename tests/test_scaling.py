@@ -1,0 +1,157 @@
+"""The communication model (pcldnn_runtime.scaling) on hand-computed cases, its choices, its
+simulation against its closed form, and `pcldnn-gen plan`."""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+
+import pytest
+
+from conftest import NETS
+from pcldnn_gen.cli import main
+from pcldnn_gen.netspec import load_netspec
+from pcldnn_runtime import PcldnnError, scaling
+from pcldnn_runtime.scaling import LayerCost, LayerLoad, collective_time, iteration_time, layer_cost, simulate
+
+# alpha 10 us, 1 GB/s link, sums at 2 GB/s, 1 GFLOP/s peak, efficiency 1/2, memory never the limit
+TOY = scaling.Machine("toy", "test", 1.0, dict.fromkeys(scaling.KINDS, 0.5), 1e6, 10.0, 1.0, 2.0, "ring", True)
+
+
+def test_collectives_by_hand():
+    n = 8e6
+    # ring reduce-scatter on 4 nodes: 3 alpha + 3/4 n (beta + gamma)
+    assert collective_time("reduce_scatter", n, 4, TOY) == pytest.approx(3 * 10e-6 + 0.75 * n * (1e-9 + 0.5e-9))
+    assert collective_time("allgather", n, 4, TOY) == pytest.approx(3 * 10e-6 + 0.75 * n * 1e-9)
+    assert collective_time("allreduce", n, 4, TOY) == pytest.approx(6 * 10e-6 + 0.75 * n * (2e-9 + 0.5e-9))
+    # recursive halving / doubling: log2(p) latency terms, the same bytes
+    rhd = replace(TOY, algorithm="rhd")
+    assert collective_time("reduce_scatter", n, 8, rhd) == pytest.approx(3 * 10e-6 + 7 / 8 * n * 1.5e-9)
+    assert collective_time("alltoall", n, 4, rhd) == pytest.approx(3 * 10e-6 + 0.75 * n * 1e-9)
+    assert collective_time("allgather", n, 1, TOY) == 0.0
+
+
+def test_layer_cost_by_hand():
+    # fc 1000 -> 100 on a 1x1 input: 2e5 FLOPs per image per pass, 400,400 bytes of weights
+    fc = LayerLoad.from_shapes("fc", "fc", (1000, 1, 1), (100, 1, 1), (1, 1), first=False)
+    assert (fc.flops, fc.weight_bytes, fc.in_bytes, fc.out_bytes) == (2e5, 400_400, 4000, 400)
+    data = layer_cost(fc, 1, 2, 8, TOY)          # 4 images per node, all outputs
+    assert data.fwd == pytest.approx(4 * 2e5 / 0.5e9)
+    assert data.bwd == pytest.approx(2 * data.fwd)
+    assert data.mp_fwd == data.mp_bwd == 0
+    # ring on 2 nodes: one step each; reduce-scatter sends and sums half, all-gather sends half
+    assert data.dp == pytest.approx(10e-6 + 0.5 * 400_400 * 1.5e-9 + 10e-6 + 0.5 * 400_400 * 1e-9)
+    model = layer_cost(fc, 2, 2, 8, TOY)         # 8 rows per node, half the outputs: the same FLOPs
+    assert model.fwd == pytest.approx(data.fwd) and model.dp == 0
+    gather = 10e-6 + 0.5 * 8 * 4000 * 1e-9            # the input rows of the other node
+    exchange = 10e-6 + 0.5 * (8 * 400 / 2) * 1e-9      # half of my output columns go to the other node
+    assert model.mp_fwd == pytest.approx(gather + exchange)
+    assert model.mp_bwd == pytest.approx(exchange + 10e-6 + 0.5 * 8 * 4000 * 1.5e-9)
+    first = layer_cost(replace(fc, first=True), 2, 2, 8, TOY)   # no input gradient to reduce
+    assert first.mp_bwd == pytest.approx(exchange) and first.bwd == pytest.approx(model.bwd / 2)
+    with pytest.raises(PcldnnError, match="group size 3 does not divide 4 nodes"):
+        layer_cost(fc, 3, 4, 8, TOY)
+
+
+def _cost(name, fwd, bwd, dp, group=1, mp=0.0):
+    return LayerCost(name, group, fwd, bwd, mp, mp, dp)
+
+
+def test_iteration_time_by_hand():
+    costs = [_cost("l0", 1, 1, 0.5), _cost("l1", 1, 1, 0.5), _cost("l2", 1, 1, 3)]  # bottom to top
+    # backward from the top: l2 done at 1, its 3 s of communication end at 4; l1's (released
+    # at 2) waits for the link and ends at 4.5, l0's at 5 > the backward's end (3)
+    assert iteration_time(costs, overlap=True) == pytest.approx(3 + 5)
+    assert iteration_time(costs, overlap=False) == pytest.approx(3 + 3 + 4)
+    small = [_cost("l0", 1, 1, 0.1), _cost("l1", 1, 1, 0.1), _cost("l2", 1, 1, 0.1)]
+    assert iteration_time(small, overlap=True) == pytest.approx(3 + 3 + 0.1)  # only the last one shows
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("p", [1, 4, 16, 1024])
+def test_simulation_equals_closed_form_when_data_parallel(p, overlap):
+    rng = random.Random(p)
+    costs = [_cost(f"l{i}", rng.uniform(0, 1), rng.uniform(0, 2), rng.uniform(0, 1.5)) for i in range(9)]
+    assert simulate(costs, p, overlap)["time"] == pytest.approx(iteration_time(costs, overlap), rel=1e-12)
+
+
+def test_simulation_adds_link_contention_and_stragglers():
+    # a model-parallel exchange at layer 1 has to wait for layer 2's part-reduce on the link:
+    # the closed form counts the exchange but not the wait
+    costs = [_cost("l0", 1, 1, 0.5), _cost("l1", 1, 1, 0, group=2, mp=0.5), _cost("l2", 1, 1, 3)]
+    closed = iteration_time(costs, True)
+    sim = simulate(costs, 4, True)
+    assert sim["time"] > closed
+    # forward ends at 3.5 (l1's exchange 2-2.5); l2's backward ends at 4.5 and its part-reduce
+    # holds the link until 7.5: only then can l1's backward exchange start. Closed form: 8.
+    assert closed == pytest.approx(8.0) and sim["time"] == pytest.approx(10.5)
+    assert ("model-parallel bwd l1", "comm", 7.5, 8.0) in sim["events"]
+    data = [_cost("l0", 1, 1, 0.2), _cost("l1", 1, 1, 0.2)]
+    base = simulate(data, 8, True)["time"]
+    assert simulate(data, 8, True, jitter=[1.0] * 7 + [1.5])["time"] == pytest.approx(base + 0.5 * 4)
+
+
+def test_choices_flip_where_the_algebra_says():
+    vgg = scaling.loads_of(load_netspec(NETS / "vgg_a.json").layers)
+    aws = scaling.PRESETS["aws-c4"]
+    small = scaling.plan(vgg, 16, 64, aws).modes()     # 4 images per node on 10 GbE
+    assert small["fc6"] != "data"                       # 411 MB of weights against 4 x 25088 activations
+    assert all(small[f"conv{i}"] == "data" for i in range(1, 9))
+    # a conv layer split by outputs would move far more than its weights
+    conv = next(l for l in vgg if l.name == "conv3")
+    assert layer_cost(conv, 16, 16, 64, aws).mp_fwd > layer_cost(conv, 1, 16, 64, aws).dp
+    # fc6 at a large per-node minibatch: its activations outweigh the weights -> data parallel
+    fc6 = next(l for l in vgg if l.name == "fc6")
+    big = scaling.plan([fc6], 2, 2 * 16384, aws).modes()
+    assert big["fc6"] == "data"
+    assert scaling.plan([fc6], 2, 16, aws).modes()["fc6"] == "model:2"
+
+
+def test_plan_speedup_and_minimum_minibatch():
+    vgg = scaling.loads_of(load_netspec(NETS / "vgg_a.json").layers)
+    aws = scaling.PRESETS["aws-c4"]
+    one, sixteen = scaling.plan(vgg, 1, 256, aws), scaling.plan(vgg, 16, 256, aws)
+    assert one.speedup == 1 and sixteen.time < one.time and 1 < sixteen.speedup <= 16
+    assert sixteen.images_per_s == pytest.approx(256 / sixteen.time)
+    b = scaling.min_batch_per_node(vgg, 16, aws, 0.95)
+    assert b is not None and b > 1
+    assert scaling.plan(vgg, 16, b * 16, aws).efficiency >= 0.95 > scaling.plan(vgg, 16, (b - 1) * 16, aws).efficiency
+    with pytest.raises(PcldnnError, match="global minibatch 8 is smaller than 16 nodes"):
+        scaling.plan(vgg, 16, 8, aws)
+
+
+@pytest.mark.parametrize("patch, message", [
+    ({"bandwidth_gbs": 0}, "bandwidth_gbs: must be a positive number"),
+    ({"efficiency": {"conv_fwd": 0.5}}, "efficiency: must be an object with exactly the keys"),
+    ({"algorithm": "tree"}, "algorithm: must be one of ring, rhd"),
+    ({"colour": 1}, "colour: unknown field"),
+])
+def test_bad_machine_files(tmp_path, patch, message):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({**scaling.PRESETS["cori-haswell"].to_json(), **patch}))
+    with pytest.raises(PcldnnError, match=message):
+        scaling.get_machine(str(path))
+
+
+def test_plan_cli(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(NETS / "vgg_a.json"), "--machine", "cori-haswell", "--nodes", "1,2,4,128",
+                 "--batch", "512", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "vgg_a on cori-haswell" in text and "fc6" in text
+    plans = json.loads(out.read_text())["plans"]
+    assert [p["nodes"] for p in plans] == [1, 2, 4, 128]
+    assert plans[0]["speedup"] == 1 and plans[-1]["speedup"] > plans[-2]["speedup"]
+    assert plans[-1]["simulated_time_s"] >= plans[-1]["time_s"] * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--machine", "cray-xc99", "--batch", "64"], "unknown machine 'cray-xc99'"),
+    (["--machine", "aws-c4", "--batch", "64", "--nodes", "0,2"], "node counts must be positive"),
+    (["--machine", "aws-c4", "--batch", "64", "--nodes", "two"], "use comma-separated node counts"),
+    (["--machine", "aws-c4", "--batch", "8", "--nodes", "1,16"], "--batch 8 is smaller than 16 nodes"),
+])
+def test_plan_cli_bad_input(args, message, capsys):
+    assert main(["plan", str(NETS / "vgg_a.json"), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
