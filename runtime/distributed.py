@@ -112,7 +112,7 @@ def layer_modes(net, parallel, p: int, batch: int) -> dict[str, int]:
         return modes
     if parallel == "auto":
         from . import scaling
-        chosen = scaling.plan(scaling.loads_of(net.layers.values()), p, batch, scaling.machine_from_env())
+        chosen = scaling.plan(scaling.loads_of(net.layers.values()), p, max(batch, p), scaling.machine_from_env())
         modes.update({c.layer: c.group for c in chosen.costs})
         return modes
     if not isinstance(parallel, dict):
@@ -258,7 +258,7 @@ class SyncSGD:
         self.p, self.rank = comm.size, comm.rank
         self.parallel = parallel
         check_same_net(net, comm)
-        layer_modes(net, parallel, self.p, 1)  # refuse a bad mapping before the first step
+        layer_modes(net, parallel, self.p, self.p)  # refuse a bad mapping or machine before the first step
         comm.Bcast(net.params, root=0)  # identical starting weights whatever each rank's seed
         net.seed = comm.bcast(net.seed, root=0)  # and the dropout masks one process would draw
         self.modes: dict[str, int] | None = None
