@@ -103,7 +103,7 @@ def _plan(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(plan.plans_json(net, machine, plans, simulated, minima, args.threshold),
                                               indent=1))
     if args.plot:
-        plan.plot_speedup(Path(args.plot), net, machine, plans)
+        plan.plot_speedup(Path(args.plot), net, machine, plans, simulated)
     if args.timeline:
         plan.plot_timeline(Path(args.timeline), net, machine, plans[-1], sims[-1])
     return 0

@@ -90,7 +90,7 @@ def format_table(spec: NetSpec, machine: scaling.Machine, plans: list[scaling.Pl
                  min_batches: list[int | None], threshold: float) -> str:
     m = machine
     lines = [f"{spec.name} on {m.name} ({m.nodes_note}): peak {m.peak_gflops:.0f} GFLOP/s per node, "
-             f"link {m.bandwidth_gbs:g} GB/s, latency {m.latency_us:g} us, {m.algorithm} collectives, "
+             f"link {m.bandwidth_gbs:.3g} GB/s, latency {m.latency_us:.3g} us, {m.algorithm} collectives, "
              f"{'overlapped' if m.overlap else 'no overlap'}; global minibatch {plans[0].batch}",
              "",
              f"{'nodes':>6} {'img/node':>8} {'iter ms':>9} {'simulated':>9} {'images/s':>9} {'speedup':>8} "
@@ -128,12 +128,14 @@ def _pyplot():
     return plt
 
 
-def plot_speedup(path: Path, spec: NetSpec, machine: scaling.Machine, plans: list[scaling.Plan]) -> None:
+def plot_speedup(path: Path, spec: NetSpec, machine: scaling.Machine, plans: list[scaling.Plan],
+                 simulated: list[float]) -> None:
     plt = _pyplot()
     nodes = [pl.nodes for pl in plans]
     fig, ax = plt.subplots(figsize=(5.5, 4))
     ax.plot(nodes, nodes, "k:", label="linear")
-    ax.plot(nodes, [pl.speedup for pl in plans], "o-", label=f"predicted, minibatch {plans[0].batch}")
+    ax.plot(nodes, [pl.speedup for pl in plans], "o-", label=f"closed form, minibatch {plans[0].batch}")
+    ax.plot(nodes, [pl.single / t for pl, t in zip(plans, simulated)], "x--", label="simulated (link contention)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xlabel("nodes")
