@@ -5,12 +5,12 @@ fields rather than guesses buried in templates.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from pcldnn_runtime import cpu
+from pcldnn_runtime.manifest import checked_fields, read_json
 
 from .errors import ArchError
 
@@ -99,22 +99,11 @@ def native_arch() -> Arch:
 
 
 def arch_from_file(path: Path) -> Arch:
-    try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise ArchError(f"{path}: cannot read: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise ArchError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
-    return arch_from_dict(data, str(path))
+    return arch_from_dict(read_json(path, ArchError), str(path))
 
 
 def arch_from_dict(data: Any, origin: str) -> Arch:
-    if not isinstance(data, dict):
-        raise ArchError(f"{origin}: (top level): must be an object")
-    known = {f.name: f for f in fields(Arch)}
-    for key in data:
-        if key not in known:
-            raise ArchError(f"{origin}: {key}: unknown field (allowed: {', '.join(known)})")
+    known = checked_fields(data, Arch, origin, ArchError)
     values: dict[str, Any] = {}
     for name, f in known.items():
         if name not in data:

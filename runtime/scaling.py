@@ -34,10 +34,11 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import PcldnnError
+from .manifest import checked_fields, read_json
 
 KINDS = ("conv_fwd", "conv_bwd_data", "conv_bwd_weights", "fc_fwd", "fc_bwd_data", "fc_bwd_weights")
 ALGORITHMS = ("ring", "rhd")
@@ -100,22 +101,11 @@ def get_machine(spec: str) -> Machine:
 
 
 def machine_from_file(path: Path) -> Machine:
-    try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise PcldnnError(f"{path}: cannot read: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise PcldnnError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
-    return machine_from_dict(data, str(path))
+    return machine_from_dict(read_json(path), str(path))
 
 
 def machine_from_dict(data, origin: str) -> Machine:
-    if not isinstance(data, dict):
-        raise PcldnnError(f"{origin}: (top level): must be an object")
-    known = {f.name: f for f in fields(Machine)}
-    for key in data:
-        if key not in known:
-            raise PcldnnError(f"{origin}: {key}: unknown field (allowed: {', '.join(known)})")
+    known = checked_fields(data, Machine, origin)
     optional = {"algorithm", "overlap", "source", "nodes_note"}
     for name in known:
         if name not in data and name not in optional:
@@ -397,7 +387,6 @@ def probe(comm) -> dict:
     import time
 
     import numpy as np
-    from mpi4py import MPI
 
     def median_time(fn, repeats: int) -> float:
         times = []
