@@ -155,3 +155,33 @@ def test_plan_cli_bad_input(args, message, capsys):
     assert main(["plan", str(NETS / "vgg_a.json"), *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_plan_local_machine_is_measured(tmp_path, capsys):
+    """`local`: the FMA peak of one thread, and alpha / beta from two ranks under mpiexec."""
+    import shutil
+    import sys
+    from pathlib import Path
+    if not (shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")):
+        pytest.skip("no mpiexec")
+    out = tmp_path / "local.json"
+    assert main(["plan", str(NETS / "cifar_small.json"), "--machine", "local", "--arch", "scalar",
+                 "--nodes", "1,2", "--batch", "16", "--json", str(out)]) == 0
+    m = json.loads(out.read_text())["machine"]
+    assert m["name"] == "local" and m["peak_gflops"] > 0.1
+    assert 0 < m["latency_us"] < 1e4 and m["bandwidth_gbs"] > 0.01 and m["memory_gbs"] > 0.1
+
+
+def test_local_efficiencies_from_a_bench_file(tmp_path):
+    from pcldnn_gen.plan import _bench_efficiency
+    spec = load_netspec(NETS / "cifar_small.json")
+    results = [{"layer": "conv1", "pass_name": "fwd", "peak_fraction": 0.5},
+               {"layer": "conv2", "pass_name": "fwd", "peak_fraction": 0.7},
+               {"layer": "conv3", "pass_name": "fwd", "peak_fraction": 0.9},
+               {"layer": "fc1", "pass_name": "bwd_data", "peak_fraction": 1.3}]  # noise above peak: capped
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps({"net": "cifar_small", "results": results}))
+    assert _bench_efficiency(path, spec) == {"conv_fwd": 0.7, "fc_bwd_data": 1.0}
+    path.write_text(json.dumps({"net": "vgg_a", "results": results}))
+    with pytest.raises(PcldnnError, match="bench results of net 'vgg_a', not 'cifar_small'"):
+        _bench_efficiency(path, spec)
