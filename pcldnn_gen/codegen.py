@@ -27,7 +27,6 @@ class VectorISA:
 
     type: str
     include: str
-    helpers: str          # C helper functions (the horizontal sum) for templates that use them
     _load: str
     _store: str
     _broadcast: str
@@ -35,7 +34,6 @@ class VectorISA:
     _max: str
     _set1: str
     _add: str
-    _hsum: str
     index_type: str       # a vector of int32 lane indices (kept as float bits in AVX registers)
     _argmax: str          # statement: where the value beats best, take it and its index
     _index_store: str
@@ -74,38 +72,22 @@ class VectorISA:
     def add(self, a: str, b: str) -> str:
         return self._add.format(a=a, b=b)
 
-    def hsum(self, a: str) -> str:
-        """The sum of a vector's lanes, as a float."""
-        return self._hsum.format(a=a)
-
-
-_AVX2_HSUM = """
-/* Sum of the 8 lanes of a vector. */
-static inline float hsum256(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}"""
 
 VECTOR_ISAS: dict[str, VectorISA] = {
-    "avx2": VectorISA("__m256", "immintrin.h", _AVX2_HSUM, "_mm256_loadu_ps({a})", "_mm256_storeu_ps({a}, {v})",
+    "avx2": VectorISA("__m256", "immintrin.h", "_mm256_loadu_ps({a})", "_mm256_storeu_ps({a}, {v})",
                       "_mm256_broadcast_ss({a})", "_mm256_fmadd_ps({a}, {b}, {c})",
-                      "_mm256_max_ps({a}, {b})", "_mm256_set1_ps({v})", "_mm256_add_ps({a}, {b})", "hsum256({a})",
-                      "__m256",
+                      "_mm256_max_ps({a}, {b})", "_mm256_set1_ps({v})", "_mm256_add_ps({a}, {b})", "__m256",
                       "{{ const __m256 gt = _mm256_cmp_ps({v}, {b}, _CMP_GT_OQ); {b} = _mm256_blendv_ps({b}, {v}, gt); "
                       "{w} = _mm256_blendv_ps({w}, _mm256_castsi256_ps(_mm256_set1_epi32({p})), gt); }}",
                       "_mm256_storeu_ps((float *)({a}), {v})"),
-    "avx512": VectorISA("__m512", "immintrin.h", "", "_mm512_loadu_ps({a})", "_mm512_storeu_ps({a}, {v})",
+    "avx512": VectorISA("__m512", "immintrin.h", "_mm512_loadu_ps({a})", "_mm512_storeu_ps({a}, {v})",
                         "_mm512_set1_ps(*({a}))", "_mm512_fmadd_ps({a}, {b}, {c})",
-                        "_mm512_max_ps({a}, {b})", "_mm512_set1_ps({v})", "_mm512_add_ps({a}, {b})",
-                        "_mm512_reduce_add_ps({a})", "__m512",
+                        "_mm512_max_ps({a}, {b})", "_mm512_set1_ps({v})", "_mm512_add_ps({a}, {b})", "__m512",
                         "{{ const __mmask16 gt = _mm512_cmp_ps_mask({v}, {b}, _CMP_GT_OQ); {b} = _mm512_mask_blend_ps(gt, {b}, {v}); "
                         "{w} = _mm512_mask_blend_ps(gt, {w}, _mm512_castsi512_ps(_mm512_set1_epi32({p}))); }}",
                         "_mm512_storeu_ps((float *)({a}), {v})"),
-    "scalar": VectorISA("float", "", "", "*({a})", "*({a}) = {v}", "*({a})", "{c} + {a} * {b}",
-                        "fmaxf({a}, {b})", "({v})", "{a} + {b}", "({a})", "int",
+    "scalar": VectorISA("float", "", "*({a})", "*({a}) = {v}", "*({a})", "{c} + {a} * {b}",
+                        "fmaxf({a}, {b})", "({v})", "{a} + {b}", "int",
                         "if ({v} > {b}) {{ {b} = {v}; {w} = {p}; }}", "*({a}) = {v}"),
 }
 

@@ -51,8 +51,8 @@ MIN_BLOCK_COLUMNS = 32
 # Concurrent sequential streams the hardware prefetchers follow (Intel's L2 streamer tracks
 # 32). Kernels whose reduction walks across rows of a large matrix chunk the reduction so that
 # no more rows than this are live. Measured on VGG-A fc6 backward-data (AVX2, minibatch 64,
-# one thread, interleaved runs): 589 ms unchunked (512 rows), 602 ms with chunks of 4 (the
-# horizontal sums dominate), 366 with 16, 317 with 32, 322 with 64.
+# one thread, interleaved runs, the kernel's earlier dot-product form): 589 ms unchunked (512
+# rows), 602 ms with chunks of 4, 366 with 16, 317 with 32, 322 with 64.
 PREFETCH_STREAMS = 32
 
 # The minibatch is a run-time argument of the fc kernels; cache blocks along K are sized for
@@ -69,13 +69,10 @@ class RegisterTile:
     efficiency: float   # fraction of FMA peak this tile alone can reach
 
     @staticmethod
-    def evaluate(width: int, vectors: int, arch: Arch, broadcast: bool = True) -> "RegisterTile":
-        """`broadcast`: the width side is read as broadcasts (False: a dot-product tile whose
-        both sides are vector loads)."""
+    def evaluate(width: int, vectors: int, arch: Arch) -> "RegisterTile":
         fmas = width * vectors
         loads = width + vectors
-        load_cycles = (vectors / arch.load_ports + width / arch.broadcasts_per_cycle if broadcast
-                       else loads / arch.load_ports)
+        load_cycles = vectors / arch.load_ports + width / arch.broadcasts_per_cycle
         cycles = max(fmas / arch.fma_units, load_cycles, LATENCY_HEADROOM * arch.fma_latency)
         return RegisterTile(width, vectors, fmas + min(width, vectors) + 1, loads / fmas,
                             (fmas / arch.fma_units) / cycles)
@@ -160,14 +157,14 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch) -> KernelPlan:
                       reason=_MEMORY_BOUND[kind] + "; memory-bound, no register tile to choose")
 
 
-def _candidates(width_choices, vector_choices: list[int], arch: Arch, broadcast: bool = True) -> list[RegisterTile]:
+def _candidates(width_choices, vector_choices: list[int], arch: Arch) -> list[RegisterTile]:
     if isinstance(width_choices, int):
         width_choices = range(1, width_choices + 1)
     tiles = []
     for vectors in vector_choices:
         for width in width_choices:
             if width * vectors + min(width, vectors) + 1 <= arch.vector_registers:
-                tiles.append(RegisterTile.evaluate(width, vectors, arch, broadcast))
+                tiles.append(RegisterTile.evaluate(width, vectors, arch))
     if not tiles:
         raise PlanError(f"{arch.name}: {arch.vector_registers} vector registers cannot hold any register tile")
     return tiles
@@ -493,26 +490,27 @@ def _fc_k(layer: LayerSpec, v: int) -> int:
 def _plan_fc_bwd_data(layer: LayerSpec, arch: Arch) -> KernelPlan:
     v = arch.vector_floats
     k, ocb = _fc_k(layer, v), blocks(layer.out_shape[0], v)
-    scored = _best(_candidates(arch.vector_registers, _divisors(k, arch.vector_registers), arch, broadcast=False))
+    # Tile: minibatch rows (broadcasts of dy) x vectors of consecutive input features; the
+    # vector count divides K / V so that K blocks hold whole tiles.
+    scored = _best(_candidates(arch.vector_registers, _divisors(k // v, arch.vector_registers), arch))
     tile = scored[0]
     chunk = min(ocb, PREFETCH_STREAMS)
-    # K block: the slice of W one chunk covers (chunk rows x kb features x V) stays in a
+    tile_k = tile.vectors * v
+    # K block: the transposed slice of W one chunk covers (chunk x V features x kb) stays in a
     # quarter of L2 while every minibatch row tile passes over it; within the block a row
-    # tile's dy (rows x chunk vectors) stays in L1 across the k tiles. Without it dy is
-    # re-read from L2 for every k tile, ~1 byte per FLOP: L2-bound at minibatch 256.
-    kb = max(tile.vectors, min(k, (arch.l2_bytes // 4) // (chunk * v * 4) // tile.vectors * tile.vectors))
+    # tile's dy (rows x chunk x V floats) stays in L1 across the k tiles.
+    kb = max(tile_k, min(k, (arch.l2_bytes // 4) // (chunk * v * 4) // tile_k * tile_k))
     reason = (
-        f"GEMM dX = dY . W read in W's own packed layout (OC/V, K, V): dot-product form, "
-        f"{_tile_sentence(tile, arch, 'minibatch rows', 'input features')}, each accumulator a vector over "
-        f"V output features, summed horizontally into dX after each chunk of {chunk}/{ocb} output-feature "
-        f"blocks -> {tile.efficiency:.0%} of peak predicted before the horizontal sums; no transposed copy of W: "
-        f"per K block of {kb} features a thread packs the chunk's W slice into a contiguous panel "
-        f"({chunk * kb * v * 4 // 1024} KiB, within a quarter of L2) that every row tile reuses"
+        f"GEMM dX = dY . W: {_tile_sentence(tile, arch, 'minibatch rows', 'input-feature vectors')}; "
+        f"broadcasts of dY times W transposed, reduced over chunks of {chunk}/{ocb} output-feature blocks -> "
+        f"{tile.efficiency:.0%} of peak predicted; per K block of {kb} features a thread transposes the chunk's "
+        f"W slice into a contiguous panel ({chunk * v * kb * 4 // 1024} KiB, within a quarter of L2) that "
+        f"every row tile reuses"
     )
     return KernelPlan(layer.name, "bwd_data", "fc_bwd_data", arch.isa, v, tile,
                       remainders=tuple(range(tile.width - 1, 0, -1)), chunk=chunk, chunk_unit="output-feature blocks",
                       predicted_efficiency=tile.efficiency, l1_working_set=tile.width * v * chunk * 4,
-                      l2_bytes_per_flop=(tile.width + tile.vectors) * 4 / (2 * tile.width * tile.vectors * v),
+                      l2_bytes_per_flop=(tile.width + tile.vectors * v) * 4 / (2 * tile.width * tile.vectors * v),
                       reason=reason, geometry={"k_block": kb}, rejected=tuple(scored[1:6]))
 
 
