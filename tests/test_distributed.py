@@ -154,16 +154,21 @@ def test_mismatched_builds_are_refused(build_dir, tmp_path):
     assert "rank 1: net" in proc.stdout
 
 
-@pytest.mark.parametrize("parallel", ["data", MODEL_FC])
-def test_checkpoint_from_two_ranks_resumes_on_one_and_three(build_dir, tmp_path, parallel):
-    """Model parallel: each rank holds only its slice of fc1/fc2 and of their momentum; the
-    checkpoint must gather both, and a job of another size must split them its own way."""
+@pytest.mark.parametrize("p_save, parallel, p_resume, parallel_resume", [
+    (2, "data", (1, 3), "data"),
+    (2, MODEL_FC, (1, 3), MODEL_FC),
+    (4, {"fc*": "model:2"}, (2,), {"fc*": "model"}),   # hybrid: slices of slices, resumed model parallel
+])
+def test_checkpoint_resumes_on_other_rank_counts(build_dir, tmp_path, p_save, parallel, p_resume, parallel_resume):
+    """Model parallel: each rank holds only its slice of fc1/fc2 and of their momentum (hybrid:
+    a part of that slice); the checkpoint must gather both, and a job of another size must
+    split them its own way."""
     cfg = _cfg(build_dir, tmp_path, steps=4, steps_total=8, save=str(tmp_path / "ck.npz"), parallel=parallel)
-    mpirun(2, "train", cfg)
+    mpirun(p_save, "train", cfg)
     finals = []
-    for p in (1, 3):
+    for p in p_resume:
         out = str(tmp_path / f"resumed{p}.npz")
-        mpirun(p, "train", dict(cfg, steps=8, save=None, resume=cfg["save"], out=out))
+        mpirun(p, "train", dict(cfg, steps=8, save=None, resume=cfg["save"], out=out, parallel=parallel_resume))
         finals.append(np.load(out)["params"])
     want, _ = single_rank_reference(build_dir, dict(cfg, steps=8))
     moved = np.abs(want - pr.load(build_dir, threads=1, seed=cfg["seed"]).params).max()
