@@ -162,6 +162,8 @@ class _ModelParallelFC:
         self.parts = [(int(counts[:r].sum()), int(counts[:r + 1].sum())) for r in range(gcomm.size)]
         self.lo, self.hi = self.parts[gcomm.rank]
         self.k = int(np.prod(layer.blocked_shape(layer.in_shape, 1)))
+        # (start in the flat buffers, floats per output block) of the weights and of the bias
+        self.spans = ((layer._wt_offset, int(np.prod(layer._wt.shape[1:]))), (layer._bias_offset, v))
         self.rows: list[int] = []      # this step's shard sizes of the group's members
         self.bufs: dict[int, dict] = {}  # by group minibatch
 
@@ -223,16 +225,12 @@ class _ModelParallelFC:
 
     def owned_ranges(self) -> list[tuple[int, int]]:
         """[start, stop) in the flat parameter buffer of the owned weight rows and bias."""
-        w0, wshape = self.layer._wt_offset, self.layer._wt.shape
-        per_block = int(np.prod(wshape[1:]))
-        b0 = self.layer._bias_offset
-        return [(w0 + self.lo * per_block, w0 + self.hi * per_block), (b0 + self.lo * self.v, b0 + self.hi * self.v)]
+        return [(base + self.lo * unit, base + self.hi * unit) for base, unit in self.spans]
 
     def complete(self, buf: np.ndarray) -> None:
         """Gather every member's owned rows of `buf` (params or velocity): the layer is then
         whole on every rank of the group."""
-        w0, per_block, b0 = self.layer._wt_offset, int(np.prod(self.layer._wt.shape[1:])), self.layer._bias_offset
-        for base, unit in ((w0, per_block), (b0, self.v)):
+        for base, unit in self.spans:
             counts = [(hi - lo) * unit for lo, hi in self.parts]
             whole = buf[base:base + self.ocb * unit]
             self.comm.Allgatherv(self.sgd.MPI.IN_PLACE, [whole, (counts, _displs(counts)), self.sgd.MPI.FLOAT])
