@@ -272,7 +272,6 @@ class DropoutLayer(Layer):
     adding offset x G to the seed is the same as adding offset to i), and p ranks draw exactly
     the masks one process draws for the whole minibatch."""
 
-
     def __init__(self, spec: dict, kernels: dict[str, Callable], v: int, net):
         super().__init__(spec, kernels, v, net)
         self.rate: float = spec["rate"]
