@@ -61,11 +61,19 @@ def abort_on_exception(comm) -> None:
     """An uncaught exception on any rank prints that rank's traceback and aborts the whole job
     (the other ranks would otherwise wait forever in the next collective)."""
     def hook(kind, value, tb):
-        sys.stderr.write(f"[rank {comm.rank}] uncaught {kind.__name__}: {value}\n")
-        traceback.print_exception(kind, value, tb, file=sys.stderr)
-        sys.stderr.flush()
-        comm.Abort(1)
+        text = "".join(traceback.format_exception(kind, value, tb))
+        _abort(comm, f"[rank {comm.rank}] uncaught {kind.__name__}: {value}\n{text}", 1)
     sys.excepthook = hook
+
+
+def _abort(comm, message: str, code: int) -> None:
+    """Print `message` on this rank's stderr and end the whole job. The message goes straight
+    to the file descriptor, and the launcher gets a moment to forward it before MPI_Abort
+    kills every rank (under load, hydra lost it otherwise)."""
+    sys.stderr.flush()
+    os.write(2, message.encode())
+    time.sleep(0.5)
+    comm.Abort(code)
 
 
 class _Watchdog:
@@ -89,10 +97,8 @@ class _Watchdog:
             with self._lock:
                 what = self._what
             if what and time.monotonic() - what[1] > self.timeout:
-                sys.stderr.write(f"[rank {self.comm.rank}] pcldnn watchdog: {what[0]} has waited more than "
-                                 f"{self.timeout:g} s; aborting the job\n")
-                sys.stderr.flush()
-                self.comm.Abort(3)
+                _abort(self.comm, f"[rank {self.comm.rank}] pcldnn watchdog: {what[0]} has waited more than "
+                                  f"{self.timeout:g} s; aborting the job\n", 3)
 
 
 def layer_modes(net, parallel, p: int, batch: int) -> dict[str, int]:
