@@ -79,13 +79,6 @@ def _bench_efficiency(path: Path, spec: NetSpec) -> dict:
     return {k: statistics.median(v) for k, v in kinds.items() if k in scaling.KINDS}
 
 
-def plan_nodes(spec: NetSpec, machine: scaling.Machine, nodes: list[int], batch: int) -> list[scaling.Plan]:
-    loads = scaling.loads_of(spec.layers)
-    if not loads:
-        raise PcldnnError(f"net {spec.name} has no conv or fc layer to plan")
-    return [scaling.plan(loads, p, batch, machine) for p in nodes]
-
-
 def format_table(spec: NetSpec, machine: scaling.Machine, plans: list[scaling.Plan], simulated: list[float],
                  min_batches: list[int | None], threshold: float) -> str:
     m = machine
@@ -177,9 +170,11 @@ def run(spec: NetSpec, machine: scaling.Machine, nodes: list[int], batch: int, t
         raise PcldnnError(f"--batch {batch} is smaller than {max(nodes)} nodes: a node would get no images")
     if not 0 < threshold <= 1:
         raise PcldnnError(f"--threshold must be in (0, 1], got {threshold}")
-    plans = plan_nodes(spec, machine, nodes, batch)
-    sims = [scaling.simulate(pl.costs, pl.nodes, machine.overlap) for pl in plans]
     loads = scaling.loads_of(spec.layers)
+    if not loads:
+        raise PcldnnError(f"net {spec.name} has no conv or fc layer to plan")
+    plans = [scaling.plan(loads, p, batch, machine) for p in nodes]
+    sims = [scaling.simulate(pl.costs, pl.nodes, machine.overlap) for pl in plans]
     minima = [scaling.min_batch_per_node(loads, p, machine, threshold) for p in nodes]
     return plans, [s["time"] for s in sims], minima, sims
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import PcldnnError
@@ -258,7 +258,6 @@ class Plan:
     costs: list[LayerCost]
     time: float          # predicted seconds per iteration
     single: float        # one node, same global minibatch
-    machine: Machine = field(repr=False)
 
     @property
     def images_per_s(self) -> float:
@@ -304,7 +303,7 @@ def plan(loads: list[LayerLoad], p: int, batch: int, m: Machine) -> Plan:
         if not changed:
             break
     single = iteration_time([layer_cost(load, 1, 1, batch, m) for load in loads], m.overlap)
-    return Plan(p, batch, chosen, best, single, m)
+    return Plan(p, batch, chosen, best, single)
 
 
 def min_batch_per_node(loads: list[LayerLoad], p: int, m: Machine, threshold: float, limit: int = 4096) -> int | None:

@@ -54,7 +54,8 @@ def test_every_tile_fits_the_register_file(isa, net_file):
             assert plan.geometry["rem_n"] == ocb % t.vectors and t.vectors <= ocb and 1 <= plan.chunk <= k
         elif plan.kind == "fc_bwd_data":
             kb = plan.geometry["k_block"]
-            assert k % t.vectors == 0 and kb % t.vectors == 0 and t.vectors <= kb <= k
+            tile_k = t.vectors * v  # input features per tile: vectors of V consecutive k
+            assert k % tile_k == 0 and kb % tile_k == 0 and tile_k <= kb <= k
         elif plan.kind == "fc_bwd_weights":
             # narrower last panel / vector group instead of divisibility; dy slice within half of L1
             assert plan.geometry == {"rem_k": k % t.width, "rem_n": ocb % t.vectors}
