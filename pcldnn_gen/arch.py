@@ -17,7 +17,7 @@ from .errors import ArchError
 # ISAs whose kernels the code generator emits.
 GENERATED_ISAS = ("scalar", "avx2", "avx512")
 # Arch fields that are measured rates (fractional); every other numeric field is a count.
-RATE_FIELDS = ("broadcasts_per_cycle",)
+RATE_FIELDS = ("broadcasts_per_cycle", "l1_refill_cycles")
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,12 @@ class Arch:
     # here (Sapphire-Rapids-class VM): 100 GB/s reading a 1 MiB buffer at ~3 GHz = 34 B/cycle;
     # Haswell through Ice Lake sustain 25-40.
     l2_bytes_per_cycle: int = 32
+    # Core cycles one 64-byte L1 refill from L2 costs a kernel beyond its instructions: the
+    # L2 latency the out-of-order window and the prefetchers do not hide. Calibrated on VGG-A
+    # conv5 forward (AVX2, one thread): llvm-mca puts its instruction stream at 93% of the FMA
+    # peak, it ran at 76% with 29 simulated L1 misses per 1000 FMAs (`benchmarks/kernel_profile.py`),
+    # i.e. ~4 cycles per refill. It prices L2 -> L1 traffic where bandwidth alone would not.
+    l1_refill_cycles: float = 4.0
 
     @property
     def vector_floats(self) -> int:
@@ -95,6 +101,7 @@ def native_arch() -> Arch:
         l3_bytes=caches.get(3, base.l3_bytes), cores=cpu.usable_cores(), cflags=base.cflags,
         fma_latency=base.fma_latency, load_ports=base.load_ports,
         broadcasts_per_cycle=base.broadcasts_per_cycle, l2_bytes_per_cycle=base.l2_bytes_per_cycle,
+        l1_refill_cycles=base.l1_refill_cycles,
     )
 
 

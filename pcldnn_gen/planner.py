@@ -101,11 +101,12 @@ class KernelPlan:
     reason: str = ""
     geometry: dict = field(default_factory=dict, compare=False)  # edge tables the template emits as constants
     scratch_floats: int = 0         # scratch the runtime passes in (conv bwd_data: transposed weights)
+    rows: int = 1                   # conv fwd: output rows that share one chunk's weight slice in L1
     rejected: tuple[RegisterTile, ...] = field(default=(), compare=False)
 
     def to_json(self) -> dict:
         d = {k: getattr(self, k) for k in (
-            "layer", "pass_name", "kind", "isa", "vector_floats", "chunk", "chunk_unit",
+            "layer", "pass_name", "kind", "isa", "vector_floats", "chunk", "chunk_unit", "rows",
             "ow_lo", "ow_hi", "l1_working_set", "scratch_floats", "reason")}
         d["remainders"] = list(self.remainders)
         d["tile"] = None if self.tile is None else {
@@ -233,6 +234,57 @@ def _conv_row_plan(layer: LayerSpec, tile: RegisterTile, ow_lo: int, ow_hi: int,
     return (work / cycles if work else 1.0), geometry  # a row of pure padding has nothing to compute
 
 
+# Share of L1 a conv forward block (weight slice, input rows, partial sums) may fill; the rest
+# absorbs conflict misses between its streams.
+L1_BUDGET = 0.75
+
+
+@dataclass(frozen=True)
+class ConvFwdBlocking:
+    chunk: int                  # input-channel blocks per reduction chunk
+    rows: int                   # output rows per pass over a chunk
+    weight_bytes: int           # the chunk's weight slice for one oc-vector group
+    input_bytes: int            # the input rows those output rows read, chunk's channels
+    partial_bytes: int          # the rows' partial sums
+    l2_bytes_per_flop: float    # L2 -> L1 traffic of a row block, all chunks
+    overhead: float             # instructions beyond the FMA stream: accumulators in and out per chunk
+    refill_cycles_per_flop: float
+
+    @property
+    def working_set(self) -> int:
+        return self.weight_bytes + self.input_bytes + self.partial_bytes
+
+
+def _conv_fwd_blocking(layer: LayerSpec, tile: RegisterTile, slice_bytes: int, lanes: int,
+                       arch: Arch) -> ConvFwdBlocking:
+    """Reduction chunk and output-row block for conv forward: the pair whose working set fits
+    L1_BUDGET of L1 and costs the fewest cycles per FLOP, counting the L2 -> L1 refills
+    (the weight slice once per row block, each input row once per row block, the partial sums
+    once) and the accumulator loads and stores every chunk adds to every tile."""
+    v = arch.vector_floats
+    ic, ih, iw = layer.in_shape
+    oc, oh, ow = layer.out_shape
+    kh, kw = layer.kernel
+    icb = blocks(ic, v)
+    row_flops = 2 * ow * tile.vectors * v * icb * lanes * kh * kw
+    best = None
+    for chunk in range(1, icb + 1):
+        for rows in range(1, oh + 1):
+            rows_in = min(ih, (rows - 1) * layer.stride[0] + kh)
+            weights, inputs = chunk * slice_bytes, chunk * rows_in * iw * v * 4
+            partials = rows * ow * tile.vectors * v * 4
+            if weights + inputs + partials > L1_BUDGET * arch.l1d_bytes and (chunk, rows) != (1, 1):
+                break  # more rows only grow the working set
+            traffic = icb * slice_bytes + icb * rows_in * iw * v * 4 + 2 * partials
+            bpf = traffic / (rows * row_flops)
+            overhead = 1 + 2 / (chunk * lanes * kh * kw)
+            refill = bpf / 64 * arch.l1_refill_cycles
+            cost = overhead / (2 * v * arch.fma_units) + refill
+            if best is None or cost < best[0] - 1e-12:
+                best = (cost, ConvFwdBlocking(chunk, rows, weights, inputs, partials, bpf, overhead, refill))
+    return best[1]
+
+
 def _plan_conv_fwd(layer: LayerSpec, arch: Arch) -> KernelPlan:
     v = arch.vector_floats
     ic, ih, iw = layer.in_shape
@@ -253,21 +305,14 @@ def _plan_conv_fwd(layer: LayerSpec, arch: Arch) -> KernelPlan:
     for tile in _candidates(max(1, min(ow, arch.vector_registers)), _divisors(ocb, WEIGHT_STREAMS), arch):
         row_eff, geometry = _conv_row_plan(layer, tile, ow_lo, ow_hi, arch)
         slice_bytes = tile.vectors * v * lanes * kh * kw * 4
-        ifb = max(1, min(icb, (arch.l1d_bytes // 2) // slice_bytes))
-        # L2 -> L1 traffic per output row of one oc-vector group, against its FLOPs: the
-        # weights once per row while an ifm block of them fits half of L1, else once per tile;
-        # each input row once; partial sums in and out once per ifm block.
-        tiles_row = -(-ow // tile.width)
-        flops_row = 2 * ow * tile.vectors * v * icb * lanes * kh * kw
-        weights_row = icb * slice_bytes * (1 if ifb * slice_bytes <= arch.l1d_bytes // 2 else tiles_row)
-        inputs_row = icb * kh * iw * v * 4
-        partials_row = 2 * math.ceil(icb / ifb) * ow * tile.vectors * v * 4
-        l2_bpf = (weights_row + inputs_row + partials_row) / flops_row
-        # Roofline: the row cannot run faster than L2 delivers its bytes.
-        eff = min(row_eff, arch.l2_bytes_per_cycle / (l2_bpf * peak_flops_per_cycle))
-        scored.append((eff, tile.width * tile.vectors, -tile.registers, -l2_bpf, tile, geometry, ifb, slice_bytes, l2_bpf))
-    scored.sort(key=lambda s: s[:4], reverse=True)
-    eff, _, _, _, tile, geometry, ifb, slice_bytes, l2_bpf = scored[0]
+        blocking = _conv_fwd_blocking(layer, tile, slice_bytes, lanes, arch)
+        eff = row_eff / (blocking.overhead + row_eff * blocking.refill_cycles_per_flop * peak_flops_per_cycle)
+        # Roofline: the rows cannot run faster than L2 delivers their bytes.
+        eff = min(eff, arch.l2_bytes_per_cycle / (blocking.l2_bytes_per_flop * peak_flops_per_cycle))
+        scored.append((eff, tile.width * tile.vectors, -tile.registers, tile, geometry, slice_bytes, blocking))
+    scored.sort(key=lambda s: s[:3], reverse=True)
+    eff, _, _, tile, geometry, slice_bytes, blocking = scored[0]
+    ifb, rows, l2_bpf = blocking.chunk, blocking.rows, blocking.l2_bytes_per_flop
     rem = geometry["rem"]
 
     reason = (
@@ -282,15 +327,18 @@ def _plan_conv_fwd(layer: LayerSpec, arch: Arch) -> KernelPlan:
             + ([f"1 of {rem}"] if rem else [])
             + ([f"right edge tile of {tile.width}"] if geometry["right"] else [])
             + ([f"{geometry['border_px']} border px"] if geometry["border_px"] else []))
-        + f" -> {eff:.0%} of peak predicted ({l2_bpf:.3f} B/FLOP from L2 against "
-        f"{arch.l2_bytes_per_cycle / peak_flops_per_cycle:.2f} deliverable); ifm block {ifb}/{icb} channel blocks: "
-        f"{ifb * slice_bytes // 1024} KiB weight slice"
-        + (" within" if ifb * slice_bytes <= arch.l1d_bytes // 2 else " (does not fit) against")
-        + f" half of L1 ({arch.l1d_bytes // 1024} KiB)"
+        + f" ({_conv_row_plan(layer, tile, ow_lo, ow_hi, arch)[0]:.0%} of the tile's peak)"
+        + f"; ifm block {ifb}/{icb} channel blocks x {rows} output row{'s' if rows > 1 else ''}: "
+        f"{ifb * slice_bytes // 1024} KiB weight slice + {blocking.input_bytes // 1024} KiB input rows "
+        f"+ {blocking.partial_bytes // 1024} KiB partial sums = {blocking.working_set // 1024} KiB"
+        + (" within" if blocking.working_set <= L1_BUDGET * arch.l1d_bytes else " (does not fit) against")
+        + f" 3/4 of L1 ({arch.l1d_bytes // 1024} KiB), the weights read from L2 once per {rows} row"
+        + f"{'s' if rows > 1 else ''} ({l2_bpf:.3f} B/FLOP at {arch.l1_refill_cycles:g} cycles per 64 B refill) "
+        f"-> {eff:.0%} of peak predicted"
     )
     return KernelPlan(layer.name, "fwd", "conv_fwd", arch.isa, v, tile, (rem,) if rem else (), ifb,
-                      "input-channel blocks", ow_lo, ow_hi, eff, ifb * slice_bytes, l2_bpf, reason,
-                      geometry=geometry, rejected=tuple(s[4] for s in scored[1:6]))
+                      "input-channel blocks", ow_lo, ow_hi, eff, blocking.working_set, l2_bpf, reason, rows=rows,
+                      geometry=geometry, rejected=tuple(s[3] for s in scored[1:6]))
 
 
 def _plan_fc_fwd(layer: LayerSpec, arch: Arch) -> KernelPlan:

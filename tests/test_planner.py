@@ -9,7 +9,7 @@ from conftest import NETS
 from pcldnn_gen.arch import PRESETS
 from pcldnn_gen.build import plan_net
 from pcldnn_gen.netspec import load_netspec, parse_netspec
-from pcldnn_gen.planner import LATENCY_HEADROOM, LAYER_PASSES, RegisterTile, blocks, plan_layer
+from pcldnn_gen.planner import L1_BUDGET, LATENCY_HEADROOM, LAYER_PASSES, RegisterTile, blocks, plan_layer
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512", "scalar"])
@@ -35,7 +35,7 @@ def test_every_tile_fits_the_register_file(isa, net_file):
         if plan.kind == "conv_fwd":
             assert ocb % t.vectors == 0
             _check_conv_row(layer, plan)
-            assert plan.l1_working_set <= arch.l1d_bytes // 2 or plan.chunk == 1
+            _check_conv_fwd_blocks(layer, plan, arch)
         elif plan.kind == "conv_bwd_data":
             assert icb % t.vectors == 0
             phases = plan.geometry["phases"]
@@ -61,6 +61,22 @@ def test_every_tile_fits_the_register_file(isa, net_file):
             assert plan.geometry == {"rem_k": k % t.width, "rem_n": ocb % t.vectors}
             assert t.vectors == 1 or plan.l1_working_set <= arch.l1d_bytes // 2
             assert t.width <= plan.chunk <= k
+
+
+def _check_conv_fwd_blocks(layer, plan, arch):
+    """The chunk x row block's working set, recomputed from the layer: the weight slice of the
+    chunk, the input rows the block's output rows read (clipped to the input), and the rows'
+    partial sums; it fits L1_BUDGET of L1 unless nothing smaller exists."""
+    v, t = arch.vector_floats, plan.tile
+    ic, ih, iw = layer.in_shape
+    kh, kw = layer.kernel
+    lanes = ic if blocks(ic, v) == 1 else v
+    assert 1 <= plan.chunk <= blocks(ic, v) and 1 <= plan.rows <= layer.out_shape[1]
+    weights = plan.chunk * t.vectors * v * lanes * kh * kw * 4
+    inputs = plan.chunk * min(ih, (plan.rows - 1) * layer.stride[0] + kh) * iw * v * 4
+    partials = plan.rows * layer.out_shape[2] * t.vectors * v * 4
+    assert plan.l1_working_set == weights + inputs + partials
+    assert plan.l1_working_set <= L1_BUDGET * arch.l1d_bytes or (plan.chunk, plan.rows) == (1, 1)
 
 
 def _check_bwd_data_phase(layer, p, w):
@@ -133,6 +149,20 @@ def test_conv_interior_geometry():
     assert "register tile" in plan.reason and "of peak predicted" in plan.reason
 
 
+def test_conv_fwd_reuses_a_weight_chunk_over_several_rows():
+    """VGG-A conv5 (28x28, 256 -> 512): one weight chunk serves several output rows from L1,
+    which cuts the L2 -> L1 traffic below what one row per chunk costs (the weights of a
+    row's oc group once per row, 3 input rows, partial sums in and out)."""
+    arch = PRESETS["avx2"]
+    plan = plan_net(load_netspec(NETS / "vgg_a.json"), arch)[("conv5", "fwd")]
+    v, t = arch.vector_floats, plan.tile
+    assert plan.rows > 1
+    row_flops = 2 * 28 * t.vectors * v * 256 * 9
+    one_row = (32 * t.vectors * v * v * 9 * 4 + 32 * 3 * 28 * v * 4 + 2 * 28 * t.vectors * v * 4) / row_flops
+    assert plan.l2_bytes_per_flop < 0.6 * one_row
+    assert f"x {plan.rows} output rows" in plan.reason
+
+
 @settings(max_examples=300, deadline=None)
 @given(isa=st.sampled_from(["avx2", "avx512", "scalar"]), c=st.integers(1, 600), oc=st.integers(1, 600),
        h=st.integers(1, 60), w=st.integers(1, 60), k=st.integers(1, 11), s=st.integers(1, 4), p=st.integers(0, 3))
@@ -163,3 +193,4 @@ def test_any_conv_plan_is_consistent(isa, c, oc, h, w, k, s, p):
     for col in list(range(plan.ow_lo)) + list(range(plan.ow_hi, ow)):
         assert col * s - p < 0 or col * s - p + k > w
     assert 1 <= plan.chunk <= blocks(c, arch.vector_floats)
+    _check_conv_fwd_blocks(layer, plan, arch)
