@@ -194,18 +194,25 @@ def callgrind_counts(cmd: list[str], l1: int, l2: int, out: Path) -> tuple[list[
     subprocess.run(["valgrind", "--tool=callgrind", "--cache-sim=yes", f"--D1={cache(l1)}", f"--LL={cache(l2)}",
                     "--I1=32768,8,64", "--dump-instr=yes", "--dump-line=no", "--compress-strings=no",
                     "--compress-pos=no", f"--callgrind-out-file={out}", *cmd], check=True, capture_output=True)
+    return parse_callgrind(out.read_text())
+
+
+def parse_callgrind(text: str) -> tuple[list[str], dict[str, dict[int, list[int]]]]:
+    """Self cost per function and instruction address from callgrind's uncompressed output
+    (--dump-instr=yes --dump-line=no --compress-strings=no --compress-pos=no). A `calls=` line
+    is followed by the callee's inclusive cost at the call site: not the caller's own."""
     events: list[str] = []
     costs: dict[str, dict[int, list[int]]] = {}
     fn = None
     skip_next = False
-    for line in out.read_text().splitlines():
+    for line in text.splitlines():
         if line.startswith("events:"):
             events = line.split()[1:]
         elif line.startswith("fn="):
             fn = line[3:]
             costs.setdefault(fn, {})
         elif line.startswith("calls="):
-            skip_next = True   # the next cost line is the callee's inclusive cost
+            skip_next = True
         elif line[:2] == "0x" and fn is not None:
             if skip_next:
                 skip_next = False
@@ -248,15 +255,14 @@ def profile_kernel(build_dir: Path, manifest: dict, layer: dict, pass_name: str,
     events, costs = callgrind_counts([str(harness), *args, "1"], l1, l2, workdir / f"{layer['name']}_{pass_name}.cg")
     instrs, functions = disassemble(lib, symbol)
     ev = {name: i for i, name in enumerate(events)}
-    # Runtime address -> library offset: every kernel function's entry runs, so its lowest
-    # executed address is its symbol's offset.
+    # Runtime address -> library offset: the kernel's entry point runs first, so its lowest
+    # executed address is its symbol's offset; the library's other functions share the base.
+    base = min(costs[symbol]) - functions[symbol]
     per_offset: dict[int, list[int]] = {}
     for fn, by_addr in costs.items():
-        if not fn.startswith(symbol) or fn not in functions or not by_addr:
-            continue
-        base = min(by_addr) - functions[fn]
-        for addr, vals in by_addr.items():
-            per_offset[addr - base] = vals
+        if fn.startswith(symbol):
+            for addr, vals in by_addr.items():
+                per_offset[addr - base] = vals
 
     def total(name: str, offsets=None) -> int:
         keys = per_offset if offsets is None else offsets
