@@ -41,9 +41,13 @@ class VectorISA:
     # every FMA that uses it (3 loads instead of 1 for a 3-pixel tile), which saturates the load
     # ports (llvm-mca: VGG-A conv2 forward's 3x4 tile at 84% of peak, 100% with the value pinned).
     _pin: str = ""
+    _hsum: str = "{v}"   # expression: the sum of a vector's lanes (few-channel conv backward-data)
 
     def pin(self, var: str) -> str:
         return self._pin.format(v=var)
+
+    def hsum(self, var: str) -> str:
+        return self._hsum.format(v=var)
 
     def argmax_update(self, value: str, best: str, where: str, pos: str) -> str:
         return self._argmax.format(v=value, b=best, w=where, p=pos)
@@ -86,13 +90,15 @@ VECTOR_ISAS: dict[str, VectorISA] = {
                       "_mm256_max_ps({a}, {b})", "_mm256_set1_ps({v})", "_mm256_add_ps({a}, {b})", "__m256",
                       "{{ const __m256 gt = _mm256_cmp_ps({v}, {b}, _CMP_GT_OQ); {b} = _mm256_blendv_ps({b}, {v}, gt); "
                       "{w} = _mm256_blendv_ps({w}, _mm256_castsi256_ps(_mm256_set1_epi32({p})), gt); }}",
-                      "_mm256_storeu_ps((float *)({a}), {v})", '__asm__("" : "+x"({v}));'),
+                      "_mm256_storeu_ps((float *)({a}), {v})", '__asm__("" : "+x"({v}));',
+                      "({{ __m128 s_ = _mm_add_ps(_mm256_castps256_ps128({v}), _mm256_extractf128_ps({v}, 1)); "
+                      "s_ = _mm_add_ps(s_, _mm_movehl_ps(s_, s_)); _mm_cvtss_f32(_mm_add_ss(s_, _mm_movehdup_ps(s_))); }})"),
     "avx512": VectorISA("__m512", "immintrin.h", "_mm512_loadu_ps({a})", "_mm512_storeu_ps({a}, {v})",
                         "_mm512_set1_ps(*({a}))", "_mm512_fmadd_ps({a}, {b}, {c})",
                         "_mm512_max_ps({a}, {b})", "_mm512_set1_ps({v})", "_mm512_add_ps({a}, {b})", "__m512",
                         "{{ const __mmask16 gt = _mm512_cmp_ps_mask({v}, {b}, _CMP_GT_OQ); {b} = _mm512_mask_blend_ps(gt, {b}, {v}); "
                         "{w} = _mm512_mask_blend_ps(gt, {w}, _mm512_castsi512_ps(_mm512_set1_epi32({p}))); }}",
-                        "_mm512_storeu_ps((float *)({a}), {v})", '__asm__("" : "+v"({v}));'),
+                        "_mm512_storeu_ps((float *)({a}), {v})", '__asm__("" : "+v"({v}));', "_mm512_reduce_add_ps({v})"),
     "scalar": VectorISA("float", "", "*({a})", "*({a}) = {v}", "*({a})", "{c} + {a} * {b}",
                         "fmaxf({a}, {b})", "({v})", "{a} + {b}", "int",
                         "if ({v} > {b}) {{ {b} = {v}; {w} = {p}; }}", "*({a}) = {v}"),
@@ -160,7 +166,10 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
         widths = {plan.tile.width, *plan.remainders}
         if plan.kind == "conv_fwd" and plan.geometry["border_px"]:
             widths.add(1)  # border pixels without an edge tile
-    text = template_env().get_template(TEMPLATES[plan.kind]).render(
+    template = TEMPLATES[plan.kind]
+    if plan.kind == "conv_bwd_data" and plan.geometry.get("few_channels"):
+        template = "conv_bwd_data_few.c.j2"
+    text = template_env().get_template(template).render(
         layer=layer, arch=arch, plan=plan, V=v, vec=VECTOR_ISAS[arch.isa], symbol=symbol,
         params=SIGNATURES[plan.kind], version=__version__, plan_lines=_comment_lines(plan),
         R=plan.tile.vectors if plan.tile else 0, tile_widths=sorted(widths, reverse=True),

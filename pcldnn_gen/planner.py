@@ -442,6 +442,8 @@ def _plan_conv_bwd_data(layer: LayerSpec, arch: Arch) -> KernelPlan:
     icb, ocb = blocks(layer.in_shape[0], v), blocks(layer.out_shape[0], v)
     kh, kw = layer.kernel
     phases = _bwd_data_phases(layer)
+    if icb == 1 and layer.in_shape[0] < v:
+        return _plan_conv_bwd_data_few_channels(layer, arch, phases)
     widest = max(p["q_hi"] - p["q_lo"] for p in phases)
     scored = []
     for tile in _candidates(max(1, min(widest, arch.vector_registers)), _divisors(icb, WEIGHT_STREAMS), arch):
@@ -477,6 +479,33 @@ def _plan_conv_bwd_data(layer: LayerSpec, arch: Arch) -> KernelPlan:
                       "output-channel blocks", 0, 0, eff,
                       ofb * slice_bytes, l2_bpf, reason, geometry={"phases": phases},
                       scratch_floats=icb * ocb * kh * kw * v * v, rejected=tuple(s[3] for s in scored[1:6]))
+
+
+def _plan_conv_bwd_data_few_channels(layer: LayerSpec, arch: Arch, phases: list[dict]) -> KernelPlan:
+    """Fewer input channels than a vector (an RGB first layer): the general kernel's ic vectors
+    would be mostly padding (3 of 8 lanes: kernel_profile counted 2.65x the ideal FMAs on VGG-A
+    conv1), so this variant vectorises over the output channels, one accumulator per (input
+    pixel, input channel), and sums each across lanes at the end. The tile holds the weights of
+    all input channels for one tap and streams one dy vector per pixel."""
+    v = arch.vector_floats
+    lanes = layer.in_shape[0]
+    widest = max(1, max(p["q_hi"] - p["q_lo"] for p in phases))
+    width = max(1, min(widest, (arch.vector_registers - lanes - 1) // lanes))
+    tile = RegisterTile.evaluate(width, lanes, arch)
+    ocb = blocks(layer.out_shape[0], v)
+    kh, kw = layer.kernel
+    flops_px = 2 * lanes * ocb * v * kh * kw / (layer.stride[0] * layer.stride[1])
+    l2_bpf = (ocb * v * 4 * kh * kw / (layer.stride[0] * layer.stride[1])) / flops_px  # one dy vector per FMA row
+    reason = (
+        f"few-channel input gradient: {lanes} input channel(s) < {v} lanes, so vectors run over output "
+        f"channels: {_tile_sentence(tile, arch, 'same-phase input px', 'input channels')} (a dy vector per "
+        f"pixel times the weights' oc vector of each input channel, lanes summed once per pixel) -> "
+        f"{tile.efficiency:.0%} of peak predicted with no padded lanes; stride {layer.stride[1]} splits each "
+        f"row into {len(phases)} phase(s)"
+    )
+    return KernelPlan(layer.name, "bwd_data", "conv_bwd_data", arch.isa, v, tile, tuple(range(width - 1, 0, -1)),
+                      ocb, "output-channel blocks", 0, 0, tile.efficiency, ocb * lanes * kh * kw * v * 4, l2_bpf,
+                      reason, geometry={"phases": phases, "few_channels": True}, scratch_floats=0)
 
 
 def _plan_conv_bwd_weights(layer: LayerSpec, arch: Arch) -> KernelPlan:
