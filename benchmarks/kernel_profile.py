@@ -116,6 +116,7 @@ class KernelProfile:
     pass_name: str
     batch: int
     flops: float
+    fma_flops: int               # FLOPs of one FMA instruction (2 x vector lanes)
     fma_instructions: int        # executed
     instructions: int            # executed
     loads: int
@@ -131,7 +132,7 @@ class KernelProfile:
     def row(self) -> str:
         f = self.fma_instructions or 1
         measured = f"{self.measured:6.0%}" if self.measured is not None else "     -"
-        return (f"{self.layer:<8} {self.pass_name:<12} {self.batch:>5} {self.fma_instructions * 16 / self.flops:6.2f} "
+        return (f"{self.layer:<8} {self.pass_name:<12} {self.batch:>5} {self.fma_instructions * self.fma_flops / self.flops:6.2f} "
                 f"{self.instructions / f:6.2f} {self.loads / f:6.2f} {1000 * self.l1_misses / f:7.1f} "
                 f"{64 * self.l1_misses / self.flops:7.3f} {64 * self.l2_misses / self.flops:7.3f} "
                 f"{self.other_instructions / max(self.instructions, 1):6.1%} {self.core_bound:6.0%} {measured}")
@@ -288,14 +289,32 @@ def profile_kernel(build_dir: Path, manifest: dict, layer: dict, pass_name: str,
     loop_cycles = sum(lp.iterations * lp.mca_cycles for lp in loops)
     cycles = loop_cycles + other / issue
     loops.sort(key=lambda lp: -lp.iterations * lp.mca_cycles)
-    return KernelProfile(layer["name"], pass_name, batch, flops, fma_instructions, instructions,
+    return KernelProfile(layer["name"], pass_name, batch, flops, 2 * v, fma_instructions, instructions,
                          total("Dr"), total("Dw"), total("D1mr") + total("D1mw"), total("DLmr") + total("DLmw"),
                          loop_cycles, other, fma_instructions / (fma_units * cycles) if cycles else 0.0, measured, loops[:4])
 
 
+def markdown(data: dict) -> str:
+    """The table RESULTS.md quotes: per kernel, the FMA count against the ideal, the simulated
+    traffic, the share of cycles outside innermost loops and the core-bound efficiency."""
+    lines = ["| layer | pass | batch | FMAs / ideal | instr. / FMA | L1 misses / 1000 FMA | L2->L1 B/FLOP "
+             "| beyond-L2 B/FLOP | cycles outside loops | core-bound | measured |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for k in data["kernels"]:
+        f = max(k["fma_instructions"], 1)
+        cycles = k["loop_cycles"] + k["other_instructions"] / data.get("issue", 4.0)
+        measured = f"{k['measured']:.0%}" if k["measured"] is not None else "-"
+        lines.append(f"| {k['layer']} | {k['pass_name']} | {k['batch']} | {k['fma_flops'] * f / k['flops']:.2f} | "
+                     f"{k['instructions'] / f:.2f} | {1000 * k['l1_misses'] / f:.1f} | "
+                     f"{64 * k['l1_misses'] / k['flops']:.3f} | {64 * k['l2_misses'] / k['flops']:.3f} | "
+                     f"{k['other_instructions'] / data.get('issue', 4.0) / cycles:.0%} | {k['core_bound']:.0%} | {measured} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("net", type=Path)
+    ap.add_argument("net", type=Path, nargs="?", help="net JSON (omit with --table)")
+    ap.add_argument("--table", type=Path, default=None, help="print a --json file as a markdown table and exit")
     ap.add_argument("--arch", default="avx2")
     ap.add_argument("--layers", default=None, help="comma-separated layer names (default: every conv and fc)")
     ap.add_argument("--passes", default=",".join(PASSES))
@@ -307,6 +326,11 @@ def main(argv=None) -> int:
     ap.add_argument("--build-dir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.table:
+        print(markdown(json.loads(args.table.read_text())))
+        return 0
+    if args.net is None:
+        ap.error("a net JSON is needed unless --table is given")
     for tool in ("valgrind", "llvm-mca", "objdump", "gcc"):
         if not shutil.which(tool):
             print(f"kernel_profile: {tool} is not on PATH", file=sys.stderr)
@@ -346,7 +370,8 @@ def main(argv=None) -> int:
                           f"{lp.iterations} iterations, {lp.l1_misses / max(lp.iterations, 1):.2f} L1 misses/iteration", flush=True)
                 print(f"    outside innermost loops: {prof.other_instructions / args.issue / cycles:4.0%} of cycles", flush=True)
         if args.json:
-            args.json.write_text(json.dumps({"net": net.name, "arch": arch.to_json(), "mcpu": args.mcpu, "peak_gflops": peak,
+            args.json.write_text(json.dumps({"net": net.name, "arch": arch.to_json(), "mcpu": args.mcpu, "issue": args.issue,
+                                             "peak_gflops": peak,
                                              "kernels": [asdict(r) for r in results]}, indent=1))
     return 0
 

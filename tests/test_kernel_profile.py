@@ -65,3 +65,13 @@ void nest(float *restrict out, const float *restrict a, const float *restrict b,
     body = [instrs[o] for o in sorted(instrs) if first <= o <= branch]
     assert sum(i.mnemonic.startswith("vfmadd") for i in body) == 1
     assert kp.JUMP.match(body[-1].mnemonic)
+
+
+def test_markdown_table_figures():
+    """One kernel: 1000 FMA instructions of 16 FLOPs against 20000 ideal FLOPs is 0.80 of the
+    ideal count; 50 L1 misses are 50 per 1000 FMAs and 64 * 50 / 20000 = 0.160 B/FLOP."""
+    k = {"layer": "c1", "pass_name": "fwd", "batch": 1, "flops": 20000.0, "fma_flops": 16, "fma_instructions": 1000,
+         "instructions": 2000, "loads": 800, "stores": 10, "l1_misses": 50, "l2_misses": 5, "loop_cycles": 540.0,
+         "other_instructions": 240, "core_bound": 0.83, "measured": None, "hot_loops": []}
+    row = kp.markdown({"issue": 4.0, "kernels": [k]}).splitlines()[2]
+    assert row == "| c1 | fwd | 1 | 0.80 | 2.00 | 50.0 | 0.160 | 0.016 | 10% | 83% | - |"
