@@ -494,8 +494,9 @@ def _plan_conv_bwd_data_few_channels(layer: LayerSpec, arch: Arch, phases: list[
     tile = RegisterTile.evaluate(width, lanes, arch)
     ocb = blocks(layer.out_shape[0], v)
     kh, kw = layer.kernel
-    flops_px = 2 * lanes * ocb * v * kh * kw / (layer.stride[0] * layer.stride[1])
-    l2_bpf = (ocb * v * 4 * kh * kw / (layer.stride[0] * layer.stride[1])) / flops_px  # one dy vector per FMA row
+    # Per input row: the kh/SH dy rows it reads, once from L2 (neighbouring pixels share them in L1).
+    flops_row = 2 * layer.in_shape[2] * lanes * ocb * v * kh * kw / (layer.stride[0] * layer.stride[1])
+    l2_bpf = (kh / layer.stride[0]) * layer.out_shape[2] * ocb * v * 4 / flops_row
     reason = (
         f"few-channel input gradient: {lanes} input channel(s) < {v} lanes, so vectors run over output "
         f"channels: {_tile_sentence(tile, arch, 'same-phase input px', 'input channels')} (a dy vector per "
