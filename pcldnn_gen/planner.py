@@ -10,11 +10,12 @@ chains need LATENCY_HEADROOM times the bare latency × units to also hide the br
 loads and loop overhead), so the fraction of the FMA peak a tile can reach is (FMAs / fma_units) / that. Candidates must fit
 the register file (width×vectors accumulators + the shorter side of the tile held in
 registers + 1 register the longer side streams through). Cache
-blocks then keep the weights a tile streams within half of L1.
+blocks then keep the weights a tile streams within L1 (conv forward: the weight slice, input
+rows and partial sums of a block of output rows within 3/4 of it, L2 -> L1 refills priced in
+cycles).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from pcldnn_runtime.layers import DROPOUT_HASH_STEP
@@ -309,9 +310,9 @@ def _plan_conv_fwd(layer: LayerSpec, arch: Arch) -> KernelPlan:
         eff = row_eff / (blocking.overhead + row_eff * blocking.refill_cycles_per_flop * peak_flops_per_cycle)
         # Roofline: the rows cannot run faster than L2 delivers their bytes.
         eff = min(eff, arch.l2_bytes_per_cycle / (blocking.l2_bytes_per_flop * peak_flops_per_cycle))
-        scored.append((eff, tile.width * tile.vectors, -tile.registers, tile, geometry, slice_bytes, blocking))
+        scored.append((eff, tile.width * tile.vectors, -tile.registers, tile, geometry, slice_bytes, blocking, row_eff))
     scored.sort(key=lambda s: s[:3], reverse=True)
-    eff, _, _, tile, geometry, slice_bytes, blocking = scored[0]
+    eff, _, _, tile, geometry, slice_bytes, blocking, row_eff = scored[0]
     ifb, rows, l2_bpf = blocking.chunk, blocking.rows, blocking.l2_bytes_per_flop
     rem = geometry["rem"]
 
@@ -327,7 +328,7 @@ def _plan_conv_fwd(layer: LayerSpec, arch: Arch) -> KernelPlan:
             + ([f"1 of {rem}"] if rem else [])
             + ([f"right edge tile of {tile.width}"] if geometry["right"] else [])
             + ([f"{geometry['border_px']} border px"] if geometry["border_px"] else []))
-        + f" ({_conv_row_plan(layer, tile, ow_lo, ow_hi, arch)[0]:.0%} of the tile's peak)"
+        + f" ({row_eff:.0%} of the tile's peak)"
         + f"; ifm block {ifb}/{icb} channel blocks x {rows} output row{'s' if rows > 1 else ''}: "
         f"{ifb * slice_bytes // 1024} KiB weight slice + {blocking.input_bytes // 1024} KiB input rows "
         f"+ {blocking.partial_bytes // 1024} KiB partial sums = {blocking.working_set // 1024} KiB"
