@@ -17,7 +17,9 @@ Predicted core cycles = sum over innermost loops (iterations x llvm-mca cycles) 
 executed instructions at `--issue` per cycle. `core-bound %` = FMA instructions / (FMA units x
 those cycles): the efficiency the kernel would reach if no load ever missed L1. The measured
 efficiency (native run of the same call, median of `--repeats`, against the FMA peak measured
-right before) below it is time lost in the memory hierarchy or to the machine's other tenants;
+right before; nominal FLOPs as `bench` counts them, so a kernel that skips padding taps, FMA/ideal
+under 1, can pass 100%: compare measured x FMA/ideal with core-bound) below it is time lost in
+the memory hierarchy or to the machine's other tenants;
 the simulated misses say how much traffic each level carried. The simulated caches are
 inclusive LRU, with no prefetcher: misses are traffic, not stalls.
 
@@ -31,11 +33,9 @@ import argparse
 import json
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -49,13 +49,20 @@ from pcldnn_runtime.layers import WeightedLayer, blocks  # noqa: E402
 PASSES = ("fwd", "bwd_data", "bwd_weights")
 KIND_CODE = {"fwd": 0, "bwd_data": 1, "bwd_weights": 2}
 
-# One kernel call from a shared library, buffers filled with values in [-1, 1): argv = library,
+# Kernel calls from a shared library, buffers filled with values in [-1, 1): argv = library,
 # symbol, pass (0 fwd, 1 bwd_data, 2 bwd_weights), fc (0/1), batch, OC blocks, then the float
-# counts of in, weights, bias, out and scratch, then the number of calls.
+# counts of in, weights, bias, out and scratch, then the number of calls. With more than one
+# call it prints the median seconds of the calls after the first (the warm-up).
 HARNESS = r"""
 #include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
+static int by_value(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
 typedef void (*fwd_t)(const float *, const float *, const float *, float *, int, int, ...);
 typedef void (*bwd_data_t)(float *, const float *, const float *, float *, float *, int, int, ...);
 typedef void (*bwd_w_t)(const float *, float *, const float *, float *, float *, int, int, ...);
@@ -76,13 +83,23 @@ int main(int argc, char **argv)
     int pass = atoi(argv[3]), fc = atoi(argv[4]), batch = atoi(argv[5]), ocb = atoi(argv[6]);
     float *in = buffer(atol(argv[7])), *wt = buffer(atol(argv[8])), *bias = buffer(atol(argv[9]));
     float *out = buffer(atol(argv[10])), *scratch = buffer(atol(argv[11]));
-    for (int c = 0, calls = atoi(argv[12]); c < calls; ++c) {
+    const int calls = atoi(argv[12]);
+    double *seconds = calloc(calls > 0 ? calls : 1, sizeof(double));
+    for (int c = 0; c < calls; ++c) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
         if (pass == 0 && fc) ((fwd_t)fn)(in, wt, bias, out, batch, 1, 0, ocb);
         else if (pass == 0) ((fwd_t)fn)(in, wt, bias, out, batch, 1);
         else if (pass == 1 && fc) ((bwd_data_t)fn)(out, NULL, wt, scratch, in, batch, 1, 0, ocb);
         else if (pass == 1) ((bwd_data_t)fn)(out, NULL, wt, scratch, in, batch, 1);
         else if (fc) ((bwd_w_t)fn)(in, out, NULL, wt, bias, batch, 1, 0, ocb);
         else ((bwd_w_t)fn)(in, out, NULL, wt, bias, batch, 1);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        seconds[c] = (t1.tv_sec - t0.tv_sec) + 1e-9 * (t1.tv_nsec - t0.tv_nsec);
+    }
+    if (calls > 1) {
+        qsort(seconds + 1, calls - 1, sizeof(double), by_value);
+        printf("%.9f\n", seconds[1 + (calls - 1) / 2]);
     }
     return 0;
 }
@@ -226,7 +243,7 @@ def parse_callgrind(text: str) -> tuple[list[str], dict[str, dict[int, list[int]
     return events, costs
 
 
-def profile_kernel(build_dir: Path, manifest: dict, layer: dict, pass_name: str, batch: int, v: int,
+def profile_kernel(build_dir: Path, layer: dict, pass_name: str, batch: int, v: int,
                    flops: float, harness: Path, workdir: Path, mcpu: str, issue: float, fma_units: int,
                    l1: int, l2: int, peak: float | None, repeats: int) -> KernelProfile:
     kernel = layer["kernels"][pass_name]
@@ -244,15 +261,8 @@ def profile_kernel(build_dir: Path, manifest: dict, layer: dict, pass_name: str,
             str(kernel["plan"].get("scratch_floats", 0))]
     measured = None
     if peak:
-        times = []
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            subprocess.run([str(harness), *args, "0"], check=True)
-            empty = time.perf_counter() - start
-            start = time.perf_counter()
-            subprocess.run([str(harness), *args, "2"], check=True)
-            times.append((time.perf_counter() - start - empty) / 2)
-        measured = flops / statistics.median(times[1:]) / 1e9 / peak
+        timed = subprocess.run([str(harness), *args, str(repeats + 1)], check=True, capture_output=True, text=True)
+        measured = flops / float(timed.stdout) / 1e9 / peak
     events, costs = callgrind_counts([str(harness), *args, "1"], l1, l2, workdir / f"{layer['name']}_{pass_name}.cg")
     instrs, functions = disassemble(lib, symbol)
     ev = {name: i for i, name in enumerate(events)}
@@ -358,7 +368,7 @@ def main(argv=None) -> int:
                 continue
             batch = args.fc_batch if layer["type"] == "fc" else args.batch
             for p in args.passes.split(","):
-                prof = profile_kernel(build_dir, manifest, layer, p, batch, arch.vector_floats,
+                prof = profile_kernel(build_dir, layer, p, batch, arch.vector_floats,
                                       specs[layer["name"]].flops(batch), harness, workdir, args.mcpu, args.issue,
                                       arch.fma_units, caches.l1d_bytes, caches.l2_bytes, peak, args.repeats)
                 results.append(prof)
