@@ -5,12 +5,12 @@ fields rather than guesses buried in templates.
 """
 from __future__ import annotations
 
-from dataclasses import MISSING, asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from pcldnn_runtime import cpu
-from pcldnn_runtime.manifest import checked_fields, read_json
+from pcldnn_runtime.validate import LABEL_RE, Fields, read_json, show
 
 from .errors import ArchError
 
@@ -67,13 +67,13 @@ PRESETS: dict[str, Arch] = {
     # Haswell-to-Sapphire-Rapids class core running 256-bit code: 16 ymm registers, 2 FMA
     # pipes of latency 4, 2 load ports; 32 KiB L1d, 1 MiB L2, 32 MiB L3.
     "avx2": Arch("avx2", "avx2", 256, 16, 2, 32 * 1024, 1024 * 1024, 32 * 1024 * 1024, 2,
-                 ("-mavx2", "-mfma")),
+                 cpu.ISA_CFLAGS["avx2"]),
     # Skylake-SP and later with AVX-512: 32 zmm registers, 2 FMA pipes (1 on some SKUs).
     "avx512": Arch("avx512", "avx512", 512, 32, 2, 32 * 1024, 1024 * 1024, 32 * 1024 * 1024, 2,
-                   ("-mavx512f", "-mavx2", "-mfma")),
+                   cpu.ISA_CFLAGS["avx512"]),
     # Portable C: one float per "vector", 16 FP registers, no FMA instruction assumed.
     "scalar": Arch("scalar", "scalar", 32, 16, 1, 32 * 1024, 1024 * 1024, 32 * 1024 * 1024, 2,
-                   (), fma_latency=4, load_ports=2, broadcasts_per_cycle=2.0),
+                   cpu.ISA_CFLAGS["scalar"], fma_latency=4, load_ports=2, broadcasts_per_cycle=2.0),
 }
 
 
@@ -90,55 +90,81 @@ def get_arch(spec: str) -> Arch:
 
 
 def native_arch() -> Arch:
-    """The running CPU: best ISA from its flags, cache sizes from sysfs, usable cores."""
+    """The running CPU: best ISA from its flags, cache sizes from sysfs (clamped into the
+    documented ranges: some VMs report odd ones), usable cores."""
     isa = cpu.best_isa()
     base = PRESETS[isa]
     caches = cpu.cache_sizes()
-    return Arch(
-        name=f"native-{isa}", isa=isa, vector_bits=base.vector_bits,
-        vector_registers=base.vector_registers, fma_units=base.fma_units,
-        l1d_bytes=caches.get(1, base.l1d_bytes), l2_bytes=caches.get(2, base.l2_bytes),
-        l3_bytes=caches.get(3, base.l3_bytes), cores=cpu.usable_cores(), cflags=base.cflags,
-        fma_latency=base.fma_latency, load_ports=base.load_ports,
-        broadcasts_per_cycle=base.broadcasts_per_cycle, l2_bytes_per_cycle=base.l2_bytes_per_cycle,
-        l1_refill_cycles=base.l1_refill_cycles,
-    )
+
+    def clamp(name: str, value: int, floor: int = 0) -> int:
+        lo, hi = ARCH_RANGES[name]
+        return int(min(max(value, lo, floor), hi))
+
+    l1 = clamp("l1d_bytes", caches.get(1, base.l1d_bytes))
+    l2 = clamp("l2_bytes", caches.get(2, base.l2_bytes), l1)
+    l3 = clamp("l3_bytes", caches.get(3, base.l3_bytes), l2)
+    return replace(base, name=f"native-{isa}", l1d_bytes=l1, l2_bytes=l2, l3_bytes=l3,
+                   cores=clamp("cores", cpu.usable_cores()))
 
 
 def arch_from_file(path: Path) -> Arch:
     return arch_from_dict(read_json(path, ArchError), str(path))
 
 
+# Physical range of every numeric field: [lo, hi]. Register counts are capped by the ISA
+# (ARCH_REGISTERS); cache sizes must also grow with the level.
+ARCH_RANGES: dict[str, tuple[float, float]] = {
+    "fma_units": (1, 4), "l1d_bytes": (4 << 10, 4 << 20), "l2_bytes": (64 << 10, 1 << 30),
+    "l3_bytes": (64 << 10, 16 << 30), "cores": (1, 4096), "fma_latency": (1, 32), "load_ports": (1, 8),
+    "broadcasts_per_cycle": (0.1, 16), "l2_bytes_per_cycle": (1, 1024), "l1_refill_cycles": (0.1, 1000),
+}
+ARCH_REGISTERS = {"scalar": 64, "avx2": 16, "avx512": 32}
+MIN_REGISTERS = 4  # the smallest register tile: one accumulator, one weight vector, one broadcast
+
+
 def arch_from_dict(data: Any, origin: str) -> Arch:
-    known = checked_fields(data, Arch, origin, ArchError)
-    values: dict[str, Any] = {}
-    for name, f in known.items():
+    """Validate an arch description: every field typed and within its range; `cflags`, when
+    given, must be exactly the ISA's flags (they are derived from `isa` otherwise)."""
+    f = Fields(origin, ArchError)
+    names = {fld.name: fld for fld in fields(Arch)}
+    required = {n for n, fld in names.items() if fld.default is MISSING} - {"cflags"}
+    f.obj(data, "", required, set(names) - required)
+    isa = f.choice(data["isa"], "isa", GENERATED_ISAS)
+    values: dict[str, Any] = {
+        "name": f.string(data["name"], "name", LABEL_RE, "letters, digits, '_', '.', '+', '-'; at most 64"),
+        "isa": isa,
+        "vector_registers": f.int_in(data["vector_registers"], "vector_registers", MIN_REGISTERS,
+                                     ARCH_REGISTERS[isa]),
+        "cflags": _cflags(f, data.get("cflags"), isa),
+    }
+    if data["vector_bits"] != cpu.ISA_VECTOR_BITS[isa] or isinstance(data["vector_bits"], bool):
+        f.fail("vector_bits", f"{isa} vectors are {cpu.ISA_VECTOR_BITS[isa]} bits, got {show(data['vector_bits'])}")
+    values["vector_bits"] = cpu.ISA_VECTOR_BITS[isa]
+    for name, (lo, hi) in ARCH_RANGES.items():
         if name not in data:
-            if f.default is not MISSING:  # optional field with a default
-                continue
-            raise ArchError(f"{origin}: {name}: missing required field")
-        v = data[name]
-        if name in ("name", "isa"):
-            if not isinstance(v, str) or not v:
-                raise ArchError(f"{origin}: {name}: must be a non-empty string, got {v!r}")
-        elif name == "cflags":
-            if not isinstance(v, list) or not all(isinstance(x, str) and x.startswith("-m") and
-                                                  x.replace("-", "").replace("=", "").isalnum() for x in v):
-                raise ArchError(f"{origin}: cflags: must be a list of -m ISA flags like \"-mavx2\", got {v!r}")
-            if any("native" in x for x in v):
-                raise ArchError(f"{origin}: cflags: -march/-mtune=native is not allowed: name the ISA")
-            v = tuple(v)
-        elif name in RATE_FIELDS:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e6:
-                raise ArchError(f"{origin}: {name}: must be a positive number, got {v!r}")
-            v = float(v)
-        elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ArchError(f"{origin}: {name}: must be a positive int, got {v!r}")
-        values[name] = v
-    arch = Arch(**values)
-    if arch.isa not in GENERATED_ISAS:
-        raise ArchError(f"{origin}: isa: unknown ISA {arch.isa!r}; known: {', '.join(GENERATED_ISAS)}")
-    if arch.vector_bits != PRESETS[arch.isa].vector_bits:
-        raise ArchError(f"{origin}: vector_bits: {arch.isa} vectors are {PRESETS[arch.isa].vector_bits} bits, "
-                        f"got {arch.vector_bits}")
-    return arch
+            continue
+        if name in RATE_FIELDS:
+            values[name] = f.number_in(data[name], name, lo, hi)
+        else:
+            values[name] = f.int_in(data[name], name, int(lo), int(hi))
+    if not values["l1d_bytes"] <= values["l2_bytes"] <= values["l3_bytes"]:
+        f.fail("l2_bytes", f"cache sizes must grow with the level: L1d {values['l1d_bytes']}, "
+               f"L2 {values['l2_bytes']}, L3 {values['l3_bytes']}")
+    return Arch(**values)
+
+
+def _cflags(f: Fields, given: Any, isa: str) -> tuple[str, ...]:
+    """The ISA's compiler flags (cpu.ISA_CFLAGS). A description may list them, in any order,
+    but no other flag: the flags decide which instructions the libraries contain."""
+    want = cpu.ISA_CFLAGS[isa]
+    if given is None:
+        return want
+    if not isinstance(given, list) or not all(isinstance(x, str) for x in given):
+        f.fail("cflags", f"must be a list of compiler flags, got {show(given)}")
+    for flag in given:
+        if flag not in want:
+            f.fail("cflags", f"flag {show(flag)} is not allowed for isa {isa} (the flags follow from the ISA: "
+                   f"{' '.join(want) or 'none'}; omit cflags to use them)")
+    if sorted(set(given)) != sorted(want) or len(given) != len(want):
+        f.fail("cflags", f"isa {isa} is compiled with exactly {' '.join(want) or 'no ISA flags'}, got {show(given)}")
+    return want

@@ -7,6 +7,7 @@ template serves scalar C, AVX2 and AVX-512 and never assumes a vector width.
 from __future__ import annotations
 
 import functools
+import re
 import textwrap
 from dataclasses import dataclass
 from importlib import resources
@@ -14,9 +15,11 @@ from importlib import resources
 import jinja2
 
 from pcldnn_runtime.kernels import SIGNATURES
+from pcldnn_runtime.validate import NAME_RE, full_match, show
 
 from . import __version__
 from .arch import Arch
+from .errors import PlanError
 from .netspec import LayerSpec
 from .planner import KernelPlan, blocks
 
@@ -125,20 +128,41 @@ class Source:
     symbols: dict[str, str]
 
 
+def c_comment(text: object) -> str:
+    """Text made inert inside a C block comment: printable ASCII only (no newline, no
+    backslash that could splice lines), and no sequence that ends or opens a comment or
+    forms a trigraph. Every string from a user (names, descriptions) reaches generated
+    comments through this function only."""
+    out = re.sub(r"[^ -~]|\\", "?", str(text))
+    while "*/" in out or "/*" in out or "??" in out:
+        out = out.replace("*/", "* /").replace("/*", "/ *").replace("??", "? ?")
+    return out
+
+
+def c_identifier(name: str) -> str:
+    """A name that becomes part of a C symbol: it must fully match NAME_RE (netspec enforces
+    the same pattern; this is the generator's own check, at the point of use)."""
+    if not full_match(NAME_RE, name):
+        raise PlanError(f"{show(name)} cannot be used in a C identifier (must match {NAME_RE.pattern})")
+    return name
+
+
 @functools.lru_cache(maxsize=1)
 def template_env() -> jinja2.Environment:
     """The templates, found through the package (editable install or wheel alike)."""
     folder = resources.files("pcldnn_gen.templates")
-    return jinja2.Environment(
+    env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(folder)),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         autoescape=False,
     )
+    env.filters["c_comment"] = c_comment
+    return env
 
 
 def kernel_symbol(layer: str, pass_name: str) -> str:
-    return f"pcldnn_{layer}_{pass_name}"
+    return f"pcldnn_{c_identifier(layer)}_{c_identifier(pass_name)}"
 
 
 def _comment_lines(plan: KernelPlan) -> list[str]:
@@ -150,8 +174,7 @@ def _comment_lines(plan: KernelPlan) -> list[str]:
         if plan.remainders:
             blocks_line += f", remainder tiles {list(plan.remainders)}"
         lines.append(blocks_line)
-    reason = plan.reason.replace("*/", "* /")
-    wrapped = textwrap.wrap(reason, 88)
+    wrapped = textwrap.wrap(c_comment(plan.reason), 88)
     lines += [("why     : " if i == 0 else "          ") + w for i, w in enumerate(wrapped)]
     return lines
 
@@ -180,7 +203,7 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
 
 def layout_symbols(layer: str) -> dict[str, str]:
     """{role: symbol} of a layer's layout conversions."""
-    p = f"pcldnn_{layer}"
+    p = f"pcldnn_{c_identifier(layer)}"
     return {"in_to_blocked": f"{p}_in_to_blocked", "in_from_blocked": f"{p}_in_from_blocked",
             "out_to_blocked": f"{p}_out_to_blocked", "out_from_blocked": f"{p}_out_from_blocked",
             "wt_to_blocked": f"{p}_wt_to_blocked", "wt_from_blocked": f"{p}_wt_from_blocked"}
@@ -194,7 +217,7 @@ def render_layout(layer: LayerSpec, arch: Arch) -> Source:
         wshape = (oc, ic, *layer.kernel)
     text = template_env().get_template("layout.c.j2").render(
         layer=layer, arch=arch, V=arch.vector_floats, vec=VECTOR_ISAS[arch.isa], version=__version__,
-        prefix=f"pcldnn_{layer.name}", wshape=wshape, params=SIGNATURES)
+        prefix=f"pcldnn_{c_identifier(layer.name)}", wshape=wshape, params=SIGNATURES)
     roles = layout_symbols(layer.name)
     if not layer.weighted:
         roles = {r: s for r, s in roles.items() if not r.startswith("wt_")}

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import NetSpecError
+from pcldnn_runtime import limits
+from pcldnn_runtime.validate import NAME_RE, Fields, read_json, show
 
-NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+from .errors import NetSpecError
 
 # Fields each layer type takes: required, and optional with their defaults.
 _COMMON = {"name", "type"}
@@ -90,34 +91,30 @@ class NetSpec:
                            + ", ".join(l.name for l in self.layers))
 
 
-def load_netspec(path: str | Path) -> NetSpec:
-    """Read and validate a net.json file."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise NetSpecError(f"{path}: cannot read: {e.strerror or e}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise NetSpecError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
-    return parse_netspec(data, str(path))
+def load_netspec(path: str | Path, max_memory: int | None = None) -> NetSpec:
+    """Read and validate a net.json file (see `parse_netspec`)."""
+    return parse_netspec(read_json(path, NetSpecError), str(path), max_memory)
 
 
-def parse_netspec(data: Any, origin: str = "<net>") -> NetSpec:
-    """Validate an already-parsed description; `origin` names it in error messages."""
-    p = _Parser(origin)
-    p.expect_object(data, "", {"name", "input", "layers"}, {"classes"})
+def parse_netspec(data: Any, origin: str = "<net>", max_memory: int | None = None) -> NetSpec:
+    """Validate an already-parsed description; `origin` names it in error messages. Every size
+    has a range (`pcldnn_runtime.limits`), and a net that needs more than `max_memory` bytes
+    to train at minibatch 1 is refused before anything is planned."""
+    p = _Parser(origin, NetSpecError)
+    p.obj(data, "", {"name", "input", "layers"}, {"classes"})
     name = p.name(data["name"], "name")
-    inp = data["input"]
-    p.expect_object(inp, "input", {"channels", "height", "width"}, set())
-    shape = tuple(p.positive_int(inp[k], f"input.{k}") for k in ("channels", "height", "width"))
+    inp = p.obj(data["input"], "input", {"channels", "height", "width"})
+    shape = (p.int_in(inp["channels"], "input.channels", 1, limits.MAX_CHANNELS),
+             p.int_in(inp["height"], "input.height", 1, limits.MAX_SPATIAL),
+             p.int_in(inp["width"], "input.width", 1, limits.MAX_SPATIAL))
     classes = data.get("classes")
     if classes is not None:
-        classes = p.positive_int(classes, "classes")
+        classes = p.int_in(classes, "classes", 1, limits.MAX_FEATURES)
     layers_raw = data["layers"]
     if not isinstance(layers_raw, list) or not layers_raw:
-        p.fail("layers", f"must be a non-empty list of layers, got {_show(layers_raw)}")
+        p.fail("layers", f"must be a non-empty list of layers, got {show(layers_raw)}")
+    if len(layers_raw) > limits.MAX_LAYERS:
+        p.fail("layers", f"has {len(layers_raw)} layers, more than the {limits.MAX_LAYERS} allowed")
 
     layers: list[LayerSpec] = []
     seen: set[str] = set()
@@ -125,12 +122,12 @@ def parse_netspec(data: Any, origin: str = "<net>") -> NetSpec:
     for i, raw in enumerate(layers_raw):
         where = f"layers[{i}]"
         if not isinstance(raw, dict):
-            p.fail(where, f"must be an object, got {_show(raw)}")
+            p.fail(where, f"must be an object, got {show(raw)}")
         ltype = raw.get("type")
-        if ltype not in LAYER_FIELDS:
-            p.fail(f"{where}.type", f"unknown layer type {_show(ltype)}; known: {', '.join(LAYER_FIELDS)}")
+        if not isinstance(ltype, str) or ltype not in LAYER_FIELDS:
+            p.fail(f"{where}.type", f"unknown layer type {show(ltype)}; known: {', '.join(LAYER_FIELDS)}")
         required, optional = LAYER_FIELDS[ltype]
-        p.expect_object(raw, where, _COMMON | required, set(optional))
+        p.obj(raw, where, _COMMON | required, set(optional))
         lname = p.name(raw["name"], f"{where}.name")
         if lname in seen:
             p.fail(f"{where}.name", f"duplicate layer name {lname!r}")
@@ -144,29 +141,40 @@ def parse_netspec(data: Any, origin: str = "<net>") -> NetSpec:
         relu = p.activation(f.get("activation"), f"{where}.activation")
 
         if ltype == "conv" or ltype in POOLS:
-            kernel = p.pair(f["kernel"], f"{where}.kernel", positive=True)
-            stride = kernel if f["stride"] is None else p.pair(f["stride"], f"{where}.stride", positive=True)
-            pad = p.pair(f["pad"], f"{where}.pad", positive=False)
-            oh = _out_size(h, kernel[0], stride[0], pad[0])
-            ow = _out_size(w, kernel[1], stride[1], pad[1])
+            # Pooling windows may cover the whole input (global pooling); conv windows are unrolled
+            # at their edges in the generated C, so their side is bounded.
+            kmax = limits.MAX_KERNEL if ltype == "conv" else limits.MAX_SPATIAL
+            kernel = p.int_pair(f["kernel"], f"{where}.kernel", 1, kmax)
+            stride = kernel if f["stride"] is None else p.int_pair(f["stride"], f"{where}.stride", 1,
+                                                                   max(limits.MAX_STRIDE, kmax))
+            pad = p.int_pair(f["pad"], f"{where}.pad", 0, limits.MAX_PAD)
+            if ltype in POOLS and (pad[0] >= kernel[0] or pad[1] >= kernel[1]):
+                p.fail(f"{where}.pad", f"pooling pad {list(pad)} must be smaller than the kernel {list(kernel)}")
+            if ltype == "conv" and (pad[0] > kernel[0] or pad[1] > kernel[1]):
+                p.fail(f"{where}.pad", f"pad {list(pad)} is larger than the kernel {list(kernel)}: "
+                       "output pixels would see only padding")
+            oh = limits.out_size(h, kernel[0], stride[0], pad[0])
+            ow = limits.out_size(w, kernel[1], stride[1], pad[1])
             if oh < 1 or ow < 1:
                 p.fail(f"{where}.kernel", f"kernel {list(kernel)} is larger than the padded input "
                        f"{h + 2 * pad[0]}x{w + 2 * pad[1]}")
-            if ltype in POOLS and (pad[0] >= kernel[0] or pad[1] >= kernel[1]):
-                p.fail(f"{where}.pad", f"pooling pad {list(pad)} must be smaller than the kernel {list(kernel)}")
-            oc = p.positive_int(f["out_channels"], f"{where}.out_channels") if ltype == "conv" else c
+            oc = (p.int_in(f["out_channels"], f"{where}.out_channels", 1, limits.MAX_CHANNELS)
+                  if ltype == "conv" else c)
             spec = LayerSpec(i, lname, ltype, shape, (oc, oh, ow), kernel, stride, pad, relu)
         elif ltype == "fc":
-            oc = p.positive_int(f["out_features"], f"{where}.out_features")
+            oc = p.int_in(f["out_features"], f"{where}.out_features", 1, limits.MAX_FEATURES)
             spec = LayerSpec(i, lname, ltype, shape, (oc, 1, 1), (h, w), (1, 1), (0, 0), relu)
             flat = True
         elif ltype == "dropout":
-            rate = f["rate"]
-            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
-                p.fail(f"{where}.rate", f"must be a number in [0, 1), got {_show(rate)}")
-            spec = LayerSpec(i, lname, ltype, shape, shape, rate=float(rate))
+            rate = p.number_in(f["rate"], f"{where}.rate", 0.0, 1.0, open_hi=True)
+            spec = LayerSpec(i, lname, ltype, shape, shape, rate=rate)
         else:  # relu, softmax_cross_entropy: shape-preserving
             spec = LayerSpec(i, lname, ltype, shape, shape, relu=(ltype == "relu"))
+        for size, what in ((spec.out_shape[0] * spec.out_shape[1] * spec.out_shape[2], "output"),
+                           (math.prod(spec.weight_shape or ()), "weight")):
+            if size > limits.MAX_TENSOR_FLOATS:
+                p.fail(where, f"its {what} tensor has {size} elements per image, more than the "
+                       f"{limits.MAX_TENSOR_FLOATS} allowed")
         layers.append(spec)
         shape = spec.out_shape
 
@@ -183,6 +191,12 @@ def parse_netspec(data: Any, origin: str = "<net>") -> NetSpec:
         if last.out_shape[0] != classes:
             p.fail("classes", f"is {classes} but the last fc layer {last.name!r} has "
                    f"out_features {last.out_shape[0]}")
+    need = limits.training_bytes((l.in_shape, l.out_shape, math.prod(l.weight_shape or (0,))) for l in layers)
+    bound = limits.max_memory(max_memory)
+    if need > bound:
+        p.fail("(net)", f"training needs about {limits.format_bytes(need)} at minibatch 1 (weights, gradients, "
+               f"momentum, activations), more than the {limits.format_bytes(bound)} allowed; raise the bound "
+               f"with --max-memory or {limits.MEMORY_ENV} if this machine has the memory")
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return NetSpec(name, shape_in(data), classes, tuple(layers),
                    hashlib.sha256(canonical.encode()).hexdigest())
@@ -193,73 +207,16 @@ def shape_in(data: dict) -> tuple[int, int, int]:
     return (inp["channels"], inp["height"], inp["width"])
 
 
-def _out_size(size: int, kernel: int, stride: int, pad: int) -> int:
-    return (size + 2 * pad - kernel) // stride + 1
-
-
-def _show(value: Any) -> str:
-    return json.dumps(value) if _jsonable(value) else repr(value)
-
-
-def _jsonable(value: Any) -> bool:
-    try:
-        json.dumps(value)
-        return True
-    except (TypeError, ValueError):
-        return False
-
-
-class _Parser:
-    """Small typed checks that raise NetSpecError with '<file>: <json path>: <problem>'."""
-
-    def __init__(self, origin: str):
-        self.origin = origin
-
-    def fail(self, where: str, problem: str):
-        raise NetSpecError(f"{self.origin}: {where or '(top level)'}: {problem}")
-
-    def expect_object(self, value: Any, where: str, required: set[str], optional: set[str]) -> None:
-        if not isinstance(value, dict):
-            self.fail(where, f"must be an object, got {_show(value)}")
-        for key in sorted(required):
-            if key not in value:
-                self.fail(_join(where, key), "missing required field")
-        for key in value:
-            if key not in required and key not in optional:
-                allowed = ", ".join(sorted(required | optional))
-                self.fail(_join(where, key), f"unknown field (allowed: {allowed})")
-
-    def positive_int(self, value: Any, where: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            self.fail(where, f"must be a positive int, got {_show(value)}")
-        return value
-
-    def pair(self, value: Any, where: str, positive: bool) -> tuple[int, int]:
-        lo = 1 if positive else 0
-        kind = "a positive int" if positive else "a non-negative int"
-
-        def ok(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool) and v >= lo
-
-        if ok(value):
-            return (value, value)
-        if isinstance(value, list) and len(value) == 2 and all(ok(v) for v in value):
-            return (value[0], value[1])
-        self.fail(where, f"must be {kind} or [h, w], got {_show(value)}")
+class _Parser(Fields):
+    """Net-description checks on top of the shared typed field checks."""
 
     def name(self, value: Any, where: str) -> str:
-        if not isinstance(value, str) or not NAME_RE.match(value):
-            self.fail(where, f"must match {NAME_RE.pattern} (letters, digits, underscore; "
-                      f"it becomes a C identifier and a file name), got {_show(value)}")
-        return value
+        return self.string(value, where, NAME_RE, "letters, digits, underscore; it becomes a C identifier "
+                           "and a file name")
 
     def activation(self, value: Any, where: str) -> bool:
         if value is None:
             return False
-        if value not in ACTIVATIONS:
-            self.fail(where, f"must be one of {', '.join(ACTIVATIONS)} or absent, got {_show(value)}")
+        if not any(value == a for a in ACTIVATIONS if isinstance(value, str)):
+            self.fail(where, f"must be one of {', '.join(ACTIVATIONS)} or absent, got {show(value)}")
         return True
-
-
-def _join(where: str, key: str) -> str:
-    return f"{where}.{key}" if where else key

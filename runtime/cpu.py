@@ -19,6 +19,18 @@ ISA_FLAGS: dict[str, tuple[str, ...]] = {
 }
 
 
+# The C compiler flags of each ISA: the only ones a build may use, so a build's ISA label and the
+# instructions in its libraries cannot disagree (an arch file cannot slip -mavx512f into a
+# "scalar" build that `pr.load` would then run on a CPU without AVX-512).
+ISA_CFLAGS: dict[str, tuple[str, ...]] = {
+    "scalar": (),
+    "avx2": ("-mavx2", "-mfma"),
+    "avx512": ("-mavx512f", "-mavx2", "-mfma"),
+}
+# SIMD width of each ISA's kernels.
+ISA_VECTOR_BITS: dict[str, int] = {"scalar": 32, "avx2": 256, "avx512": 512}
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     """The flags of the first processor in /proc/cpuinfo (empty where unreadable)."""

@@ -40,21 +40,47 @@ def test_arch_from_json_file(tmp_path):
 
 
 @pytest.mark.parametrize("patch,message", [
-    ({"vector_registers": 0}, "vector_registers: must be a positive int"),
+    ({"vector_registers": 0}, r"vector_registers: must be an int >= 4 \(at most 16\), got 0"),
+    ({"vector_registers": 10 ** 6}, r"vector_registers: must be an int >= 4 \(at most 16\)"),
+    ({"isa": "avx512", "vector_bits": 512, "vector_registers": 33, "cflags": None}, r"vector_registers: .*at most 32"),
     ({"fma_units": 1.5}, "fma_units: must be a positive int"),
-    ({"broadcasts_per_cycle": 0}, "broadcasts_per_cycle: must be a positive number"),
-    ({"broadcasts_per_cycle": True}, "broadcasts_per_cycle: must be a positive number"),
-    ({"isa": "neon"}, "isa: unknown ISA 'neon'"),
-    ({"cflags": ["-march=native"]}, "cflags: -march/-mtune=native is not allowed"),
-    ({"cflags": ["-mavx2; rm -rf /"]}, "cflags: must be a list of -m ISA flags"),
+    ({"fma_units": 10 ** 9}, r"fma_units: must be a positive int \(at most 4\)"),
+    ({"l3_bytes": 10 ** 18}, r"l3_bytes: must be an int >= 65536"),
+    ({"l1d_bytes": 1 << 21}, "l2_bytes: cache sizes must grow with the level: L1d 2097152, L2 1048576"),
+    ({"cores": 2 ** 63}, "cores: must be a positive int"),
+    ({"broadcasts_per_cycle": 0}, r"broadcasts_per_cycle: must be a number in \[0.1, 16\], got 0"),
+    ({"broadcasts_per_cycle": True}, r"broadcasts_per_cycle: must be a number in \[0.1, 16\], got true"),
+    ({"isa": "neon"}, 'isa: must be one of scalar, avx2, avx512, got "neon"'),
+    ({"isa": ["avx2"]}, r'isa: must be one of scalar, avx2, avx512, got \["avx2"\]'),
+    ({"cflags": ["-march=native"]}, 'cflags: flag "-march=native" is not allowed for isa avx2'),
+    ({"cflags": ["-mavx2; rm -rf /"]}, "cflags: flag .* is not allowed for isa avx2"),
+    ({"cflags": ["-mavx2", "-mfma", "-mavx512f"]}, 'cflags: flag "-mavx512f" is not allowed for isa avx2'),
+    ({"isa": "scalar", "vector_bits": 32, "cflags": ["-mavx512f"]}, 'cflags: flag "-mavx512f" is not allowed for isa scalar'),
+    ({"isa": "avx512", "vector_bits": 512, "cflags": []}, "cflags: isa avx512 is compiled with exactly -mavx512f -mavx2 -mfma"),
+    ({"cflags": ["-m"]}, 'cflags: flag "-m" is not allowed'),
+    ({"cflags": ["-m\u00e9"]}, "cflags: flag .* is not allowed"),
+    ({"cflags": "-mavx2"}, "cflags: must be a list of compiler flags"),
     ({"vector_bits": 128}, "vector_bits: avx2 vectors are 256 bits"),
+    ({"name": "x */ int evil; /*"}, "name: must match"),
+    ({"name": "avx2\n"}, "name: must match"),
     ({"colour": "red"}, "colour: unknown field"),
 ])
 def test_bad_arch_files(tmp_path, patch, message):
     path = tmp_path / "bad.json"
-    path.write_text(json.dumps({**PRESETS["avx2"].to_json(), **patch}))
+    data = {**PRESETS["avx2"].to_json(), **patch}
+    path.write_text(json.dumps({k: v for k, v in data.items() if v is not None}))
     with pytest.raises(ArchError, match=message):
         get_arch(str(path))
+
+
+def test_cflags_follow_from_the_isa(tmp_path):
+    """Omitted cflags are derived from the ISA; listed ones may come in any order."""
+    data = PRESETS["avx512"].to_json()
+    del data["cflags"]
+    (tmp_path / "a.json").write_text(json.dumps(data))
+    assert get_arch(str(tmp_path / "a.json")).cflags == cpu.ISA_CFLAGS["avx512"]
+    (tmp_path / "b.json").write_text(json.dumps(dict(data, cflags=["-mfma", "-mavx512f", "-mavx2"])))
+    assert get_arch(str(tmp_path / "b.json")).cflags == cpu.ISA_CFLAGS["avx512"]
 
 
 def test_unknown_arch_name():

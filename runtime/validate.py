@@ -1,0 +1,227 @@
+"""Reading and checking what users hand the tools: JSON files, and typed fields with ranges.
+
+One reader for every user file (net.json, arch and machine descriptions, build manifests,
+checkpoint metadata): a regular file of bounded size, UTF-8, strict JSON (no NaN, no
+duplicate keys, integers of at most 20 digits) nested at most MAX_DEPTH deep. `Fields` checks
+values against types and documented ranges. Every problem is one `PcldnnError` line
+`<file>: <json path>: <problem>`, never a traceback. Names use full-match patterns (`$` alone
+would let a final newline through).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Any, Iterable
+
+from .errors import PcldnnError
+
+# Layer, net and C-identifier-bound names: they become C symbols and file names.
+NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+# Labels of CPU and machine descriptions: printed in reports and generated comments.
+LABEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
+
+MAX_JSON_BYTES = 16 * 1024 * 1024   # a net of thousands of layers is a few hundred KiB
+MAX_DEPTH = 32                      # the deepest legitimate file (a manifest) nests 6 levels
+MAX_INT_DIGITS = 20                 # 2^64 has 20 digits; anything longer is not a size
+
+
+def full_match(pattern: re.Pattern, value: Any) -> bool:
+    return isinstance(value, str) and pattern.fullmatch(value) is not None
+
+
+def read_text(path: str | Path, error: type[PcldnnError] = PcldnnError, max_bytes: int = MAX_JSON_BYTES,
+              what: str = "file") -> str:
+    """A user's text file: must be a regular file of at most `max_bytes`, in UTF-8. A FIFO or
+    a device (`/dev/zero`) is refused before it is opened, so reading never blocks forever."""
+    path = Path(path)
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{path}: not a regular file")
+        if st.st_size > max_bytes:
+            raise error(f"{path}: {what} is {st.st_size} bytes, more than the {max_bytes} allowed")
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as e:
+        raise error(f"{path}: cannot read: {e.strerror or e}") from None
+    except ValueError as e:  # a NUL byte in the path
+        raise error(f"{show(str(path))}: not a usable path ({e})") from None
+    if len(data) > max_bytes:
+        raise error(f"{path}: {what} is more than the {max_bytes} bytes allowed")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+
+
+def read_json(path: str | Path, error: type[PcldnnError] = PcldnnError, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """A user's JSON file, or `error` naming the file and the problem."""
+    return parse_json(read_text(path, error, max_bytes, "JSON file"), str(path), error)
+
+
+def parse_json(text: str, origin: str, error: type[PcldnnError] = PcldnnError) -> Any:
+    """Strict JSON: duplicate keys, NaN / Infinity, over-long integers and over-deep nesting
+    are errors (Python's json accepts the first three and overflows the stack on the last)."""
+    def pairs(items):
+        out = {}
+        for key, value in items:
+            if key in out:
+                raise _Bad(f"duplicate key {key!r}")
+            out[key] = value
+        return out
+
+    def constant(name):
+        raise _Bad(f"{name} is not a JSON number")
+
+    def integer(digits):
+        if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+            raise _Bad(f"integer of {len(digits)} digits")
+        return int(digits)
+
+    def number(text_):
+        value = float(text_)
+        if not math.isfinite(value):
+            raise _Bad(f"number {text_} overflows a double")
+        return value
+
+    if _nesting(text) > MAX_DEPTH:
+        raise error(f"{origin}: nested more than {MAX_DEPTH} levels deep")
+    try:
+        return json.loads(text, object_pairs_hook=pairs, parse_constant=constant, parse_int=integer,
+                          parse_float=number)
+    except json.JSONDecodeError as e:
+        raise error(f"{origin}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    except _Bad as e:
+        raise error(f"{origin}: invalid JSON: {e}") from None
+    except (RecursionError, ValueError) as e:
+        raise error(f"{origin}: invalid JSON: {e}") from None
+
+
+class _Bad(Exception):
+    pass
+
+
+def _nesting(text: str) -> int:
+    """Deepest bracket nesting outside strings (a cheap scan: brackets in strings are rare,
+    and the scan over-counts at worst, never under-counts)."""
+    if text.count("[") + text.count("{") <= MAX_DEPTH:
+        return 0
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > MAX_DEPTH:
+                break
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def show(value: Any, limit: int = 60) -> str:
+    """A value as JSON, shortened for an error line (never a multi-line or huge string)."""
+    try:
+        text = json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    except RecursionError:
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def join(where: str, key: Any) -> str:
+    if isinstance(key, int):
+        return f"{where}[{key}]"
+    return f"{where}.{key}" if where else str(key)
+
+
+class Fields:
+    """Typed checks that raise `error` with '<origin>: <json path>: <problem>'."""
+
+    def __init__(self, origin: str, error: type[PcldnnError] = PcldnnError):
+        self.origin, self.error = origin, error
+
+    def fail(self, where: str, problem: str):
+        raise self.error(f"{self.origin}: {where or '(top level)'}: {problem}")
+
+    def obj(self, value: Any, where: str, required: Iterable[str], optional: Iterable[str] = ()) -> dict:
+        required, optional = set(required), set(optional)
+        if not isinstance(value, dict):
+            self.fail(where, f"must be an object, got {show(value)}")
+        for key in sorted(required):
+            if key not in value:
+                self.fail(join(where, key), "missing required field")
+        for key in value:
+            if key not in required and key not in optional:
+                self.fail(join(where, show(key, 40) if not isinstance(key, str) or len(key) > 40 else key),
+                          f"unknown field (allowed: {', '.join(sorted(required | optional))})")
+        return value
+
+    def array(self, value: Any, where: str, lo: int = 0, hi: int = 1 << 20) -> list:
+        if not isinstance(value, list) or not lo <= len(value) <= hi:
+            self.fail(where, f"must be a list of {lo} to {hi} items, got {show(value)}")
+        return value
+
+    def int_in(self, value: Any, where: str, lo: int, hi: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            self.fail(where, f"must be {_int_kind(lo)} (at most {hi}), got {show(value)}")
+        return value
+
+    def number_in(self, value: Any, where: str, lo: float, hi: float, *, open_lo: bool = False,
+                  open_hi: bool = False) -> float:
+        ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+              and (lo < value if open_lo else lo <= value) and (value < hi if open_hi else value <= hi))
+        if not ok:
+            self.fail(where, f"must be a number in {'(' if open_lo else '['}{lo:g}, {hi:g}{')' if open_hi else ']'}, "
+                      f"got {show(value)}")
+        return float(value)
+
+    def boolean(self, value: Any, where: str) -> bool:
+        if not isinstance(value, bool):
+            self.fail(where, f"must be true or false, got {show(value)}")
+        return value
+
+    def string(self, value: Any, where: str, pattern: re.Pattern, what: str) -> str:
+        if not full_match(pattern, value):
+            self.fail(where, f"must match {pattern.pattern} ({what}), got {show(value)}")
+        return value
+
+    def text(self, value: Any, where: str, max_len: int = 200) -> str:
+        """Free text (a description): printable, one line, bounded."""
+        if not isinstance(value, str) or len(value) > max_len or not value.isprintable():
+            self.fail(where, f"must be one line of printable text of at most {max_len} characters, got {show(value)}")
+        return value
+
+    def choice(self, value: Any, where: str, choices: Iterable[Any]) -> Any:
+        choices = tuple(choices)
+        if not any(type(value) is type(c) and value == c for c in choices):
+            self.fail(where, f"must be one of {', '.join(str(c) for c in choices)}, got {show(value)}")
+        return value
+
+    def int_pair(self, value: Any, where: str, lo: int, hi: int) -> tuple[int, int]:
+        """An int or [h, w], each in [lo, hi]."""
+        def ok(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+        if ok(value):
+            return (value, value)
+        if isinstance(value, list) and len(value) == 2 and all(ok(v) for v in value):
+            return (value[0], value[1])
+        self.fail(where, f"must be {_int_kind(lo)} or [h, w] (each at most {hi}), got {show(value)}")
+
+
+def _int_kind(lo: int) -> str:
+    return {0: "a non-negative int", 1: "a positive int"}.get(lo, f"an int >= {lo}")
