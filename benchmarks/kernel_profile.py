@@ -45,6 +45,7 @@ from pcldnn_gen.bench import measure_peak  # noqa: E402
 from pcldnn_gen.build import build  # noqa: E402
 from pcldnn_gen.netspec import load_netspec  # noqa: E402
 from pcldnn_runtime.layers import WeightedLayer, blocks  # noqa: E402
+from pcldnn_runtime.manifest import LayerEntry, read_manifest  # noqa: E402
 
 PASSES = ("fwd", "bwd_data", "bwd_weights")
 KIND_CODE = {"fwd": 0, "bwd_data": 1, "bwd_weights": 2}
@@ -243,27 +244,27 @@ def parse_callgrind(text: str) -> tuple[list[str], dict[str, dict[int, list[int]
     return events, costs
 
 
-def profile_kernel(build_dir: Path, layer: dict, pass_name: str, batch: int, v: int,
+def profile_kernel(build_dir: Path, layer: LayerEntry, pass_name: str, batch: int, v: int,
                    flops: float, harness: Path, workdir: Path, mcpu: str, issue: float, fma_units: int,
                    l1: int, l2: int, peak: float | None, repeats: int) -> KernelProfile:
-    kernel = layer["kernels"][pass_name]
-    lib = build_dir / kernel["library"]
-    symbol = next(iter(kernel["symbols"]))
-    fc = layer["type"] == "fc"
+    kernel = layer.kernels[pass_name]
+    lib = build_dir / kernel.library
+    symbol = next(iter(kernel.symbols))
+    fc = layer.type == "fc"
     (wshape, bias_len) = WeightedLayer.blocked_sizes(layer, v)
     weights = 1
     for d in wshape:
         weights *= d
-    c, h, w = layer["in_shape"]
-    oc, oh, ow = layer["out_shape"]
+    c, h, w = layer.in_shape
+    oc, oh, ow = layer.out_shape
     args = [str(lib), symbol, str(KIND_CODE[pass_name]), str(int(fc)), str(batch), str(blocks(oc, v)),
             str(batch * blocks(c, v) * v * h * w), str(weights), str(bias_len), str(batch * blocks(oc, v) * v * oh * ow),
-            str(kernel["plan"].get("scratch_floats", 0))]
+            str((kernel.plan or {}).get("scratch_floats", 0))]
     measured = None
     if peak:
         timed = subprocess.run([str(harness), *args, str(repeats + 1)], check=True, capture_output=True, text=True)
         measured = flops / float(timed.stdout) / 1e9 / peak
-    events, costs = callgrind_counts([str(harness), *args, "1"], l1, l2, workdir / f"{layer['name']}_{pass_name}.cg")
+    events, costs = callgrind_counts([str(harness), *args, "1"], l1, l2, workdir / f"{layer.name}_{pass_name}.cg")
     instrs, functions = disassemble(lib, symbol)
     ev = {name: i for i, name in enumerate(events)}
     # Runtime address -> library offset: the kernel's entry point runs first, so its lowest
@@ -299,7 +300,7 @@ def profile_kernel(build_dir: Path, layer: dict, pass_name: str, batch: int, v: 
     loop_cycles = sum(lp.iterations * lp.mca_cycles for lp in loops)
     cycles = loop_cycles + other / issue
     loops.sort(key=lambda lp: -lp.iterations * lp.mca_cycles)
-    return KernelProfile(layer["name"], pass_name, batch, flops, 2 * v, fma_instructions, instructions,
+    return KernelProfile(layer.name, pass_name, batch, flops, 2 * v, fma_instructions, instructions,
                          total("Dr"), total("Dw"), total("D1mr") + total("D1mw"), total("DLmr") + total("DLmw"),
                          loop_cycles, other, fma_instructions / (fma_units * cycles) if cycles else 0.0, measured, loops[:4])
 
@@ -352,7 +353,7 @@ def main(argv=None) -> int:
         workdir = Path(tmp)
         build_dir = args.build_dir or workdir / "build"
         build(net, arch, build_dir)
-        manifest = json.loads((build_dir / "manifest.json").read_text())
+        manifest = read_manifest(build_dir)
         harness = workdir / "harness"
         (workdir / "harness.c").write_text(HARNESS)
         subprocess.run(["gcc", "-O2", "-o", str(harness), str(workdir / "harness.c"), "-ldl"], check=True)
@@ -363,13 +364,13 @@ def main(argv=None) -> int:
             print(f"FMA peak, 1 thread: {peak:.1f} GFLOP/s")
         print(HEADER)
         results = []
-        for layer in manifest["layers"]:
-            if layer["type"] not in ("conv", "fc") or (wanted and layer["name"] not in wanted):
+        for layer in manifest.layers:
+            if layer.type not in ("conv", "fc") or (wanted and layer.name not in wanted):
                 continue
-            batch = args.fc_batch if layer["type"] == "fc" else args.batch
+            batch = args.fc_batch if layer.type == "fc" else args.batch
             for p in args.passes.split(","):
                 prof = profile_kernel(build_dir, layer, p, batch, arch.vector_floats,
-                                      specs[layer["name"]].flops(batch), harness, workdir, args.mcpu, args.issue,
+                                      specs[layer.name].flops(batch), harness, workdir, args.mcpu, args.issue,
                                       arch.fma_units, caches.l1d_bytes, caches.l2_bytes, peak, args.repeats)
                 results.append(prof)
                 print(prof.row(), flush=True)

@@ -19,19 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pcldnn_runtime.layers import DROPOUT_HASH_STEP
+# Passes each layer type has (the loss's bwd_data is the gradient of the mean loss w.r.t. the
+# logits): one table, in the manifest schema the runtime validates builds against.
+from pcldnn_runtime.manifest import LAYER_PASSES, PASSES  # noqa: F401
 
 from .arch import Arch
 from .errors import PlanError
 from .netspec import LayerSpec
-
-PASSES = ("fwd", "bwd_data", "bwd_weights")
-# Passes each layer type has (the loss's bwd_data is the gradient of the mean loss w.r.t. the logits).
-LAYER_PASSES: dict[str, tuple[str, ...]] = {
-    "conv": PASSES, "fc": PASSES,
-    "maxpool": ("fwd", "bwd_data"), "avgpool": ("fwd", "bwd_data"),
-    "relu": ("fwd", "bwd_data"), "dropout": ("fwd", "bwd_data"),
-    "softmax_cross_entropy": ("fwd", "bwd_data"),
-}
 
 # Independent accumulator chains needed, as a multiple of fma_latency × fma_units. Measured
 # on VGG-A conv3 (AVX2, one thread): a 2x4 tile with exactly 8 chains ran at 75 GFLOP/s, a

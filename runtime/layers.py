@@ -15,6 +15,7 @@ import numpy as np
 
 from .errors import PcldnnError
 from .kernels import empty_aligned, ptr
+from .manifest import LayerEntry
 
 
 def blocks(channels: int, v: int) -> int:
@@ -24,11 +25,12 @@ def blocks(channels: int, v: int) -> int:
 class Layer:
     """Common part: shapes, the layer's kernels by role, canonical <-> blocked conversion."""
 
-    def __init__(self, spec: dict, kernels: dict[str, Callable], v: int, net):
-        self.name: str = spec["name"]
-        self.type: str = spec["type"]
-        self.in_shape: tuple[int, int, int] = tuple(spec["in_shape"])
-        self.out_shape: tuple[int, int, int] = tuple(spec["out_shape"])
+    def __init__(self, spec: LayerEntry, kernels: dict[str, Callable], v: int, net):
+        self.name: str = spec.name
+        self.type: str = spec.type
+        self.in_shape: tuple[int, int, int] = spec.in_shape
+        self.out_shape: tuple[int, int, int] = spec.out_shape
+        self.kernel: tuple[int, int] = spec.kernel
         self.spec = spec
         self._k = kernels
         self._v = v
@@ -113,14 +115,16 @@ class WeightedLayer(Layer):
     """conv and fc: blocked weights (OC/V, IC/V, KH, KW, V, V) and a padded bias, both views
     into the net's flat parameter buffer; their gradients are views into the gradient buffer."""
 
-    def __init__(self, spec: dict, kernels: dict[str, Callable], v: int, net,
+    def __init__(self, spec: LayerEntry, kernels: dict[str, Callable], v: int, net,
                  params: tuple[np.ndarray, np.ndarray], grads: tuple[np.ndarray, np.ndarray]):
         super().__init__(spec, kernels, v, net)
-        self.weight_shape: tuple[int, ...] = tuple(spec["weight_shape"])
-        self.relu: bool = spec["relu"]
+        self.weight_shape: tuple[int, ...] = spec.weight_shape
+        self.relu: bool = spec.relu
         self._wt, self._bias = params
         self._dwt, self._dbias = grads
-        self.scratch_floats: int = spec["kernels"]["bwd_data"]["plan"]["scratch_floats"]
+        # conv backward-data may transpose the weights into scratch: room for all of them (the
+        # runtime sizes it from the shapes, not from a number in the manifest)
+        self.scratch_floats: int = self._wt.size if self.type == "conv" else 0
         # fc: the output-feature blocks this process computes (all of them unless a model-parallel
         # runtime gives it a slice); conv kernels always compute the whole layer.
         self.ocb_range: tuple[int, int] | None = (0, blocks(self.out_shape[0], v)) if self.type == "fc" else None
@@ -131,10 +135,10 @@ class WeightedLayer(Layer):
         self._wt_offset = self._bias_offset = 0  # where the weights and bias start in the flat buffers
 
     @staticmethod
-    def blocked_sizes(spec: dict, v: int) -> tuple[tuple[int, ...], int]:
-        """(blocked weight shape, padded bias length) of a layer spec from the manifest."""
-        oc, ic = spec["out_shape"][0], spec["in_shape"][0]
-        kh, kw = spec["kernel"]
+    def blocked_sizes(spec: LayerEntry, v: int) -> tuple[tuple[int, ...], int]:
+        """(blocked weight shape, padded bias length) of a layer from the manifest."""
+        oc, ic = spec.out_shape[0], spec.in_shape[0]
+        kh, kw = spec.kernel
         return (blocks(oc, v), blocks(ic, v), kh, kw, v, v), blocks(oc, v) * v
 
     def init_weights(self, rng: np.random.Generator) -> None:
@@ -272,9 +276,9 @@ class DropoutLayer(Layer):
     adding offset x G to the seed is the same as adding offset to i), and p ranks draw exactly
     the masks one process draws for the whole minibatch."""
 
-    def __init__(self, spec: dict, kernels: dict[str, Callable], v: int, net):
+    def __init__(self, spec: LayerEntry, kernels: dict[str, Callable], v: int, net):
         super().__init__(spec, kernels, v, net)
-        self.rate: float = spec["rate"]
+        self.rate: float = spec.rate
 
     def aux_buffer(self, batch: int) -> np.ndarray:
         return np.zeros(1, dtype=np.uint64)

@@ -1,53 +1,227 @@
-"""Reading a build directory's manifest.json (the contract between generator and runtime), and
-the other JSON files users hand the tools (arch and machine descriptions)."""
+"""A build directory's manifest.json (the contract between generator and runtime), read
+through one typed, validated schema.
+
+The runtime trusts nothing in the file's structure: every field is type- and range-checked,
+shapes must chain from the net's input and follow from each layer's window, every kernel
+entry must name the symbols and kinds its layer type needs, and library paths stay inside
+the build directory. Any defect is one `BuildDirError` naming the field.
+"""
 from __future__ import annotations
 
-import json
-from dataclasses import fields
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import BuildDirError, PcldnnError
+from . import cpu, limits
+from .errors import BuildDirError
+from .validate import LABEL_RE, NAME_RE, Fields, read_json
 
 FORMAT = "pcldnn-build/1"
 MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+
+PASSES = ("fwd", "bwd_data", "bwd_weights")
+# The passes each layer type has; every layer also has its "layout" conversions.
+LAYER_PASSES: dict[str, tuple[str, ...]] = {
+    "conv": PASSES, "fc": PASSES,
+    "maxpool": ("fwd", "bwd_data"), "avgpool": ("fwd", "bwd_data"),
+    "relu": ("fwd", "bwd_data"), "dropout": ("fwd", "bwd_data"),
+    "softmax_cross_entropy": ("fwd", "bwd_data"),
+}
+WEIGHTED = ("conv", "fc")
+WINDOWED = ("conv", "maxpool", "avgpool")
+# Layout conversions (symbol suffix -> kernel kind); weighted layers also convert weights.
+ACT_LAYOUTS = ("in_to_blocked", "in_from_blocked", "out_to_blocked", "out_from_blocked")
+WEIGHT_LAYOUTS = ("wt_to_blocked", "wt_from_blocked")
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_REL_PATH = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_./-]{0,250}")
 
 
-def read_json(path: Path, error: type[PcldnnError] = PcldnnError) -> Any:
-    """A user's JSON file, or `error` naming the file and the line and column of the problem."""
-    try:
-        return json.loads(Path(path).read_text())
-    except OSError as e:
-        raise error(f"{path}: cannot read: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise error(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+@dataclass(frozen=True)
+class KernelEntry:
+    """One compiled file of a layer: its library (relative to the build directory), digest,
+    C source, and {symbol: kernel kind}."""
+
+    library: str
+    sha256: str
+    source: str
+    symbols: dict[str, str]
+    plan: dict | None  # the planner's record (for people and tools; the runtime reads no sizes from it)
 
 
-def checked_fields(data: Any, cls, origin: str, error: type[PcldnnError] = PcldnnError) -> dict:
-    """{name: dataclass field} of `cls` after checking that `data` is an object naming no other."""
-    if not isinstance(data, dict):
-        raise error(f"{origin}: (top level): must be an object")
-    known = {f.name: f for f in fields(cls)}
-    for key in data:
-        if key not in known:
-            raise error(f"{origin}: {key}: unknown field (allowed: {', '.join(known)})")
-    return known
+@dataclass(frozen=True)
+class LayerEntry:
+    name: str
+    type: str
+    in_shape: tuple[int, int, int]
+    out_shape: tuple[int, int, int]
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    pad: tuple[int, int]
+    relu: bool
+    rate: float
+    weight_shape: tuple[int, ...] | None
+    kernels: dict[str, KernelEntry]  # by pass name, and "layout"
 
 
-def read_manifest(build_dir: Path) -> dict[str, Any]:
-    """Parse and sanity-check `build_dir/manifest.json`."""
+@dataclass(frozen=True)
+class Manifest:
+    format: str
+    generator: str
+    net_name: str
+    net_input: tuple[int, int, int]
+    classes: int | None
+    net_hash: str
+    arch: dict          # the generator's CPU description, as recorded (validated: isa, width, flags)
+    layers: tuple[LayerEntry, ...]
+
+    @property
+    def isa(self) -> str:
+        return self.arch["isa"]
+
+    @property
+    def vector_floats(self) -> int:
+        return self.arch["vector_bits"] // 32
+
+
+def read_manifest(build_dir: Path) -> Manifest:
+    """Parse and validate `build_dir/manifest.json`."""
     path = Path(build_dir) / MANIFEST
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise BuildDirError(f"{build_dir}: not a build directory (no {MANIFEST}); "
-                            "run `pcldnn-gen compile NET.json` first") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise BuildDirError(f"{path}: unreadable manifest: {e}") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise BuildDirError(f"{path}: format is {data.get('format') if isinstance(data, dict) else None!r}, "
-                            f"expected {FORMAT!r}; recompile with this version")
-    return data
+        if not path.exists():
+            raise BuildDirError(f"{build_dir}: not a build directory (no {MANIFEST}); "
+                                "run `pcldnn-gen compile NET.json` first")
+    except (OSError, ValueError) as e:
+        raise BuildDirError(f"{build_dir}: not a usable build directory path ({e})") from None
+    data = read_json(path, BuildDirError, MAX_MANIFEST_BYTES)
+    fmt = data.get("format") if isinstance(data, dict) else None
+    if fmt != FORMAT:
+        raise BuildDirError(f"{path}: format is {fmt!r}, expected {FORMAT!r}; recompile with this version")
+    return parse_manifest(data, str(path))
+
+
+def parse_manifest(data: Any, origin: str) -> Manifest:
+    f = Fields(origin, BuildDirError)
+    f.obj(data, "", {"format", "generator", "net", "arch", "layers"})
+    net = f.obj(data["net"], "net", {"name", "input", "classes", "hash"})
+    name = f.string(net["name"], "net.name", NAME_RE, "a net name")
+    net_input = _shape(f, net["input"], "net.input", limits.MAX_CHANNELS)
+    classes = None if net["classes"] is None else f.int_in(net["classes"], "net.classes", 1, limits.MAX_FEATURES)
+    net_hash = f.string(net["hash"], "net.hash", _SHA256, "a sha256 digest")
+    arch = _arch(f, data["arch"])
+    v = arch["vector_bits"] // 32
+    raw_layers = f.array(data["layers"], "layers", 1, limits.MAX_LAYERS)
+    layers: list[LayerEntry] = []
+    shape = net_input
+    for i, raw in enumerate(raw_layers):
+        layer = _layer(f, raw, f"layers[{i}]", shape, v)
+        if any(l.name == layer.name for l in layers):
+            f.fail(f"layers[{i}].name", f"duplicate layer name {layer.name!r}")
+        layers.append(layer)
+        shape = layer.out_shape
+    return Manifest(FORMAT, f.text(data["generator"], "generator"), name, net_input, classes, net_hash, arch,
+                    tuple(layers))
+
+
+def _shape(f: Fields, value: Any, where: str, max_channels: int) -> tuple[int, int, int]:
+    items = f.array(value, where, 3, 3)
+    return (f.int_in(items[0], f"{where}[0]", 1, max_channels),
+            f.int_in(items[1], f"{where}[1]", 1, limits.MAX_SPATIAL),
+            f.int_in(items[2], f"{where}[2]", 1, limits.MAX_SPATIAL))
+
+
+def _pair(f: Fields, value: Any, where: str, lo: int, hi: int) -> tuple[int, int]:
+    items = f.array(value, where, 2, 2)
+    return (f.int_in(items[0], f"{where}[0]", lo, hi), f.int_in(items[1], f"{where}[1]", lo, hi))
+
+
+def _arch(f: Fields, value: Any) -> dict:
+    """The recorded CPU description: its ISA, that ISA's width and exactly its compiler flags
+    (what the libraries really target); the other fields are numbers the runtime only reports."""
+    arch = f.obj(value, "arch", {"name", "isa", "vector_bits", "cflags"}, set(value) if isinstance(value, dict) else ())
+    f.string(arch["name"], "arch.name", LABEL_RE, "an arch label")
+    isa = f.choice(arch["isa"], "arch.isa", tuple(cpu.ISA_FLAGS))
+    f.choice(arch["vector_bits"], "arch.vector_bits", (cpu.ISA_VECTOR_BITS[isa],))
+    if arch["cflags"] != list(cpu.ISA_CFLAGS[isa]):
+        f.fail("arch.cflags", f"{isa} builds are compiled with exactly {list(cpu.ISA_CFLAGS[isa])}, "
+               f"got {arch['cflags']!r:.80}")
+    for key, item in arch.items():
+        if key not in ("name", "isa", "vector_bits", "cflags"):
+            f.number_in(item, f"arch.{key}", 0, 1 << 40)
+    return dict(arch)
+
+
+def _layer(f: Fields, raw: Any, where: str, in_shape: tuple[int, int, int], v: int) -> LayerEntry:
+    keys = {"name", "type", "in_shape", "out_shape", "kernel", "stride", "pad", "relu", "rate",
+            "weight_shape", "kernels"}
+    f.obj(raw, where, keys)
+    name = f.string(raw["name"], f"{where}.name", NAME_RE, "a layer name")
+    ltype = f.choice(raw["type"], f"{where}.type", tuple(LAYER_PASSES))
+    got_in = _shape(f, raw["in_shape"], f"{where}.in_shape", limits.MAX_FEATURES)
+    if got_in != in_shape:
+        f.fail(f"{where}.in_shape", f"is {list(got_in)} but the previous layer (or the net input) gives {list(in_shape)}")
+    out = _shape(f, raw["out_shape"], f"{where}.out_shape", limits.MAX_FEATURES)
+    kmax = limits.MAX_SPATIAL
+    kernel = _pair(f, raw["kernel"], f"{where}.kernel", 1, kmax)
+    stride = _pair(f, raw["stride"], f"{where}.stride", 1, kmax)
+    pad = _pair(f, raw["pad"], f"{where}.pad", 0, limits.MAX_PAD)
+    relu = f.boolean(raw["relu"], f"{where}.relu")
+    rate = f.number_in(raw["rate"], f"{where}.rate", 0.0, 1.0, open_hi=True)
+    c, h, w = in_shape
+    if ltype in WINDOWED:
+        oc = out[0] if ltype == "conv" else c
+        want = (oc, limits.out_size(h, kernel[0], stride[0], pad[0]), limits.out_size(w, kernel[1], stride[1], pad[1]))
+    elif ltype == "fc":
+        want = (out[0], 1, 1)
+        if kernel != (h, w) or stride != (1, 1) or pad != (0, 0):
+            f.fail(f"{where}.kernel", f"an fc layer's window is its whole {h}x{w} input, got kernel {list(kernel)}, "
+                   f"stride {list(stride)}, pad {list(pad)}")
+    else:
+        want = in_shape
+    if out != want or min(want) < 1:
+        f.fail(f"{where}.out_shape", f"is {list(out)} but the layer's input and window give {list(want)}")
+    weight_shape = None
+    if ltype in WEIGHTED:
+        expect = (out[0], c, *kernel) if ltype == "conv" else (out[0], c * h * w)
+        weight_shape = tuple(f.array(raw["weight_shape"], f"{where}.weight_shape", len(expect), len(expect)))
+        if weight_shape != expect:
+            f.fail(f"{where}.weight_shape", f"is {list(weight_shape)} but the layer's shapes give {list(expect)}")
+    elif raw["weight_shape"] is not None:
+        f.fail(f"{where}.weight_shape", f"must be null for a {ltype} layer")
+    for size, what in ((limits.padded(out[0], v) * out[1] * out[2], "out_shape"),
+                       (limits.padded(out[0], v) * limits.padded(c, v) * kernel[0] * kernel[1], "weight_shape")):
+        if size > limits.MAX_TENSOR_FLOATS:
+            f.fail(f"{where}.{what}", f"a tensor of {size} floats per image, more than the {limits.MAX_TENSOR_FLOATS} allowed")
+    kernels = _kernels(f, raw["kernels"], f"{where}.kernels", name, ltype)
+    return LayerEntry(name, ltype, in_shape, out, kernel, stride, pad, relu, rate, weight_shape, kernels)
+
+
+def _kernels(f: Fields, value: Any, where: str, layer: str, ltype: str) -> dict[str, KernelEntry]:
+    passes = LAYER_PASSES[ltype]
+    f.obj(value, where, {*passes, "layout"})
+    out = {}
+    for p in (*passes, "layout"):
+        at = f"{where}.{p}"
+        raw = f.obj(value[p], at, {"library", "sha256", "source", "symbols"}, {"plan"})
+        if p == "layout":
+            roles = ACT_LAYOUTS + (WEIGHT_LAYOUTS if ltype in WEIGHTED else ())
+            want = {f"pcldnn_{layer}_{r}": ("weight_layout" if r.startswith("wt_") else "act_layout") for r in roles}
+        else:
+            want = {f"pcldnn_{layer}_{p}": f"{ltype}_{p}"}
+        symbols = f.obj(raw["symbols"], f"{at}.symbols", set(want))
+        for sym, kind in want.items():
+            if symbols[sym] != kind:
+                f.fail(f"{at}.symbols.{sym}", f"must be {kind!r}, got {symbols[sym]!r:.60}")
+        plan = raw.get("plan")
+        if plan is not None and not isinstance(plan, dict):
+            f.fail(f"{at}.plan", "must be an object")
+        out[p] = KernelEntry(f.string(raw["library"], f"{at}.library", _REL_PATH, "a relative path"),
+                             f.string(raw["sha256"], f"{at}.sha256", _SHA256, "a sha256 digest"),
+                             f.string(raw["source"], f"{at}.source", _REL_PATH, "a relative path"),
+                             dict(want), plan)
+    return out
 
 
 def inside(build_dir: Path, relative: str) -> Path:

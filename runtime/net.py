@@ -14,7 +14,7 @@ from .errors import BuildDirError, PcldnnError
 from .kernels import empty_aligned, load_library, ptr, zeros_aligned
 from .layers import (AvgPoolLayer, DropoutLayer, Layer, LossLayer, MaxPoolLayer, ReluLayer,
                      WeightedLayer)
-from .manifest import inside, read_manifest
+from .manifest import LayerEntry, Manifest, inside, read_manifest
 
 _LAYER_CLASSES = {"conv": WeightedLayer, "fc": WeightedLayer, "maxpool": MaxPoolLayer,
                   "avgpool": AvgPoolLayer, "relu": ReluLayer, "dropout": DropoutLayer,
@@ -51,12 +51,12 @@ class Net:
     each layer's blocked weights and bias being views into them, so an optimizer or an MPI
     reduction can work on contiguous slices."""
 
-    def __init__(self, build_dir: Path, manifest: dict, threads: int, seed: int):
+    def __init__(self, build_dir: Path, manifest: Manifest, threads: int, seed: int):
         self.build_dir = build_dir
         self.manifest = manifest
-        self.name: str = manifest["net"]["name"]
-        self.isa: str = manifest["arch"]["isa"]
-        self.vector_floats: int = manifest["arch"]["vector_bits"] // 32
+        self.name: str = manifest.net_name
+        self.isa: str = manifest.isa
+        self.vector_floats: int = manifest.vector_floats
         self.threads = threads
         self.seed = seed
         self._dropout_draws = 0
@@ -64,16 +64,16 @@ class Net:
         self._scratch = empty_aligned((0,))
         self._workspaces: dict[int, _Workspace] = {}
         self._pending: _Workspace | None = None  # set by a training-mode forward, used by backward
-        specs = manifest["layers"]
+        specs = manifest.layers
         v = self.vector_floats
 
         # Flat parameter and gradient buffers: [w0, b0, w1, b1, ...], each block cache-line aligned.
         offsets, total = {}, 0
         for spec in specs:
-            if _LAYER_CLASSES.get(spec["type"]) is WeightedLayer:
+            if _LAYER_CLASSES[spec.type] is WeightedLayer:
                 wshape, blen = WeightedLayer.blocked_sizes(spec, v)
                 wsize = int(np.prod(wshape))
-                offsets[spec["name"]] = (total, wshape, total + _round_up(wsize), blen)
+                offsets[spec.name] = (total, wshape, total + _round_up(wsize), blen)
                 total += _round_up(wsize) + _round_up(blen)
         self.params = zeros_aligned((total,))
         self.grads = zeros_aligned((total,))
@@ -83,12 +83,10 @@ class Net:
 
         self.layers: dict[str, Layer] = {}
         for index, spec in enumerate(specs):
-            cls = _LAYER_CLASSES.get(spec["type"])
-            if cls is None:
-                raise BuildDirError(f"{build_dir}: layer {spec['name']} has unknown type {spec['type']!r}")
+            cls = _LAYER_CLASSES[spec.type]
             kernels = self._load_kernels(spec)
             if cls is WeightedLayer:
-                w0, wshape, b0, blen = offsets[spec["name"]]
+                w0, wshape, b0, blen = offsets[spec.name]
                 wsize = int(np.prod(wshape))
                 views = lambda buf: (buf[w0:w0 + wsize].reshape(wshape), buf[b0:b0 + blen])  # noqa: E731
                 layer = cls(spec, kernels, v, self, views(self.params), views(self.grads))
@@ -97,7 +95,7 @@ class Net:
                 layer.init_weights(np.random.default_rng(np.random.SeedSequence([seed, index])))
             else:
                 layer = cls(spec, kernels, v, self)
-            self.layers[spec["name"]] = layer
+            self.layers[spec.name] = layer
         self.chain: list[Layer] = [l for l in self.layers.values() if not isinstance(l, LossLayer)]
         losses = [l for l in self.layers.values() if isinstance(l, LossLayer)]
         self.loss_layer: LossLayer | None = losses[0] if losses else None
@@ -107,13 +105,13 @@ class Net:
             seen_fc = seen_fc or layer.type == "fc"
             layer.flat_output = seen_fc
 
-    def _load_kernels(self, spec: dict) -> dict:
+    def _load_kernels(self, spec: LayerEntry) -> dict:
         """{role: callable}: 'fwd', 'bwd_data', 'bwd_weights' and the layout roles
         ('in_to_blocked', 'wt_from_blocked', ...)."""
         roles = {}
-        prefix = f"pcldnn_{spec['name']}_"
-        for pass_name, entry in spec["kernels"].items():
-            fns = load_library(inside(self.build_dir, entry["library"]), entry["sha256"], entry["symbols"])
+        prefix = f"pcldnn_{spec.name}_"
+        for pass_name, entry in spec.kernels.items():
+            fns = load_library(inside(self.build_dir, entry.library), entry.sha256, entry.symbols)
             for symbol, fn in fns.items():
                 roles[pass_name if pass_name != "layout" else symbol[len(prefix):]] = fn
         return roles
@@ -133,14 +131,14 @@ class Net:
 
     def build_fingerprint(self) -> str:
         """sha256 over the build's kernel libraries and arch: ranks of one job must agree on it."""
-        kernels = {l["name"]: {p: k["sha256"] for p, k in l["kernels"].items()} for l in self.manifest["layers"]}
-        blob = json.dumps({"arch": self.manifest["arch"], "kernels": kernels}, sort_keys=True)
+        kernels = {l.name: {p: k.sha256 for p, k in l.kernels.items()} for l in self.manifest.layers}
+        blob = json.dumps({"arch": self.manifest.arch, "kernels": kernels}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
     @property
     def net_hash(self) -> str:
         """sha256 of the net description the build was made from (checkpoints carry it)."""
-        return self.manifest["net"]["hash"]
+        return self.manifest.net_hash
 
     def scratch(self, floats: int) -> np.ndarray:
         """Shared kernel scratch (conv backward-data's transposed weights), grown on demand."""
@@ -235,7 +233,7 @@ def load(build_dir: str | Path, threads: int | None = None, seed: int = 0) -> Ne
     """
     build_dir = Path(build_dir)
     manifest = read_manifest(build_dir)
-    cpu.require(manifest["arch"]["isa"], f"build {build_dir}")
+    cpu.require(manifest.isa, f"build {build_dir}")
     if threads is None:
         threads = cpu.usable_cores()
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:

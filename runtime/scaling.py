@@ -34,11 +34,11 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from .errors import PcldnnError
-from .manifest import checked_fields, read_json
+from .validate import LABEL_RE, Fields, read_json
 
 KINDS = ("conv_fwd", "conv_bwd_data", "conv_bwd_weights", "fc_fwd", "fc_bwd_data", "fc_bwd_weights")
 ALGORITHMS = ("ring", "rhd")
@@ -104,28 +104,23 @@ def machine_from_file(path: Path) -> Machine:
     return machine_from_dict(read_json(path), str(path))
 
 
+# Physical ranges of a machine description's numbers (one node, its link).
+MACHINE_RANGES = {"peak_gflops": (1e-3, 1e7), "memory_gbs": (1e-3, 1e5), "latency_us": (1e-6, 1e7),
+                  "bandwidth_gbs": (1e-6, 1e5), "reduce_gbs": (1e-3, 1e5)}
+
+
 def machine_from_dict(data, origin: str) -> Machine:
-    known = checked_fields(data, Machine, origin)
+    f = Fields(origin)
     optional = {"algorithm", "overlap", "source", "nodes_note"}
-    for name in known:
-        if name not in data and name not in optional:
-            raise PcldnnError(f"{origin}: {name}: missing required field")
-    for name in ("peak_gflops", "memory_gbs", "latency_us", "bandwidth_gbs", "reduce_gbs"):
-        v = data[name]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e12:
-            raise PcldnnError(f"{origin}: {name}: must be a positive number, got {v!r}")
-    eff = data["efficiency"]
-    if not isinstance(eff, dict) or set(eff) != set(KINDS):
-        raise PcldnnError(f"{origin}: efficiency: must be an object with exactly the keys {', '.join(KINDS)}")
-    for kind, v in eff.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
-            raise PcldnnError(f"{origin}: efficiency.{kind}: must be a fraction in (0, 1], got {v!r}")
-    if data.get("algorithm", "rhd") not in ALGORITHMS:
-        raise PcldnnError(f"{origin}: algorithm: must be one of {', '.join(ALGORITHMS)}, got {data['algorithm']!r}")
-    if not isinstance(data.get("overlap", True), bool):
-        raise PcldnnError(f"{origin}: overlap: must be true or false")
-    values = {k: data[k] for k in known if k in data}
-    values.setdefault("nodes_note", origin)
+    f.obj(data, "", {fld.name for fld in fields(Machine)} - optional, optional)
+    values = {name: f.number_in(data[name], name, lo, hi) for name, (lo, hi) in MACHINE_RANGES.items()}
+    eff = f.obj(data["efficiency"], "efficiency", KINDS)
+    values["efficiency"] = {k: f.number_in(eff[k], f"efficiency.{k}", 0, 1, open_lo=True) for k in KINDS}
+    values["name"] = f.string(data["name"], "name", LABEL_RE, "a machine label")
+    values["algorithm"] = f.choice(data.get("algorithm", "rhd"), "algorithm", ALGORITHMS)
+    values["overlap"] = f.boolean(data.get("overlap", True), "overlap")
+    values["source"] = f.text(data.get("source", ""), "source")
+    values["nodes_note"] = f.text(data.get("nodes_note", origin[-200:]), "nodes_note")
     return Machine(**values)
 
 
@@ -182,9 +177,8 @@ def loads_of(layers) -> list[LayerLoad]:
     out = []
     for layer in layers:
         if layer.type in ("conv", "fc"):
-            kernel = layer.kernel if hasattr(layer, "kernel") else layer.spec["kernel"]
             out.append(LayerLoad.from_shapes(layer.name, layer.type, layer.in_shape, layer.out_shape,
-                                             tuple(kernel), not out))
+                                             tuple(layer.kernel), not out))
     return out
 
 

@@ -121,8 +121,13 @@ def test_plan_speedup_and_minimum_minibatch():
 
 
 @pytest.mark.parametrize("patch, message", [
-    ({"bandwidth_gbs": 0}, "bandwidth_gbs: must be a positive number"),
-    ({"efficiency": {"conv_fwd": 0.5}}, "efficiency: must be an object with exactly the keys"),
+    ({"bandwidth_gbs": 0}, r"bandwidth_gbs: must be a number in \[1e-06, 100000\], got 0"),
+    ({"latency_us": 1e300}, r"latency_us: must be a number in"),
+    ({"peak_gflops": "fast"}, r"peak_gflops: must be a number in"),
+    ({"efficiency": {"conv_fwd": 0.5}}, "efficiency.conv_bwd_data: missing required field"),
+    ({"efficiency": [0.5]}, "efficiency: must be an object"),
+    ({"name": "a\nb"}, "name: must match"),
+    ({"overlap": "yes"}, "overlap: must be true or false"),
     ({"algorithm": "tree"}, "algorithm: must be one of ring, rhd"),
     ({"colour": 1}, "colour: unknown field"),
 ])
