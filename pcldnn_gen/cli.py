@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from . import __version__
@@ -18,7 +19,7 @@ from .planner import PASSES, plan_layer
 
 
 def _compile(args: argparse.Namespace) -> int:
-    net = load_netspec(args.net)
+    net = load_netspec(args.net, args.max_memory)
     arch = get_arch(args.arch)
     t0 = time.perf_counter()
     result = build(net, arch, Path(args.output) if args.output else None, args.jobs)
@@ -35,7 +36,7 @@ def _compile(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    net = load_netspec(args.net)
+    net = load_netspec(args.net, args.max_memory)
     arch = get_arch(args.arch)
     layer = net.layer(args.layer)
     plan = plan_layer(layer, args.pass_name, arch)
@@ -70,7 +71,7 @@ def _cores() -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from . import bench
-    net = load_netspec(args.net)
+    net = load_netspec(args.net, args.max_memory)
     arch = get_arch(args.arch)
     threads = args.threads or _cores()
     passes = tuple(args.passes.split(","))
@@ -93,7 +94,7 @@ def _plan(args: argparse.Namespace) -> int:
     from pcldnn_runtime import scaling
 
     from . import plan
-    net = load_netspec(args.net)
+    net = load_netspec(args.net, args.max_memory)
     nodes = plan.parse_nodes(args.nodes)
     machine = (plan.local_machine(net, args.arch, args.bench_json, args.threads) if args.machine == "local"
                else scaling.get_machine(args.machine))
@@ -120,6 +121,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--arch", default="native", help="avx2, avx512, scalar, native (default) or an arch JSON file")
     c.add_argument("-o", "--output", help="build directory (default build/<net>-<isa>)")
     c.add_argument("--jobs", type=_positive, default=None, help="parallel compiler processes (default: cores)")
+    c.add_argument("--max-memory", type=_memory, default=None, metavar="SIZE",
+                   help="refuse nets that need more memory than SIZE to train at minibatch 1 (e.g. 64G; "
+                        "default PCLDNN_MAX_MEMORY or 16G)")
     c.set_defaults(func=_compile)
 
     i = sub.add_parser("inspect", help="print the C emitted for one layer and pass")
@@ -128,6 +132,9 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--pass", dest="pass_name", default="fwd", choices=PASSES)
     i.add_argument("--arch", default="native")
     i.add_argument("--explain", action="store_true", help="print the plan and rejected tiles instead of C")
+    i.add_argument("--max-memory", type=_memory, default=None, metavar="SIZE",
+                   help="refuse nets that need more memory than SIZE to train at minibatch 1 (e.g. 64G; "
+                        "default PCLDNN_MAX_MEMORY or 16G)")
     i.set_defaults(func=_inspect)
 
     k = sub.add_parser("peak", help="measure the FMA peak (GFLOP/s) with a generated micro-kernel")
@@ -148,6 +155,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--compare", default="", help="comma-separated baselines: numpy, onednn (needs torch)")
     b.add_argument("--json", help="write the results as JSON")
     b.add_argument("--plot", help="write a bar chart (PNG; needs matplotlib)")
+    b.add_argument("--max-memory", type=_memory, default=None, metavar="SIZE",
+                   help="refuse nets that need more memory than SIZE to train at minibatch 1 (e.g. 64G; "
+                        "default PCLDNN_MAX_MEMORY or 16G)")
     b.set_defaults(func=_bench)
 
     pl = sub.add_parser("plan", help="predict multi-node scaling and choose data / model / hybrid parallelism per layer")
@@ -165,8 +175,19 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", help="write the plans as JSON")
     pl.add_argument("--plot", help="write predicted speedup against nodes (PNG)")
     pl.add_argument("--timeline", help="write the simulated timeline of one iteration at the largest node count (PNG)")
+    pl.add_argument("--max-memory", type=_memory, default=None, metavar="SIZE",
+                   help="refuse nets that need more memory than SIZE to train at minibatch 1 (e.g. 64G; "
+                        "default PCLDNN_MAX_MEMORY or 16G)")
     pl.set_defaults(func=_plan)
     return ap
+
+
+def _memory(text: str) -> int:
+    from pcldnn_runtime.limits import parse_bytes
+    try:
+        return parse_bytes(text, "--max-memory")
+    except PcldnnError as e:
+        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from None
 
 
 def _positive(text: str) -> int:
@@ -179,13 +200,27 @@ def _positive(text: str) -> int:
     return value
 
 
+def _warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    warnings.showwarning = _warning
     try:
         return args.func(args)
     except PcldnnError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except MemoryError:
+        print("error: out of memory (the net or its minibatch is too large for this machine)", file=sys.stderr)
+        return 2
+    except Exception as e:  # a bug, not bad input: one line, the traceback on request
+        if os.environ.get("PCLDNN_DEBUG"):
+            raise
+        print(f"error: internal error ({type(e).__name__}: {e}); please report it "
+              "(PCLDNN_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # e.g. `pcldnn-gen inspect ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

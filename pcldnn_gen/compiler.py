@@ -11,6 +11,7 @@ only runs kernels needs no compiler.
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import os
@@ -18,6 +19,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,10 +80,41 @@ def cache_key(text: str, cc: str, flags: list[str]) -> str:
     return h.hexdigest()
 
 
+def usable_cache(cache: Path | None = None) -> Path:
+    """The cache directory, created if needed; when it cannot be used (a file, read-only, its
+    parent read-only) a warning names it and PCLDNN_CACHE_DIR, and a private temporary
+    directory (removed at exit) serves this process instead."""
+    cache = cache or cache_dir()
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=cache)
+        os.close(fd)
+        os.unlink(probe)
+        return cache
+    except (OSError, ValueError) as e:
+        reason = getattr(e, "strerror", None) or str(e)
+    fallback = Path(tempfile.mkdtemp(prefix="pcldnn-nocache-"))
+    atexit.register(shutil.rmtree, fallback, True)
+    warnings.warn(f"kernel cache {cache} is unusable ({reason}); compiling without a cache "
+                  "(set PCLDNN_CACHE_DIR to a writable directory)", RuntimeWarning, stacklevel=2)
+    return fallback
+
+
+def _clear(path: Path) -> None:
+    """Remove whatever occupies a cache entry's path that is not a regular file (a directory,
+    a link): the entry is then rebuilt."""
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
 def _valid_entry(lib: Path, digest_file: Path) -> bool:
     try:
-        return lib.is_file() and digest_file.read_text().strip() == file_sha256(lib)
-    except OSError:
+        return (lib.is_file() and not lib.is_symlink() and digest_file.is_file()
+                and digest_file.read_text().strip() == file_sha256(lib))
+    except (OSError, UnicodeDecodeError):
         return False
 
 
@@ -91,6 +124,7 @@ def compile_source(source: Source, arch: Arch, cache: Path | None = None) -> Com
     flags = compile_flags(arch)
     key = cache_key(source.text, cc, flags)
     folder = (cache or cache_dir()) / key[:2]
+    _clear(folder) if folder.is_file() or folder.is_symlink() else None
     folder.mkdir(parents=True, exist_ok=True)
     lib, digest_file, c_file = folder / f"{key}.so", folder / f"{key}.so.sha256", folder / f"{key}.c"
     if _valid_entry(lib, digest_file):
@@ -98,6 +132,8 @@ def compile_source(source: Source, arch: Arch, cache: Path | None = None) -> Com
     with FileLock(str(folder / f"{key}.lock"), timeout=900):
         if _valid_entry(lib, digest_file):  # another process finished it while we waited
             return CompileResult(lib, c_file, compiled=False)
+        for entry in (lib, digest_file, c_file):
+            _clear(entry)
         _atomic_write(c_file, source.text.encode())
         fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".so.tmp", dir=folder)
         os.close(fd)
@@ -123,6 +159,7 @@ def compile_all(sources: list[Source], arch: Arch, jobs: int | None = None,
                 cache: Path | None = None) -> list[CompileResult]:
     """Compile independent sources in parallel (`jobs` compiler processes at once)."""
     compiler_identity(c_compiler())  # fail fast, once, if there is no compiler
+    cache = usable_cache(cache)
     jobs = max(1, jobs or os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         return list(pool.map(lambda s: compile_source(s, arch, cache), sources))

@@ -21,6 +21,7 @@ shards: one step on p ranks equals one step on one rank with the concatenated mi
 """
 from __future__ import annotations
 
+import atexit
 import fnmatch
 import os
 import sys
@@ -57,6 +58,91 @@ def shard_bounds(batch: int, parts: int, rank: int) -> tuple[int, int]:
     return start, start + base + (rank < extra)
 
 
+# Environment variables through which MPI launchers announce the job's size (MPICH / Intel
+# MPI hydra, Open MPI, MVAPICH) and the number of ranks on this node.
+_WORLD_SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+_LOCAL_SIZE_ENV = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
+_guarded: set[int] = set()
+
+
+def world():
+    """MPI.COMM_WORLD when this process is one of several MPI ranks, else None. mpi4py is
+    imported only when a launcher announced a job of more than one rank (or the program
+    already imported it)."""
+    launched = any(os.environ.get(k, "").isdigit() and int(os.environ[k]) > 1 for k in _WORLD_SIZE_ENV)
+    if not launched and "mpi4py.MPI" not in sys.modules:
+        return None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    if not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() < 2:
+        return None
+    return MPI.COMM_WORLD
+
+
+def guard_world():
+    """Under an MPI job of more than one rank: an uncaught exception on any rank aborts the
+    job, and a rank that leaves (even by sys.exit) while others wait in a pcldnn collective
+    makes them fail with a message instead of hanging. Idempotent; returns COMM_WORLD or None."""
+    comm = world()
+    if comm is not None and id(comm) not in _guarded:
+        _guarded.add(id(comm))
+        abort_on_exception(comm)
+        atexit.register(_exit_agreement, comm)
+    return comm
+
+
+def ranks_on_this_node() -> int:
+    """MPI ranks sharing this node: from the launcher's environment, else a shared-memory split
+    of COMM_WORLD (a collective: every rank then calls it), 1 outside MPI."""
+    for key in _LOCAL_SIZE_ENV:
+        text = os.environ.get(key, "")
+        if text.isdigit() and int(text) >= 1:
+            return int(text)
+    comm = world()
+    if comm is None:
+        return 1
+    from mpi4py import MPI
+    return comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+
+
+def agree(comm, op: str, values: dict, own=None, watchdog: "_Watchdog | None" = None) -> list:
+    """Every collective entry point (start-up, step, save, evaluate, reading weights, exit)
+    begins here: the ranks exchange which operation they are in and the values they must share.
+    A rank in another operation, or with other values, makes every rank raise the same
+    PcldnnError naming both (instead of a hang or silently different work). Returns each
+    rank's `own` value (e.g. its shard size)."""
+    what = op
+    if watchdog is not None:
+        watchdog.waiting(what)
+    everyone = comm.allgather((op, values, own))
+    if watchdog is not None:
+        watchdog.waiting(None)
+    first_op, first_values, _ = everyone[0]
+    for rank, (other_op, other_values, _) in enumerate(everyone):
+        if other_op != first_op:
+            raise PcldnnError(f"rank 0 is in {first_op} but rank {rank} is in {other_op}: under MPI these calls are "
+                              "collective: every rank must make the same calls in the same order (e.g. every rank "
+                              "calls trainer.save(path); rank 0 writes the file)")
+        for key in first_values:
+            if other_values.get(key) != first_values[key]:
+                raise PcldnnError(f"{op}: ranks disagree on {key}: rank 0 has {first_values[key]!r}, rank {rank} has "
+                                  f"{other_values.get(key)!r}; every rank must pass the same {key}")
+    return [o for _, _, o in everyone]
+
+
+def _exit_agreement(comm) -> None:
+    """At interpreter exit: tell ranks still in a pcldnn collective that this one is leaving."""
+    from mpi4py import MPI
+    if MPI.Is_finalized():
+        return
+    try:
+        agree(comm, "exit", {})
+    except PcldnnError as e:
+        _abort(comm, f"[rank {comm.rank}] {e}\n", 1)
+
+
 def abort_on_exception(comm) -> None:
     """An uncaught exception on any rank prints that rank's traceback and aborts the whole job
     (the other ranks would otherwise wait forever in the next collective)."""
@@ -66,14 +152,16 @@ def abort_on_exception(comm) -> None:
     sys.excepthook = hook
 
 
-def _abort(comm, message: str, code: int) -> None:
-    """Print `message` on this rank's stderr and end the whole job. The message goes straight
-    to the file descriptor, and the launcher gets a moment to forward it before MPI_Abort
-    kills every rank (under load, hydra lost it otherwise)."""
-    sys.stderr.flush()
-    os.write(2, message.encode())
-    time.sleep(0.5)
-    comm.Abort(code)
+def comm_timeout() -> float:
+    """PCLDNN_COMM_TIMEOUT: seconds one collective may wait before the watchdog ends the job."""
+    text = os.environ.get("PCLDNN_COMM_TIMEOUT", "600")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1e7:
+        raise PcldnnError(f"PCLDNN_COMM_TIMEOUT must be seconds in [0, 1e7] (0: no watchdog), got {text!r}")
+    return value
 
 
 class _Watchdog:
@@ -98,7 +186,8 @@ class _Watchdog:
                 what = self._what
             if what and time.monotonic() - what[1] > self.timeout:
                 _abort(self.comm, f"[rank {self.comm.rank}] pcldnn watchdog: {what[0]} has waited more than "
-                                  f"{self.timeout:g} s; aborting the job\n", 3)
+                                  f"{self.timeout:g} s; aborting the job (under MPI every rank must make the same pcldnn calls "
+                                  "in the same order: step, save, evaluate, reading weights)\n", 3)
 
 
 def layer_modes(net, parallel, p: int, batch: int) -> dict[str, int]:
@@ -261,28 +350,34 @@ class SyncSGD:
         self.MPI, self.net, self.opt, self.comm = MPI, net, optimizer, comm
         self.p, self.rank = comm.size, comm.rank
         self.parallel = parallel
-        check_same_net(net, comm)
+        guard_world()
+        if comm.size > 1:
+            abort_on_exception(comm)
+        timeout = comm_timeout() if timeout is None else timeout
+        self.watchdog = _Watchdog(comm, timeout)
+        self.trace = trace
+        self._t0 = time.perf_counter()
+        self._lock = threading.Lock()
+        self.comm_wait = 0.0  # seconds blocked in MPI this step (exposed communication and rank skew)
+        # every start-up exchange runs under the watchdog: a rank that never arrives ends the job
+        self._agree("start-up (Trainer with comm)", {})
+        self._blocking(lambda: check_same_net(net, comm), "start-up: comparing the ranks' builds")
         layer_modes(net, parallel, self.p, self.p)  # refuse a bad mapping or machine before the first step
-        comm.Bcast(net.params, root=0)  # identical starting weights whatever each rank's seed
-        net.seed = comm.bcast(net.seed, root=0)  # and the dropout masks one process would draw
+        self._blocking(lambda: comm.Bcast(net._params, root=0), "start-up: broadcast of rank 0's initial weights")
+        net.seed = self._blocking(lambda: comm.bcast(net.seed, root=0), "start-up: broadcast of the dropout seed")
+        self._stale = False  # other ranks' slices of model-parallel layers are a step old
         self.modes: dict[str, int] | None = None
         self.blocks: list[dict] = []
         self.by_name: dict[str, list[dict]] = {}
         self.model: dict[str, _ModelParallelFC] = {}
-        timeout = float(os.environ.get("PCLDNN_COMM_TIMEOUT", 600)) if timeout is None else timeout
-        self.watchdog = _Watchdog(comm, timeout)
-        self.trace = trace
-        self._t0 = time.perf_counter()
         # Progress: requests are tested between layer kernels; with PCLDNN_PROGRESS_THREAD=1
         # (and MPI_THREAD_MULTIPLE) a helper thread also tests them while kernels run (they
         # release the GIL). Every MPI call on a request holds _lock: MPI does not allow two
         # threads to complete the same request.
-        self._lock = threading.Lock()
         self._threaded = (self.p > 1 and os.environ.get("PCLDNN_PROGRESS_THREAD", "0") == "1"
                           and MPI.Query_thread() == MPI.THREAD_MULTIPLE)
         if self._threaded:
             threading.Thread(target=self._progress_loop, daemon=True, name="pcldnn-progress").start()
-        self.comm_wait = 0.0  # seconds blocked in MPI this step (exposed communication and rank skew)
 
     def _setup(self, batch: int) -> None:
         """Per-layer choice and communication blocks, once the global minibatch is known."""
@@ -326,6 +421,10 @@ class SyncSGD:
         self.comm_wait += end - start
         self._event(what, "wait", start, end)
         return out
+
+    def _agree(self, op: str, values: dict, own=None) -> list:
+        """`agree` on this job's communicator, under the watchdog."""
+        return agree(self.comm, op, values, own, self.watchdog)
 
     def _wait(self, req, what: str) -> None:
         if req is None:
@@ -376,11 +475,19 @@ class SyncSGD:
         self._progress()
 
     # -- one step --------------------------------------------------------------------------
-    def step(self, x: np.ndarray, labels: np.ndarray, step_index: int) -> tuple[float, float]:
+    def step(self, x: np.ndarray, labels: np.ndarray, step_index: int, shared: dict | None = None) -> tuple[float, float]:
+        """One synchronous step on this rank's shard. `shared`: values every rank must pass
+        alike (the trainer's seed, the global minibatch fit uses), checked with the step index."""
         self.comm_wait = 0.0
+        self.net._on_access = None  # the pending part-broadcasts are waited for layer by layer below
         t = time.perf_counter()
-        sizes = self._blocking(lambda: self.comm.allgather(len(labels)),
-                               f"step {step_index}: allgather of the shard sizes")  # also where early ranks wait
+        start = time.perf_counter()
+        sizes = self._agree(f"step {step_index}: allgather of the shard sizes", {"step": step_index, **(shared or {})},
+                            len(labels))  # also where early ranks wait
+        self.comm_wait += time.perf_counter() - start
+        if shared and shared.get("global_batch") not in (None, sum(sizes)):
+            raise PcldnnError(f"step {step_index}: the shards add up to {sum(sizes)} rows, not the global minibatch "
+                              f"{shared['global_batch']}")
         b_local, b_global = len(labels), sum(sizes)
         self.net.row_offset = sum(sizes[:self.rank])
         if self.modes is None:
@@ -412,17 +519,26 @@ class SyncSGD:
                     self.MPI.IN_PLACE, [self.net.params[start:stop], (b["counts"], b["displs"]), self.MPI.FLOAT])
             self._event(f"sgd {b['name']}", "compute", s, time.perf_counter())
         self._event("step", "step", t, time.perf_counter())
+        self._stale = True
+        self.net._on_access = self.sync  # whoever reads weights next gets the current ones
         return float(sums[0] / b_global), float(sums[1] / b_global)
 
     def sync(self) -> None:
         """Wait for every pending part-broadcast and gather the model-parallel layers' parts:
-        the full weights are then current on every rank."""
+        the full weights are then current on this rank. Called by any read of the weights after
+        a step. With model-parallel layers it is collective (each rank holds only its slice):
+        every rank must then read, save or evaluate alike."""
+        self.net._on_access = None
         for b in self.blocks:
             if b["gather"] is not None:
                 self._wait(b["gather"], f"part-broadcast {b['name']}")
                 b["gather"] = None
-        for runner in self.model.values():
-            runner.complete(self.net.params)
+        if self.model and self._stale:
+            self._agree("reading the weights after a step (model-parallel layers gather their slices)", {})
+            for runner in self.model.values():
+                self._blocking(lambda: runner.complete(self.net._params),
+                               f"gathering the slices of model-parallel layer {runner.layer.name}")
+        self._stale = False
 
     def gather_velocity(self) -> np.ndarray:
         """The full momentum buffer (each rank holds its own parts), for checkpoints."""
@@ -432,9 +548,11 @@ class SyncSGD:
             start, stop = b["range"]
             out[start:stop] = 0.0
             out[b["own"]] = v[b["own"]]
-            b["comm"].Allgatherv(self.MPI.IN_PLACE, [out[start:stop], (b["counts"], b["displs"]), self.MPI.FLOAT])
+            self._blocking(lambda: b["comm"].Allgatherv(
+                self.MPI.IN_PLACE, [out[start:stop], (b["counts"], b["displs"]), self.MPI.FLOAT]),
+                f"save: gathering the momentum of {b['name']}")
         for runner in self.model.values():
-            runner.complete(out)
+            self._blocking(lambda: runner.complete(out), f"save: gathering the momentum slices of {runner.layer.name}")
         return out
 
 

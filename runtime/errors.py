@@ -15,3 +15,7 @@ class ArchError(PcldnnError):
 
 class BuildDirError(PcldnnError):
     """A build directory that is missing, of another format, or corrupt."""
+
+
+class CheckpointError(PcldnnError):
+    """A checkpoint that is missing, corrupt, of another net, or of another format."""

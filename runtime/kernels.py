@@ -62,9 +62,13 @@ def file_sha256(path: Path) -> str:
 def load_library(path: Path, sha256: str, symbols: dict[str, str]) -> dict[str, Callable]:
     """dlopen `path` after checking its digest; return {symbol: callable} for `symbols`
     ({symbol: kernel kind}). A truncated or replaced library is refused, not executed."""
-    if not path.is_file():
+    try:
+        digest = file_sha256(path) if path.is_file() else None
+    except OSError:  # removed or replaced between the two calls (a concurrent recompile)
+        digest = None
+    if digest is None:
         raise BuildDirError(f"{path}: kernel library missing; run `pcldnn-gen compile` again")
-    if file_sha256(path) != sha256:
+    if digest != sha256:
         raise BuildDirError(
             f"{path}: kernel library is corrupt (sha256 differs from manifest.json); "
             "run `pcldnn-gen compile` again"

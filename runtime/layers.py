@@ -87,6 +87,7 @@ class Layer:
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         """Forward pass (training mode) on canonical arrays; remembered for `backward_data`."""
+        self._net.current()
         self._given_shape = np.shape(x)  # backward_data answers in the shape x came in
         x = self._check_input(x)
         xb = self._to_blocked("in", x, self.in_shape)
@@ -100,6 +101,7 @@ class Layer:
         """Gradient w.r.t. the input of the last `forward`, given the gradient of its output."""
         if self._saved is None:
             raise PcldnnError(f"layer {self.name}: backward_data needs a forward call first")
+        self._net.current()
         xb, yb, aux = self._saved
         dy = self._check(dy, self.out_shape, self.flat_output, "output gradient")
         if dy.shape[0] != xb.shape[0]:
@@ -157,6 +159,7 @@ class WeightedLayer(Layer):
     @property
     def weights(self) -> np.ndarray:
         """Canonical copy: conv (OC, IC, KH, KW), fc (OC, IC). Assign to set."""
+        self._net.current()
         return self._canonical(self._wt)
 
     @weights.setter
@@ -165,10 +168,12 @@ class WeightedLayer(Layer):
         if value.shape != self.weight_shape:
             raise PcldnnError(f"layer {self.name}: weights shape {value.shape}, expected {self.weight_shape}")
         value = np.ascontiguousarray(value, dtype=np.float32)
+        self._net.current()
         self._k["wt_to_blocked"](ptr(value), ptr(self._wt))
 
     @property
     def bias(self) -> np.ndarray:
+        self._net.current()
         return self._bias[: self.out_shape[0]].copy()
 
     @bias.setter
@@ -176,11 +181,13 @@ class WeightedLayer(Layer):
         value = np.asarray(value, dtype=np.float32)
         if value.shape != (self.out_shape[0],):
             raise PcldnnError(f"layer {self.name}: bias shape {value.shape}, expected ({self.out_shape[0]},)")
+        self._net.current()
         self._bias[: self.out_shape[0]] = value
 
     @property
     def grad_weights(self) -> np.ndarray:
         """Canonical copy of the weight gradient left by the last `Net.backward`."""
+        self._net.current()
         return self._canonical(self._dwt)
 
     @property
@@ -218,6 +225,7 @@ class WeightedLayer(Layer):
     def backward_weights(self, x: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(dw, db) in canonical layouts for input x and output gradient dy (does not touch
         the net's gradient buffer)."""
+        self._net.current()
         x = self._check_input(x)
         dy = self._check(dy, self.out_shape, self.flat_output, "output gradient")
         if dy.shape[0] != x.shape[0]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -75,8 +76,11 @@ class Net:
                 wsize = int(np.prod(wshape))
                 offsets[spec.name] = (total, wshape, total + _round_up(wsize), blen)
                 total += _round_up(wsize) + _round_up(blen)
-        self.params = zeros_aligned((total,))
-        self.grads = zeros_aligned((total,))
+        self._params = zeros_aligned((total,))
+        self._grads = zeros_aligned((total,))
+        # Set by the MPI runtime after a step while part-broadcasts are pending: the next read
+        # of the weights (by any route: params, layer.weights, forward, save) waits for them.
+        self._on_access = None
         self._bias_slices = [(b0, b0 + blen) for _, _, b0, blen in offsets.values()]
         # [start, stop) of each weighted layer's block (weights, then bias) in params / grads
         self.param_ranges = {name: (w0, b0 + _round_up(blen)) for name, (w0, _, b0, blen) in offsets.items()}
@@ -89,7 +93,7 @@ class Net:
                 w0, wshape, b0, blen = offsets[spec.name]
                 wsize = int(np.prod(wshape))
                 views = lambda buf: (buf[w0:w0 + wsize].reshape(wshape), buf[b0:b0 + blen])  # noqa: E731
-                layer = cls(spec, kernels, v, self, views(self.params), views(self.grads))
+                layer = cls(spec, kernels, v, self, views(self._params), views(self._grads))
                 layer._wt_offset, layer._bias_offset = w0, b0
                 # Per-layer seed: a layer's initial weights do not depend on the other layers.
                 layer.init_weights(np.random.default_rng(np.random.SeedSequence([seed, index])))
@@ -115,6 +119,25 @@ class Net:
             for symbol, fn in fns.items():
                 roles[pass_name if pass_name != "layout" else symbol[len(prefix):]] = fn
         return roles
+
+    @property
+    def params(self) -> np.ndarray:
+        """Every layer's blocked weights and bias in one flat buffer (current on every rank)."""
+        self.current()
+        return self._params
+
+    @property
+    def grads(self) -> np.ndarray:
+        """The gradients of `params`, same layout."""
+        self.current()
+        return self._grads
+
+    def current(self) -> None:
+        """Complete any pending update of the weights (MPI part-broadcasts) before they are read."""
+        hook = self._on_access
+        if hook is not None:
+            self._on_access = None
+            hook()
 
     def __repr__(self) -> str:
         return f"<Net {self.name} ({self.isa}, {self.threads} threads): {', '.join(self.layers)}>"
@@ -159,6 +182,8 @@ class Net:
         training=True applies dropout and keeps what `backward` needs. If `timings` is a dict,
         each layer's kernel time in seconds is stored under its name. `before_layer(layer)` is
         called before each layer runs (the MPI runtime waits there for that layer's weights)."""
+        if before_layer is None:
+            self.current()
         first, last = self.chain[0], self.chain[-1]
         x = first._check_input(x)
         batch = x.shape[0]
@@ -228,14 +253,48 @@ def _round_up(n: int) -> int:
 def load(build_dir: str | Path, threads: int | None = None, seed: int = 0) -> Net:
     """Load a build directory made by `pcldnn-gen compile`.
 
-    threads: OpenMP threads per kernel call (None: every core this process may use).
+    threads: OpenMP threads per kernel call. None: OMP_NUM_THREADS if set, else the cores this
+    process may use divided among the MPI ranks on this node (so ranks do not oversubscribe).
     seed: seeds the He-normal weight initialisation (biases start at zero) and dropout.
+
+    Under mpiexec with more than one rank, an uncaught exception on any rank from here on
+    aborts the whole job (a rank whose load fails must not leave the others waiting).
     """
+    from . import distributed
+    distributed.guard_world()
     build_dir = Path(build_dir)
-    manifest = read_manifest(build_dir)
-    cpu.require(manifest.isa, f"build {build_dir}")
     if threads is None:
-        threads = cpu.usable_cores()
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise PcldnnError(f"threads must be a positive int or None, got {threads!r}")
-    return Net(build_dir, manifest, threads, seed)
+        threads = default_threads()
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 4096:
+        raise PcldnnError(f"threads must be a positive int (at most 4096) or None, got {threads!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
+        raise PcldnnError(f"seed must be an int in [0, 2^63), got {seed!r}")
+    for attempt in range(3):
+        manifest = read_manifest(build_dir)
+        cpu.require(manifest.isa, f"build {build_dir}")
+        try:
+            return Net(build_dir, manifest, threads, seed)
+        except BuildDirError:
+            # A recompile may have swapped the directory while we read it: start again on the
+            # new build; an unchanged manifest means the defect is real.
+            try:
+                changed = read_manifest(build_dir) != manifest
+            except BuildDirError:
+                changed = True
+            if not changed or attempt == 2:
+                raise
+        except MemoryError:
+            raise PcldnnError(f"{build_dir}: not enough memory for the net's parameter and gradient buffers") from None
+    raise AssertionError("unreachable")
+
+
+def default_threads() -> int:
+    """OMP_NUM_THREADS when set (a positive int), else this process's usable cores divided
+    among the MPI ranks that share this node."""
+    text = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if text:
+        if not text.isdigit() or not 1 <= int(text) <= 4096:
+            raise PcldnnError(f"OMP_NUM_THREADS must be a positive int, got {text!r}")
+        return int(text)
+    from .distributed import ranks_on_this_node
+    return max(1, cpu.usable_cores() // ranks_on_this_node())

@@ -6,10 +6,12 @@ step k replays exactly the steps an uninterrupted run takes after k.
 """
 from __future__ import annotations
 
+import glob
 import io
 import json
 import math
 import os
+import re
 import tempfile
 import time
 import zipfile
@@ -19,8 +21,11 @@ import numpy as np
 
 from .data import ArrayDataset
 from .distributed import shard_bounds
-from .errors import PcldnnError
+from .errors import CheckpointError, PcldnnError
 from .optim import SGD
+from .validate import NAME_RE, Fields, show
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 CHECKPOINT_FORMAT = "pcldnn-checkpoint/1"
 
@@ -68,9 +73,13 @@ class Trainer:
     # -- one minibatch -------------------------------------------------------------------
     def step(self, x: np.ndarray, labels: np.ndarray) -> float:
         """Forward, backward and one SGD update on a minibatch; returns its mean loss."""
+        return self._step(x, labels, None)
+
+    def _step(self, x: np.ndarray, labels: np.ndarray, global_batch: int | None) -> float:
         labels = np.asarray(labels)
         if self.dist is not None:  # x, labels: this rank's shard; loss and accuracy: global
-            loss, self.last_accuracy = self.dist.step(x, labels, self.step_count)
+            shared = {"seed": self.seed, "global_batch": global_batch}
+            loss, self.last_accuracy = self.dist.step(x, labels, self.step_count, shared)
         else:
             logits = self.net.forward(x, training=True)
             loss = self.net.backward(labels)
@@ -92,6 +101,7 @@ class Trainer:
         data = x if isinstance(x, ArrayDataset) else ArrayDataset(x, labels, "evaluation data")
         lo, hi = 0, len(data)
         if self.dist is not None:  # each rank evaluates its share of the samples
+            self.dist._agree("Trainer.evaluate", {"samples": len(data), "batch_size": batch_size})
             self.sync()
             lo, hi = shard_bounds(len(data), self.comm.size, self.rank)
         sums = np.zeros(2)
@@ -100,7 +110,8 @@ class Trainer:
             loss, acc = softmax_metrics(self.net.forward(xb), yb)
             sums += (loss * len(yb), acc * len(yb))
         if self.dist is not None:
-            self.comm.Allreduce(self.dist.MPI.IN_PLACE, sums)
+            self.dist._blocking(lambda: self.comm.Allreduce(self.dist.MPI.IN_PLACE, sums),
+                                "Trainer.evaluate: allreduce of the metrics")
         return {"loss": sums[0] / len(data), "accuracy": sums[1] / len(data)}
 
     # -- epochs --------------------------------------------------------------------------
@@ -136,7 +147,7 @@ class Trainer:
                         lo, hi = shard_bounds(len(yb), self.comm.size, self.rank)
                         xb, yb = xb[lo:hi], yb[lo:hi]
                     t0 = time.perf_counter()
-                    loss = self.step(xb, yb)
+                    loss = self._step(xb, yb, batch_size)
                     dt = time.perf_counter() - t0
                     seen += batch_size
                     losses.append(loss)
@@ -172,32 +183,46 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
         """Write weights, optimizer state, step and RNG state to `path` atomically: a
-        temporary file in the same directory, flushed to disk, then renamed over `path`."""
+        temporary file in the same directory, flushed to disk, then renamed over `path`.
+        Temporary files that killed saves of the same checkpoint left behind are removed.
+        Under MPI every rank calls it (rank 0 writes the gathered state)."""
         path = Path(path)
         velocity = self.optimizer.velocity
         if self.dist is not None:  # collective: every rank calls save; rank 0 writes the gathered state
+            self.dist._agree("Trainer.save", {"step": self.step_count})
             self.sync()
             velocity = self.dist.gather_velocity()
             if self.rank != 0:
-                self.comm.Barrier()
+                self.dist._blocking(self.comm.Barrier, "Trainer.save: waiting for rank 0 to write the file")
                 return path
+        params = self.net.params
+        for name, buf in (("weights", params), ("momentum", velocity)):
+            if not np.isfinite(buf).all():
+                raise CheckpointError(f"{path}: refusing to save: the {name} hold NaN or infinity")
         meta = {"format": CHECKPOINT_FORMAT, "net": self.net.name, "net_hash": self.net.net_hash,
                 "step": self.step_count, "seed": self.seed, "net_seed": self.net.seed,
                 "dropout_draws": self.net._dropout_draws,
-                "optimizer": self.optimizer.config(), "params": int(self.net.params.size)}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+                "optimizer": self.optimizer.config(), "params": int(params.size)}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _remove_stale_temporaries(path)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot write the checkpoint: {e.strerror or e}") from None
         try:
             with os.fdopen(fd, "wb") as f:
-                _write_checkpoint(f, meta, self.net.params, velocity)
+                _write_checkpoint(f, meta, params, velocity)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+        except OSError as e:
+            Path(tmp).unlink(missing_ok=True)
+            raise CheckpointError(f"{path}: cannot write the checkpoint: {e.strerror or e}") from None
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
         if self.dist is not None:
-            self.comm.Barrier()
+            self.dist._blocking(self.comm.Barrier, "Trainer.save: waiting for rank 0 to write the file")
         return path
 
     @classmethod
@@ -207,8 +232,9 @@ class Trainer:
         is given. Under MPI (comm), every rank calls it, with any number of ranks: the file
         holds the full state."""
         path = Path(path)
-        meta, params, velocity = _read_checkpoint(path, net)
-        trainer = cls(net, optimizer or SGD(**meta["optimizer"]), seed=meta["seed"], comm=comm, **kwargs)
+        meta, params, velocity = read_checkpoint(path, net)
+        trainer = cls(net, optimizer or _optimizer_from(meta["optimizer"], path), seed=meta["seed"], comm=comm,
+                      **kwargs)
         np.copyto(net.params, params)
         np.copyto(trainer.optimizer.velocity, velocity)
         trainer.step_count = meta["step"]
@@ -216,24 +242,116 @@ class Trainer:
         return trainer
 
 
-def _read_checkpoint(path: Path, net):
-    """(meta, params, velocity) of a checkpoint file, checked against `net`."""
+# Checkpoint files: a zip (numpy's .npz layout, uncompressed) of exactly these members.
+_MEMBERS = {"meta.npy": np.uint8, "params.npy": np.float32, "velocity.npy": np.float32}
+_MAX_META = 1 << 20
+_U64 = 2 ** 64 - 1
+
+
+def read_checkpoint(path: Path, net) -> tuple[dict, np.ndarray, np.ndarray]:
+    """(meta, params, velocity) of a checkpoint file, checked against `net`. The file is parsed
+    defensively: zip directory, each member's npy header (dtype, shape against the net) before
+    its data is read, metadata fields and ranges, finite values. Any defect is one
+    CheckpointError with the reason."""
     try:
-        with np.load(path, allow_pickle=False) as z:
-            meta = json.loads(bytes(z["meta"]).decode())
-            params, velocity = z["params"], z["velocity"]
+        with zipfile.ZipFile(path) as z:
+            names = sorted(z.namelist())
+            if names != sorted(_MEMBERS):
+                raise CheckpointError(f"{path}: not a pcldnn checkpoint (members {names[:5]}, expected "
+                                      f"{sorted(_MEMBERS)})")
+            meta = _read_meta(path, _read_member(z, "meta.npy", path, (_MAX_META,)))
+            _check_meta_against(path, meta, net)
+            n = int(net.params.size)
+            params = _read_member(z, "params.npy", path, (n,), exact=True)
+            velocity = _read_member(z, "velocity.npy", path, (n,), exact=True)
     except FileNotFoundError:
-        raise PcldnnError(f"{path}: no such checkpoint") from None
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile, UnicodeDecodeError, EOFError) as e:
-        raise PcldnnError(f"{path}: not a readable pcldnn checkpoint ({type(e).__name__}: {e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
-        raise PcldnnError(f"{path}: not a pcldnn checkpoint (format {meta.get('format') if isinstance(meta, dict) else None!r})")
-    if meta["net_hash"] != net.net_hash:
-        raise PcldnnError(f"{path}: checkpoint of net {meta['net']!r} (description {meta['net_hash'][:12]}), "
-                          f"but this net is {net.name!r} ({net.net_hash[:12]})")
-    if params.shape != net.params.shape or velocity.shape != net.params.shape:
-        raise PcldnnError(f"{path}: parameter buffer has {params.size} floats, this net needs {net.params.size}")
+        raise CheckpointError(f"{path}: no such checkpoint") from None
+    except CheckpointError:
+        raise
+    except (OSError, zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError, RuntimeError,
+            NotImplementedError) as e:
+        raise CheckpointError(f"{path}: not a readable pcldnn checkpoint ({type(e).__name__}: {e})") from None
+    for name, buf in (("params", params), ("velocity", velocity)):
+        bad = np.flatnonzero(~np.isfinite(buf))
+        if bad.size:
+            raise CheckpointError(f"{path}: {name} hold {bad.size} NaN or infinite values (first at index {bad[0]})")
     return meta, params, velocity
+
+
+def _read_member(z: zipfile.ZipFile, name: str, path: Path, shape: tuple[int], exact: bool = False) -> np.ndarray:
+    """One .npy member: header checked (version, dtype, shape, order) before any data is read."""
+    dtype = np.dtype(_MEMBERS[name])
+    with z.open(name) as f:
+        version = np.lib.format.read_magic(f)
+        readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+        if version not in readers:
+            raise CheckpointError(f"{path}: {name}: unsupported npy version {version}")
+        got_shape, fortran, got_dtype = readers[version](f, max_header_size=10000)
+        if got_dtype != dtype or fortran or len(got_shape) != 1:
+            raise CheckpointError(f"{path}: {name}: expected a 1-D {dtype} array, got {got_dtype} {got_shape}")
+        count = got_shape[0]
+        if (exact and count != shape[0]) or count > shape[0]:
+            raise CheckpointError(f"{path}: {name}: {count} values, this net needs {shape[0]}")
+        data = f.read(count * dtype.itemsize + 1)
+    if len(data) != count * dtype.itemsize:
+        raise CheckpointError(f"{path}: {name}: truncated ({len(data)} bytes of {count * dtype.itemsize})")
+    return np.frombuffer(data, dtype=dtype).copy()
+
+
+def _read_meta(path: Path, raw: np.ndarray) -> dict:
+    f = Fields(str(path), CheckpointError)
+    try:
+        meta = json.loads(raw.tobytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path}: metadata is not JSON ({e})") from None
+    keys = {"format", "net", "net_hash", "step", "seed", "net_seed", "dropout_draws", "optimizer", "params"}
+    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
+        fmt = meta.get("format") if isinstance(meta, dict) else None
+        raise CheckpointError(f"{path}: not a pcldnn checkpoint (format {show(fmt)}, expected {CHECKPOINT_FORMAT!r})")
+    f.obj(meta, "meta", keys)
+    f.string(meta["net"], "meta.net", NAME_RE, "a net name")
+    f.string(meta["net_hash"], "meta.net_hash", _SHA256, "a sha256 digest")
+    f.int_in(meta["step"], "meta.step", 0, 2 ** 53)
+    f.int_in(meta["seed"], "meta.seed", 0, _U64)
+    f.int_in(meta["net_seed"], "meta.net_seed", 0, 2 ** 63 - 1)
+    f.int_in(meta["dropout_draws"], "meta.dropout_draws", 0, 2 ** 53)
+    f.int_in(meta["params"], "meta.params", 1, 2 ** 40)
+    f.obj(meta["optimizer"], "meta.optimizer", set(), set(SGD(0.1).config()))
+    return meta
+
+
+def _check_meta_against(path: Path, meta: dict, net) -> None:
+    if meta["net_hash"] != net.net_hash:
+        raise CheckpointError(f"{path}: checkpoint of net {meta['net']!r} (description {meta['net_hash'][:12]}), "
+                              f"but this net is {net.name!r} ({net.net_hash[:12]})")
+    if meta["params"] != net.params.size:
+        raise CheckpointError(f"{path}: parameter buffer has {meta['params']} floats, this net needs {net.params.size}")
+
+
+def _optimizer_from(config: dict, path: Path) -> SGD:
+    try:
+        return SGD(**config)
+    except (PcldnnError, TypeError) as e:
+        raise CheckpointError(f"{path}: optimizer settings in the checkpoint are invalid: {e}") from None
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Temporary files of earlier saves of `path` whose writer is gone (killed mid-save)."""
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2:].split(".")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+            continue  # another live process is saving the same checkpoint right now
+        tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _write_checkpoint(f, meta: dict, params: np.ndarray, velocity: np.ndarray) -> None:

@@ -170,7 +170,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(build_dir, tmp_path, mon
         f.write(b"PK\x03\x04 half a zip")
         raise OSError("disk full")
     monkeypatch.setattr(tr, "_write_checkpoint", fail_midway)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(pr.CheckpointError, match="c.npz: cannot write the checkpoint: disk full"):
         trainer.save(path)
     assert path.read_bytes() == good
     assert [p.name for p in tmp_path.iterdir()] == ["c.npz"]  # no temporary file left behind

@@ -1,0 +1,338 @@
+"""Hostile and broken input: every defect ends in one PcldnnError line naming the file and the
+field, never another exception, a hang, or a half-written file.
+
+Property-based (hypothesis, bounded example counts): net descriptions, arch descriptions,
+manifests and checkpoints, mutated at random; plus the fixed cases of each class.
+"""
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pcldnn_runtime as pr
+from conftest import NETS, TRAIN_LAYERS, TRAIN_SHAPE, build_and_load
+from pcldnn_gen.arch import PRESETS, arch_from_dict
+from pcldnn_gen.errors import ArchError, NetSpecError
+from pcldnn_gen.netspec import parse_netspec
+from pcldnn_runtime.manifest import parse_manifest
+from pcldnn_runtime.validate import parse_json
+
+CLI = [sys.executable, "-m", "pcldnn_gen.cli"]
+VGG = json.loads((NETS / "vgg_a.json").read_text())
+
+# JSON values of every kind, including the ones that break naive code: huge and negative ints,
+# floats, strings with newlines and comment markers, nested containers.
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.sampled_from(["", "x\n", "*/", "conv1", "../x", "relu", "fc", "\u00e9"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=6)
+
+
+def _paths(value, prefix=()):
+    """Every (path, value) inside a JSON document."""
+    yield prefix, value
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _paths(v, prefix + (i,))
+
+
+def _mutate(doc, data):
+    """A copy of `doc` with one value replaced by an arbitrary JSON value, or one key removed."""
+    doc = copy.deepcopy(doc)
+    paths = [p for p, _ in _paths(doc) if p]
+    path = data.draw(st.sampled_from(paths))
+    parent = doc
+    for key in path[:-1]:
+        parent = parent[key]
+    if isinstance(parent, dict) and data.draw(st.booleans()):
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = data.draw(json_values)
+    return doc
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_mutated_net_descriptions_are_accepted_or_refused_in_one_line(data):
+    doc = _mutate(VGG, data)
+    try:
+        net = parse_netspec(doc, "net.json")
+    except NetSpecError as e:
+        assert str(e).startswith("net.json: ") and "\n" not in str(e)
+        return
+    assert all(l.name.isidentifier() for l in net.layers)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_mutated_arch_descriptions_are_accepted_or_refused_in_one_line(data):
+    doc = _mutate(PRESETS["avx512"].to_json(), data)
+    try:
+        arch = arch_from_dict(doc, "arch.json")
+    except ArchError as e:
+        assert str(e).startswith("arch.json: ") and "\n" not in str(e)
+        return
+    assert arch.cflags == PRESETS[arch.isa].cflags  # the flags always follow from the ISA
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return build_and_load(tmp_path_factory.mktemp("h"), TRAIN_LAYERS, TRAIN_SHAPE, "scalar", name="hard").build_dir
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_mutated_manifests_are_refused_with_the_field_named(built, data):
+    manifest = json.loads((built / "manifest.json").read_text())
+    doc = _mutate(manifest, data)
+    try:
+        parse_manifest(doc, "manifest.json")
+    except pr.BuildDirError as e:
+        assert str(e).startswith("manifest.json: ") and "\n" not in str(e)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m["arch"].update(vector_bits=0), "arch.vector_bits: must be one of 32"),
+    (lambda m: m["layers"][0].update(out_shape=[6, 10 ** 12, 8]), r"layers\[0\]\.out_shape\[1\]: must be a positive int"),
+    (lambda m: m["layers"][0]["kernels"]["fwd"].update(library="lib/\u0000x.so"), r"kernels\.fwd\.library: must match"),
+    (lambda m: m["layers"][0].pop("kernels"), r"layers\[0\]\.kernels: missing required field"),
+    (lambda m: m["layers"][0].update(type=["conv"]), r"layers\[0\]\.type: must be one of"),
+    (lambda m: m["layers"][1].update(in_shape=[6, 4, 4]), r"layers\[1\]\.in_shape: is \[6, 4, 4\] but"),
+    (lambda m: m["layers"][0]["kernels"]["fwd"]["symbols"].update(pcldnn_conv1_fwd="fc_fwd"), "must be 'conv_fwd'"),
+    (lambda m: m["arch"].update(isa="scalar", cflags=["-mavx512f"]), r"arch\.cflags: scalar builds are compiled"),
+    (lambda m: m["net"].update(name="x\n"), r"net\.name: must match"),
+])
+def test_tampered_manifest_fields_are_named(built, tmp_path, edit, message):
+    m = json.loads((built / "manifest.json").read_text())
+    edit(m)
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(pr.BuildDirError, match=message):
+        pr.load(tmp_path)
+
+
+# -- the user-file reader ----------------------------------------------------------------------
+@pytest.mark.parametrize("text, message", [
+    ("[" * 5000 + "]" * 5000, "nested more than 32 levels deep"),
+    ('{"a": 1, "a": 2}', "duplicate key 'a'"),
+    ('{"a": NaN}', "NaN is not a JSON number"),
+    ('{"a": 1e999}', "overflows a double"),
+    ('{"a": ' + "9" * 4400 + "}", "integer of 4400 digits"),
+    ("{", "invalid JSON at line 1"),
+])
+def test_strict_json(text, message):
+    with pytest.raises(pr.PcldnnError, match=message):
+        parse_json(text, "f.json")
+
+
+def _cli(*args, env=None, timeout=60):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, **(env or {})))
+
+
+def _one_line_error(proc, *fragments):
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("content, fragments", [
+    (b"\xff\xfe{}", ["not UTF-8 text"]),
+    (b'{"name": "n", "input": {"channels": 3, "height": 8, "width": 8}, "layers": [{"name": "a", "type": ["conv"]}]}',
+     ["layers[0].type: unknown layer type"]),
+    (json.dumps({"name": "fz\n", "input": {"channels": 3, "height": 8, "width": 8}, "layers": []}).encode(),
+     ["name: must match"]),
+    (json.dumps({**VGG, "input": {"channels": 10 ** 9, "height": 224, "width": 224}}).encode(),
+     ["input.channels: must be a positive int (at most 65536)"]),
+    (json.dumps({**VGG, "input": {"channels": 3, "height": 2 ** 63, "width": 224}}).encode(), ["input.height"]),
+    (json.dumps({"name": "big", "input": {"channels": 3, "height": 5000, "width": 5000}, "layers": [
+        {"name": "c", "type": "conv", "out_channels": 64, "kernel": 3, "pad": 1},
+        {"name": "p", "type": "avgpool", "kernel": 5000}, {"name": "f", "type": "fc", "out_features": 10}]}).encode(),
+     ["training needs about", "--max-memory"]),
+])
+def test_bad_net_files_end_in_one_line(tmp_path, content, fragments):
+    path = tmp_path / "net.json"
+    path.write_bytes(content)
+    _one_line_error(_cli("compile", str(path), "--arch", "scalar", "-o", str(tmp_path / "out")),
+                    str(path), *fragments)
+    assert not (tmp_path / "out").exists()
+
+
+def test_max_memory_can_be_raised(tmp_path):
+    net = {**VGG, "input": {"channels": 3, "height": 448, "width": 448}}  # ~6.7 GB to train at minibatch 1
+    path = tmp_path / "net.json"
+    path.write_text(json.dumps(net))
+    _one_line_error(_cli("inspect", str(path), "--layer", "conv1", "--arch", "scalar", "--max-memory", "1G"),
+                    "more than the 1 GiB allowed")
+    proc = _cli("inspect", str(path), "--layer", "conv1", "--arch", "scalar", "--max-memory", "64G")
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("arch", ["/dev/zero", "/dev/null"])
+def test_device_files_are_not_read(tmp_path, arch):
+    _one_line_error(_cli("compile", str(NETS / "cifar_small.json"), "--arch", arch, timeout=30), "not a regular file")
+
+
+def test_fifo_is_not_opened(tmp_path):
+    fifo = tmp_path / "arch.json"
+    os.mkfifo(fifo)
+    _one_line_error(_cli("compile", str(NETS / "cifar_small.json"), "--arch", str(fifo), timeout=30),
+                    "not a regular file")
+
+
+# -- the compile cache -----------------------------------------------------------------------
+def _cifar_compile(tmp_path, cache):
+    return _cli("compile", str(NETS / "cifar_small.json"), "--arch", "scalar", "-o", str(tmp_path / "b"),
+                env={"PCLDNN_CACHE_DIR": str(cache)}, timeout=300)
+
+
+@pytest.mark.parametrize("kind", ["file", "read-only", "parent-read-only"])
+def test_unusable_cache_compiles_without_it(tmp_path, kind):
+    """Read-only directories are made with chmod, or (root writes through permissions) taken
+    from a read-only file system: /proc."""
+    cache = tmp_path / "cache"
+    root = os.geteuid() == 0
+    if kind == "file":
+        cache.write_text("not a directory")
+    elif kind == "read-only":
+        cache = Path("/proc") if root else cache
+        cache.mkdir(exist_ok=True)
+        cache.chmod(0o500) if not root else None
+    else:
+        cache = Path("/proc/pcldnn/cache") if root else tmp_path / "ro" / "cache"
+        if not root:
+            cache.parent.mkdir()
+            cache.parent.chmod(0o500)
+    proc = _cifar_compile(tmp_path, cache)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: kernel cache" in proc.stderr and "PCLDNN_CACHE_DIR" in proc.stderr
+    assert pr.load(tmp_path / "b", threads=1).name == "cifar_small"
+
+
+def test_cache_entry_taken_by_a_directory_is_rebuilt(tmp_path):
+    from pcldnn_gen.arch import get_arch
+    from pcldnn_gen.codegen import render_layout
+    from pcldnn_gen.compiler import compile_source
+    from pcldnn_gen.netspec import load_netspec
+    net = load_netspec(NETS / "cifar_small.json")
+    src = render_layout(net.layers[0], get_arch("scalar"))
+    first = compile_source(src, get_arch("scalar"), tmp_path)
+    first.library.unlink()
+    first.library.mkdir()
+    (first.library / "junk").write_text("x")
+    again = compile_source(src, get_arch("scalar"), tmp_path)
+    assert again.compiled and again.library.is_file()
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def checkpoint(built, tmp_path_factory):
+    trainer = pr.Trainer(pr.load(built, threads=1), pr.SGD(0.1, momentum=0.9))
+    trainer.step(*next(pr.synthetic(8, TRAIN_SHAPE, 5).batches(8)))
+    return trainer.save(tmp_path_factory.mktemp("ck") / "c.npz")
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_bit_flips_in_a_checkpoint_are_detected(built, checkpoint, tmp_path, data):
+    """Flips anywhere (zip and npy headers, metadata, data: zip's CRC-32 covers every member)
+    end in CheckpointError or, if they hit nothing read, the original state."""
+    raw = bytearray(checkpoint.read_bytes())
+    for _ in range(data.draw(st.integers(1, 3))):
+        i = data.draw(st.integers(0, len(raw) - 1))
+        raw[i] ^= 1 << data.draw(st.integers(0, 7))
+    path = tmp_path / f"flip{data.draw(st.integers(0, 10 ** 9))}.npz"
+    path.write_bytes(bytes(raw))
+    net = pr.load(built, threads=1)
+    try:
+        trainer = pr.Trainer.resume(path, net)
+    except pr.CheckpointError as e:
+        assert "\n" not in str(e)
+        return
+    good = pr.load(built, threads=1)
+    pr.Trainer.resume(checkpoint, good)
+    np.testing.assert_array_equal(net.params, good.params)
+    assert trainer.step_count == 1
+
+
+def _rewrite(src: Path, dst: Path, meta_edit=None, params_edit=None) -> Path:
+    with zipfile.ZipFile(src) as z:
+        meta = json.loads(bytes(np.load(io.BytesIO(z.read("meta.npy")))).decode())
+        params = np.load(io.BytesIO(z.read("params.npy")))
+        velocity = np.load(io.BytesIO(z.read("velocity.npy")))
+    if meta_edit:
+        meta_edit(meta)
+    if params_edit:
+        params_edit(params)
+    np.savez(dst, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), params=params, velocity=velocity)
+    return dst
+
+
+@pytest.mark.parametrize("meta_edit, params_edit, message", [
+    (lambda m: m.pop("seed"), None, "meta.seed: missing required field"),
+    (lambda m: m["optimizer"].update(nesterov=True), None, "meta.optimizer.nesterov: unknown field"),
+    (lambda m: m.update(step="three"), None, "meta.step: must be a non-negative int"),
+    (lambda m: m.update(step=-5), None, "meta.step: must be a non-negative int"),
+    (lambda m: m["optimizer"].update(lr=-1), None, "optimizer settings in the checkpoint are invalid"),
+    (None, lambda p: p.__setitem__(3, np.nan), r"params hold 1 NaN or infinite values \(first at index 3\)"),
+    (lambda m: m.update(format="other/1"), None, "not a pcldnn checkpoint"),
+])
+def test_bad_checkpoint_metadata_and_values(built, checkpoint, tmp_path, meta_edit, params_edit, message):
+    path = _rewrite(checkpoint, tmp_path / "bad.npz", meta_edit, params_edit)
+    with pytest.raises(pr.CheckpointError, match=message):
+        pr.Trainer.resume(path, pr.load(built, threads=1))
+
+
+def test_save_removes_orphaned_temporaries_of_that_checkpoint(built, tmp_path):
+    trainer = pr.Trainer(pr.load(built, threads=1), pr.SGD(0.1))
+    (tmp_path / ".c.npz.abc123.tmp").write_bytes(b"half")            # an older writer's name
+    (tmp_path / ".c.npz.999999999.xyz.tmp").write_bytes(b"half")     # a writer that no longer runs
+    (tmp_path / f".c.npz.{os.getppid()}.live.tmp").write_bytes(b"x")  # a live process saving now
+    (tmp_path / ".other.npz.abc.tmp").write_bytes(b"other")         # another checkpoint's
+    trainer.save(tmp_path / "c.npz")
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([".other.npz.abc.tmp", f".c.npz.{os.getppid()}.live.tmp", "c.npz"])
+
+
+def test_saving_non_finite_weights_is_refused(built, tmp_path):
+    net = pr.load(built, threads=1)
+    trainer = pr.Trainer(net, pr.SGD(0.1))
+    net.params[0] = np.inf
+    with pytest.raises(pr.CheckpointError, match="weights hold NaN or infinity"):
+        trainer.save(tmp_path / "c.npz")
+    assert not list(tmp_path.iterdir())
+
+
+# -- loading ----------------------------------------------------------------------------------
+def test_threads_follow_omp_num_threads_and_local_ranks(built, monkeypatch):
+    from pcldnn_runtime import cpu
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert pr.load(built).threads == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setenv("MPI_LOCALNRANKS", "2")
+    assert pr.load(built).threads == max(1, cpu.usable_cores() // 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "many")
+    with pytest.raises(pr.PcldnnError, match="OMP_NUM_THREADS must be a positive int"):
+        pr.load(built)
+
+
+@pytest.mark.parametrize("seed", [-1, 2 ** 64, 1.5, "0"])
+def test_bad_seeds(built, seed):
+    with pytest.raises(pr.PcldnnError, match="seed must be an int"):
+        pr.load(built, seed=seed)
