@@ -152,6 +152,16 @@ def abort_on_exception(comm) -> None:
     sys.excepthook = hook
 
 
+def _abort(comm, message: str, code: int) -> None:
+    """Print `message` on this rank's stderr and end the whole job. The message goes straight
+    to the file descriptor, and the launcher gets a moment to forward it before MPI_Abort
+    kills every rank (under load, hydra lost it otherwise)."""
+    sys.stderr.flush()
+    os.write(2, message.encode())
+    time.sleep(0.5)
+    comm.Abort(code)
+
+
 def comm_timeout() -> float:
     """PCLDNN_COMM_TIMEOUT: seconds one collective may wait before the watchdog ends the job."""
     text = os.environ.get("PCLDNN_COMM_TIMEOUT", "600")

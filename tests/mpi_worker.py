@@ -96,8 +96,56 @@ def mismatch(cfg):
         sys.exit(5)
 
 
+def read_after_step(cfg):
+    """Steps without `sync`, then every rank reads the weights by one route (cfg["read"]):
+    they must be the current ones (rank 0 checks them against a sync'd copy afterwards)."""
+    net = pr.load(cfg["build"], threads=1, seed=cfg["seed"])
+    trainer = pr.Trainer(net, optimizer(cfg), seed=0, comm=comm, parallel=cfg.get("parallel", "data"))
+    got = {}
+    for xb, yb in batches(cfg)[:cfg["steps"]]:
+        trainer.step(*shard(xb, yb))
+        if cfg["read"] == "layer":
+            got = {name: layer.weights.copy() for name, layer in net.layers.items() if name in net.param_ranges}
+        else:
+            got = {"params": net.params.copy()}
+    if comm.rank == 0:
+        np.savez(cfg["out"], **got)
+
+
+def faults(cfg):
+    """One rank misbehaves the way cfg["fault"] says; the job must end with a message."""
+    fault = cfg["fault"]
+    if fault == "load_missing":  # the build is missing on one node
+        pr.load(cfg["build"] if comm.rank == 0 else cfg["build"] + "-absent", threads=1)
+        pr.Trainer(pr.load(cfg["build"], threads=1), optimizer(cfg), comm=comm)
+        return
+    if fault == "threads":
+        print(f"rank {comm.rank} threads {pr.load(cfg['build']).threads}", flush=True)
+        return
+    net = pr.load(cfg["build"], threads=1)
+    seed = comm.rank if fault == "seed" else 0
+    trainer = pr.Trainer(net, optimizer(cfg), seed=seed, comm=comm, parallel=cfg.get("parallel", "data"))
+    data = pr.synthetic(48, tuple(cfg["shape"]), cfg["classes"], seed=4)
+    if fault == "batch":
+        trainer.fit(data, epochs=1, batch_size=12 if comm.rank == 0 else 6, progress=False)
+    elif fault == "seed":
+        trainer.fit(data, epochs=1, batch_size=12, progress=False)
+    elif fault in ("save_rank0", "save_rank0_then_exit"):
+        xb, yb = batches(cfg)[0]
+        trainer.step(*shard(xb, yb))
+        if comm.rank == 0:
+            trainer.save(cfg["out"])
+        if fault == "save_rank0":
+            trainer.step(*shard(xb, yb))
+    elif fault == "exit_early":
+        if comm.rank == 1:
+            sys.exit(3)
+        xb, yb = batches(cfg)[0]
+        trainer.step(*shard(xb, yb))
+
+
 if __name__ == "__main__":
     mode, cfg = sys.argv[1], json.loads(sys.argv[2])
-    modes = {"train": train, "collectives": collectives, "mismatch": mismatch,
-             "fail": lambda c: misbehave(c, "fail"), "stall": lambda c: misbehave(c, "stall")}
+    modes = {"train": train, "collectives": collectives, "mismatch": mismatch, "read": read_after_step,
+             "faults": faults, "fail": lambda c: misbehave(c, "fail"), "stall": lambda c: misbehave(c, "stall")}
     modes[mode](cfg)

@@ -209,3 +209,65 @@ def test_layer_modes_refuse_bad_mappings(build_dir, parallel, message):
     from pcldnn_runtime.distributed import layer_modes
     with pytest.raises(pr.PcldnnError, match=message):
         layer_modes(pr.load(build_dir, threads=1), parallel, 4, 8)
+
+
+# -- faults and stale reads (hardening) ----------------------------------------------------------
+@pytest.mark.parametrize("p, parallel, read", [
+    (2, "data", "layer"), (3, "data", "params"),
+    (2, MODEL_FC, "layer"), (3, MODEL_FC, "params"),
+    (4, {"fc*": "model:2"}, "layer")])
+def test_weights_read_after_a_step_are_current_without_sync(build_dir, tmp_path, p, parallel, read):
+    """Every rank reads the weights right after each step, never calling sync: the values must
+    be those of one process after the same steps (a stale part-broadcast or an ungathered
+    model-parallel slice differs by a whole step's update)."""
+    cfg = _cfg(build_dir, tmp_path, steps=3, parallel=parallel, read=read)
+    mpirun(p, "read", cfg)
+    got = np.load(cfg["out"])
+    net = pr.load(build_dir, threads=1, seed=cfg["seed"])
+    trainer = pr.Trainer(net, pr.SGD(cfg["lr"], momentum=0.9, weight_decay=1e-3, schedule="cosine",
+                                     total_steps=cfg["steps_total"]), seed=0)
+    data = pr.synthetic(cfg["batch"] * cfg["steps_total"], SHAPE, 5, seed=4)
+    before = {n: l.weights for n, l in net.layers.items() if n in net.param_ranges}
+    for x, y in list(data.batches(cfg["batch"]))[:3]:
+        trainer.step(x, y)
+    want = {n: l.weights for n, l in net.layers.items() if n in net.param_ranges}
+    if read == "params":
+        moved = np.abs(net.params - pr.load(build_dir, threads=1, seed=cfg["seed"]).params).max()
+        np.testing.assert_allclose(got["params"], net.params, rtol=0, atol=1e-4 * moved)
+        return
+    for name in want:
+        moved = np.abs(want[name] - before[name]).max()
+        assert moved > 1e-4
+        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=1e-4 * moved)
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("load_missing", "[rank 1] uncaught BuildDirError"),
+    ("batch", "ranks disagree on global_batch: rank 0 has 12, rank 1 has 6"),
+    ("seed", "ranks disagree on seed: rank 0 has 0, rank 1 has 1"),
+    ("save_rank0", "rank 0 is in Trainer.save but rank 1 is in step 1"),
+    ("save_rank0_then_exit", "rank 0 is in Trainer.save but rank 1 is in exit"),
+    ("exit_early", "is in exit"),
+])
+def test_faults_end_the_job_with_a_message(build_dir, tmp_path, fault, message):
+    start = time.monotonic()
+    proc = mpirun(2, "faults", _cfg(build_dir, tmp_path, fault=fault), timeout=90, check=False, comm_timeout=60)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert time.monotonic() - start < 45  # well before the 60 s watchdog
+    assert message in proc.stderr, proc.stderr
+
+
+def test_threads_default_divides_the_cores_among_local_ranks(build_dir, tmp_path):
+    from pcldnn_runtime import cpu
+    env_threads = os.environ.pop("OMP_NUM_THREADS", None)
+    try:
+        proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(WORKER), "faults",
+                               json.dumps(_cfg(build_dir, tmp_path, fault="threads"))],
+                              env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"},
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        if env_threads is not None:
+            os.environ["OMP_NUM_THREADS"] = env_threads
+    assert proc.returncode == 0, proc.stderr
+    want = max(1, cpu.usable_cores() // 2)
+    assert sorted(proc.stdout.split("\n")[:2]) == [f"rank 0 threads {want}", f"rank 1 threads {want}"]
