@@ -84,9 +84,9 @@ def get_arch(spec: str) -> Arch:
     if spec == "native":
         return native_arch()
     path = Path(spec)
-    if path.suffix == ".json" or path.exists():
+    if spec and (path.suffix == ".json" or (path.exists() and not path.is_dir())):
         return arch_from_file(path)
-    raise ArchError(f"unknown arch {spec!r}: use one of {', '.join(PRESETS)}, native, or an arch JSON file")
+    raise ArchError(f"unknown arch {spec[:80]!r}: use one of {', '.join(PRESETS)}, native, or an arch JSON file")
 
 
 def native_arch() -> Arch:

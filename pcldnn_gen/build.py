@@ -54,6 +54,16 @@ def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | Non
     _check_replaceable(out_dir)
     results = compile_all([s for _, _, s in sources], arch, jobs)
 
+    try:
+        _write_build(net, arch, out_dir, sources, results, plans)
+    except OSError as e:
+        raise BuildDirError(f"{out_dir}: cannot write the build directory: {e.strerror or e}") from None
+    compiled = sum(r.compiled for r in results)
+    return BuildResult(out_dir, compiled, len(results) - compiled, plans)
+
+
+def _write_build(net: NetSpec, arch: Arch, out_dir: Path, sources, results, plans) -> None:
+    """Sources, libraries and manifest into a staging folder, swapped in under a lock."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out_dir.parent / f".{out_dir.name}.lock"), timeout=900):
         _check_replaceable(out_dir)
@@ -77,8 +87,6 @@ def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | Non
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
-    compiled = sum(r.compiled for r in results)
-    return BuildResult(out_dir, compiled, len(results) - compiled, plans)
 
 
 def _manifest(net: NetSpec, arch: Arch, kernels: dict[str, dict]) -> dict:

@@ -166,7 +166,7 @@ def parser() -> argparse.ArgumentParser:
                     help="cori-haswell, aws-c4, local (measured now) or a machine JSON file")
     pl.add_argument("--nodes", default="1,2,4,8,16", help="comma-separated node counts (default 1,2,4,8,16)")
     pl.add_argument("--batch", type=_positive, required=True, help="global minibatch")
-    pl.add_argument("--threshold", type=float, default=0.8,
+    pl.add_argument("--threshold", type=_fraction, default=0.8,
                     help="parallel efficiency for the minimum per-node minibatch column (default 0.8)")
     pl.add_argument("--arch", default="native", help="--machine local: the ISA whose FMA peak is measured")
     pl.add_argument("--threads", type=_positive, default=1, help="--machine local: threads per rank (a node)")
@@ -192,11 +192,21 @@ def _memory(text: str) -> int:
 
 def _positive(text: str) -> int:
     try:
-        value = int(text)
+        value = int(text) if len(text) <= 12 else 0
     except ValueError:
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
+    if not 1 <= value <= 2 ** 31 - 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int (at most 2^31 - 1), got {text[:40]!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1), got {text[:40]!r}")
     return value
 
 

@@ -150,9 +150,6 @@ def parse_netspec(data: Any, origin: str = "<net>", max_memory: int | None = Non
             pad = p.int_pair(f["pad"], f"{where}.pad", 0, limits.MAX_PAD)
             if ltype in POOLS and (pad[0] >= kernel[0] or pad[1] >= kernel[1]):
                 p.fail(f"{where}.pad", f"pooling pad {list(pad)} must be smaller than the kernel {list(kernel)}")
-            if ltype == "conv" and (pad[0] > kernel[0] or pad[1] > kernel[1]):
-                p.fail(f"{where}.pad", f"pad {list(pad)} is larger than the kernel {list(kernel)}: "
-                       "output pixels would see only padding")
             oh = limits.out_size(h, kernel[0], stride[0], pad[0])
             ow = limits.out_size(w, kernel[1], stride[1], pad[1])
             if oh < 1 or ow < 1:

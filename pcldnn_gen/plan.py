@@ -14,6 +14,8 @@ from pcldnn_runtime import scaling
 
 from .arch import get_arch
 from .errors import PcldnnError
+from pcldnn_runtime.validate import read_json
+
 from .netspec import NetSpec
 
 # Kernel efficiencies of `local` when no bench JSON is given: this project's measured medians
@@ -22,13 +24,17 @@ LOCAL_EFFICIENCY = {"conv_fwd": 0.75, "conv_bwd_data": 0.72, "conv_bwd_weights":
                     "fc_fwd": 0.70, "fc_bwd_data": 0.60, "fc_bwd_weights": 0.78}
 
 
+MAX_NODES = 16384  # the event simulation replays every node
+
+
 def parse_nodes(text: str) -> list[int]:
     try:
-        nodes = [int(n) for n in text.split(",") if n.strip()]
+        nodes = [int(n) for n in text.split(",") if n.strip() and len(n.strip()) <= 12]
     except ValueError:
-        raise PcldnnError(f"--nodes: {text!r}: use comma-separated node counts like 1,2,4,8") from None
-    if not nodes or any(n < 1 for n in nodes):
-        raise PcldnnError(f"--nodes: {text!r}: node counts must be positive")
+        raise PcldnnError(f"--nodes: {text[:60]!r}: use comma-separated node counts like 1,2,4,8") from None
+    if not nodes or len(nodes) > 64 or any(not 1 <= n <= MAX_NODES for n in nodes):
+        raise PcldnnError(f"--nodes: {text[:60]!r}: node counts must be positive, at most {MAX_NODES}, "
+                           "and at most 64 of them")
     return sorted(set(nodes))
 
 
@@ -66,14 +72,14 @@ def local_machine(spec: NetSpec, arch_name: str, bench_json: str | None = None, 
 def _bench_efficiency(path: Path, spec: NetSpec) -> dict:
     """Median fraction of peak per kernel kind in a bench JSON of the net being planned."""
     types = {layer.name: layer.type for layer in spec.layers}
+    data = read_json(path)
     try:
-        data = json.loads(path.read_text())
         if data["net"] != spec.name:
             raise PcldnnError(f"{path}: bench results of net {data['net']!r}, not {spec.name!r}")
         kinds: dict[str, list[float]] = {}
         for r in data["results"]:
             kinds.setdefault(f"{types[r['layer']]}_{r['pass_name']}", []).append(min(1.0, r["peak_fraction"]))
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise PcldnnError(f"{path}: not a `pcldnn-gen bench --json` file of {spec.name} "
                           f"({type(e).__name__}: {e})") from None
     return {k: statistics.median(v) for k, v in kinds.items() if k in scaling.KINDS}

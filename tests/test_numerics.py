@@ -263,20 +263,18 @@ def test_small_caches_force_several_reduction_chunks(tmp_path, isa):
     partial-sum reloads and the epilogue on the last chunk only (forward), several packed K
     chunks with narrower last panels and vector groups (fc backward-weights), pixel blocks cut
     into column blocks (conv backward-weights)."""
-    import json
+    import dataclasses
 
     from pcldnn_gen.arch import PRESETS
-    arch = PRESETS[isa].to_json() | {"name": f"tiny-{isa}", "l1d_bytes": 512, "l2_bytes": 64 * 1024}
-    arch_file = tmp_path / "tiny.json"
-    arch_file.write_text(json.dumps(arch))
-    from pcldnn_gen.arch import get_arch
+    # below the physical range an arch file may give (4 KiB L1): built directly, for the planner
+    arch = dataclasses.replace(PRESETS[isa], name=f"tiny-{isa}", l1d_bytes=512, l2_bytes=64 * 1024)
     from pcldnn_gen.build import build
     from pcldnn_gen.netspec import parse_netspec
     import pcldnn_runtime as pr
     spec = parse_netspec({"name": "chunks", "input": {"channels": 40, "height": 6, "width": 70}, "layers": [
         {"name": "c", "type": "conv", "out_channels": 16, "kernel": 3, "pad": 1, "activation": "relu"},
         {"name": "f", "type": "fc", "out_features": 20, "activation": "relu"}]})
-    result = build(spec, get_arch(str(arch_file)), tmp_path / "b")
+    result = build(spec, arch, tmp_path / "b")
     conv_plan, fc_plan = result.plans[("c", "fwd")], result.plans[("f", "fwd")]
     v = PRESETS[isa].vector_floats
     assert conv_plan.chunk < -(-40 // v), conv_plan
