@@ -82,14 +82,13 @@ def world():
 
 
 def guard_world():
-    """Under an MPI job of more than one rank: an uncaught exception on any rank aborts the
-    job, and a rank that leaves (even by sys.exit) while others wait in a pcldnn collective
-    makes them fail with a message instead of hanging. Idempotent; returns COMM_WORLD or None."""
+    """Under an MPI job of more than one rank, an uncaught exception on any rank aborts the
+    job (its traceback printed) instead of leaving the others waiting. Idempotent; returns
+    COMM_WORLD or None. Needs no collective: ranks may call it at different times."""
     comm = world()
     if comm is not None and id(comm) not in _guarded:
         _guarded.add(id(comm))
         abort_on_exception(comm)
-        atexit.register(_exit_agreement, comm)
     return comm
 
 
@@ -133,7 +132,8 @@ def agree(comm, op: str, values: dict, own=None, watchdog: "_Watchdog | None" = 
 
 
 def _exit_agreement(comm) -> None:
-    """At interpreter exit: tell ranks still in a pcldnn collective that this one is leaving."""
+    """At interpreter exit of a rank that trained: tell ranks still in a pcldnn collective
+    (step, save, evaluate) that this one is leaving, so they fail with a message."""
     from mpi4py import MPI
     if MPI.Is_finalized():
         return
@@ -369,7 +369,11 @@ class SyncSGD:
         self._t0 = time.perf_counter()
         self._lock = threading.Lock()
         self.comm_wait = 0.0  # seconds blocked in MPI this step (exposed communication and rank skew)
-        # every start-up exchange runs under the watchdog: a rank that never arrives ends the job
+        # Every start-up exchange runs under the watchdog: a rank that never arrives ends the job.
+        # The agreements travel on a duplicate of comm, so they can never match a collective
+        # the program itself runs on comm; at exit this rank announces that it leaves.
+        self.ctl = self._blocking(comm.Dup, "start-up: duplicating the communicator")
+        atexit.register(_exit_agreement, self.ctl)
         self._agree("start-up (Trainer with comm)", {})
         self._blocking(lambda: check_same_net(net, comm), "start-up: comparing the ranks' builds")
         layer_modes(net, parallel, self.p, self.p)  # refuse a bad mapping or machine before the first step
@@ -433,8 +437,8 @@ class SyncSGD:
         return out
 
     def _agree(self, op: str, values: dict, own=None) -> list:
-        """`agree` on this job's communicator, under the watchdog."""
-        return agree(self.comm, op, values, own, self.watchdog)
+        """`agree` on this job's control communicator, under the watchdog."""
+        return agree(self.ctl, op, values, own, self.watchdog)
 
     def _wait(self, req, what: str) -> None:
         if req is None:

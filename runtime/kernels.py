@@ -6,7 +6,12 @@ node needs no compiler), so the two cannot drift apart.
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import hashlib
+import os
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 from typing import Callable
@@ -61,26 +66,42 @@ def file_sha256(path: Path) -> str:
 
 def load_library(path: Path, sha256: str, symbols: dict[str, str]) -> dict[str, Callable]:
     """dlopen `path` after checking its digest; return {symbol: callable} for `symbols`
-    ({symbol: kernel kind}). A truncated or replaced library is refused, not executed."""
+    ({symbol: kernel kind}). A truncated or replaced library is refused, not executed: the
+    digest is taken of the very file that is loaded (one descriptor, loaded through
+    /proc/self/fd), so a concurrent recompile cannot slip another library in between."""
     try:
-        digest = file_sha256(path) if path.is_file() else None
-    except OSError:  # removed or replaced between the two calls (a concurrent recompile)
-        digest = None
-    if digest is None:
-        raise BuildDirError(f"{path}: kernel library missing; run `pcldnn-gen compile` again")
-    if digest != sha256:
-        raise BuildDirError(
-            f"{path}: kernel library is corrupt (sha256 differs from manifest.json); "
-            "run `pcldnn-gen compile` again"
-        )
-    ffi = cffi.FFI()
-    decls = "".join(f"void {sym}({SIGNATURES[kind]});\n" for sym, kind in symbols.items())
-    with _lock:
-        ffi.cdef(decls)
-        try:
-            lib = ffi.dlopen(str(path))
-        except OSError as e:
-            raise BuildDirError(f"{path}: cannot load kernel library: {e}") from None
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        raise BuildDirError(f"{path}: kernel library missing; run `pcldnn-gen compile` again") from None
+    try:
+        h = hashlib.sha256()
+        with os.fdopen(os.dup(fd), "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        if h.hexdigest() != sha256:
+            raise BuildDirError(
+                f"{path}: kernel library is corrupt (sha256 differs from manifest.json); "
+                "run `pcldnn-gen compile` again"
+            )
+        ffi = cffi.FFI()
+        decls = "".join(f"void {sym}({SIGNATURES[kind]});\n" for sym, kind in symbols.items())
+        with _lock:
+            ffi.cdef(decls)
+            # dlopen recognises loaded libraries by name: a private link named after the digest
+            # (pointing at the checked descriptor) is unique to this content.
+            link = _link_dir() / f"{sha256}.so"
+            try:
+                link.unlink(missing_ok=True)
+                link.symlink_to(f"/proc/self/fd/{fd}")
+                lib = ffi.dlopen(str(link))
+            except OSError as e:
+                raise BuildDirError(f"{path}: cannot load kernel library: {e}") from None
+            finally:
+                link.unlink(missing_ok=True)
+    except OSError as e:
+        raise BuildDirError(f"{path}: cannot read kernel library: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
     out = {}
     for sym in symbols:
         try:
@@ -93,6 +114,14 @@ def load_library(path: Path, sha256: str, symbols: dict[str, str]) -> dict[str, 
 
 
 _keepalive: list = []
+
+
+@functools.lru_cache(maxsize=1)
+def _link_dir() -> Path:
+    """A private directory for the links `load_library` dlopens (removed at exit)."""
+    folder = Path(tempfile.mkdtemp(prefix="pcldnn-libs-"))
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 _C_TYPES = {np.dtype(np.float32): "float *", np.dtype(np.int32): "int *", np.dtype(np.float64): "double *"}

@@ -336,3 +336,40 @@ def test_threads_follow_omp_num_threads_and_local_ranks(built, monkeypatch):
 def test_bad_seeds(built, seed):
     with pytest.raises(pr.PcldnnError, match="seed must be an int"):
         pr.load(built, seed=seed)
+
+
+def test_load_racing_a_recompile_gets_a_build_or_a_build_dir_error(tmp_path):
+    """One thread rebuilds the same directory over and over (two nets alternately, so the
+    manifest and libraries really change); loads meanwhile get one of the two builds or a
+    BuildDirError, never another exception."""
+    import threading
+
+    from pcldnn_gen.arch import get_arch
+    from pcldnn_gen.build import build
+    specs = [parse_netspec({"name": "race", "input": {"channels": 3, "height": 6, "width": 6}, "layers": [
+        {"name": "c", "type": "conv", "out_channels": oc, "kernel": 3}, {"name": "f", "type": "fc", "out_features": 4}]})
+        for oc in (4, 8)]
+    out = tmp_path / "race"
+    for spec in specs:  # fill the cache: the rebuilds below only swap directories
+        build(spec, get_arch("scalar"), out)
+    stop = threading.Event()
+
+    def rebuild():
+        i = 0
+        while not stop.is_set():
+            build(specs[i % 2], get_arch("scalar"), out)
+            i += 1
+
+    thread = threading.Thread(target=rebuild)
+    thread.start()
+    seen, errors = set(), 0
+    try:
+        for _ in range(150):
+            try:
+                seen.add(pr.load(out, threads=1).layers["c"].out_shape[0])
+            except pr.BuildDirError:
+                errors += 1
+    finally:
+        stop.set()
+        thread.join()
+    assert seen <= {4, 8} and seen
