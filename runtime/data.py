@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import PcldnnError
+from .validate import Fields
 
 
 class ArrayDataset:
@@ -74,6 +75,15 @@ def synthetic(n: int, shape: tuple[int, int, int], classes: int, seed: int = 0, 
     """A learnable random set: each class has a fixed random pattern (drawn from `seed`); a
     sample is its class's pattern plus Gaussian noise of deviation `noise`. Splits of one seed
     share the patterns and draw their samples independently (train: split 0, test: split 1)."""
+    f = Fields("synthetic")
+    f.int_in(n, "n", 1, 1 << 24)
+    f.int_in(classes, "classes", 1, 1 << 20)
+    f.array(list(shape) if isinstance(shape, tuple) else shape, "shape", 3, 3)
+    for i, d in enumerate(shape):
+        f.int_in(d, f"shape[{i}]", 1, 1 << 14)
+    f.number_in(noise, "noise", 0, 1e6)
+    f.int_in(seed, "seed", 0, 2 ** 63 - 1)
+    f.int_in(split, "split", 0, 2 ** 31)
     patterns = np.random.default_rng(np.random.SeedSequence([seed])).standard_normal((classes, *shape)).astype(np.float32)
     rng = np.random.default_rng(np.random.SeedSequence([seed, split + 1]))
     labels = rng.integers(0, classes, n)

@@ -18,6 +18,14 @@ from .kernels import empty_aligned, ptr
 from .manifest import LayerEntry
 
 
+def as_float32(x, what: str) -> np.ndarray:
+    """A C-contiguous float32 copy or view of x, or a PcldnnError when x holds no numbers."""
+    try:
+        return np.ascontiguousarray(x, dtype=np.float32)
+    except (TypeError, ValueError) as e:
+        raise PcldnnError(f"{what}: must be an array of numbers ({e})") from None
+
+
 def blocks(channels: int, v: int) -> int:
     return -(-channels // v)
 
@@ -70,7 +78,7 @@ class Layer:
             raise PcldnnError(f"layer {self.name}: {what} shape {x.shape}, expected {want}")
         if x.shape[0] < 1:
             raise PcldnnError(f"layer {self.name}: empty minibatch")
-        return np.ascontiguousarray(x, dtype=np.float32).reshape(x.shape[0], c, h, w)
+        return as_float32(x, f"layer {self.name}: {what}").reshape(x.shape[0], c, h, w)
 
     def _check_input(self, x: np.ndarray) -> np.ndarray:
         return self._check(x, self.in_shape, self.flat_input, "input")
@@ -167,7 +175,7 @@ class WeightedLayer(Layer):
         value = np.asarray(value)
         if value.shape != self.weight_shape:
             raise PcldnnError(f"layer {self.name}: weights shape {value.shape}, expected {self.weight_shape}")
-        value = np.ascontiguousarray(value, dtype=np.float32)
+        value = as_float32(value, f"layer {self.name}: weights")
         self._net.current()
         self._k["wt_to_blocked"](ptr(value), ptr(self._wt))
 
@@ -178,7 +186,7 @@ class WeightedLayer(Layer):
 
     @bias.setter
     def bias(self, value: np.ndarray) -> None:
-        value = np.asarray(value, dtype=np.float32)
+        value = as_float32(value, f"layer {self.name}: bias")
         if value.shape != (self.out_shape[0],):
             raise PcldnnError(f"layer {self.name}: bias shape {value.shape}, expected ({self.out_shape[0]},)")
         self._net.current()

@@ -286,7 +286,10 @@ def _read_member(z: zipfile.ZipFile, name: str, path: Path, shape: tuple[int], e
         readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
         if version not in readers:
             raise CheckpointError(f"{path}: {name}: unsupported npy version {version}")
-        got_shape, fortran, got_dtype = readers[version](f, max_header_size=10000)
+        try:  # numpy parses the header with Python's tokenizer: any exception can come out of it
+            got_shape, fortran, got_dtype = readers[version](f, max_header_size=10000)
+        except Exception as e:
+            raise CheckpointError(f"{path}: {name}: unreadable npy header ({type(e).__name__})") from None
         if got_dtype != dtype or fortran or len(got_shape) != 1:
             raise CheckpointError(f"{path}: {name}: expected a 1-D {dtype} array, got {got_dtype} {got_shape}")
         count = got_shape[0]
