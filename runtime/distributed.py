@@ -112,9 +112,8 @@ def agree(comm, op: str, values: dict, own=None, watchdog: "_Watchdog | None" = 
     A rank in another operation, or with other values, makes every rank raise the same
     PcldnnError naming both (instead of a hang or silently different work). Returns each
     rank's `own` value (e.g. its shard size)."""
-    what = op
     if watchdog is not None:
-        watchdog.waiting(what)
+        watchdog.waiting(op)
     everyone = comm.allgather((op, values, own))
     if watchdog is not None:
         watchdog.waiting(None)
@@ -495,10 +494,9 @@ class SyncSGD:
         self.comm_wait = 0.0
         self.net._on_access = None  # the pending part-broadcasts are waited for layer by layer below
         t = time.perf_counter()
-        start = time.perf_counter()
         sizes = self._agree(f"step {step_index}: allgather of the shard sizes", {"step": step_index, **(shared or {})},
                             len(labels))  # also where early ranks wait
-        self.comm_wait += time.perf_counter() - start
+        self.comm_wait += time.perf_counter() - t
         if shared and shared.get("global_batch") not in (None, sum(sizes)):
             raise PcldnnError(f"step {step_index}: the shards add up to {sum(sizes)} rows, not the global minibatch "
                               f"{shared['global_batch']}")

@@ -60,10 +60,8 @@ class Trainer:
         self.step_count = 0          # optimizer updates done
         self.last_accuracy = math.nan
         self.comm, self.dist = comm, None
-        if comm is not None:
-            from .distributed import SyncSGD, abort_on_exception
-            if comm.size > 1:
-                abort_on_exception(comm)
+        if comm is not None:  # SyncSGD makes an exception on any rank abort the job
+            from .distributed import SyncSGD
             self.dist = SyncSGD(net, self.optimizer, comm, parallel=parallel, trace=trace)
 
     @property
