@@ -110,17 +110,24 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, like every other error (the usage is one --help away)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="pcldnn-gen", description=__doc__.split(":")[0] + ": "
+    ap = _Parser(prog="pcldnn-gen", description=__doc__.split(":")[0] + ": "
                                  "generate, compile and inspect CPU training kernels for a net.json")
     ap.add_argument("--version", action="version", version=f"pcldnn-gen {__version__}")
-    sub = ap.add_subparsers(dest="command", required=True)
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     c = sub.add_parser("compile", help="plan, generate and compile every kernel of a net into a build directory")
     c.add_argument("net", help="network description (net.json)")
     c.add_argument("--arch", default="native", help="avx2, avx512, scalar, native (default) or an arch JSON file")
     c.add_argument("-o", "--output", help="build directory (default build/<net>-<isa>)")
-    c.add_argument("--jobs", type=_positive, default=None, help="parallel compiler processes (default: cores)")
+    c.add_argument("--jobs", type=_int_in(1, 256), default=None, help="parallel compiler processes (default: cores)")
     c.add_argument("--max-memory", type=_memory, default=None, metavar="SIZE",
                    help="refuse nets that need more memory than SIZE to train at minibatch 1 (e.g. 64G; "
                         "default PCLDNN_MAX_MEMORY or 16G)")
@@ -139,18 +146,18 @@ def parser() -> argparse.ArgumentParser:
 
     k = sub.add_parser("peak", help="measure the FMA peak (GFLOP/s) with a generated micro-kernel")
     k.add_argument("--arch", default="native")
-    k.add_argument("--threads", type=_positive, default=None, help="also measure with N threads (default: all cores)")
+    k.add_argument("--threads", type=_int_in(1, 4096), default=None, help="also measure with N threads (default: all cores)")
     k.set_defaults(func=_peak)
 
     b = sub.add_parser("bench", help="time every conv/fc layer and pass against the peak and baselines")
     b.add_argument("net")
     b.add_argument("--arch", default="native")
-    b.add_argument("--threads", type=_positive, default=None, help="OpenMP threads (default: all cores)")
-    b.add_argument("--batch", type=_positive, default=16)
+    b.add_argument("--threads", type=_int_in(1, 4096), default=None, help="OpenMP threads (default: all cores)")
+    b.add_argument("--batch", type=_int_in(1, 1 << 20), default=16)
     b.add_argument("--passes", default=",".join(PASSES), help="comma-separated, default all")
     b.add_argument("--layers", default=None, help="comma-separated conv/fc layers (default all)")
-    b.add_argument("--repeats", type=_positive, default=5)
-    b.add_argument("--rounds", type=_positive, default=2,
+    b.add_argument("--repeats", type=_int_in(1, 1000), default=5)
+    b.add_argument("--rounds", type=_int_in(1, 100), default=2,
                    help="rounds of (our kernels, baselines) per layer; ratios are the median of the per-round ratios")
     b.add_argument("--compare", default="", help="comma-separated baselines: numpy, onednn (needs torch)")
     b.add_argument("--json", help="write the results as JSON")
@@ -165,11 +172,11 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--machine", required=True,
                     help="cori-haswell, aws-c4, local (measured now) or a machine JSON file")
     pl.add_argument("--nodes", default="1,2,4,8,16", help="comma-separated node counts (default 1,2,4,8,16)")
-    pl.add_argument("--batch", type=_positive, required=True, help="global minibatch")
+    pl.add_argument("--batch", type=_int_in(1, 2 ** 31 - 1), required=True, help="global minibatch")
     pl.add_argument("--threshold", type=_fraction, default=0.8,
                     help="parallel efficiency for the minimum per-node minibatch column (default 0.8)")
     pl.add_argument("--arch", default="native", help="--machine local: the ISA whose FMA peak is measured")
-    pl.add_argument("--threads", type=_positive, default=1, help="--machine local: threads per rank (a node)")
+    pl.add_argument("--threads", type=_int_in(1, 4096), default=1, help="--machine local: threads per rank (a node)")
     pl.add_argument("--bench-json", default=None,
                     help="--machine local: kernel efficiencies from `pcldnn-gen bench NET --json` of this net")
     pl.add_argument("--json", help="write the plans as JSON")
@@ -190,14 +197,17 @@ def _memory(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from None
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text) if len(text) <= 12 else 0
-    except ValueError:
-        value = 0
-    if not 1 <= value <= 2 ** 31 - 1:
-        raise argparse.ArgumentTypeError(f"must be a positive int (at most 2^31 - 1), got {text[:40]!r}")
-    return value
+def _int_in(lo: int, hi: int):
+    """argparse type: an int in [lo, hi] (thread counts, batch sizes, repeats all have a range)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text) if len(text) <= 12 else lo - 1
+        except ValueError:
+            value = lo - 1
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be an int in [{lo}, {hi}], got {text[:40]!r}")
+        return value
+    return parse
 
 
 def _fraction(text: str) -> float:

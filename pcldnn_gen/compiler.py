@@ -120,16 +120,29 @@ def _valid_entry(lib: Path, digest_file: Path) -> bool:
 
 def compile_source(source: Source, arch: Arch, cache: Path | None = None) -> CompileResult:
     """Return the cached library for `source`, compiling it first if absent or corrupt."""
+    cache = cache or cache_dir()
+    try:
+        return _compile_cached(source, arch, cache)
+    except OSError as e:  # the cache was usable at the start: disk full, removed underneath us, ...
+        raise CompileError(f"kernel cache {cache}: {e.strerror or e} (set PCLDNN_CACHE_DIR to another "
+                           "directory)") from None
+
+
+def _compile_cached(source: Source, arch: Arch, cache: Path) -> CompileResult:
     cc = c_compiler()
     flags = compile_flags(arch)
     key = cache_key(source.text, cc, flags)
-    folder = (cache or cache_dir()) / key[:2]
-    _clear(folder) if folder.is_file() or folder.is_symlink() else None
+    folder = cache / key[:2]
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        _clear(folder)
     folder.mkdir(parents=True, exist_ok=True)
     lib, digest_file, c_file = folder / f"{key}.so", folder / f"{key}.so.sha256", folder / f"{key}.c"
     if _valid_entry(lib, digest_file):
         return CompileResult(lib, c_file, compiled=False)
-    with FileLock(str(folder / f"{key}.lock"), timeout=900):
+    lock = folder / f"{key}.lock"
+    if lock.is_dir() and not lock.is_symlink():  # nobody can hold a lock that is a directory
+        shutil.rmtree(lock)
+    with FileLock(str(lock), timeout=900):
         if _valid_entry(lib, digest_file):  # another process finished it while we waited
             return CompileResult(lib, c_file, compiled=False)
         for entry in (lib, digest_file, c_file):

@@ -356,6 +356,8 @@ class SyncSGD:
     def __init__(self, net, optimizer, comm, *, parallel="auto", timeout: float | None = None,
                  trace: list | None = None):
         from mpi4py import MPI
+        if not isinstance(comm, MPI.Intracomm):
+            raise PcldnnError(f"comm must be an MPI intracommunicator (e.g. MPI.COMM_WORLD), got {type(comm).__name__}")
         self.MPI, self.net, self.opt, self.comm = MPI, net, optimizer, comm
         self.p, self.rank = comm.size, comm.rank
         self.parallel = parallel

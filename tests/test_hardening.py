@@ -382,3 +382,35 @@ def test_load_racing_a_recompile_gets_a_build_or_a_build_dir_error(tmp_path):
         stop.set()
         thread.join()
     assert seen <= {4, 8} and seen
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["peak", "--threads", "100000"], "--threads: must be an int in [1, 4096]"),
+    (["bench", str(NETS / "cifar_small.json"), "--repeats", "99999999999999"], "--repeats: must be an int in [1, 1000]"),
+    (["plan", str(NETS / "cifar_small.json"), "--machine", "aws-c4", "--batch", "64", "--threshold", "nan"],
+     "--threshold: must be a number in (0, 1)"),
+    (["plan", str(NETS / "cifar_small.json"), "--machine", "aws-c4", "--batch", "64", "--nodes", "1,100000"],
+     "node counts must be positive, at most 16384"),
+    (["compile", str(NETS / "cifar_small.json"), "--max-memory", "lots"], "--max-memory: must be a size"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["compile"], "the following arguments are required: net"),
+])
+def test_command_line_values_have_ranges(args, fragment):
+    _one_line_error(_cli(*args), fragment)
+
+
+def test_cache_lock_taken_by_a_directory(tmp_path):
+    from pcldnn_gen.arch import get_arch
+    from pcldnn_gen.codegen import render_layout
+    from pcldnn_gen.compiler import cache_key, c_compiler, compile_flags, compile_source
+    from pcldnn_gen.netspec import load_netspec
+    arch = get_arch("scalar")
+    src = render_layout(load_netspec(NETS / "cifar_small.json").layers[0], arch)
+    key = cache_key(src.text, c_compiler(), compile_flags(arch))
+    (tmp_path / key[:2] / f"{key}.lock").mkdir(parents=True)
+    assert compile_source(src, arch, tmp_path).library.is_file()
+
+
+def test_trainer_comm_must_be_a_communicator(built):
+    with pytest.raises(pr.PcldnnError, match="comm must be an MPI intracommunicator"):
+        pr.Trainer(pr.load(built, threads=1), pr.SGD(0.1), comm="world")
