@@ -403,8 +403,10 @@ class SyncSGD:
             ranges, comm = [(start, stop)], self.comm
             if group > 1:
                 if group not in splits:  # groups of consecutive ranks; across them, the same part
-                    splits[group] = (self.comm.Split(self.rank // group, self.rank),
-                                     self.comm.Split(self.rank % group, self.rank))
+                    splits[group] = self._blocking(
+                        lambda: (self.comm.Split(self.rank // group, self.rank),
+                                 self.comm.Split(self.rank % group, self.rank)),
+                        f"first step: splitting the ranks into groups of {group}")
                 gcomm, comm = splits[group]
                 runner = _ModelParallelFC(self, self.net.layers[name], gcomm)
                 self.net.layers[name].runner = self.model[name] = runner
