@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test demo clean
+.PHONY: install test test-fast lint demo clean
 
 install: $(STAMP)
 
@@ -13,8 +13,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,demo]'
 	touch $(STAMP)
 
+# Everything, MPI and packaging included.
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The inner loop: leaves out the tests marked slow (MPI jobs, packaging, VGG-A-size nets).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+# ruff over the tree, mypy over the two packages (configured in pyproject.toml).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 demo: $(STAMP)
 	$(VENV)/bin/mpiexec -n 2 $(PY) examples/train.py --threads 1 --plot build/digits_curve.png

@@ -150,7 +150,8 @@ class KernelProfile:
     def row(self) -> str:
         f = self.fma_instructions or 1
         measured = f"{self.measured:6.0%}" if self.measured is not None else "     -"
-        return (f"{self.layer:<8} {self.pass_name:<12} {self.batch:>5} {self.fma_instructions * self.fma_flops / self.flops:6.2f} "
+        fma_ratio = self.fma_instructions * self.fma_flops / self.flops
+        return (f"{self.layer:<8} {self.pass_name:<12} {self.batch:>5} {fma_ratio:6.2f} "
                 f"{self.instructions / f:6.2f} {self.loads / f:6.2f} {1000 * self.l1_misses / f:7.1f} "
                 f"{64 * self.l1_misses / self.flops:7.3f} {64 * self.l2_misses / self.flops:7.3f} "
                 f"{self.other_instructions / max(self.instructions, 1):6.1%} {self.core_bound:6.0%} {measured}")
@@ -378,7 +379,8 @@ def main(argv=None) -> int:
                 for lp in prof.hot_loops[:3]:
                     print(f"    loop @{lp.start:#x}: {lp.iterations * lp.mca_cycles / cycles:4.0%} of cycles, {lp.fmas} FMA / "
                           f"{lp.instructions} ins, {lp.mca_cycles:.1f} cycles (core {lp.core_efficiency:.0%}), "
-                          f"{lp.iterations} iterations, {lp.l1_misses / max(lp.iterations, 1):.2f} L1 misses/iteration", flush=True)
+                          f"{lp.iterations} iterations, {lp.l1_misses / max(lp.iterations, 1):.2f} L1 misses/iteration",
+                          flush=True)
                 print(f"    outside innermost loops: {prof.other_instructions / args.issue / cycles:4.0%} of cycles", flush=True)
         if args.json:
             args.json.write_text(json.dumps({"net": net.name, "arch": arch.to_json(), "mcpu": args.mcpu, "issue": args.issue,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -112,7 +111,8 @@ def main() -> None:
     from pcldnn_gen.arch import get_arch
     from pcldnn_gen.build import build
     from pcldnn_gen.netspec import load_netspec
-    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+    from pcldnn_runtime.distributed import mpiexec as find_mpiexec
+    mpiexec = find_mpiexec()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.nets.split(","):

@@ -86,7 +86,8 @@ def program(tiles: list[tuple[int, int]], repeats: int) -> str:
     return "\n".join([
         "#include <immintrin.h>", "#include <stdio.h>", "#include <stdlib.h>", "#include <time.h>",
         "static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }",
-        "static int cmp(const void *a, const void *b) { double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }",
+        "static int cmp(const void *a, const void *b) "
+        "{ double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }",
         "static float in[32 + 64 * 4] __attribute__((aligned(64)));",
         "static float wt[32 * 8 + 8 * 16 * 4] __attribute__((aligned(64)));",
         "static volatile float sink;",

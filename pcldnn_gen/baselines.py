@@ -110,7 +110,7 @@ _PROP = {"forward_training": "fwd", "forward_inference": "fwd", "backward_data":
 
 def parse_verbose(text: str) -> dict:
     """{layer/pass: median primitive time in seconds} from marker-delimited verbose output."""
-    per_call: dict[str, list[float]] = {}
+    per_call: dict[str, list[dict[str, float]]] = {}
     current = None
     for line in text.splitlines():
         if line.startswith(MARK):
@@ -119,7 +119,7 @@ def parse_verbose(text: str) -> dict:
             calls: dict[str, float] = {}
             if current:
                 per_call.setdefault(current, [])
-                per_call[current].append(calls)  # type: ignore[arg-type]
+                per_call[current].append(calls)
             continue
         if current is None or ",exec," not in line or ",convolution," not in line:
             continue
@@ -130,7 +130,7 @@ def parse_verbose(text: str) -> dict:
     out: dict[str, float] = {}
     for layer, calls_list in per_call.items():
         for prop in ("fwd", "bwd_data", "bwd_weights"):
-            values = [c[prop] for c in calls_list if prop in c]  # type: ignore[index]
+            values = [c[prop] for c in calls_list if prop in c]
             if values:
                 out[f"{layer}/{prop}"] = float(np.median(values))
     return out
@@ -138,7 +138,8 @@ def parse_verbose(text: str) -> dict:
 
 def main(argv: list[str]) -> int:
     request, result = argv
-    req = json.load(open(request))
+    with open(request) as f:
+        req = json.load(f)
     out: dict[str, dict] = {}
     if "numpy" in req["compare"]:
         for key, t in numpy_times(req).items():
@@ -152,7 +153,11 @@ def main(argv: list[str]) -> int:
         if proc.returncode != 0:
             sys.stderr.write(proc.stderr)
             return 1
-        wall = json.loads(re.search(r"^@@wall (.*)$", proc.stdout, re.M).group(1))
+        marker = re.search(r"^@@wall (.*)$", proc.stdout, re.M)
+        if marker is None:
+            sys.stderr.write(f"oneDNN baseline printed no timings:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+            return 1
+        wall = json.loads(marker.group(1))
         for key, t in parse_verbose(proc.stdout).items():
             out.setdefault(key, {})["onednn"] = t
         for key, t in wall.items():

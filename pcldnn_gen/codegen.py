@@ -99,7 +99,8 @@ VECTOR_ISAS: dict[str, VectorISA] = {
     "avx512": VectorISA("__m512", "immintrin.h", "_mm512_loadu_ps({a})", "_mm512_storeu_ps({a}, {v})",
                         "_mm512_set1_ps(*({a}))", "_mm512_fmadd_ps({a}, {b}, {c})",
                         "_mm512_max_ps({a}, {b})", "_mm512_set1_ps({v})", "_mm512_add_ps({a}, {b})", "__m512",
-                        "{{ const __mmask16 gt = _mm512_cmp_ps_mask({v}, {b}, _CMP_GT_OQ); {b} = _mm512_mask_blend_ps(gt, {b}, {v}); "
+                        "{{ const __mmask16 gt = _mm512_cmp_ps_mask({v}, {b}, _CMP_GT_OQ); "
+                        "{b} = _mm512_mask_blend_ps(gt, {b}, {v}); "
                         "{w} = _mm512_mask_blend_ps(gt, {w}, _mm512_castsi512_ps(_mm512_set1_epi32({p}))); }}",
                         "_mm512_storeu_ps((float *)({a}), {v})", '__asm__("" : "+v"({v}));', "_mm512_reduce_add_ps({v})"),
     "scalar": VectorISA("float", "", "*({a})", "*({a}) = {v}", "*({a})", "{c} + {a} * {b}",

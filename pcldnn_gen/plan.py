@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from pcldnn_runtime import scaling
+from pcldnn_runtime import distributed, scaling
+from pcldnn_runtime.validate import read_json
 
 from .arch import get_arch
 from .errors import PcldnnError
-from pcldnn_runtime.validate import read_json
-
 from .netspec import NetSpec
 
 # Kernel efficiencies of `local` when no bench JSON is given: this project's measured medians
@@ -54,7 +52,7 @@ def local_machine(spec: NetSpec, arch_name: str, bench_json: str | None = None, 
     efficiency = dict(LOCAL_EFFICIENCY)
     if bench_json:
         efficiency.update(_bench_efficiency(Path(bench_json), spec))
-    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+    mpiexec = distributed.mpiexec()
     if mpiexec is None:
         raise PcldnnError("--machine local needs mpiexec (the mpich wheel provides one) for the network probe")
     proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "pcldnn_runtime.scaling"],

@@ -17,8 +17,10 @@ cycles).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pcldnn_runtime.layers import DROPOUT_HASH_STEP
+
 # Passes each layer type has (the loss's bwd_data is the gradient of the mean loss w.r.t. the
 # logits): one table, in the manifest schema the runtime validates builds against.
 from pcldnn_runtime.manifest import LAYER_PASSES, PASSES  # noqa: F401
@@ -177,7 +179,8 @@ def _best(tiles: list[RegisterTile]) -> list[RegisterTile]:
 
 def _tile_sentence(tile: RegisterTile, arch: Arch, rows: str, vectors: str) -> str:
     return (f"register tile {tile.width} {rows} x {tile.vectors} {vectors}: {tile.width * tile.vectors} "
-            f"accumulators + {min(tile.width, tile.vectors)} held + 1 streamed = {tile.registers}/{arch.vector_registers} registers, "
+            f"accumulators + {min(tile.width, tile.vectors)} held + 1 streamed = "
+            f"{tile.registers}/{arch.vector_registers} registers, "
             f"{tile.loads_per_fma:.2f} loads/FMA")
 
 
@@ -207,7 +210,7 @@ def _conv_row_plan(layer: LayerSpec, tile: RegisterTile, ow_lo: int, ow_hi: int,
         left = right = False
         mid_lo, mid_hi = ow_lo, ow_hi
     full, rem = divmod(mid_hi - mid_lo, w)
-    geometry = {"left": _edge_tile(layer, 0, w) if left else None,
+    geometry: dict[str, Any] = {"left": _edge_tile(layer, 0, w) if left else None,
                 "right": _edge_tile(layer, ow - w, w) if right else None,
                 "mid_lo": mid_lo, "mid_hi": mid_hi, "rem": rem,
                 "border_px": (0 if left else ow_lo) + (0 if right else ow - ow_hi)}
@@ -277,6 +280,8 @@ def _conv_fwd_blocking(layer: LayerSpec, tile: RegisterTile, slice_bytes: int, l
             cost = overhead / (2 * v * arch.fma_units) + refill
             if best is None or cost < best[0] - 1e-12:
                 best = (cost, ConvFwdBlocking(chunk, rows, weights, inputs, partials, bpf, overhead, refill))
+    if best is None:
+        raise PlanError(f"layer {layer.name}: no reduction chunk fits the caches")
     return best[1]
 
 

@@ -24,10 +24,12 @@ from __future__ import annotations
 import atexit
 import fnmatch
 import os
+import shutil
 import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 
 import numpy as np
 
@@ -63,6 +65,11 @@ def shard_bounds(batch: int, parts: int, rank: int) -> tuple[int, int]:
 _WORLD_SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 _LOCAL_SIZE_ENV = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
 _guarded: set[int] = set()
+
+
+def mpiexec() -> str | None:
+    """The MPI launcher: the one installed beside this Python (the mpich wheel's), else PATH's."""
+    return shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
 
 
 def world():
@@ -558,7 +565,7 @@ class SyncSGD:
 
     def gather_velocity(self) -> np.ndarray:
         """The full momentum buffer (each rank holds its own parts), for checkpoints."""
-        v = self.opt.velocity
+        v = self.opt.bound_velocity()
         out = v.copy()
         for b in self.blocks:
             start, stop = b["range"]

@@ -128,6 +128,8 @@ class WeightedLayer(Layer):
     def __init__(self, spec: LayerEntry, kernels: dict[str, Callable], v: int, net,
                  params: tuple[np.ndarray, np.ndarray], grads: tuple[np.ndarray, np.ndarray]):
         super().__init__(spec, kernels, v, net)
+        if spec.weight_shape is None:  # the manifest schema gives every conv / fc layer one
+            raise PcldnnError(f"layer {spec.name}: a {spec.type} layer without a weight shape")
         self.weight_shape: tuple[int, ...] = spec.weight_shape
         self.relu: bool = spec.relu
         self._wt, self._bias = params
@@ -216,19 +218,21 @@ class WeightedLayer(Layer):
 
     def run_forward(self, xb, yb, part: tuple[int, int] | None) -> None:
         """The forward kernel on this process's data; fc: output blocks `part` only."""
-        self._k["fwd"](ptr(xb), ptr(self._wt), ptr(self._bias), ptr(yb), xb.shape[0], self._net.threads, *(part or ()))
+        extra = part if part is not None else ()
+        self._k["fwd"](ptr(xb), ptr(self._wt), ptr(self._bias), ptr(yb), xb.shape[0], self._net.threads, *extra)
 
     def run_backward(self, xb, yb, dyb, dxb, grads, part: tuple[int, int] | None) -> None:
         """The backward kernels on this process's data (dxb / grads None: skip that pass)."""
-        batch, threads, part = xb.shape[0], self._net.threads, part or ()
+        batch, threads = xb.shape[0], self._net.threads
+        extra = part if part is not None else ()
         mask = yb if self.relu else None
         if grads is not None:
             dw, db = grads
-            self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(dw), ptr(db), batch, threads, *part)
+            self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(dw), ptr(db), batch, threads, *extra)
             mask = None  # dy is masked in place now
         if dxb is not None:
             scratch = self._net.scratch(self.scratch_floats)
-            self._k["bwd_data"](ptr(dyb), ptr(mask), ptr(self._wt), ptr(scratch), ptr(dxb), batch, threads, *part)
+            self._k["bwd_data"](ptr(dyb), ptr(mask), ptr(self._wt), ptr(scratch), ptr(dxb), batch, threads, *extra)
 
     def backward_weights(self, x: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(dw, db) in canonical layouts for input x and output gradient dy (does not touch

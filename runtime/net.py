@@ -13,8 +13,7 @@ import numpy as np
 from . import cpu
 from .errors import BuildDirError, PcldnnError
 from .kernels import empty_aligned, load_library, ptr, zeros_aligned
-from .layers import (AvgPoolLayer, DropoutLayer, Layer, LossLayer, MaxPoolLayer, ReluLayer,
-                     WeightedLayer)
+from .layers import AvgPoolLayer, DropoutLayer, Layer, LossLayer, MaxPoolLayer, ReluLayer, WeightedLayer
 from .manifest import LayerEntry, Manifest, inside, read_manifest
 
 _LAYER_CLASSES = {"conv": WeightedLayer, "fc": WeightedLayer, "maxpool": MaxPoolLayer,
@@ -89,14 +88,16 @@ class Net:
         for index, spec in enumerate(specs):
             cls = _LAYER_CLASSES[spec.type]
             kernels = self._load_kernels(spec)
+            layer: Layer
             if cls is WeightedLayer:
                 w0, wshape, b0, blen = offsets[spec.name]
                 wsize = int(np.prod(wshape))
                 views = lambda buf: (buf[w0:w0 + wsize].reshape(wshape), buf[b0:b0 + blen])  # noqa: E731
-                layer = cls(spec, kernels, v, self, views(self._params), views(self._grads))
-                layer._wt_offset, layer._bias_offset = w0, b0
+                weighted = WeightedLayer(spec, kernels, v, self, views(self._params), views(self._grads))
+                weighted._wt_offset, weighted._bias_offset = w0, b0
                 # Per-layer seed: a layer's initial weights do not depend on the other layers.
-                layer.init_weights(np.random.default_rng(np.random.SeedSequence([seed, index])))
+                weighted.init_weights(np.random.default_rng(np.random.SeedSequence([seed, index])))
+                layer = weighted
             else:
                 layer = cls(spec, kernels, v, self)
             self.layers[spec.name] = layer
@@ -227,7 +228,8 @@ class Net:
                 timings[layer.name] = time.perf_counter() - start
             if after_layer is not None:
                 after_layer(layer)
-            dy = dx
+            if dx is not None:  # the first layer's input gradient is not computed
+                dy = dx
         self._pending = None
         return loss
 

@@ -88,7 +88,7 @@ class SGD:
               sl: slice = slice(None)) -> None:
         """One update of params[sl] from grads[sl] (in place). The slice is what the MPI
         runtime updates on each rank; a single process updates everything."""
-        if self.velocity is None:
+        if self.velocity is None or self._scratch is None:
             raise PcldnnError("SGD: bind(net) before the first update")
         lr = self.lr_at(step)
         p, v, g, tmp = params[sl], self.velocity[sl], grads[sl], self._scratch[sl]
@@ -106,5 +106,8 @@ class SGD:
             tmp *= lr
         p -= tmp
 
-    def state(self) -> dict:
-        return {"velocity": self.velocity}
+    def bound_velocity(self) -> np.ndarray:
+        """The momentum buffer (same layout as the net's params); `bind` allocates it."""
+        if self.velocity is None:
+            raise PcldnnError("SGD: bind(net) before reading its state")
+        return self.velocity

@@ -36,6 +36,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from .errors import PcldnnError
 from .validate import LABEL_RE, Fields, read_json
@@ -113,7 +114,7 @@ def machine_from_dict(data, origin: str) -> Machine:
     f = Fields(origin)
     optional = {"algorithm", "overlap", "source", "nodes_note"}
     f.obj(data, "", {fld.name for fld in fields(Machine)} - optional, optional)
-    values = {name: f.number_in(data[name], name, lo, hi) for name, (lo, hi) in MACHINE_RANGES.items()}
+    values: dict[str, Any] = {name: f.number_in(data[name], name, lo, hi) for name, (lo, hi) in MACHINE_RANGES.items()}
     eff = f.obj(data["efficiency"], "efficiency", KINDS)
     values["efficiency"] = {k: f.number_in(eff[k], f"efficiency.{k}", 0, 1, open_lo=True) for k in KINDS}
     values["name"] = f.string(data["name"], "name", LABEL_RE, "a machine label")
@@ -174,7 +175,7 @@ class LayerLoad:
 def loads_of(layers) -> list[LayerLoad]:
     """LayerLoads of the conv and fc layers among `layers` (objects with name, type, in_shape,
     out_shape and kernel: the generator's LayerSpec or a runtime Layer), bottom to top."""
-    out = []
+    out: list[LayerLoad] = []
     for layer in layers:
         if layer.type in ("conv", "fc"):
             out.append(LayerLoad.from_shapes(layer.name, layer.type, layer.in_shape, layer.out_shape,

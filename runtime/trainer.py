@@ -96,7 +96,12 @@ class Trainer:
     def evaluate(self, x: np.ndarray | ArrayDataset, labels: np.ndarray | None = None, batch_size: int = 256) -> dict:
         """{'loss', 'accuracy'} over all of (x, labels), or of a dataset, in evaluation mode
         (no dropout)."""
-        data = x if isinstance(x, ArrayDataset) else ArrayDataset(x, labels, "evaluation data")
+        if isinstance(x, ArrayDataset):
+            data = x
+        elif labels is None:
+            raise PcldnnError("evaluate: give labels with the images, or a dataset")
+        else:
+            data = ArrayDataset(x, labels, "evaluation data")
         lo, hi = 0, len(data)
         if self.dist is not None:  # each rank evaluates its share of the samples
             self.dist._agree("Trainer.evaluate", {"samples": len(data), "batch_size": batch_size})
@@ -185,7 +190,7 @@ class Trainer:
         Temporary files that killed saves of the same checkpoint left behind are removed.
         Under MPI every rank calls it (rank 0 writes the gathered state)."""
         path = Path(path)
-        velocity = self.optimizer.velocity
+        velocity = self.optimizer.bound_velocity()
         if self.dist is not None:  # collective: every rank calls save; rank 0 writes the gathered state
             self.dist._agree("Trainer.save", {"step": self.step_count})
             self.sync()
@@ -234,7 +239,7 @@ class Trainer:
         trainer = cls(net, optimizer or _optimizer_from(meta["optimizer"], path), seed=meta["seed"], comm=comm,
                       **kwargs)
         np.copyto(net.params, params)
-        np.copyto(trainer.optimizer.velocity, velocity)
+        np.copyto(trainer.optimizer.bound_velocity(), velocity)
         trainer.step_count = meta["step"]
         net.seed, net._dropout_draws = meta["net_seed"], meta["dropout_draws"]  # dropout masks continue
         return trainer

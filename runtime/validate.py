@@ -15,7 +15,7 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, NoReturn
 
 from .errors import PcldnnError
 
@@ -155,7 +155,7 @@ class Fields:
     def __init__(self, origin: str, error: type[PcldnnError] = PcldnnError):
         self.origin, self.error = origin, error
 
-    def fail(self, where: str, problem: str):
+    def fail(self, where: str, problem: str) -> NoReturn:
         raise self.error(f"{self.origin}: {where or '(top level)'}: {problem}")
 
     def obj(self, value: Any, where: str, required: Iterable[str], optional: Iterable[str] = ()) -> dict:

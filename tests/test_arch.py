@@ -5,9 +5,9 @@ import json
 
 import numpy as np
 import pytest
+from helpers import build_and_load
 
 import pcldnn_runtime as pr
-from conftest import build_and_load
 from pcldnn_gen.arch import PRESETS, get_arch, native_arch
 from pcldnn_gen.errors import ArchError
 from pcldnn_runtime import cpu

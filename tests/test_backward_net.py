@@ -7,10 +7,10 @@ import sys
 
 import numpy as np
 import pytest
+import reference as ref
+from helpers import NETS, REPO, RUNNABLE_ISAS
 
 import pcldnn_runtime as pr
-import reference as ref
-from conftest import NETS, REPO, RUNNABLE_ISAS
 from pcldnn_gen.arch import get_arch
 from pcldnn_gen.build import build
 from pcldnn_gen.netspec import load_netspec, parse_netspec
@@ -99,6 +99,7 @@ def test_gradient_buffer_holds_every_layer_and_is_deterministic(tmp_path):
         net.backward(labels)
 
 
+@pytest.mark.slow
 def test_vgg_a_forward_backward_matches_numpy(tmp_path):
     """VGG-A at minibatch 2 (224x224): loss of a fixed seed against a float64 numpy forward.
     The loss is 1-Lipschitz in each logit, and float32 logits after 11 layers carry a relative
@@ -135,6 +136,7 @@ print(json.dumps({"peak": peak, "weights": 4 * weights, "grads": 4 * weights, "a
 """
 
 
+@pytest.mark.slow
 def test_vgg_a_training_memory_stays_under_1_5x_the_tensors(tmp_path):
     """Peak resident memory of a VGG-A forward+backward at minibatch 8 against the sum of
     weights, weight gradients and activations (the only tensors training must keep)."""

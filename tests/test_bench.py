@@ -6,8 +6,8 @@ import json
 
 import numpy as np
 import pytest
+from helpers import RUNNABLE_ISAS
 
-from conftest import RUNNABLE_ISAS
 from pcldnn_gen import bench
 from pcldnn_gen.arch import get_arch
 from pcldnn_gen.baselines import MARK, parse_verbose

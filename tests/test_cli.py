@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
+from helpers import NETS
 
-from conftest import NETS
 from pcldnn_gen.cli import main
 
 

@@ -7,9 +7,9 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import NETS
 
 import pcldnn_runtime as pr
-from conftest import NETS
 from pcldnn_gen.arch import get_arch
 from pcldnn_gen.build import build
 from pcldnn_gen.codegen import Source

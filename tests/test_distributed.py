@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -16,13 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import MPIEXEC, TRAIN_LAYERS, TRAIN_SHAPE, build_and_load
 
 import pcldnn_runtime as pr
-from conftest import TRAIN_LAYERS, TRAIN_SHAPE, build_and_load
 
 WORKER = Path(__file__).parent / "mpi_worker.py"
-MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
-pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (the mpich wheel provides one)")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (the mpich wheel provides one)")]
 
 LAYERS, SHAPE = TRAIN_LAYERS, TRAIN_SHAPE
 

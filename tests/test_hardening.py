@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import NETS, TRAIN_LAYERS, TRAIN_SHAPE, build_and_load
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pcldnn_runtime as pr
-from conftest import NETS, TRAIN_LAYERS, TRAIN_SHAPE, build_and_load
 from pcldnn_gen.arch import PRESETS, arch_from_dict
 from pcldnn_gen.errors import ArchError, NetSpecError
 from pcldnn_gen.netspec import parse_netspec
@@ -402,7 +402,7 @@ def test_command_line_values_have_ranges(args, fragment):
 def test_cache_lock_taken_by_a_directory(tmp_path):
     from pcldnn_gen.arch import get_arch
     from pcldnn_gen.codegen import render_layout
-    from pcldnn_gen.compiler import cache_key, c_compiler, compile_flags, compile_source
+    from pcldnn_gen.compiler import c_compiler, cache_key, compile_flags, compile_source
     from pcldnn_gen.netspec import load_netspec
     arch = get_arch("scalar")
     src = render_layout(load_netspec(NETS / "cifar_small.json").layers[0], arch)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-from conftest import REPO
+from helpers import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import kernel_profile as kp  # noqa: E402

@@ -5,8 +5,8 @@ import copy
 import json
 
 import pytest
+from helpers import NETS
 
-from conftest import NETS
 from pcldnn_gen.errors import NetSpecError
 from pcldnn_gen.netspec import load_netspec, parse_netspec
 
@@ -32,11 +32,14 @@ def _with(path_edit):
     (lambda n: n["layers"][0].pop("out_channels"), r"layers\[0\]\.out_channels: missing required field"),
     (lambda n: n["layers"][0].update(dilation=2), r"layers\[0\]\.dilation: unknown field"),
     (lambda n: n.update(extra=1), r": extra: unknown field"),
-    (lambda n: n["layers"][0].update(kernel=-1), r"layers\[0\]\.kernel: must be a positive int or \[h, w\] \(each at most 64\), got -1"),
-    (lambda n: n["layers"][0].update(kernel=[3, 0]), r"layers\[0\]\.kernel: must be a positive int or \[h, w\] \(each at most 64\), got \[3, 0\]"),
+    (lambda n: n["layers"][0].update(kernel=-1),
+     r"layers\[0\]\.kernel: must be a positive int or \[h, w\] \(each at most 64\), got -1"),
+    (lambda n: n["layers"][0].update(kernel=[3, 0]),
+     r"layers\[0\]\.kernel: must be a positive int or \[h, w\] \(each at most 64\), got \[3, 0\]"),
     (lambda n: n["layers"][0].update(stride=True), r"layers\[0\]\.stride: must be a positive int"),
     (lambda n: n["layers"][0].update(pad=-1), r"layers\[0\]\.pad: must be a non-negative int"),
-    (lambda n: n["layers"][0].update(out_channels=0), r"layers\[0\]\.out_channels: must be a positive int \(at most 65536\), got 0"),
+    (lambda n: n["layers"][0].update(out_channels=0),
+     r"layers\[0\]\.out_channels: must be a positive int \(at most 65536\), got 0"),
     (lambda n: n["input"].update(height=0), r"input\.height: must be a positive int \(at most 16384\), got 0"),
     (lambda n: n["input"].pop("width"), r"input\.width: missing required field"),
     (lambda n: n["layers"][0].update(kernel=19), r"layers\[0\]\.kernel: kernel \[19, 19\] is larger than the padded input 18x18"),
@@ -46,14 +49,18 @@ def _with(path_edit):
     (lambda n: n.update(name="../x"), r": name: must match"),
     (lambda n: n.update(classes=7), r"classes: is 7 but the last fc layer 'fc1' has out_features 10"),
     (lambda n: n["layers"][0].update(activation="tanh"), r"layers\[0\]\.activation: must be one of relu"),
-    (lambda n: n["layers"].insert(0, {"name": "l0", "type": "softmax_cross_entropy"}), r"layers\[0\]: softmax_cross_entropy must be the last"),
-    (lambda n: n["layers"].insert(3, {"name": "c9", "type": "conv", "out_channels": 2, "kernel": 1}), r"layers\[3\]: conv cannot follow an fc layer"),
+    (lambda n: n["layers"].insert(0, {"name": "l0", "type": "softmax_cross_entropy"}),
+     r"layers\[0\]: softmax_cross_entropy must be the last"),
+    (lambda n: n["layers"].insert(3, {"name": "c9", "type": "conv", "out_channels": 2, "kernel": 1}),
+     r"layers\[3\]: conv cannot follow an fc layer"),
     (lambda n: n.update(layers=[]), r"layers: must be a non-empty list"),
     (lambda n: n["layers"].__setitem__(2, 5), r"layers\[2\]: must be an object, got 5"),
     (lambda n: n["layers"][1].update(pad=2), r"layers\[1\]\.pad: pooling pad \[2, 2\] must be smaller than the kernel"),
-    (lambda n: n["layers"].insert(2, {"name": "d", "type": "dropout", "rate": 1.0}), r"layers\[2\]\.rate: must be a number in \[0, 1\), got 1\.0"),
+    (lambda n: n["layers"].insert(2, {"name": "d", "type": "dropout", "rate": 1.0}),
+     r"layers\[2\]\.rate: must be a number in \[0, 1\), got 1\.0"),
     (lambda n: n["layers"].insert(2, {"name": "a", "type": "avgpool"}), r"layers\[2\]\.kernel: missing required field"),
-    (lambda n: n.update(classes=None) or n["layers"].__delitem__(2), r"layers\[2\]: softmax_cross_entropy needs a vector of logits"),
+    (lambda n: n.update(classes=None) or n["layers"].__delitem__(2),
+     r"layers\[2\]: softmax_cross_entropy needs a vector of logits"),
 ])
 def test_errors_name_the_file_and_json_path(tmp_path, edit, message):
     path = tmp_path / "net.json"

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 import reference as ref
-from conftest import NETS, assert_dot_close, build_and_load
+from helpers import NETS, assert_dot_close, build_and_load
 
 # (batch, C, H, W, OC, kernel, stride, pad, relu): kernel 1/2/3/5/11, stride 1/2/4,
 # pad 0/1/2 (also pad > kernel/2), asymmetric, channels 1/3/8/17/64, non-square, batch 1 and 7.
@@ -268,9 +267,9 @@ def test_small_caches_force_several_reduction_chunks(tmp_path, isa):
     from pcldnn_gen.arch import PRESETS
     # below the physical range an arch file may give (4 KiB L1): built directly, for the planner
     arch = dataclasses.replace(PRESETS[isa], name=f"tiny-{isa}", l1d_bytes=512, l2_bytes=64 * 1024)
+    import pcldnn_runtime as pr
     from pcldnn_gen.build import build
     from pcldnn_gen.netspec import parse_netspec
-    import pcldnn_runtime as pr
     spec = parse_netspec({"name": "chunks", "input": {"channels": 40, "height": 6, "width": 70}, "layers": [
         {"name": "c", "type": "conv", "out_channels": 16, "kernel": 3, "pad": 1, "activation": "relu"},
         {"name": "f", "type": "fc", "out_features": 20, "activation": "relu"}]})

@@ -7,12 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from conftest import NETS, REPO
+from helpers import NETS, REPO
 
 PACKAGED = ["pyproject.toml", "README.md", "pcldnn_gen", "runtime", "templates"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_wheel_in_fresh_venv_compiles_cifar_small(tmp_path):
     src = tmp_path / "src"

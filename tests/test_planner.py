@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import pytest
+from helpers import NETS
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from conftest import NETS
 from pcldnn_gen.arch import PRESETS
 from pcldnn_gen.build import plan_net
 from pcldnn_gen.netspec import load_netspec, parse_netspec

@@ -6,9 +6,9 @@ import shutil
 
 import numpy as np
 import pytest
+from helpers import build_and_load
 
 import pcldnn_runtime as pr
-from conftest import build_and_load
 
 LAYERS = [{"name": "c", "type": "conv", "out_channels": 8, "kernel": 3, "pad": 1, "activation": "relu"},
           {"name": "p", "type": "maxpool", "kernel": 2},

@@ -7,8 +7,8 @@ import random
 from dataclasses import replace
 
 import pytest
+from helpers import MPIEXEC, NETS
 
-from conftest import NETS
 from pcldnn_gen.cli import main
 from pcldnn_gen.netspec import load_netspec
 from pcldnn_runtime import PcldnnError, scaling
@@ -162,12 +162,10 @@ def test_plan_cli_bad_input(args, message, capsys):
     assert message in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_plan_local_machine_is_measured(tmp_path, capsys):
     """`local`: the FMA peak of one thread, and alpha / beta from two ranks under mpiexec."""
-    import shutil
-    import sys
-    from pathlib import Path
-    if not (shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")):
+    if not MPIEXEC:
         pytest.skip("no mpiexec")
     out = tmp_path / "local.json"
     assert main(["plan", str(NETS / "cifar_small.json"), "--machine", "local", "--arch", "scalar",

@@ -6,10 +6,10 @@ import math
 
 import numpy as np
 import pytest
+import reference as ref
+from helpers import TRAIN_LAYERS, TRAIN_SHAPE, build_and_load
 
 import pcldnn_runtime as pr
-import reference as ref
-from conftest import TRAIN_LAYERS, TRAIN_SHAPE, build_and_load
 
 LAYERS, SHAPE = TRAIN_LAYERS, TRAIN_SHAPE
 
@@ -17,7 +17,7 @@ LAYERS, SHAPE = TRAIN_LAYERS, TRAIN_SHAPE
 @pytest.fixture(scope="module")
 def build_dir(tmp_path_factory):
     """One avx2-or-scalar build shared by the tests; each test loads its own Net from it."""
-    from conftest import RUNNABLE_ISAS
+    from helpers import RUNNABLE_ISAS
     tmp = tmp_path_factory.mktemp("train")
     net = build_and_load(tmp, LAYERS, SHAPE, RUNNABLE_ISAS[-1], name="tiny")
     return net.build_dir
@@ -208,7 +208,8 @@ def test_digits_data_and_loader_errors():
 
 def test_train_script_runs_and_rejects_bad_options(tmp_path, monkeypatch, capsys):
     import importlib.util
-    from conftest import REPO, RUNNABLE_ISAS
+
+    from helpers import REPO, RUNNABLE_ISAS
     spec = importlib.util.spec_from_file_location("train_script", REPO / "examples" / "train.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

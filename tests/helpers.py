@@ -1,0 +1,57 @@
+"""Helpers shared by the tests: paths, the ISAs to run, one-layer nets built on the fly,
+tolerances. Imported as `helpers` (tests/ is on sys.path through conftest.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pcldnn_runtime as pr
+from pcldnn_gen.arch import get_arch
+from pcldnn_gen.build import build
+from pcldnn_gen.netspec import parse_netspec
+from pcldnn_runtime import cpu
+from pcldnn_runtime.distributed import mpiexec
+
+REPO = Path(__file__).resolve().parent.parent
+NETS = REPO / "examples" / "nets"
+MPIEXEC = mpiexec()
+
+# Every ISA the generator emits; the ones this CPU cannot execute are shown as skipped.
+ISAS = ("scalar", "avx2", "avx512")
+RUNNABLE_ISAS = [isa for isa in ISAS if cpu.supports(isa)]
+ISA_PARAMS = [pytest.param(isa, marks=pytest.mark.skipif(not cpu.supports(isa), reason=f"this CPU cannot run {isa}"))
+              for isa in ISAS]
+U32 = 2.0 ** -24  # unit roundoff of float32
+
+
+# A small net that trains in milliseconds: conv + relu, max-pool, two fc, softmax loss.
+TRAIN_LAYERS = [
+    {"name": "conv1", "type": "conv", "out_channels": 6, "kernel": 3, "pad": 1, "activation": "relu"},
+    {"name": "pool1", "type": "maxpool", "kernel": 2, "stride": 2},
+    {"name": "fc1", "type": "fc", "out_features": 12, "activation": "relu"},
+    {"name": "fc2", "type": "fc", "out_features": 5},
+    {"name": "loss", "type": "softmax_cross_entropy"},
+]
+TRAIN_SHAPE = (3, 8, 8)
+
+
+def build_and_load(tmp_path: Path, layers: list[dict], input_shape, isa: str, name: str = "t", threads: int = 2):
+    c, h, w = input_shape
+    net = parse_netspec({"name": name, "input": {"channels": c, "height": h, "width": w}, "layers": layers})
+    out = tmp_path / f"{name}-{isa}"
+    build(net, get_arch(isa), out)
+    return pr.load(out, threads=threads)
+
+
+def assert_dot_close(got: np.ndarray, ref: np.ndarray, abs_ref: np.ndarray, terms: int) -> None:
+    """Each output is a bias plus a dot product of `terms` float32 products. Whatever the
+    summation order (blocked, FMA or not), the rounding error of such a sum is bounded by
+    (terms + 2)·u·Σ|x·w| (Higham, Accuracy and Stability, §3.1), where `abs_ref` is the same
+    computation on absolute values in float64. A wrong index gives errors of order |y|."""
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    bound = (terms + 2) * U32 * abs_ref + 1e-30
+    err = np.abs(got.astype(np.float64) - ref)
+    worst = np.unravel_index(np.argmax(err / bound), err.shape)
+    assert np.all(err <= bound), f"error {err[worst]:.3g} > bound {bound[worst]:.3g} at {worst}"
