@@ -161,3 +161,37 @@ def net_forward(spec, net, x):
         elif layer.type == "relu":
             h = np.maximum(h, 0)
     return h.reshape(h.shape[0], -1)
+
+
+def net_gradients(spec, net, x, labels):
+    """{weighted layer: (dw, db)} in float64 for the mean loss over (x, labels), back through
+    the chain. Each layer's input and output come from `net`'s own forward pass (layer by
+    layer, canonical API), so the ReLU masks and pooling maxima are the ones the kernels saw:
+    float32 rounding cannot flip a mask between the two sides."""
+    ins, outs, h = [], [], np.asarray(x, np.float32)
+    layers = [layer for layer in spec.layers if layer.type != "softmax_cross_entropy"]
+    for layer in layers:
+        if layer.type == "dropout":
+            raise NotImplementedError("dropout draws differ between the canonical and the chained passes")
+        ins.append(h)
+        h = net.layers[layer.name].forward(h)
+        outs.append(h)
+    _, dy = softmax_cross_entropy(h, labels)
+    grads = {}
+    for layer, xin, yout in reversed(list(zip(layers, ins, outs))):
+        dy = np.asarray(dy, np.float64).reshape(yout.shape)
+        if layer.relu:  # fused or standalone: the gradient passes where the output is positive
+            dy = dy * (yout > 0)
+        if layer.type == "conv":
+            w = net.layers[layer.name].weights
+            grads[layer.name] = conv2d_bwd_weights(xin, dy, layer.kernel, layer.stride, layer.pad)
+            dy = conv2d_bwd_data(dy, w, layer.stride, layer.pad, xin.shape)
+        elif layer.type == "fc":
+            w = net.layers[layer.name].weights
+            grads[layer.name] = fc_bwd_weights(xin, dy)
+            dy = fc_bwd_data(dy, w, xin.shape)
+        elif layer.type == "maxpool":
+            dy = maxpool_bwd(xin, dy, layer.kernel, layer.stride, layer.pad)
+        elif layer.type == "avgpool":
+            dy = avgpool_bwd(dy, xin.shape, layer.kernel, layer.stride, layer.pad)
+    return grads
