@@ -1,4 +1,5 @@
-"""`make demo`: compile a net (cifar_small by default) and run a forward pass.
+"""Compile a net (cifar_small by default) and time a forward pass (`make demo` trains instead:
+examples/train.py).
 
 Prints the logits' shape and the median time and GFLOP/s of each layer's kernel, e.g.
     python examples/demo.py --net examples/nets/vgg_a.json --arch avx2 --batch 8 --threads 1

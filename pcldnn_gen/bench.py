@@ -52,7 +52,8 @@ def measure_peak(arch: Arch, threads: int, repeats: int = 5) -> float:
         arch=arch, vec=VECTOR_ISAS[arch.isa], symbol=symbol, version=__version__,
         params=pr.kernels.SIGNATURES["peak"], accumulators=accumulators)
     lib = compile_source(Source("peak.c", text, {symbol: "peak"}), arch).library
-    fn = load_library(lib, file_sha256(lib), {symbol: "peak"})[symbol]
+    library = load_library(lib, file_sha256(lib), {symbol: "peak"})  # kept while fn is called
+    fn = library[symbol]
     sink = np.zeros(1, dtype=np.float32)
     flops_per_iter = 2 * arch.vector_floats * accumulators * threads
     iters = 1 << 16

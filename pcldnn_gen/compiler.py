@@ -68,7 +68,6 @@ def compile_flags(arch: Arch) -> list[str]:
 @dataclass(frozen=True)
 class CompileResult:
     library: Path       # the cached shared library
-    source: Path        # the cached copy of the C source it was built from
     compiled: bool      # False when served from the cache
 
 
@@ -138,13 +137,13 @@ def _compile_cached(source: Source, arch: Arch, cache: Path) -> CompileResult:
     folder.mkdir(parents=True, exist_ok=True)
     lib, digest_file, c_file = folder / f"{key}.so", folder / f"{key}.so.sha256", folder / f"{key}.c"
     if _valid_entry(lib, digest_file):
-        return CompileResult(lib, c_file, compiled=False)
+        return CompileResult(lib, compiled=False)
     lock = folder / f"{key}.lock"
     if lock.is_dir() and not lock.is_symlink():  # nobody can hold a lock that is a directory
         shutil.rmtree(lock)
     with FileLock(str(lock), timeout=900):
         if _valid_entry(lib, digest_file):  # another process finished it while we waited
-            return CompileResult(lib, c_file, compiled=False)
+            return CompileResult(lib, compiled=False)
         for entry in (lib, digest_file, c_file):
             _clear(entry)
         _atomic_write(c_file, source.text.encode())
@@ -165,7 +164,7 @@ def _compile_cached(source: Source, arch: Arch, cache: Path) -> CompileResult:
             if os.path.exists(tmp):
                 os.unlink(tmp)
         _atomic_write(digest_file, digest.encode())
-    return CompileResult(lib, c_file, compiled=True)
+    return CompileResult(lib, compiled=True)
 
 
 def compile_all(sources: list[Source], arch: Arch, jobs: int | None = None,

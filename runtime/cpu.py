@@ -64,7 +64,9 @@ def require(isa: str, what: str) -> None:
 
 
 def best_isa() -> str:
-    """The widest ISA this CPU runs, preferring the ones with complete kernels."""
+    """AVX2 where the CPU has AVX2 and FMA, else scalar: the ISA `native` builds for. AVX-512
+    kernels are generated and tested but not tuned yet, so they are asked for by name
+    (--arch avx512), never chosen here."""
     for isa in ("avx2", "scalar"):
         if supports(isa):
             return isa

@@ -64,7 +64,16 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def load_library(path: Path, sha256: str, symbols: dict[str, str]) -> dict[str, Callable]:
+class KernelLibrary(dict):
+    """{symbol: callable} of one loaded library. It holds the FFI and the library handle, which
+    must outlive every call: keep the KernelLibrary as long as its functions are used."""
+
+    def __init__(self, functions: dict[str, Callable], ffi, handle):
+        super().__init__(functions)
+        self._ffi, self._handle = ffi, handle
+
+
+def load_library(path: Path, sha256: str, symbols: dict[str, str]) -> KernelLibrary:
     """dlopen `path` after checking its digest; return {symbol: callable} for `symbols`
     ({symbol: kernel kind}). A truncated or replaced library is refused, not executed: the
     digest is taken of the very file that is loaded (one descriptor, loaded through
@@ -108,12 +117,7 @@ def load_library(path: Path, sha256: str, symbols: dict[str, str]) -> dict[str, 
             out[sym] = getattr(lib, sym)
         except AttributeError:
             raise BuildDirError(f"{path}: symbol {sym} missing from kernel library") from None
-    # Keep the FFI and library alive as long as any function is referenced.
-    _keepalive.append((ffi, lib))
-    return out
-
-
-_keepalive: list = []
+    return KernelLibrary(out, ffi, lib)
 
 
 @functools.lru_cache(maxsize=1)
@@ -131,7 +135,8 @@ def ptr(arr: np.ndarray | None):
     """A typed C pointer to the data of a C-contiguous array (no copy); NULL for None."""
     if arr is None:
         return _ffi.NULL
-    assert arr.flags.c_contiguous, "kernels need C-contiguous arrays"
+    if not arr.flags.c_contiguous:
+        raise ValueError("kernels need C-contiguous arrays")
     return _ffi.cast(_C_TYPES[arr.dtype], arr.ctypes.data)
 
 

@@ -62,6 +62,7 @@ class Net:
         self._dropout_draws = 0
         self.row_offset = 0  # first row of this process's shard in the global minibatch (dropout masks)
         self._scratch = empty_aligned((0,))
+        self._libraries: list = []  # loaded kernel libraries (KernelLibrary): their functions stay callable
         self._workspaces: dict[int, _Workspace] = {}
         self._pending: _Workspace | None = None  # set by a training-mode forward, used by backward
         specs = manifest.layers
@@ -117,6 +118,7 @@ class Net:
         prefix = f"pcldnn_{spec.name}_"
         for pass_name, entry in spec.kernels.items():
             fns = load_library(inside(self.build_dir, entry.library), entry.sha256, entry.symbols)
+            self._libraries.append(fns)  # the handles live as long as the net
             for symbol, fn in fns.items():
                 roles[pass_name if pass_name != "layout" else symbol[len(prefix):]] = fn
         return roles
@@ -155,8 +157,12 @@ class Net:
 
     def build_fingerprint(self) -> str:
         """sha256 over the build's kernel libraries and arch: ranks of one job must agree on it."""
+        # The libraries' digests already cover everything that shapes the code; the ISA and flags
+        # say what it runs on. Descriptive arch fields (the core count of the compiling shell's
+        # affinity mask) stay out, so identical kernels built under different masks agree.
         kernels = {l.name: {p: k.sha256 for p, k in l.kernels.items()} for l in self.manifest.layers}
-        blob = json.dumps({"arch": self.manifest.arch, "kernels": kernels}, sort_keys=True)
+        blob = json.dumps({"isa": self.manifest.isa, "cflags": self.manifest.arch["cflags"], "kernels": kernels},
+                          sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
     @property
