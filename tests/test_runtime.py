@@ -76,3 +76,23 @@ def test_chain_with_standalone_relu_and_timings(built):
     assert net.backward(labels, timings=timings) == pytest.approx(loss, rel=1e-6)
     assert set(timings) == {"c", "p", "r", "f"}
 
+
+
+def test_builds_differing_only_in_core_count_have_one_fingerprint(tmp_path):
+    """Ranks compare build fingerprints before training: the core count of the shell that
+    compiled (its affinity mask) changes no kernel, so it must not make them disagree."""
+    import dataclasses
+
+    from pcldnn_gen.arch import get_arch
+    from pcldnn_gen.build import build
+    from pcldnn_gen.netspec import parse_netspec
+    spec = parse_netspec({"name": "fp", "input": {"channels": 3, "height": 6, "width": 6},
+                          "layers": [{"name": "c", "type": "conv", "out_channels": 4, "kernel": 3}]})
+    one, many = (dataclasses.replace(get_arch("scalar"), cores=n) for n in (1, 64))
+    build(spec, one, tmp_path / "a")
+    build(spec, many, tmp_path / "b")
+    assert pr.load(tmp_path / "a").build_fingerprint() == pr.load(tmp_path / "b").build_fingerprint()
+    other = parse_netspec({"name": "fp", "input": {"channels": 3, "height": 6, "width": 6},
+                           "layers": [{"name": "c", "type": "conv", "out_channels": 5, "kernel": 3}]})
+    build(other, one, tmp_path / "c")
+    assert pr.load(tmp_path / "c").build_fingerprint() != pr.load(tmp_path / "a").build_fingerprint()
