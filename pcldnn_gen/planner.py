@@ -504,7 +504,10 @@ def _plan_conv_bwd_data_few_channels(layer: LayerSpec, arch: Arch, phases: list[
         f"{tile.efficiency:.0%} of peak predicted with no padded lanes; stride {layer.stride[1]} splits each "
         f"row into {len(phases)} phase(s)"
     )
-    return KernelPlan(layer.name, "bwd_data", "conv_bwd_data", arch.isa, v, tile, tuple(range(width - 1, 0, -1)),
+    # The one narrower tile each phase ends with (its column count modulo the width): only those
+    # are emitted.
+    remainders = tuple(sorted({max(0, p["q_hi"] - p["q_lo"]) % width for p in phases} - {0}, reverse=True))
+    return KernelPlan(layer.name, "bwd_data", "conv_bwd_data", arch.isa, v, tile, remainders,
                       ocb, "output-channel blocks", 0, 0, tile.efficiency, ocb * lanes * kh * kw * v * 4, l2_bpf,
                       reason, geometry={"phases": phases, "few_channels": True}, scratch_floats=0)
 
