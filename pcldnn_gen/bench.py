@@ -16,13 +16,15 @@ from pathlib import Path
 import numpy as np
 
 import pcldnn_runtime as pr
-from pcldnn_runtime.kernels import empty_aligned, file_sha256, load_library, ptr
+from pcldnn_runtime.abi import SIGNATURES
+from pcldnn_runtime.kernels import empty_aligned, load_library, ptr
+from pcldnn_runtime.manifest import file_sha256
 
 from . import __version__
 from .arch import Arch
 from .build import build
-from .codegen import VECTOR_ISAS, Source, template_env
-from .compiler import compile_source
+from .codegen import VECTOR_ISAS, template_env
+from .compiler import Source, compile_source
 from .errors import PcldnnError
 from .netspec import NetSpec
 
@@ -50,7 +52,7 @@ def measure_peak(arch: Arch, threads: int, repeats: int = 5) -> float:
     symbol = "pcldnn_peak"
     text = template_env().get_template("peak.c.j2").render(
         arch=arch, vec=VECTOR_ISAS[arch.isa], symbol=symbol, version=__version__,
-        params=pr.kernels.SIGNATURES["peak"], accumulators=accumulators)
+        params=SIGNATURES["peak"], accumulators=accumulators)
     lib = compile_source(Source("peak.c", text, {symbol: "peak"}), arch).library
     library = load_library(lib, file_sha256(lib), {symbol: "peak"})  # kept while fn is called
     fn = library[symbol]
@@ -108,7 +110,7 @@ def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASS_N
             yb, dyb = (empty_aligned(layer.blocked_shape(layer.out_shape, batch)) for _ in range(2))
             dxb = empty_aligned(xb.shape)
             dyb[...] = rng.standard_normal(dyb.shape)
-            grads = (empty_aligned(layer._dwt.shape), empty_aligned(layer._dbias.shape))
+            grads = tuple(empty_aligned(g.shape) for g in layer.grad_buffers)
             runs = {"fwd": lambda: layer.forward_blocked(xb, yb),
                     "bwd_data": lambda: layer.backward_blocked(xb, None, None, dyb, dxb),
                     "bwd_weights": lambda: layer.backward_blocked(xb, None, None, dyb, None, grads)}

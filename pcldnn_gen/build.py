@@ -14,13 +14,12 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from pcldnn_runtime.kernels import file_sha256
-from pcldnn_runtime.manifest import FORMAT, MANIFEST
+from pcldnn_runtime.manifest import FORMAT, MANIFEST, file_sha256
 
 from . import __version__
 from .arch import Arch
-from .codegen import Source, render_kernel, render_layout
-from .compiler import compile_all
+from .codegen import render_kernel, render_layout
+from .compiler import Source, compile_all
 from .errors import BuildDirError
 from .netspec import LayerSpec, NetSpec
 from .planner import LAYER_PASSES, KernelPlan, plan_layer

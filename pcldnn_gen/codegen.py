@@ -14,11 +14,12 @@ from importlib import resources
 
 import jinja2
 
-from pcldnn_runtime.kernels import SIGNATURES
+from pcldnn_runtime.abi import SIGNATURES
 from pcldnn_runtime.validate import NAME_RE, full_match, show
 
 from . import __version__
 from .arch import Arch
+from .compiler import Source
 from .errors import PlanError
 from .netspec import LayerSpec
 from .planner import KernelPlan, blocks
@@ -179,15 +180,6 @@ TEMPLATES = {
     "relu_bwd_data": "eltwise_bwd_data.c.j2", "dropout_bwd_data": "eltwise_bwd_data.c.j2",
     "softmax_cross_entropy_fwd": "loss_fwd.c.j2", "softmax_cross_entropy_bwd_data": "loss_bwd_data.c.j2",
 }
-
-
-@dataclass(frozen=True)
-class Source:
-    """One emitted C file and the kernels it defines ({symbol: kernel kind})."""
-
-    filename: str
-    text: str
-    symbols: dict[str, str]
 
 
 def c_comment(text: object) -> str:

@@ -26,11 +26,20 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from pcldnn_runtime.kernels import file_sha256
+from pcldnn_runtime.manifest import file_sha256
 
 from .arch import Arch
-from .codegen import Source
 from .errors import CompileError
+
+
+@dataclass(frozen=True)
+class Source:
+    """One emitted C file and the kernels it defines ({symbol: kernel kind})."""
+
+    filename: str
+    text: str
+    symbols: dict[str, str]
+
 
 CACHE_FORMAT = "pcldnn-cache/1"
 BASE_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-Wall", "-Wno-unused-function")

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pcldnn_runtime.layers import DROPOUT_HASH_STEP
+from pcldnn_runtime.abi import DROPOUT_HASH_STEP
 
 # Passes each layer type has (the loss's bwd_data is the gradient of the mean loss w.r.t. the
 # logits): one table, in the manifest schema the runtime validates builds against.

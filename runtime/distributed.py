@@ -274,7 +274,8 @@ class _ModelParallelFC:
         self.lo, self.hi = self.parts[gcomm.rank]
         self.k = int(np.prod(layer.blocked_shape(layer.in_shape, 1)))
         # (start in the flat buffers, floats per output block) of the weights and of the bias
-        self.spans = ((layer._wt_offset, int(np.prod(layer._wt.shape[1:]))), (layer._bias_offset, v))
+        w0, b0 = layer.param_offsets
+        self.spans = ((w0, int(np.prod(layer.blocked_weight_shape[1:]))), (b0, v))
         self.rows: list[int] = []      # this step's shard sizes of the group's members
         self.bufs: dict[int, dict] = {}  # by group minibatch
 
@@ -327,7 +328,7 @@ class _ModelParallelFC:
         self._exchange(dyb.reshape(len(dyb), -1), buf["dy"], False,
                        f"model-parallel {name}: all-to-all of the output gradient")
         self.layer.run_backward(buf["x"], buf["y"], buf["dy"], buf["dx"] if dxb is not None else None,
-                                (self.layer._dwt, self.layer._dbias), (self.lo, self.hi))
+                                self.layer.grad_buffers, (self.lo, self.hi))
         if dxb is not None:
             counts = [r * self.k for r in self.rows]
             self.sgd._blocking(lambda: self.comm.Reduce_scatter(buf["dx"], dxb.reshape(-1), recvcounts=counts,
@@ -385,7 +386,7 @@ class SyncSGD:
         self._agree("start-up (Trainer with comm)", {})
         self._blocking(lambda: check_same_net(net, comm), "start-up: comparing the ranks' builds")
         layer_modes(net, parallel, self.p, self.p)  # refuse a bad mapping or machine before the first step
-        self._blocking(lambda: comm.Bcast(net._params, root=0), "start-up: broadcast of rank 0's initial weights")
+        self._blocking(lambda: comm.Bcast(net.params, root=0), "start-up: broadcast of rank 0's initial weights")
         net.seed = self._blocking(lambda: comm.bcast(net.seed, root=0), "start-up: broadcast of the dropout seed")
         self._stale = False  # other ranks' slices of model-parallel layers are a step old
         self.modes: dict[str, int] | None = None
@@ -503,7 +504,7 @@ class SyncSGD:
         """One synchronous step on this rank's shard. `shared`: values every rank must pass
         alike (the trainer's seed, the global minibatch fit uses), checked with the step index."""
         self.comm_wait = 0.0
-        self.net._on_access = None  # the pending part-broadcasts are waited for layer by layer below
+        self.net.complete_on_access(None)  # the pending part-broadcasts are waited for layer by layer below
         t = time.perf_counter()
         sizes = self._agree(f"step {step_index}: allgather of the shard sizes", {"step": step_index, **(shared or {})},
                             len(labels))  # also where early ranks wait
@@ -543,7 +544,7 @@ class SyncSGD:
             self._event(f"sgd {b['name']}", "compute", s, time.perf_counter())
         self._event("step", "step", t, time.perf_counter())
         self._stale = True
-        self.net._on_access = self.sync  # whoever reads weights next gets the current ones
+        self.net.complete_on_access(self.sync)  # whoever reads weights next gets the current ones
         return float(sums[0] / b_global), float(sums[1] / b_global)
 
     def sync(self) -> None:
@@ -551,7 +552,7 @@ class SyncSGD:
         the full weights are then current on this rank. Called by any read of the weights after
         a step. With model-parallel layers it is collective (each rank holds only its slice):
         every rank must then read, save or evaluate alike."""
-        self.net._on_access = None
+        self.net.complete_on_access(None)
         for b in self.blocks:
             if b["gather"] is not None:
                 self._wait(b["gather"], f"part-broadcast {b['name']}")
@@ -559,7 +560,7 @@ class SyncSGD:
         if self.model and self._stale:
             self._agree("reading the weights after a step (model-parallel layers gather their slices)", {})
             for runner in self.model.values():
-                self._blocking(lambda: runner.complete(self.net._params),
+                self._blocking(lambda: runner.complete(self.net.params),
                                f"gathering the slices of model-parallel layer {runner.layer.name}")
         self._stale = False
 

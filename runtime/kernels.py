@@ -19,49 +19,11 @@ from typing import Callable
 import cffi
 import numpy as np
 
+from .abi import SIGNATURES
 from .errors import BuildDirError
-
-# Parameter lists, by kernel kind. Activations are blocked (N, C/V, H, W, V); weights are
-# blocked (OC/V, IC/V, KH, KW, V_ic, V_oc); `batch` is the minibatch, `nthreads` the
-# OpenMP thread count of this call.
-_FWD = "const float *in, const float *wt, const float *bias, float *out, int batch, int nthreads"
-# Backward kernels take the forward output `out` (or NULL): with a fused ReLU they first zero dy
-# where out <= 0, in place. bwd_data gets scratch for the transposed weights (conv only).
-_BWD_DATA = "float *dy, const float *out, const float *wt, float *scratch, float *dx, int batch, int nthreads"
-_BWD_WEIGHTS = "const float *in, float *dy, const float *out, float *dwt, float *dbias, int batch, int nthreads"
-# fc kernels compute only the output-feature blocks [ocb_lo, ocb_hi): a model-parallel rank's
-# slice of the layer (0, OC/V: the whole layer).
-_SLICE = ", int ocb_lo, int ocb_hi"
-SIGNATURES: dict[str, str] = {
-    "conv_fwd": _FWD, "fc_fwd": _FWD + _SLICE,
-    "conv_bwd_data": _BWD_DATA, "fc_bwd_data": _BWD_DATA + _SLICE,
-    "conv_bwd_weights": _BWD_WEIGHTS, "fc_bwd_weights": _BWD_WEIGHTS + _SLICE,
-    "maxpool_fwd": "const float *in, float *out, int *argmax, int batch, int nthreads",
-    "maxpool_bwd_data": "const float *dy, const int *argmax, float *dx, int batch, int nthreads",
-    "avgpool_fwd": "const float *in, float *out, int batch, int nthreads",
-    "avgpool_bwd_data": "const float *dy, float *dx, int batch, int nthreads",
-    "relu_fwd": "const float *in, float *out, int batch, int nthreads",
-    "relu_bwd_data": "const float *dy, const float *out, float *dx, int batch, int nthreads",
-    "dropout_fwd": "const float *in, float *out, unsigned long long seed, int batch, int nthreads",
-    "dropout_bwd_data": "const float *dy, float *dx, unsigned long long seed, int batch, int nthreads",
-    "softmax_cross_entropy_fwd":
-        "const float *logits, const int *labels, float *probs, double *loss, int batch, int nthreads",
-    "softmax_cross_entropy_bwd_data":
-        "const float *probs, const int *labels, float *dx, int batch, int nthreads",
-    "act_layout": "const float *src, float *dst, int batch, int nthreads",
-    "peak": "long long iters, int nthreads, float *sink",
-    "weight_layout": "const float *src, float *dst",
-}
+from .manifest import file_sha256  # noqa: F401  (re-exported: the runtime's loaders use it)
 
 _lock = threading.Lock()
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class KernelLibrary(dict):

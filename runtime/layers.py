@@ -13,6 +13,7 @@ from typing import Callable
 
 import numpy as np
 
+from .abi import DROPOUT_HASH_STEP
 from .errors import PcldnnError
 from .kernels import empty_aligned, ptr
 from .manifest import LayerEntry
@@ -126,7 +127,8 @@ class WeightedLayer(Layer):
     into the net's flat parameter buffer; their gradients are views into the gradient buffer."""
 
     def __init__(self, spec: LayerEntry, kernels: dict[str, Callable], v: int, net,
-                 params: tuple[np.ndarray, np.ndarray], grads: tuple[np.ndarray, np.ndarray]):
+                 params: tuple[np.ndarray, np.ndarray], grads: tuple[np.ndarray, np.ndarray],
+                 offsets: tuple[int, int] = (0, 0)):
         super().__init__(spec, kernels, v, net)
         if spec.weight_shape is None:  # the manifest schema gives every conv / fc layer one
             raise PcldnnError(f"layer {spec.name}: a {spec.type} layer without a weight shape")
@@ -144,7 +146,19 @@ class WeightedLayer(Layer):
         # (pcldnn_runtime.distributed), which exchanges activations and calls run_forward /
         # run_backward on its slice; evaluation runs locally on the whole layer.
         self.runner = None
-        self._wt_offset = self._bias_offset = 0  # where the weights and bias start in the flat buffers
+        # where the blocked weights and the bias start in the net's flat params / grads buffers
+        self.param_offsets: tuple[int, int] = offsets
+
+    @property
+    def blocked_weight_shape(self) -> tuple[int, ...]:
+        """(OC/V, IC/V, KH, KW, V, V): the layout of the weights inside the flat buffers."""
+        return self._wt.shape
+
+    @property
+    def grad_buffers(self) -> tuple[np.ndarray, np.ndarray]:
+        """The blocked (weight, bias) gradient views into the net's gradient buffer, which
+        `Net.backward` fills."""
+        return self._dwt, self._dbias
 
     @staticmethod
     def blocked_sizes(spec: LayerEntry, v: int) -> tuple[tuple[int, ...], int]:
@@ -282,9 +296,6 @@ class ReluLayer(Layer):
         self._k["bwd_data"](ptr(dyb), ptr(yb), ptr(dxb), dyb.shape[0], self._net.threads)
 
 
-# G of the dropout kernels' counter hash (the golden-ratio increment of SplitMix64); the
-# generator emits it from here so that the seed shift below matches the kernels.
-DROPOUT_HASH_STEP = 0x9E3779B97F4A7C15
 
 
 class DropoutLayer(Layer):

@@ -8,6 +8,7 @@ the build directory. Any defect is one `BuildDirError` naming the field.
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,6 +223,15 @@ def _kernels(f: Fields, value: Any, where: str, layer: str, ltype: str) -> dict[
                              f.string(raw["source"], f"{at}.source", _REL_PATH, "a relative path"),
                              dict(want), plan)
     return out
+
+
+def file_sha256(path: Path) -> str:
+    """The digest a manifest records for each library."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def inside(build_dir: Path, relative: str) -> Path:

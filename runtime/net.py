@@ -59,7 +59,7 @@ class Net:
         self.vector_floats: int = manifest.vector_floats
         self.threads = threads
         self.seed = seed
-        self._dropout_draws = 0
+        self.dropout_draws = 0  # dropout calls so far: with `seed`, what the next mask is drawn from
         self.row_offset = 0  # first row of this process's shard in the global minibatch (dropout masks)
         self._scratch = empty_aligned((0,))
         self._libraries: list = []  # loaded kernel libraries (KernelLibrary): their functions stay callable
@@ -94,8 +94,7 @@ class Net:
                 w0, wshape, b0, blen = offsets[spec.name]
                 wsize = int(np.prod(wshape))
                 views = lambda buf: (buf[w0:w0 + wsize].reshape(wshape), buf[b0:b0 + blen])  # noqa: E731
-                weighted = WeightedLayer(spec, kernels, v, self, views(self._params), views(self._grads))
-                weighted._wt_offset, weighted._bias_offset = w0, b0
+                weighted = WeightedLayer(spec, kernels, v, self, views(self._params), views(self._grads), (w0, b0))
                 # Per-layer seed: a layer's initial weights do not depend on the other layers.
                 weighted.init_weights(np.random.default_rng(np.random.SeedSequence([seed, index])))
                 layer = weighted
@@ -134,6 +133,11 @@ class Net:
         """The gradients of `params`, same layout."""
         self.current()
         return self._grads
+
+    def complete_on_access(self, hook) -> None:
+        """Run `hook` before the next read of the weights (None: nothing pending). The MPI
+        runtime registers its pending part-broadcasts here after a step."""
+        self._on_access = hook
 
     def current(self) -> None:
         """Complete any pending update of the weights (MPI part-broadcasts) before they are read."""
@@ -179,8 +183,8 @@ class Net:
     def next_dropout_seed(self) -> int:
         """A fresh seed for every dropout call, from (net seed, call count): runs are
         reproducible, and each step and layer draws a new mask."""
-        self._dropout_draws += 1
-        return int(np.random.SeedSequence([self.seed, self._dropout_draws]).generate_state(1, np.uint64)[0])
+        self.dropout_draws += 1
+        return int(np.random.SeedSequence([self.seed, self.dropout_draws]).generate_state(1, np.uint64)[0])
 
     # -- passes --------------------------------------------------------------------------
     def forward(self, x: np.ndarray, *, training: bool = False, timings: dict[str, float] | None = None,
@@ -228,7 +232,7 @@ class Net:
             layer = self.chain[i]
             start = time.perf_counter()
             dx = ws.grad((len(self.chain) - i) % 2, ws.acts[i]) if i > 0 else None
-            grads = (layer._dwt, layer._dbias) if isinstance(layer, WeightedLayer) else None
+            grads = layer.grad_buffers if isinstance(layer, WeightedLayer) else None
             layer.backward_blocked(ws.acts[i], ws.acts[i + 1], ws.aux[i], dy, dx, grads)
             if timings is not None:
                 timings[layer.name] = time.perf_counter() - start

@@ -204,7 +204,7 @@ class Trainer:
                 raise CheckpointError(f"{path}: refusing to save: the {name} hold NaN or infinity")
         meta = {"format": CHECKPOINT_FORMAT, "net": self.net.name, "net_hash": self.net.net_hash,
                 "step": self.step_count, "seed": self.seed, "net_seed": self.net.seed,
-                "dropout_draws": self.net._dropout_draws,
+                "dropout_draws": self.net.dropout_draws,
                 "optimizer": self.optimizer.config(), "params": int(params.size)}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -241,7 +241,7 @@ class Trainer:
         np.copyto(net.params, params)
         np.copyto(trainer.optimizer.bound_velocity(), velocity)
         trainer.step_count = meta["step"]
-        net.seed, net._dropout_draws = meta["net_seed"], meta["dropout_draws"]  # dropout masks continue
+        net.seed, net.dropout_draws = meta["net_seed"], meta["dropout_draws"]  # dropout masks continue
         return trainer
 
 

@@ -12,8 +12,7 @@ from helpers import NETS
 import pcldnn_runtime as pr
 from pcldnn_gen.arch import get_arch
 from pcldnn_gen.build import build
-from pcldnn_gen.codegen import Source
-from pcldnn_gen.compiler import compile_source
+from pcldnn_gen.compiler import Source, compile_source
 from pcldnn_gen.errors import BuildDirError, CompileError
 from pcldnn_gen.netspec import load_netspec
 

@@ -227,11 +227,11 @@ def test_relu_and_dropout_layers(tmp_path, isa, rate):
     assert not np.array_equal(drop.forward(xd) != 0, kept)  # a new step draws a new mask
     # A shard starting at row 1 of the global minibatch (net.row_offset) draws the rows' own
     # masks, as one process does for the whole minibatch (same seed and draw count)
-    draws = net._dropout_draws
+    draws = net.dropout_draws
     whole = drop.forward(xd) != 0
-    net._dropout_draws, net.row_offset = draws, 1
+    net.dropout_draws, net.row_offset = draws, 1
     np.testing.assert_array_equal(drop.forward(xd[1:]) != 0, whole[1:])
-    net._dropout_draws, net.row_offset = draws, 0
+    net.dropout_draws, net.row_offset = draws, 0
     assert not np.array_equal(drop.forward(xd[1:]) != 0, whole[1:])  # without the offset: row 0's mask
     net.row_offset = 0
     # evaluation mode: dropout is the identity
