@@ -11,6 +11,7 @@ import functools
 import hashlib
 import os
 import shutil
+import stat
 import tempfile
 import threading
 from pathlib import Path
@@ -40,11 +41,13 @@ def load_library(path: Path, sha256: str, symbols: dict[str, str]) -> KernelLibr
     ({symbol: kernel kind}). A truncated or replaced library is refused, not executed: the
     digest is taken of the very file that is loaded (one descriptor, loaded through
     /proc/self/fd), so a concurrent recompile cannot slip another library in between."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
+    try:  # non-blocking: a FIFO planted in a build directory must not hang the open
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         raise BuildDirError(f"{path}: kernel library missing; run `pcldnn-gen compile` again") from None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BuildDirError(f"{path}: kernel library is not a regular file")
         h = hashlib.sha256()
         with os.fdopen(os.dup(fd), "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):

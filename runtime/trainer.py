@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import stat
 import tempfile
 import time
 import zipfile
@@ -257,6 +258,8 @@ def read_checkpoint(path: Path, net) -> tuple[dict, np.ndarray, np.ndarray]:
     its data is read, metadata fields and ranges, finite values. Any defect is one
     CheckpointError with the reason."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or device would block or never end
+            raise CheckpointError(f"{path}: not a regular file")
         with zipfile.ZipFile(path) as z:
             names = sorted(z.namelist())
             if names != sorted(_MEMBERS):

@@ -414,3 +414,18 @@ def test_cache_lock_taken_by_a_directory(tmp_path):
 def test_trainer_comm_must_be_a_communicator(built):
     with pytest.raises(pr.PcldnnError, match="comm must be an MPI intracommunicator"):
         pr.Trainer(pr.load(built, threads=1), pr.SGD(0.1), comm="world")
+
+
+def test_fifos_in_build_directories_and_checkpoints_do_not_block(built, tmp_path):
+    """Opening a FIFO for reading waits for a writer: a planted one must be refused, not hang."""
+    import shutil
+    copy = tmp_path / "b"
+    shutil.copytree(built, copy)
+    lib = copy / json.loads((copy / "manifest.json").read_text())["layers"][0]["kernels"]["fwd"]["library"]
+    lib.unlink()
+    os.mkfifo(lib)
+    with pytest.raises(pr.BuildDirError, match="not a regular file"):
+        pr.load(copy, threads=1)
+    os.mkfifo(tmp_path / "ck.npz")
+    with pytest.raises(pr.CheckpointError, match="not a regular file"):
+        pr.Trainer.resume(tmp_path / "ck.npz", pr.load(built, threads=1))
