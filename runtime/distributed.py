@@ -34,12 +34,10 @@ from pathlib import Path
 import numpy as np
 
 from .errors import PcldnnError
-from .kernels import zeros_aligned
-
-ALIGN = 16  # floats: part boundaries on cache lines
+from .kernels import CACHE_LINE_FLOATS, zeros_aligned
 
 
-def part_counts(n: int, parts: int, align: int = ALIGN) -> np.ndarray:
+def part_counts(n: int, parts: int, align: int = CACHE_LINE_FLOATS) -> np.ndarray:
     """Split n elements into `parts` contiguous pieces as even as cache-line granularity
     allows (piece sizes multiples of `align`, except for the end); pieces may be empty."""
     lines = -(-n // align)

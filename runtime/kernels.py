@@ -108,6 +108,9 @@ def ptr(arr: np.ndarray | None):
 _ffi = cffi.FFI()
 
 
+CACHE_LINE_FLOATS = 16  # floats in a 64-byte cache line: parameter blocks and MPI parts start on one
+
+
 def empty_aligned(shape: tuple[int, ...], align: int = 64) -> np.ndarray:
     """An uninitialised float32 array whose data starts on an `align`-byte boundary
     (cache line), so vector loads never split lines at the start of a buffer."""

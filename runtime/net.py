@@ -12,14 +12,13 @@ import numpy as np
 
 from . import cpu
 from .errors import BuildDirError, PcldnnError
-from .kernels import empty_aligned, load_library, ptr, zeros_aligned
+from .kernels import CACHE_LINE_FLOATS, empty_aligned, load_library, ptr, zeros_aligned
 from .layers import AvgPoolLayer, DropoutLayer, Layer, LossLayer, MaxPoolLayer, ReluLayer, WeightedLayer
 from .manifest import LayerEntry, Manifest, inside, read_manifest
 
 _LAYER_CLASSES = {"conv": WeightedLayer, "fc": WeightedLayer, "maxpool": MaxPoolLayer,
                   "avgpool": AvgPoolLayer, "relu": ReluLayer, "dropout": DropoutLayer,
                   "softmax_cross_entropy": LossLayer}
-_ALIGN = 16  # floats: every parameter block starts on a 64-byte cache line
 
 
 class _Workspace:
@@ -259,7 +258,7 @@ class Net:
 
 
 def _round_up(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+    return -(-n // CACHE_LINE_FLOATS) * CACHE_LINE_FLOATS  # every parameter block starts on a cache line
 
 
 def load(build_dir: str | Path, threads: int | None = None, seed: int = 0) -> Net:
