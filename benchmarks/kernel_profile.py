@@ -44,7 +44,8 @@ from pcldnn_gen.arch import get_arch, native_arch  # noqa: E402
 from pcldnn_gen.bench import measure_peak  # noqa: E402
 from pcldnn_gen.build import build  # noqa: E402
 from pcldnn_gen.netspec import load_netspec  # noqa: E402
-from pcldnn_runtime.layers import WeightedLayer, blocks  # noqa: E402
+from pcldnn_runtime.layers import WeightedLayer  # noqa: E402
+from pcldnn_runtime.limits import blocks  # noqa: E402
 from pcldnn_runtime.manifest import LayerEntry, read_manifest  # noqa: E402
 
 PASSES = ("fwd", "bwd_data", "bwd_weights")

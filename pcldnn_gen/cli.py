@@ -128,9 +128,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--arch", default="native", help="avx2, avx512, scalar, native (default) or an arch JSON file")
     c.add_argument("-o", "--output", help="build directory (default build/<net>-<isa>)")
     c.add_argument("--jobs", type=_int_in(1, 256), default=None, help="parallel compiler processes (default: cores)")
-    c.add_argument("--max-memory", type=_memory, default=None, metavar="SIZE",
-                   help="refuse nets that need more memory than SIZE to train at minibatch 1 (e.g. 64G; "
-                        "default PCLDNN_MAX_MEMORY or 16G)")
+    _max_memory_option(c)
     c.set_defaults(func=_compile)
 
     i = sub.add_parser("inspect", help="print the C emitted for one layer and pass")
@@ -139,9 +137,7 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--pass", dest="pass_name", default="fwd", choices=PASSES)
     i.add_argument("--arch", default="native")
     i.add_argument("--explain", action="store_true", help="print the plan and rejected tiles instead of C")
-    i.add_argument("--max-memory", type=_memory, default=None, metavar="SIZE",
-                   help="refuse nets that need more memory than SIZE to train at minibatch 1 (e.g. 64G; "
-                        "default PCLDNN_MAX_MEMORY or 16G)")
+    _max_memory_option(i)
     i.set_defaults(func=_inspect)
 
     k = sub.add_parser("peak", help="measure the FMA peak (GFLOP/s) with a generated micro-kernel")
@@ -162,9 +158,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--compare", default="", help="comma-separated baselines: numpy, onednn (needs torch)")
     b.add_argument("--json", help="write the results as JSON")
     b.add_argument("--plot", help="write a bar chart (PNG; needs matplotlib)")
-    b.add_argument("--max-memory", type=_memory, default=None, metavar="SIZE",
-                   help="refuse nets that need more memory than SIZE to train at minibatch 1 (e.g. 64G; "
-                        "default PCLDNN_MAX_MEMORY or 16G)")
+    _max_memory_option(b)
     b.set_defaults(func=_bench)
 
     pl = sub.add_parser("plan", help="predict multi-node scaling and choose data / model / hybrid parallelism per layer")
@@ -182,11 +176,15 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", help="write the plans as JSON")
     pl.add_argument("--plot", help="write predicted speedup against nodes (PNG)")
     pl.add_argument("--timeline", help="write the simulated timeline of one iteration at the largest node count (PNG)")
-    pl.add_argument("--max-memory", type=_memory, default=None, metavar="SIZE",
-                   help="refuse nets that need more memory than SIZE to train at minibatch 1 (e.g. 64G; "
-                        "default PCLDNN_MAX_MEMORY or 16G)")
+    _max_memory_option(pl)
     pl.set_defaults(func=_plan)
     return ap
+
+
+def _max_memory_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-memory", type=_memory, default=None, metavar="SIZE",
+                   help="refuse nets that need more memory than SIZE to train at minibatch 1 (e.g. 64G; "
+                        "default PCLDNN_MAX_MEMORY or 16G)")
 
 
 def _memory(text: str) -> int:

@@ -15,6 +15,7 @@ from importlib import resources
 import jinja2
 
 from pcldnn_runtime.abi import SIGNATURES
+from pcldnn_runtime.limits import blocks
 from pcldnn_runtime.validate import NAME_RE, full_match, show
 
 from . import __version__
@@ -22,7 +23,7 @@ from .arch import Arch
 from .compiler import Source
 from .errors import PlanError
 from .netspec import LayerSpec
-from .planner import KernelPlan, blocks
+from .planner import KernelPlan
 
 
 @dataclass(frozen=True)

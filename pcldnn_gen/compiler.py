@@ -111,11 +111,10 @@ def usable_cache(cache: Path | None = None) -> Path:
 def _clear(path: Path) -> None:
     """Remove whatever occupies a cache entry's path that is not a regular file (a directory,
     a link): the entry is then rebuilt."""
-    if path.is_symlink() or (path.exists() and not path.is_file()):
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.is_symlink() or (path.exists() and not path.is_file()):
+        path.unlink()
 
 
 def _valid_entry(lib: Path, digest_file: Path) -> bool:
@@ -148,8 +147,7 @@ def _compile_cached(source: Source, arch: Arch, cache: Path) -> CompileResult:
     if _valid_entry(lib, digest_file):
         return CompileResult(lib, compiled=False)
     lock = folder / f"{key}.lock"
-    if lock.is_dir() and not lock.is_symlink():  # nobody can hold a lock that is a directory
-        shutil.rmtree(lock)
+    _clear(lock)  # a directory or link there is no lock anybody holds
     with FileLock(str(lock), timeout=900):
         if _valid_entry(lib, digest_file):  # another process finished it while we waited
             return CompileResult(lib, compiled=False)

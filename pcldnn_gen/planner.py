@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pcldnn_runtime.abi import DROPOUT_HASH_STEP
+from pcldnn_runtime.limits import blocks
 
 # Passes each layer type has (the loss's bwd_data is the gradient of the mean loss w.r.t. the
 # logits): one table, in the manifest schema the runtime validates builds against.
@@ -112,11 +113,6 @@ class KernelPlan:
         d["predicted_efficiency"] = round(self.predicted_efficiency, 4)
         d["l2_bytes_per_flop"] = round(self.l2_bytes_per_flop, 5)
         return d
-
-
-def blocks(channels: int, v: int) -> int:
-    """Channel blocks of V (the last one zero-padded)."""
-    return -(-channels // v)
 
 
 _MEMORY_BOUND = {

@@ -303,7 +303,7 @@ class _ModelParallelFC:
             scounts = [mine * w for w in widths]
             rcounts = [r * widths[q] for r in self.rows]
         recv = np.empty(sum(rcounts), np.float32)
-        self.sgd._blocking(lambda: self.comm.Alltoallv([send, (scounts, _displs(scounts))],
+        self.sgd.blocking(lambda: self.comm.Alltoallv([send, (scounts, _displs(scounts))],
                                                        [recv, (rcounts, _displs(rcounts))]), what)
         if forward:
             for (a, b), off, count in zip(self.parts, _displs(rcounts), rcounts):
@@ -315,7 +315,7 @@ class _ModelParallelFC:
         name, total = self.layer.name, sum(self.rows)
         buf = self._buffers(total)
         counts = [r * self.k for r in self.rows]
-        self.sgd._blocking(lambda: self.comm.Allgatherv(xb, [buf["x"], (counts, _displs(counts))]),
+        self.sgd.blocking(lambda: self.comm.Allgatherv(xb, [buf["x"], (counts, _displs(counts))]),
                            f"model-parallel {name}: gather of the input")
         self.layer.run_forward(buf["x"], buf["y"], (self.lo, self.hi))
         self._exchange(buf["y"], yb.reshape(len(xb), -1), True, f"model-parallel {name}: all-to-all of the output")
@@ -329,7 +329,7 @@ class _ModelParallelFC:
                                 self.layer.grad_buffers, (self.lo, self.hi))
         if dxb is not None:
             counts = [r * self.k for r in self.rows]
-            self.sgd._blocking(lambda: self.comm.Reduce_scatter(buf["dx"], dxb.reshape(-1), recvcounts=counts,
+            self.sgd.blocking(lambda: self.comm.Reduce_scatter(buf["dx"], dxb.reshape(-1), recvcounts=counts,
                                                                 op=self.sgd.MPI.SUM),
                                f"model-parallel {name}: reduce-scatter of the input gradient")
 
@@ -379,13 +379,13 @@ class SyncSGD:
         # Every start-up exchange runs under the watchdog: a rank that never arrives ends the job.
         # The agreements travel on a duplicate of comm, so they can never match a collective
         # the program itself runs on comm; at exit this rank announces that it leaves.
-        self.ctl = self._blocking(comm.Dup, "start-up: duplicating the communicator")
+        self.ctl = self.blocking(comm.Dup, "start-up: duplicating the communicator")
         atexit.register(_exit_agreement, self.ctl)
-        self._agree("start-up (Trainer with comm)", {})
-        self._blocking(lambda: check_same_net(net, comm), "start-up: comparing the ranks' builds")
+        self.agree("start-up (Trainer with comm)", {})
+        self.blocking(lambda: check_same_net(net, comm), "start-up: comparing the ranks' builds")
         layer_modes(net, parallel, self.p, self.p)  # refuse a bad mapping or machine before the first step
-        self._blocking(lambda: comm.Bcast(net.params, root=0), "start-up: broadcast of rank 0's initial weights")
-        net.seed = self._blocking(lambda: comm.bcast(net.seed, root=0), "start-up: broadcast of the dropout seed")
+        self.blocking(lambda: comm.Bcast(net.params, root=0), "start-up: broadcast of rank 0's initial weights")
+        net.seed = self.blocking(lambda: comm.bcast(net.seed, root=0), "start-up: broadcast of the dropout seed")
         self._stale = False  # other ranks' slices of model-parallel layers are a step old
         self.modes: dict[str, int] | None = None
         self.blocks: list[dict] = []
@@ -409,7 +409,7 @@ class SyncSGD:
             ranges, comm = [(start, stop)], self.comm
             if group > 1:
                 if group not in splits:  # groups of consecutive ranks; across them, the same part
-                    splits[group] = self._blocking(
+                    splits[group] = self.blocking(
                         lambda: (self.comm.Split(self.rank // group, self.rank),
                                  self.comm.Split(self.rank % group, self.rank)),
                         f"first step: splitting the ranks into groups of {group}")
@@ -433,7 +433,7 @@ class SyncSGD:
             self.trace.append({"name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": cat,
                                "ts": (start - self._t0) * 1e6, "dur": (end - start) * 1e6})
 
-    def _blocking(self, call, what: str):
+    def blocking(self, call, what: str):
         """A blocking collective under the watchdog, counted as communication wait."""
         start = time.perf_counter()
         self.watchdog.waiting(what)
@@ -445,7 +445,7 @@ class SyncSGD:
         self._event(what, "wait", start, end)
         return out
 
-    def _agree(self, op: str, values: dict, own=None) -> list:
+    def agree(self, op: str, values: dict, own=None) -> list:
         """`agree` on this job's control communicator, under the watchdog."""
         return agree(self.ctl, op, values, own, self.watchdog)
 
@@ -504,7 +504,7 @@ class SyncSGD:
         self.comm_wait = 0.0
         self.net.complete_on_access(None)  # the pending part-broadcasts are waited for layer by layer below
         t = time.perf_counter()
-        sizes = self._agree(f"step {step_index}: allgather of the shard sizes", {"step": step_index, **(shared or {})},
+        sizes = self.agree(f"step {step_index}: allgather of the shard sizes", {"step": step_index, **(shared or {})},
                             len(labels))  # also where early ranks wait
         self.comm_wait += time.perf_counter() - t
         if shared and shared.get("global_batch") not in (None, sum(sizes)):
@@ -527,7 +527,7 @@ class SyncSGD:
         self._event("backward", "compute", t2, t3)
         correct = float((logits.argmax(axis=1) == np.asarray(labels)).sum())
         sums = np.array([loss * b_local, correct], np.float64)
-        self._blocking(lambda: self.comm.Allreduce(self.MPI.IN_PLACE, sums), f"step {step_index}: allreduce of the loss")
+        self.blocking(lambda: self.comm.Allreduce(self.MPI.IN_PLACE, sums), f"step {step_index}: allreduce of the loss")
         for b in reversed(self.blocks):  # the order their reductions started: the top layer first
             self._wait(b["reduce"], f"step {step_index}: part-reduce of layer {b['name']}")
             b["reduce"] = None
@@ -556,9 +556,9 @@ class SyncSGD:
                 self._wait(b["gather"], f"part-broadcast {b['name']}")
                 b["gather"] = None
         if self.model and self._stale:
-            self._agree("reading the weights after a step (model-parallel layers gather their slices)", {})
+            self.agree("reading the weights after a step (model-parallel layers gather their slices)", {})
             for runner in self.model.values():
-                self._blocking(lambda: runner.complete(self.net.params),
+                self.blocking(lambda: runner.complete(self.net.params),
                                f"gathering the slices of model-parallel layer {runner.layer.name}")
         self._stale = False
 
@@ -570,11 +570,11 @@ class SyncSGD:
             start, stop = b["range"]
             out[start:stop] = 0.0
             out[b["own"]] = v[b["own"]]
-            self._blocking(lambda: b["comm"].Allgatherv(
+            self.blocking(lambda: b["comm"].Allgatherv(
                 self.MPI.IN_PLACE, [out[start:stop], (b["counts"], b["displs"]), self.MPI.FLOAT]),
                 f"save: gathering the momentum of {b['name']}")
         for runner in self.model.values():
-            self._blocking(lambda: runner.complete(out), f"save: gathering the momentum slices of {runner.layer.name}")
+            self.blocking(lambda: runner.complete(out), f"save: gathering the momentum slices of {runner.layer.name}")
         return out
 
 

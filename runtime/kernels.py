@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import atexit
 import functools
-import hashlib
-import os
 import shutil
-import stat
 import tempfile
 import threading
 from pathlib import Path
@@ -22,7 +19,8 @@ import numpy as np
 
 from .abi import SIGNATURES
 from .errors import BuildDirError
-from .manifest import file_sha256  # noqa: F401  (re-exported: the runtime's loaders use it)
+from .manifest import stream_sha256
+from .validate import open_regular
 
 _lock = threading.Lock()
 
@@ -41,22 +39,18 @@ def load_library(path: Path, sha256: str, symbols: dict[str, str]) -> KernelLibr
     ({symbol: kernel kind}). A truncated or replaced library is refused, not executed: the
     digest is taken of the very file that is loaded (one descriptor, loaded through
     /proc/self/fd), so a concurrent recompile cannot slip another library in between."""
-    try:  # non-blocking: a FIFO planted in a build directory must not hang the open
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:  # a FIFO planted in a build directory is refused, not waited on
+        f = open_regular(path, BuildDirError)
     except OSError:
         raise BuildDirError(f"{path}: kernel library missing; run `pcldnn-gen compile` again") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise BuildDirError(f"{path}: kernel library is not a regular file")
-        h = hashlib.sha256()
-        with os.fdopen(os.dup(fd), "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        if h.hexdigest() != sha256:
-            raise BuildDirError(
-                f"{path}: kernel library is corrupt (sha256 differs from manifest.json); "
-                "run `pcldnn-gen compile` again"
-            )
+    with f:
+        try:
+            digest = stream_sha256(f)
+        except OSError as e:
+            raise BuildDirError(f"{path}: cannot read kernel library: {e.strerror or e}") from None
+        if digest != sha256:
+            raise BuildDirError(f"{path}: kernel library is corrupt (sha256 differs from manifest.json); "
+                                "run `pcldnn-gen compile` again")
         ffi = cffi.FFI()
         decls = "".join(f"void {sym}({SIGNATURES[kind]});\n" for sym, kind in symbols.items())
         with _lock:
@@ -66,16 +60,12 @@ def load_library(path: Path, sha256: str, symbols: dict[str, str]) -> KernelLibr
             link = _link_dir() / f"{sha256}.so"
             try:
                 link.unlink(missing_ok=True)
-                link.symlink_to(f"/proc/self/fd/{fd}")
+                link.symlink_to(f"/proc/self/fd/{f.fileno()}")
                 lib = ffi.dlopen(str(link))
             except OSError as e:
                 raise BuildDirError(f"{path}: cannot load kernel library: {e}") from None
             finally:
                 link.unlink(missing_ok=True)
-    except OSError as e:
-        raise BuildDirError(f"{path}: cannot read kernel library: {e.strerror or e}") from None
-    finally:
-        os.close(fd)
     out = {}
     for sym in symbols:
         try:

@@ -16,6 +16,7 @@ import numpy as np
 from .abi import DROPOUT_HASH_STEP
 from .errors import PcldnnError
 from .kernels import empty_aligned, ptr
+from .limits import blocks
 from .manifest import LayerEntry
 
 
@@ -25,10 +26,6 @@ def as_float32(x, what: str) -> np.ndarray:
         return np.ascontiguousarray(x, dtype=np.float32)
     except (TypeError, ValueError) as e:
         raise PcldnnError(f"{what}: must be an array of numbers ({e})") from None
-
-
-def blocks(channels: int, v: int) -> int:
-    return -(-channels // v)
 
 
 class Layer:

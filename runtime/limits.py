@@ -30,9 +30,15 @@ def out_size(size: int, kernel: int, stride: int, pad: int) -> int:
     return (size + 2 * pad - kernel) // stride + 1
 
 
+def blocks(channels: int, v: int) -> int:
+    """Channel blocks of V floats (the last one zero-padded): the one rounding every blocked
+    layout, plan and buffer size uses."""
+    return -(-channels // v)
+
+
 def padded(channels: int, v: int = 16) -> int:
     """Channels rounded up to whole vectors (the widest, 16 floats, when the ISA is not known)."""
-    return -(-channels // v) * v
+    return blocks(channels, v) * v
 
 
 def training_bytes(layers: Iterable[tuple[tuple[int, int, int], tuple[int, int, int], int]]) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 
 from . import cpu, limits
 from .errors import BuildDirError
-from .validate import LABEL_RE, NAME_RE, Fields, read_json
+from .validate import LABEL_RE, NAME_RE, SHA256_RE, Fields, read_json
 
 FORMAT = "pcldnn-build/1"
 MANIFEST = "manifest.json"
@@ -36,7 +36,6 @@ WINDOWED = ("conv", "maxpool", "avgpool")
 ACT_LAYOUTS = ("in_to_blocked", "in_from_blocked", "out_to_blocked", "out_from_blocked")
 WEIGHT_LAYOUTS = ("wt_to_blocked", "wt_from_blocked")
 
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 _REL_PATH = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_./-]{0,250}")
 
 
@@ -110,7 +109,7 @@ def parse_manifest(data: Any, origin: str) -> Manifest:
     name = f.string(net["name"], "net.name", NAME_RE, "a net name")
     net_input = _shape(f, net["input"], "net.input", limits.MAX_CHANNELS)
     classes = None if net["classes"] is None else f.int_in(net["classes"], "net.classes", 1, limits.MAX_FEATURES)
-    net_hash = f.string(net["hash"], "net.hash", _SHA256, "a sha256 digest")
+    net_hash = f.string(net["hash"], "net.hash", SHA256_RE, "a sha256 digest")
     arch = _arch(f, data["arch"])
     v = arch["vector_bits"] // 32
     raw_layers = f.array(data["layers"], "layers", 1, limits.MAX_LAYERS)
@@ -219,7 +218,7 @@ def _kernels(f: Fields, value: Any, where: str, layer: str, ltype: str) -> dict[
         if plan is not None and not isinstance(plan, dict):
             f.fail(f"{at}.plan", "must be an object")
         out[p] = KernelEntry(f.string(raw["library"], f"{at}.library", _REL_PATH, "a relative path"),
-                             f.string(raw["sha256"], f"{at}.sha256", _SHA256, "a sha256 digest"),
+                             f.string(raw["sha256"], f"{at}.sha256", SHA256_RE, "a sha256 digest"),
                              f.string(raw["source"], f"{at}.source", _REL_PATH, "a relative path"),
                              dict(want), plan)
     return out
@@ -227,10 +226,15 @@ def _kernels(f: Fields, value: Any, where: str, layer: str, ltype: str) -> dict[
 
 def file_sha256(path: Path) -> str:
     """The digest a manifest records for each library."""
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+        return stream_sha256(f)
+
+
+def stream_sha256(f) -> str:
+    """sha256 of what remains of an open binary file."""
+    h = hashlib.sha256()
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+        h.update(chunk)
     return h.hexdigest()
 
 

@@ -280,23 +280,25 @@ def load(build_dir: str | Path, threads: int | None = None, seed: int = 0) -> Ne
         raise PcldnnError(f"threads must be a positive int (at most 4096) or None, got {threads!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
         raise PcldnnError(f"seed must be an int in [0, 2^63), got {seed!r}")
-    for attempt in range(3):
+    attempts = 3  # a recompile swapping the directory while we read it: start again on the new build
+    while True:
+        attempts -= 1
         manifest = read_manifest(build_dir)
         cpu.require(manifest.isa, f"build {build_dir}")
         try:
             return Net(build_dir, manifest, threads, seed)
         except BuildDirError:
-            # A recompile may have swapped the directory while we read it: start again on the
-            # new build; an unchanged manifest means the defect is real.
-            try:
-                changed = read_manifest(build_dir) != manifest
-            except BuildDirError:
-                changed = True
-            if not changed or attempt == 2:
-                raise
+            if attempts == 0 or not _manifest_changed(build_dir, manifest):
+                raise  # an unchanged manifest means the defect is real
         except MemoryError:
             raise PcldnnError(f"{build_dir}: not enough memory for the net's parameter and gradient buffers") from None
-    raise AssertionError("unreachable")
+
+
+def _manifest_changed(build_dir: Path, manifest: Manifest) -> bool:
+    try:
+        return read_manifest(build_dir) != manifest
+    except BuildDirError:
+        return True
 
 
 def default_threads() -> int:

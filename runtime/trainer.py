@@ -11,8 +11,6 @@ import io
 import json
 import math
 import os
-import re
-import stat
 import tempfile
 import time
 import zipfile
@@ -24,9 +22,7 @@ from .data import ArrayDataset
 from .distributed import shard_bounds
 from .errors import CheckpointError, PcldnnError
 from .optim import SGD
-from .validate import NAME_RE, Fields, show
-
-_SHA256 = re.compile(r"[0-9a-f]{64}")
+from .validate import NAME_RE, SHA256_RE, Fields, open_regular, show
 
 CHECKPOINT_FORMAT = "pcldnn-checkpoint/1"
 
@@ -105,7 +101,7 @@ class Trainer:
             data = ArrayDataset(x, labels, "evaluation data")
         lo, hi = 0, len(data)
         if self.dist is not None:  # each rank evaluates its share of the samples
-            self.dist._agree("Trainer.evaluate", {"samples": len(data), "batch_size": batch_size})
+            self.dist.agree("Trainer.evaluate", {"samples": len(data), "batch_size": batch_size})
             self.sync()
             lo, hi = shard_bounds(len(data), self.comm.size, self.rank)
         sums = np.zeros(2)
@@ -114,7 +110,7 @@ class Trainer:
             loss, acc = softmax_metrics(self.net.forward(xb), yb)
             sums += (loss * len(yb), acc * len(yb))
         if self.dist is not None:
-            self.dist._blocking(lambda: self.comm.Allreduce(self.dist.MPI.IN_PLACE, sums),
+            self.dist.blocking(lambda: self.comm.Allreduce(self.dist.MPI.IN_PLACE, sums),
                                 "Trainer.evaluate: allreduce of the metrics")
         return {"loss": sums[0] / len(data), "accuracy": sums[1] / len(data)}
 
@@ -193,11 +189,11 @@ class Trainer:
         path = Path(path)
         velocity = self.optimizer.bound_velocity()
         if self.dist is not None:  # collective: every rank calls save; rank 0 writes the gathered state
-            self.dist._agree("Trainer.save", {"step": self.step_count})
+            self.dist.agree("Trainer.save", {"step": self.step_count})
             self.sync()
             velocity = self.dist.gather_velocity()
             if self.rank != 0:
-                self.dist._blocking(self.comm.Barrier, "Trainer.save: waiting for rank 0 to write the file")
+                self.dist.blocking(self.comm.Barrier, "Trainer.save: waiting for rank 0 to write the file")
                 return path
         params = self.net.params
         for name, buf in (("weights", params), ("momentum", velocity)):
@@ -226,7 +222,7 @@ class Trainer:
             Path(tmp).unlink(missing_ok=True)
             raise
         if self.dist is not None:
-            self.dist._blocking(self.comm.Barrier, "Trainer.save: waiting for rank 0 to write the file")
+            self.dist.blocking(self.comm.Barrier, "Trainer.save: waiting for rank 0 to write the file")
         return path
 
     @classmethod
@@ -258,9 +254,7 @@ def read_checkpoint(path: Path, net) -> tuple[dict, np.ndarray, np.ndarray]:
     its data is read, metadata fields and ranges, finite values. Any defect is one
     CheckpointError with the reason."""
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or device would block or never end
-            raise CheckpointError(f"{path}: not a regular file")
-        with zipfile.ZipFile(path) as z:
+        with open_regular(path, CheckpointError) as f, zipfile.ZipFile(f) as z:
             names = sorted(z.namelist())
             if names != sorted(_MEMBERS):
                 raise CheckpointError(f"{path}: not a pcldnn checkpoint (members {names[:5]}, expected "
@@ -319,7 +313,7 @@ def _read_meta(path: Path, raw: np.ndarray) -> dict:
         raise CheckpointError(f"{path}: not a pcldnn checkpoint (format {show(fmt)}, expected {CHECKPOINT_FORMAT!r})")
     f.obj(meta, "meta", keys)
     f.string(meta["net"], "meta.net", NAME_RE, "a net name")
-    f.string(meta["net_hash"], "meta.net_hash", _SHA256, "a sha256 digest")
+    f.string(meta["net_hash"], "meta.net_hash", SHA256_RE, "a sha256 digest")
     f.int_in(meta["step"], "meta.step", 0, 2 ** 53)
     f.int_in(meta["seed"], "meta.seed", 0, _U64)
     f.int_in(meta["net_seed"], "meta.net_seed", 0, 2 ** 63 - 1)

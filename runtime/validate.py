@@ -24,6 +24,8 @@ NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 # Labels of CPU and machine descriptions: printed in reports and generated comments.
 LABEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
 
+SHA256_RE = re.compile(r"[0-9a-f]{64}")  # digests of libraries and net descriptions
+
 MAX_JSON_BYTES = 16 * 1024 * 1024   # a net of thousands of layers is a few hundred KiB
 MAX_DEPTH = 32                      # the deepest legitimate file (a manifest) nests 6 levels
 MAX_INT_DIGITS = 20                 # 2^64 has 20 digits; anything longer is not a size
@@ -33,23 +35,29 @@ def full_match(pattern: re.Pattern, value: Any) -> bool:
     return isinstance(value, str) and pattern.fullmatch(value) is not None
 
 
+def open_regular(path: str | Path, error: type[PcldnnError] = PcldnnError):
+    """A user's file opened for binary reading, after checking on the open descriptor that it is
+    a regular file: a FIFO (the open does not wait for a writer) or a device (`/dev/zero`) is
+    refused, and no swap between a check and the open can slip one in. OSError and
+    FileNotFoundError pass through for the caller to phrase."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except ValueError as e:  # a NUL byte in the path
+        raise error(f"{show(str(path))}: not a usable path ({e})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise error(f"{path}: not a regular file")
+    return os.fdopen(fd, "rb")
+
+
 def read_text(path: str | Path, error: type[PcldnnError] = PcldnnError, max_bytes: int = MAX_JSON_BYTES,
               what: str = "file") -> str:
-    """A user's text file: must be a regular file of at most `max_bytes`, in UTF-8. A FIFO or
-    a device (`/dev/zero`) is refused before it is opened, so reading never blocks forever."""
-    path = Path(path)
+    """A user's text file: a regular file (`open_regular`) of at most `max_bytes`, in UTF-8."""
     try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise error(f"{path}: not a regular file")
-        if st.st_size > max_bytes:
-            raise error(f"{path}: {what} is {st.st_size} bytes, more than the {max_bytes} allowed")
-        with open(path, "rb") as f:
+        with open_regular(path, error) as f:
             data = f.read(max_bytes + 1)
     except OSError as e:
         raise error(f"{path}: cannot read: {e.strerror or e}") from None
-    except ValueError as e:  # a NUL byte in the path
-        raise error(f"{show(str(path))}: not a usable path ({e})") from None
     if len(data) > max_bytes:
         raise error(f"{path}: {what} is more than the {max_bytes} bytes allowed")
     try:
@@ -88,47 +96,32 @@ def parse_json(text: str, origin: str, error: type[PcldnnError] = PcldnnError) -
             raise _Bad(f"number {text_} overflows a double")
         return value
 
-    if _nesting(text) > MAX_DEPTH:
-        raise error(f"{origin}: nested more than {MAX_DEPTH} levels deep")
     try:
-        return json.loads(text, object_pairs_hook=pairs, parse_constant=constant, parse_int=integer,
+        data = json.loads(text, object_pairs_hook=pairs, parse_constant=constant, parse_int=integer,
                           parse_float=number)
     except json.JSONDecodeError as e:
         raise error(f"{origin}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
-    except _Bad as e:
+    except RecursionError:  # the parser's own limit, far deeper than MAX_DEPTH
+        raise error(f"{origin}: nested more than {MAX_DEPTH} levels deep") from None
+    except (_Bad, ValueError) as e:
         raise error(f"{origin}: invalid JSON: {e}") from None
-    except (RecursionError, ValueError) as e:
-        raise error(f"{origin}: invalid JSON: {e}") from None
+    if _depth(data) > MAX_DEPTH:
+        raise error(f"{origin}: nested more than {MAX_DEPTH} levels deep")
+    return data
 
 
 class _Bad(Exception):
     pass
 
 
-def _nesting(text: str) -> int:
-    """Deepest bracket nesting outside strings (a cheap scan: brackets in strings are rare,
-    and the scan over-counts at worst, never under-counts)."""
-    if text.count("[") + text.count("{") <= MAX_DEPTH:
-        return 0
-    depth = deepest = 0
-    in_string = escaped = False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
+def _depth(value: Any) -> int:
+    """Deepest container nesting of a parsed document (iterative: no recursion limit to hit)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
             deepest = max(deepest, depth)
-            if deepest > MAX_DEPTH:
-                break
-        elif ch in "]}":
-            depth -= 1
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
     return deepest
 
 

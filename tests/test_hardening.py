@@ -128,6 +128,7 @@ def test_tampered_manifest_fields_are_named(built, tmp_path, edit, message):
 # -- the user-file reader ----------------------------------------------------------------------
 @pytest.mark.parametrize("text, message", [
     ("[" * 5000 + "]" * 5000, "nested more than 32 levels deep"),
+    ('{"a": ' * 40 + "1" + "}" * 40, "nested more than 32 levels deep"),  # within the parser's own limit
     ('{"a": 1, "a": 2}', "duplicate key 'a'"),
     ('{"a": NaN}', "NaN is not a JSON number"),
     ('{"a": 1e999}', "overflows a double"),
@@ -371,13 +372,13 @@ def test_load_racing_a_recompile_gets_a_build_or_a_build_dir_error(tmp_path):
 
     thread = threading.Thread(target=rebuild)
     thread.start()
-    seen, errors = set(), 0
+    seen = set()
     try:
         for _ in range(150):
             try:
                 seen.add(pr.load(out, threads=1).layers["c"].out_shape[0])
             except pr.BuildDirError:
-                errors += 1
+                pass  # allowed: the directory was mid-swap
     finally:
         stop.set()
         thread.join()

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from pcldnn_gen.arch import PRESETS
 from pcldnn_gen.build import plan_net
 from pcldnn_gen.netspec import load_netspec, parse_netspec
-from pcldnn_gen.planner import L1_BUDGET, LATENCY_HEADROOM, LAYER_PASSES, RegisterTile, blocks, plan_layer
+from pcldnn_gen.planner import L1_BUDGET, LATENCY_HEADROOM, LAYER_PASSES, RegisterTile, plan_layer
+from pcldnn_runtime.limits import blocks
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512", "scalar"])
