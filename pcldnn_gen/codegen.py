@@ -171,18 +171,6 @@ VECTOR_ISAS: dict[str, VectorISA] = {
                         "if ({v} > {b}) {{ {b} = {v}; {w} = {p}; }}", "*({a}) = {v}"),
 }
 
-# Template of each kernel kind.
-TEMPLATES = {
-    "conv_fwd": "conv_fwd.c.j2", "conv_bwd_data": "conv_bwd_data.c.j2", "conv_bwd_weights": "conv_bwd_weights.c.j2",
-    "fc_fwd": "fc_fwd.c.j2", "fc_bwd_data": "fc_bwd_data.c.j2", "fc_bwd_weights": "fc_bwd_weights.c.j2",
-    "maxpool_fwd": "pool_fwd.c.j2", "avgpool_fwd": "pool_fwd.c.j2",
-    "maxpool_bwd_data": "pool_bwd_data.c.j2", "avgpool_bwd_data": "pool_bwd_data.c.j2",
-    "relu_fwd": "eltwise_fwd.c.j2", "dropout_fwd": "eltwise_fwd.c.j2",
-    "relu_bwd_data": "eltwise_bwd_data.c.j2", "dropout_bwd_data": "eltwise_bwd_data.c.j2",
-    "softmax_cross_entropy_fwd": "loss_fwd.c.j2", "softmax_cross_entropy_bwd_data": "loss_bwd_data.c.j2",
-}
-
-
 def c_comment(text: object) -> str:
     """Text made inert inside a C block comment: printable ASCII only (no newline, no
     backslash that could splice lines), and no sequence that ends or opens a comment or
@@ -202,6 +190,19 @@ def c_identifier(name: str) -> str:
     return name
 
 
+def c_float(value: float) -> str:
+    """A float literal in exponent form (a float in C even when whole: 2 -> 2.000000000e+00f),
+    9 digits after the point: round-trips a float32."""
+    return f"{float(value):.9e}f"
+
+
+def c_hex_ull(value: int) -> str:
+    """An unsigned long long literal in hex."""
+    if not 0 <= value < 2 ** 64:
+        raise PlanError(f"{value} does not fit an unsigned long long")
+    return f"0x{value:X}ULL"
+
+
 @functools.lru_cache(maxsize=1)
 def template_env() -> jinja2.Environment:
     """The templates, found through the package (editable install or wheel alike)."""
@@ -213,6 +214,8 @@ def template_env() -> jinja2.Environment:
         autoescape=False,
     )
     env.filters["c_comment"] = c_comment
+    env.filters["c_float"] = c_float
+    env.filters["c_hex_ull"] = c_hex_ull
     return env
 
 
@@ -224,8 +227,8 @@ def _comment_lines(plan: KernelPlan) -> list[str]:
     lines = [f"pass    : {plan.pass_name} ({plan.kind})"]
     if plan.tile is not None:
         blocks_line = f"blocks  : register tile {plan.tile.width} x {plan.tile.vectors} vectors"
-        if plan.chunk:
-            blocks_line += f", reduction chunk {plan.chunk} {plan.chunk_unit}"
+        if plan.reduction_chunk():
+            blocks_line += f", reduction chunk {plan.reduction_chunk()}"
         if plan.remainders:
             blocks_line += f", remainder tiles {list(plan.remainders)}"
         lines.append(blocks_line)
@@ -235,24 +238,17 @@ def _comment_lines(plan: KernelPlan) -> list[str]:
 
 
 def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
-    """C source of one (layer, pass) kernel."""
+    """C source of one (layer, pass) kernel: the plan's template with the plan, the ISA's
+    spellings and the layer's blocked sizes."""
     v = arch.vector_floats
     symbol = kernel_symbol(layer.name, plan.pass_name)
     c, h, w = layer.in_shape
-    widths: set[int] = set()
-    if plan.tile is not None:
-        widths = {plan.tile.width, *plan.remainders}
-        if plan.kind == "conv_fwd" and plan.geometry["border_px"]:
-            widths.add(1)  # border pixels without an edge tile
-    template = TEMPLATES[plan.kind]
-    if plan.kind == "conv_bwd_data" and plan.geometry.get("few_channels"):
-        template = "conv_bwd_data_few.c.j2"
-    text = template_env().get_template(template).render(
+    icb = blocks(c, v)
+    text = template_env().get_template(plan.template).render(
         layer=layer, arch=arch, plan=plan, V=v, vec=VECTOR_ISAS[arch.isa], symbol=symbol,
         params=SIGNATURES[plan.kind], version=__version__, plan_lines=_comment_lines(plan),
-        R=plan.tile.vectors if plan.tile else 0, tile_widths=sorted(widths, reverse=True),
-        icb=blocks(c, v), ocb=blocks(layer.out_shape[0], v), ic_tail=c - (blocks(c, v) - 1) * v, k=blocks(c, v) * v * h * w,
-        size=blocks(c, v) * v * h * w, classes=c, ld=blocks(c, v) * v)
+        R=plan.tile.vectors if plan.tile else 0, icb=icb, ocb=blocks(layer.out_shape[0], v),
+        ic_tail=c - (icb - 1) * v, k=icb * v * h * w, size=icb * v * h * w, classes=c, ld=icb * v)
     return Source(f"{layer.name}_{plan.pass_name}.c", text, {symbol: plan.kind})
 
 

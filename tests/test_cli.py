@@ -24,6 +24,9 @@ def test_compile_writes_the_build_directory(tmp_path, capsys):
     assert (out / fwd["source"]).read_text().startswith("/*\n * pcldnn-gen")
     assert (out / fwd["library"]).is_file()
     assert fwd["plan"]["tile"]["registers"] <= 16
+    # the family's own decisions, by name
+    assert fwd["plan"]["template"] == "conv_fwd.c.j2" and fwd["plan"]["blocks"]["ifm_chunk"] >= 1
+    assert fwd["plan"]["reduction_chunk"] == f"{fwd['plan']['blocks']['ifm_chunk']} input-channel blocks"
     assert sorted(p.name for p in (out / "src").iterdir()) == sorted(
         f"{l['name']}_{p}.c" for l in manifest["layers"] for p in l["kernels"])
     from pcldnn_gen.planner import LAYER_PASSES

@@ -79,8 +79,7 @@ def renders(arch, text: str | None):
             if name != layer.name:
                 continue
             if text is not None:
-                plan = dataclasses.replace(plan, reason=text + " " + plan.reason,
-                                           chunk_unit=text if plan.chunk_unit else "")
+                plan = dataclasses.replace(plan, reason=text + " " + plan.reason)
             yield f"{layer.name}/{plan.pass_name}", render_kernel(layer, plan, arch).text
         yield f"{layer.name}/layout", render_layout(layer, arch).text
 

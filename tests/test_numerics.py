@@ -276,14 +276,14 @@ def test_small_caches_force_several_reduction_chunks(tmp_path, isa):
     result = build(spec, arch, tmp_path / "b")
     conv_plan, fc_plan = result.plans[("c", "fwd")], result.plans[("f", "fwd")]
     v = PRESETS[isa].vector_floats
-    assert conv_plan.chunk < -(-40 // v), conv_plan
-    assert fc_plan.chunk < 16 * 6 * 70, fc_plan
+    assert conv_plan.ifm_chunk < -(-40 // v), conv_plan
+    assert fc_plan.k_chunk < 16 * 6 * 70, fc_plan
     fc_dw_plan, conv_dw_plan = result.plans[("f", "bwd_weights")], result.plans[("c", "bwd_weights")]
     k = -(-16 // v) * v * 6 * 70
-    assert fc_dw_plan.chunk < k, fc_dw_plan  # several packed K chunks
+    assert fc_dw_plan.k_chunk < k, fc_dw_plan  # several packed K chunks
     # a single output row whose tile slice (dy vectors + input row) overflows half of L1 is cut
     # into column blocks (here two of 35)
-    assert conv_dw_plan.chunk == 1 and conv_dw_plan.geometry["cols"] == 35, conv_dw_plan
+    assert conv_dw_plan.block_rows == 1 and conv_dw_plan.block_cols == 35, conv_dw_plan
     net = pr.load(tmp_path / "b")
     rng = np.random.default_rng(3)
     for layer in net.layers.values():
@@ -302,7 +302,7 @@ def test_small_caches_force_several_reduction_chunks(tmp_path, isa):
     dy = rng.standard_normal(y.shape).astype(np.float32)
     dy_eff = dy * (y > 0)
     hk = c.forward(x)
-    assert result.plans[("f", "bwd_data")].geometry["k_block"] < k  # several K blocks
+    assert result.plans[("f", "bwd_data")].k_block < k  # several K blocks
     np.testing.assert_array_equal(f.forward(hk), y)  # the layer-level call remembers its input
     dx = f.backward_data(dy)
     assert_dot_close(dx, ref.fc_bwd_data(dy_eff, f.weights, hk.shape),

@@ -39,38 +39,38 @@ def test_every_tile_fits_the_register_file(isa, net_file):
             _check_conv_fwd_blocks(layer, plan, arch)
         elif plan.kind == "conv_bwd_data":
             few = layer.in_shape[0] < v  # one partly filled channel block: vectors over output channels
-            assert plan.geometry.get("few_channels", False) == few
+            assert plan.few_channels == few
             if few:  # one accumulator per (pixel, input channel); no transposed weights
                 assert t.vectors == layer.in_shape[0] and plan.scratch_floats == 0
                 # exactly the narrower tile each phase ends with, no dead ones
-                leftovers = {(p["q_hi"] - p["q_lo"]) % t.width for p in plan.geometry["phases"]} - {0}
+                leftovers = {(p.q_hi - p.q_lo) % t.width for p in plan.phases} - {0}
                 assert plan.remainders == tuple(sorted(leftovers, reverse=True))
             else:
                 assert icb % t.vectors == 0
                 assert plan.scratch_floats == icb * ocb * layer.kernel[0] * layer.kernel[1] * v * v
-            phases = plan.geometry["phases"]
-            assert sum(p["q_count"] for p in phases) == layer.in_shape[2]  # every input column, once
-            assert all(0 <= p["q_lo"] <= p["q_hi"] <= p["q_count"] for p in phases)
+            phases = plan.phases
+            assert sum(p.q_count for p in phases) == layer.in_shape[2]  # every input column, once
+            assert all(0 <= p.q_lo <= p.q_hi <= p.q_count for p in phases)
             for p in phases:
                 if not few:
                     _check_bwd_data_phase(layer, p, t.width)
         elif plan.kind == "conv_bwd_weights":
-            lanes = plan.geometry["lanes"]
+            lanes = plan.lanes
             assert lanes == (layer.in_shape[0] if icb == 1 else v)  # padded lanes of a lone block are skipped
-            assert lanes % t.width == 0 and plan.geometry["rem_n"] == ocb % t.vectors and t.vectors <= ocb
-            assert 1 <= plan.chunk <= layer.out_shape[1]
-            assert len(plan.geometry["oh_range"]) == layer.kernel[0]
+            assert lanes % t.width == 0 and plan.rem_vectors == ocb % t.vectors and t.vectors <= ocb
+            assert 1 <= plan.block_rows <= layer.out_shape[1]
+            assert len(plan.oh_range) == layer.kernel[0]
         elif plan.kind == "fc_fwd":
-            assert plan.geometry["rem_n"] == ocb % t.vectors and t.vectors <= ocb and 1 <= plan.chunk <= k
+            assert plan.rem_vectors == ocb % t.vectors and t.vectors <= ocb and 1 <= plan.k_chunk <= k
         elif plan.kind == "fc_bwd_data":
-            kb = plan.geometry["k_block"]
+            kb = plan.k_block
             tile_k = t.vectors * v  # input features per tile: vectors of V consecutive k
             assert k % tile_k == 0 and kb % tile_k == 0 and tile_k <= kb <= k
         elif plan.kind == "fc_bwd_weights":
             # narrower last panel / vector group instead of divisibility; dy slice within half of L1
-            assert plan.geometry == {"rem_k": k % t.width, "rem_n": ocb % t.vectors}
+            assert (plan.rem_features, plan.rem_vectors) == (k % t.width, ocb % t.vectors)
             assert t.vectors == 1 or plan.l1_working_set <= arch.l1d_bytes // 2
-            assert t.width <= plan.chunk <= k
+            assert t.width <= plan.k_chunk <= k
 
 
 def _check_conv_fwd_blocks(layer, plan, arch):
@@ -81,12 +81,12 @@ def _check_conv_fwd_blocks(layer, plan, arch):
     ic, ih, iw = layer.in_shape
     kh, kw = layer.kernel
     lanes = ic if blocks(ic, v) == 1 else v
-    assert 1 <= plan.chunk <= blocks(ic, v) and 1 <= plan.rows <= layer.out_shape[1]
-    weights = plan.chunk * t.vectors * v * lanes * kh * kw * 4
-    inputs = plan.chunk * min(ih, (plan.rows - 1) * layer.stride[0] + kh) * iw * v * 4
+    assert 1 <= plan.ifm_chunk <= blocks(ic, v) and 1 <= plan.rows <= layer.out_shape[1]
+    weights = plan.ifm_chunk * t.vectors * v * lanes * kh * kw * 4
+    inputs = plan.ifm_chunk * min(ih, (plan.rows - 1) * layer.stride[0] + kh) * iw * v * 4
     partials = plan.rows * layer.out_shape[2] * t.vectors * v * 4
     assert plan.l1_working_set == weights + inputs + partials
-    assert plan.l1_working_set <= L1_BUDGET * arch.l1d_bytes or (plan.chunk, plan.rows) == (1, 1)
+    assert plan.l1_working_set <= L1_BUDGET * arch.l1d_bytes or (plan.ifm_chunk, plan.rows) == (1, 1)
 
 
 def _check_bwd_data_phase(layer, p, w):
@@ -94,21 +94,22 @@ def _check_bwd_data_phase(layer, p, w):
     borders), the middle needs no bounds, and an edge tile's table holds exactly the
     (pixel, kernel column) pairs whose output column exists."""
     ow, kw, sw = layer.out_shape[2], layer.kernel[1], layer.stride[1]
-    covered = list(range(p["mid_lo"], p["mid_hi"]))
-    assert p["rem"] == (p["mid_hi"] - p["mid_lo"]) % w
-    assert p["q_lo"] <= p["mid_lo"] and p["mid_hi"] <= p["q_hi"] or p["mid_lo"] == p["mid_hi"]
-    covered += list(range(p["mid_lo"])) if p["left"] is None else []
-    covered += list(range(p["mid_hi"], p["q_count"])) if p["right"] is None else []
-    for edge in (p["left"], p["right"]):
+    c = p.cover
+    covered = list(range(c.mid_lo, c.mid_hi))
+    assert c.width == w and c.rem == (c.mid_hi - c.mid_lo) % w
+    assert p.q_lo <= c.mid_lo and c.mid_hi <= p.q_hi or c.mid_lo == c.mid_hi
+    covered += list(range(c.mid_lo)) if c.left is None else []
+    covered += list(range(c.mid_hi, p.q_count)) if c.right is None else []
+    for edge in (c.left, c.right):
         if edge is None:
             continue
-        covered += list(range(edge["start"], edge["start"] + edge["width"]))
-        want = {(q - edge["start"], k, q + p["d_first"] - i)
-                for q in range(edge["start"], edge["start"] + edge["width"])
-                for i, k in enumerate(range(p["kw_first"], kw, sw)) if 0 <= q + p["d_first"] - i < ow}
-        got = {(px, tap["kw"], col) for tap in edge["taps"] for px, col in tap["pixels"]}
+        covered += list(range(edge.start, edge.start + edge.width))
+        want = {(q - edge.start, k, q + p.d_first - i)
+                for q in range(edge.start, edge.start + edge.width)
+                for i, k in enumerate(range(p.kw_first, kw, sw)) if 0 <= q + p.d_first - i < ow}
+        got = {(px, tap.kw, col) for tap in edge.taps for px, col in tap.pixels}
         assert got == want
-    assert sorted(covered) == list(range(p["q_count"]))
+    assert sorted(covered) == list(range(p.q_count))
 
 
 def _check_conv_row(layer, plan):
@@ -116,20 +117,22 @@ def _check_conv_row(layer, plan):
     inside the input, and the middle needs no bounds at all."""
     ow, iw = layer.out_shape[2], layer.in_shape[2]
     (kw,), (sw,), (pw,) = layer.kernel[1:], layer.stride[1:], layer.pad[1:]
-    g, w = plan.geometry, plan.tile.width
+    g, w = plan.cover, plan.tile.width
     assert 0 <= plan.ow_lo <= plan.ow_hi <= ow
-    assert plan.ow_lo <= g["mid_lo"] <= g["mid_hi"] <= plan.ow_hi
-    assert plan.remainders == (((g["mid_hi"] - g["mid_lo"]) % w,) if (g["mid_hi"] - g["mid_lo"]) % w else ())
-    left = g["left"]["width"] if g["left"] else plan.ow_lo
-    right = g["right"]["width"] if g["right"] else ow - plan.ow_hi
-    assert left == g["mid_lo"] and ow - right == g["mid_hi"]
-    assert g["border_px"] == (0 if g["left"] else plan.ow_lo) + (0 if g["right"] else ow - plan.ow_hi)
-    for edge in (g["left"], g["right"]):
+    assert plan.ow_lo <= g.mid_lo <= g.mid_hi <= plan.ow_hi
+    assert plan.remainders == (((g.mid_hi - g.mid_lo) % w,) if (g.mid_hi - g.mid_lo) % w else ())
+    left = g.left.width if g.left else plan.ow_lo
+    right = g.right.width if g.right else ow - plan.ow_hi
+    assert left == g.mid_lo and ow - right == g.mid_hi
+    assert g.border == (0 if g.left else plan.ow_lo) + (0 if g.right else ow - plan.ow_hi)
+    # the tile functions emitted: the full width, the remainder, 1 px for borders without an edge tile
+    assert set(plan.tile_widths) == {w, *plan.remainders} | ({1} if g.border else set())
+    for edge in (g.left, g.right):
         if edge:
-            taps = {(p, tap["kw"]): col for tap in edge["taps"] for p, col in tap["pixels"]}
-            for p in range(edge["width"]):
+            taps = {(p, tap.kw): col for tap in edge.taps for p, col in tap.pixels}
+            for p in range(edge.width):
                 for k in range(kw):
-                    col = (edge["start"] + p) * sw - pw + k
+                    col = (edge.start + p) * sw - pw + k
                     assert taps.get((p, k)) == (col if 0 <= col < iw else None)
 
 
@@ -186,12 +189,12 @@ def test_any_conv_plan_is_consistent(isa, c, oc, h, w, k, s, p):
     plan = plan_layer(layer, "fwd", arch)
     t = plan.tile
     ow = layer.out_shape[2]
-    phases = plan_layer(layer, "bwd_data", arch).geometry["phases"]
-    assert sorted(p["r"] + q * s for p in phases for q in range(p["q_count"])) == list(range(w))
+    phases = plan_layer(layer, "bwd_data", arch).phases
+    assert sorted(p.r + q * s for p in phases for q in range(p.q_count)) == list(range(w))
     for ph in phases:  # interior input columns: every kernel column of the phase lands inside the output
-        for q in range(ph["q_lo"], ph["q_hi"]):
-            for j, kw in enumerate(range(ph["kw_first"], k, s)):
-                assert 0 <= q + ph["d_first"] - j < ow and (q + ph["d_first"] - j) * s - p + kw == ph["r"] + q * s
+        for q in range(ph.q_lo, ph.q_hi):
+            for j, kw in enumerate(range(ph.kw_first, k, s)):
+                assert 0 <= q + ph.d_first - j < ow and (q + ph.d_first - j) * s - p + kw == ph.r + q * s
     assert t.registers <= arch.vector_registers
     assert blocks(oc, arch.vector_floats) % t.vectors == 0
     interior = plan.ow_hi - plan.ow_lo
@@ -202,5 +205,5 @@ def test_any_conv_plan_is_consistent(isa, c, oc, h, w, k, s, p):
     # border columns really touch the padding
     for col in list(range(plan.ow_lo)) + list(range(plan.ow_hi, ow)):
         assert col * s - p < 0 or col * s - p + k > w
-    assert 1 <= plan.chunk <= blocks(c, arch.vector_floats)
+    assert 1 <= plan.ifm_chunk <= blocks(c, arch.vector_floats)
     _check_conv_fwd_blocks(layer, plan, arch)

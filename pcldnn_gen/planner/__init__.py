@@ -1,0 +1,43 @@
+"""LayerSpec × pass × Arch → KernelPlan: register and cache blocks from a balance model (DESIGN §6).
+
+    tiles    the register-tile model (RegisterTile) and the row cover of the conv kernels
+    conv     conv forward, backward-data (general, few-channel), backward-weights
+    fc       the three GEMMs
+    memory   pooling, elementwise and loss kernels: no blocks to choose
+    explain  the `reason` sentence of each plan
+    plans    KernelPlan and one typed plan per kernel family: the contract with the templates
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+# Passes each layer type has (the loss's bwd_data is the gradient of the mean loss w.r.t. the
+# logits): one table, in the manifest schema the runtime validates builds against.
+from pcldnn_runtime.manifest import LAYER_PASSES, PASSES
+
+from ..arch import Arch
+from ..errors import PlanError
+from ..netspec import LayerSpec
+from .conv import L1_BUDGET, plan_conv_bwd_data, plan_conv_bwd_weights, plan_conv_fwd
+from .fc import plan_fc_bwd_data, plan_fc_bwd_weights, plan_fc_fwd
+from .memory import plan_memory_bound
+from .plans import KernelPlan
+from .tiles import LATENCY_HEADROOM, RegisterTile
+
+_PLANNERS: dict[tuple[str, str], Callable[[LayerSpec, Arch], KernelPlan]] = {
+    ("conv", "fwd"): plan_conv_fwd, ("conv", "bwd_data"): plan_conv_bwd_data,
+    ("conv", "bwd_weights"): plan_conv_bwd_weights,
+    ("fc", "fwd"): plan_fc_fwd, ("fc", "bwd_data"): plan_fc_bwd_data, ("fc", "bwd_weights"): plan_fc_bwd_weights,
+}
+
+
+def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch) -> KernelPlan:
+    passes = LAYER_PASSES.get(layer.type, ())
+    if pass_name not in passes:
+        raise PlanError(f"{layer.name}: a {layer.type} layer has no {pass_name!r} pass "
+                        f"(it has: {', '.join(passes) or 'none'})")
+    planner = _PLANNERS.get((layer.type, pass_name))
+    return planner(layer, arch) if planner else plan_memory_bound(layer, pass_name, arch)
+
+
+__all__ = ["L1_BUDGET", "LATENCY_HEADROOM", "LAYER_PASSES", "PASSES", "KernelPlan", "RegisterTile", "plan_layer"]

@@ -1,0 +1,288 @@
+"""Convolution kernels: forward, backward-data (general and few-channel) and backward-weights."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from pcldnn_runtime.limits import blocks
+
+from ..arch import Arch
+from ..errors import PlanError
+from ..netspec import LayerSpec
+from . import explain
+from .plans import BwdDataPhase, ConvBwdDataPlan, ConvBwdWeightsPlan, ConvFwdPlan
+from .tiles import EdgeTile, RegisterTile, Tap, candidates, cover_pieces, cover_row, divisors, pieces_efficiency
+
+# In conv forward and backward-data tiles, each weight vector comes from another channel
+# block (tens of KiB apart): a separate stream. More than 4 ran far below the model's
+# prediction: OverFeat-FAST conv2 backward-data (AVX2, one thread) at 43% of peak with a
+# 1 x 12 tile against 56% with 4 x 3, both predicted above 90%.
+WEIGHT_STREAMS = 4
+
+# A backward-weights tile loads and stores its accumulators once per pixel block: column
+# blocks narrower than this spend over 6% of the tile on that (OverFeat-FAST conv1, 10-column
+# blocks: 45% of peak).
+MIN_BLOCK_COLUMNS = 32
+
+# Share of L1 a conv forward block (weight slice, input rows, partial sums) may fill; the rest
+# absorbs conflict misses between its streams.
+L1_BUDGET = 0.75
+
+
+def _fwd_edge(layer: LayerSpec, start: int, width: int) -> EdgeTile:
+    """Forward tile of output columns [start, start + width): per kernel column, the
+    (pixel, input column) pairs that read inside the input."""
+    iw, kw, sw, pw = layer.in_shape[2], layer.kernel[1], layer.stride[1], layer.pad[1]
+    taps = []
+    for k in range(kw):
+        pixels = tuple((p, (start + p) * sw - pw + k) for p in range(width) if 0 <= (start + p) * sw - pw + k < iw)
+        if pixels:
+            taps.append(Tap(kw=k, pixels=pixels))
+    return EdgeTile(start=start, width=width, taps=tuple(taps))
+
+
+@dataclass(frozen=True)
+class ConvFwdBlocking:
+    chunk: int                  # input-channel blocks per reduction chunk
+    rows: int                   # output rows per pass over a chunk
+    weight_bytes: int           # the chunk's weight slice for one oc-vector group
+    input_bytes: int            # the input rows those output rows read, chunk's channels
+    partial_bytes: int          # the rows' partial sums
+    l2_bytes_per_flop: float    # L2 -> L1 traffic of a row block, all chunks
+    overhead: float             # instructions beyond the FMA stream: accumulators in and out per chunk
+    refill_cycles_per_flop: float
+
+    @property
+    def working_set(self) -> int:
+        return self.weight_bytes + self.input_bytes + self.partial_bytes
+
+
+def _conv_fwd_blocking(layer: LayerSpec, tile: RegisterTile, slice_bytes: int, lanes: int,
+                       arch: Arch) -> ConvFwdBlocking:
+    """Reduction chunk and output-row block for conv forward: the pair whose working set fits
+    L1_BUDGET of L1 and costs the fewest cycles per FLOP, counting the L2 -> L1 refills
+    (the weight slice once per row block, each input row once per row block, the partial sums
+    once) and the accumulator loads and stores every chunk adds to every tile."""
+    v = arch.vector_floats
+    ic, ih, iw = layer.in_shape
+    oc, oh, ow = layer.out_shape
+    kh, kw = layer.kernel
+    icb = blocks(ic, v)
+    row_flops = 2 * ow * tile.vectors * v * icb * lanes * kh * kw
+    best = None
+    for chunk in range(1, icb + 1):
+        for rows in range(1, oh + 1):
+            rows_in = min(ih, (rows - 1) * layer.stride[0] + kh)
+            weights, inputs = chunk * slice_bytes, chunk * rows_in * iw * v * 4
+            partials = rows * ow * tile.vectors * v * 4
+            if weights + inputs + partials > L1_BUDGET * arch.l1d_bytes and (chunk, rows) != (1, 1):
+                break  # more rows only grow the working set
+            traffic = icb * slice_bytes + icb * rows_in * iw * v * 4 + 2 * partials
+            bpf = traffic / (rows * row_flops)
+            overhead = 1 + 2 / (chunk * lanes * kh * kw)
+            refill = bpf / 64 * arch.l1_refill_cycles
+            cost = overhead / (2 * v * arch.fma_units) + refill
+            if best is None or cost < best[0] - 1e-12:
+                best = (cost, ConvFwdBlocking(chunk, rows, weights, inputs, partials, bpf, overhead, refill))
+    if best is None:
+        raise PlanError(f"layer {layer.name}: no reduction chunk fits the caches")
+    return best[1]
+
+
+def plan_conv_fwd(layer: LayerSpec, arch: Arch) -> ConvFwdPlan:
+    v = arch.vector_floats
+    ic, ih, iw = layer.in_shape
+    oc, oh, ow = layer.out_shape
+    kh, kw = layer.kernel
+    sw, pw = layer.stride[1], layer.pad[1]
+    icb, ocb = blocks(ic, v), blocks(oc, v)
+    # Columns whose whole window lies inside the input need no bounds: [ow_lo, ow_hi).
+    ow_lo = min(ow, -(-pw // sw))
+    ow_hi = max(ow_lo, min(ow, (iw + pw - kw) // sw + 1))
+
+    # Weights of one input-channel block for one oc-vector group; with a single, partly filled
+    # block (3-channel images) the kernel reads only the real lanes.
+    lanes = ic if icb == 1 else v
+    peak_flops_per_cycle = 2 * v * arch.fma_units
+    scored = []
+    for tile in candidates(max(1, min(ow, arch.vector_registers)), divisors(ocb, WEIGHT_STREAMS), arch):
+        cover = cover_row(ow, ow_lo, ow_hi, tile.width, functools.partial(_fwd_edge, layer, width=tile.width))
+        row_eff = pieces_efficiency(cover_pieces(cover, kw), tile.vectors, arch)
+        slice_bytes = tile.vectors * v * lanes * kh * kw * 4
+        blocking = _conv_fwd_blocking(layer, tile, slice_bytes, lanes, arch)
+        eff = row_eff / (blocking.overhead + row_eff * blocking.refill_cycles_per_flop * peak_flops_per_cycle)
+        # Roofline: the rows cannot run faster than L2 delivers their bytes.
+        eff = min(eff, arch.l2_bytes_per_cycle / (blocking.l2_bytes_per_flop * peak_flops_per_cycle))
+        scored.append((eff, tile.width * tile.vectors, -tile.registers, tile, cover, blocking, row_eff))
+    scored.sort(key=lambda s: s[:3], reverse=True)
+    eff, _, _, tile, cover, blocking, row_eff = scored[0]
+    remainders = (cover.rem,) if cover.rem else ()
+    reason = explain.conv_fwd(tile, arch, ow, cover, row_eff, icb, blocking.chunk, blocking.rows,
+                              blocking.weight_bytes, blocking.input_bytes, blocking.partial_bytes,
+                              blocking.working_set <= L1_BUDGET * arch.l1d_bytes, blocking.l2_bytes_per_flop, eff)
+    # Border pixels without an edge tile are computed by 1-pixel tiles.
+    widths = {tile.width, *remainders} | ({1} if cover.border else set())
+    return ConvFwdPlan(layer=layer.name, pass_name="fwd", kind="conv_fwd", template="conv_fwd.c.j2", isa=arch.isa,
+                       vector_floats=v, reason=reason, tile=tile, tile_widths=tuple(sorted(widths, reverse=True)),
+                       remainders=remainders, predicted_efficiency=eff, l1_working_set=blocking.working_set,
+                       l2_bytes_per_flop=blocking.l2_bytes_per_flop, rejected=tuple(s[3] for s in scored[1:6]),
+                       ifm_chunk=blocking.chunk, rows=blocking.rows, ow_lo=ow_lo, ow_hi=ow_hi, cover=cover)
+
+
+def _bwd_data_phases(layer: LayerSpec) -> list[BwdDataPhase]:
+    """The stride phases of a row of input columns (see BwdDataPhase), without their cover."""
+    iw, ow = layer.in_shape[2], layer.out_shape[2]
+    kw, sw, pw = layer.kernel[1], layer.stride[1], layer.pad[1]
+    phases = []
+    for r in range(min(sw, iw)):
+        q_count = -(-(iw - r) // sw)
+        kw_first = (r + pw) % sw
+        if kw_first >= kw:  # no kernel column lands on these input columns: their gradient is zero
+            phases.append(BwdDataPhase(r=r, q_count=q_count, kw_first=kw_first, d_first=0, q_lo=0, q_hi=q_count))
+            continue
+        kw_last = kw_first + (kw - 1 - kw_first) // sw * sw
+        d_first, d_last = (r + pw - kw_first) // sw, (r + pw - kw_last) // sw
+        q_lo = min(q_count, max(0, -d_last))
+        q_hi = max(q_lo, min(q_count, ow - d_first))
+        phases.append(BwdDataPhase(r=r, q_count=q_count, kw_first=kw_first, d_first=d_first, q_lo=q_lo, q_hi=q_hi))
+    return phases
+
+
+def _bwd_data_edge(layer: LayerSpec, phase: BwdDataPhase, start: int, width: int) -> EdgeTile:
+    """Backward-data tile of phase columns [start, start + width): per kernel column kw (output
+    column q + d), the pixels whose output column exists."""
+    ow, kw_all, sw = layer.out_shape[2], layer.kernel[1], layer.stride[1]
+    taps = []
+    for i, kw in enumerate(range(phase.kw_first, kw_all, sw)):
+        d = phase.d_first - i
+        pixels = tuple((p, start + p + d) for p in range(width) if 0 <= start + p + d < ow)
+        if pixels:
+            taps.append(Tap(kw=kw, pixels=pixels))
+    return EdgeTile(start=start, width=width, taps=tuple(taps))
+
+
+def _covered(layer: LayerSpec, phase: BwdDataPhase, width: int) -> BwdDataPhase:
+    cover = cover_row(phase.q_count, phase.q_lo, phase.q_hi, width,
+                      functools.partial(_bwd_data_edge, layer, phase, width=width))
+    return BwdDataPhase(r=phase.r, q_count=phase.q_count, kw_first=phase.kw_first, d_first=phase.d_first,
+                        q_lo=phase.q_lo, q_hi=phase.q_hi, cover=cover)
+
+
+def plan_conv_bwd_data(layer: LayerSpec, arch: Arch) -> ConvBwdDataPlan:
+    v = arch.vector_floats
+    icb, ocb = blocks(layer.in_shape[0], v), blocks(layer.out_shape[0], v)
+    kh, kw = layer.kernel
+    sw = layer.stride[1]
+    phases = _bwd_data_phases(layer)
+    if icb == 1 and layer.in_shape[0] < v:
+        return _plan_conv_bwd_data_few_channels(layer, arch, phases)
+    widest = max(p.q_hi - p.q_lo for p in phases)
+    scored = []
+    for tile in candidates(max(1, min(widest, arch.vector_registers)), divisors(icb, WEIGHT_STREAMS), arch):
+        covered = [_covered(layer, p, tile.width) for p in phases]
+        pieces = [piece for p in covered if p.cover for piece in cover_pieces(p.cover, len(range(p.kw_first, kw, sw)))]
+        eff = pieces_efficiency(pieces, tile.vectors, arch)
+        scored.append((eff, tile.width * tile.vectors, -tile.loads_per_fma, tile, covered))
+    scored.sort(key=lambda s: s[:3], reverse=True)  # ties: more chains, then fewer loads per FMA
+    eff, _, _, tile, covered = scored[0]
+    slice_bytes = tile.vectors * v * v * kh * kw * 4  # transposed weights of one output-channel block
+    ofb = max(1, min(ocb, (arch.l1d_bytes // 2) // slice_bytes))
+    flops_row = 2 * layer.in_shape[2] * tile.vectors * v * ocb * v * kh * kw / (layer.stride[0] * sw)
+    l2_bpf = (ocb * slice_bytes + ocb * layer.out_shape[2] * v * 4 * kh / layer.stride[0]) / flops_row
+    remainders = tuple(sorted({p.cover.rem for p in covered if p.cover and p.cover.rem}, reverse=True))
+    return ConvBwdDataPlan(
+        layer=layer.name, pass_name="bwd_data", kind="conv_bwd_data", template="conv_bwd_data.c.j2", isa=arch.isa,
+        vector_floats=v, reason=explain.conv_bwd_data(tile, arch, sw, len(phases), eff, ofb, ocb, slice_bytes),
+        tile=tile, tile_widths=tuple(sorted({tile.width, *remainders}, reverse=True)), remainders=remainders,
+        predicted_efficiency=eff, l1_working_set=ofb * slice_bytes, l2_bytes_per_flop=l2_bpf,
+        scratch_floats=icb * ocb * kh * kw * v * v, rejected=tuple(s[3] for s in scored[1:6]),
+        ofm_chunk=ofb, few_channels=False, phases=tuple(covered))
+
+
+def _plan_conv_bwd_data_few_channels(layer: LayerSpec, arch: Arch, phases: list[BwdDataPhase]) -> ConvBwdDataPlan:
+    """Fewer input channels than a vector (an RGB first layer): the general kernel's ic vectors
+    would be mostly padding (3 of 8 lanes: kernel_profile counted 2.65x the ideal FMAs on VGG-A
+    conv1), so this variant vectorises over the output channels, one accumulator per (input
+    pixel, input channel), and sums each across lanes at the end. The tile holds the weights of
+    all input channels for one tap and streams one dy vector per pixel."""
+    v = arch.vector_floats
+    lanes = layer.in_shape[0]
+    widest = max(1, max(p.q_hi - p.q_lo for p in phases))
+    width = max(1, min(widest, (arch.vector_registers - lanes - 1) // lanes))
+    tile = RegisterTile.evaluate(width, lanes, arch)
+    ocb = blocks(layer.out_shape[0], v)
+    kh, kw = layer.kernel
+    # Per input row: the kh/SH dy rows it reads, once from L2 (neighbouring pixels share them in L1).
+    flops_row = 2 * layer.in_shape[2] * lanes * ocb * v * kh * kw / (layer.stride[0] * layer.stride[1])
+    l2_bpf = (kh / layer.stride[0]) * layer.out_shape[2] * ocb * v * 4 / flops_row
+    # The one narrower tile each phase ends with (its column count modulo the width): only those
+    # are emitted.
+    remainders = tuple(sorted({max(0, p.q_hi - p.q_lo) % width for p in phases} - {0}, reverse=True))
+    return ConvBwdDataPlan(
+        layer=layer.name, pass_name="bwd_data", kind="conv_bwd_data", template="conv_bwd_data_few.c.j2",
+        isa=arch.isa, vector_floats=v,
+        reason=explain.conv_bwd_data_few(tile, arch, lanes, layer.stride[1], len(phases)),
+        tile=tile, tile_widths=(width, *remainders), remainders=remainders, predicted_efficiency=tile.efficiency,
+        l1_working_set=ocb * lanes * kh * kw * v * 4, l2_bytes_per_flop=l2_bpf,
+        ofm_chunk=ocb, few_channels=True, phases=tuple(phases))
+
+
+def _valid_range(out_size: int, in_size: int, k: int, stride: int, pad: int) -> tuple[int, int]:
+    """Outputs [lo, hi) whose tap `k` reads an input inside [0, in_size) (not padding)."""
+    lo = 0
+    while lo < out_size and lo * stride - pad + k < 0:
+        lo += 1
+    hi = out_size
+    while hi > lo and (hi - 1) * stride - pad + k >= in_size:
+        hi -= 1
+    return lo, hi
+
+
+def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch) -> ConvBwdWeightsPlan:
+    v = arch.vector_floats
+    ic, ih, iw = layer.in_shape
+    oc, oh, ow = layer.out_shape
+    icb, ocb = blocks(ic, v), blocks(oc, v)
+    kh, kw = layer.kernel
+    sh, sw = layer.stride
+    ph, pw = layer.pad
+    # Input-channel lanes that carry data: with fewer channels than a vector (a first layer on
+    # RGB images) the tiles cover only the real lanes and the padded ones are written as zeros.
+    lanes = ic if icb == 1 else v
+    # Output vectors need not divide OCB: the last group gets a narrower tile, so 4 lanes x 3
+    # vectors (12 chains) is open to power-of-two channel counts. Score = work-weighted
+    # efficiency of the full and the remainder group.
+    scored = []
+    for t in candidates(divisors(lanes, arch.vector_registers), range(1, ocb + 1), arch):
+        full, rest = divmod(ocb, t.vectors)
+        cycles = full * t.vectors / t.efficiency
+        if rest:
+            cycles += rest / RegisterTile.evaluate(t.width, rest, arch).efficiency
+        scored.append((ocb / cycles, t.width * t.vectors, -t.registers, t))
+    scored.sort(key=lambda s: s[:3], reverse=True)
+    eff, _, _, tile = scored[0]
+    rem_n = ocb % tile.vectors
+    # Output rows per pixel block: the block's output gradients and inputs stay in half of L2
+    # while every weight tile (spread over the threads) reduces over them, and the slice one
+    # tile streams (its oc vectors of dy, one input channel block) stays in half of L1, where
+    # the next tiles (other kernel taps and lanes of the same oc vectors) find it again.
+    per_row = (ocb * ow + icb * sh * iw) * v * 4
+    per_row_tile = (tile.vectors * ow + sh * iw) * v * 4
+    rows = max(1, min(oh, (arch.l2_bytes // 2) // per_row, (arch.l1d_bytes // 2) // per_row_tile))
+    # A single row still too big for L1 (wide early layers) is cut into column blocks; the
+    # tile then reads the input rows of all its kernel taps (kh) from L1 as well.
+    cols = ow
+    if rows == 1 and per_row_tile > arch.l1d_bytes // 2:
+        per_col = (tile.vectors + kh * sw) * v * 4
+        widest = max(MIN_BLOCK_COLUMNS, min(ow, (arch.l1d_bytes // 2) // per_col))
+        cols = -(-ow // max(1, ow // widest))  # equal blocks, none narrower than `widest`
+    flops_px = 2 * tile.width * tile.vectors * v
+    return ConvBwdWeightsPlan(
+        layer=layer.name, pass_name="bwd_weights", kind="conv_bwd_weights", template="conv_bwd_weights.c.j2",
+        isa=arch.isa, vector_floats=v,
+        reason=explain.conv_bwd_weights(tile, arch, eff, lanes, rem_n, rows, oh, per_row, per_row_tile, cols, ow),
+        tile=tile, tile_widths=(tile.width,), predicted_efficiency=eff, l1_working_set=rows * per_row,
+        l2_bytes_per_flop=(tile.vectors * v + tile.width) * 4 / flops_px, rejected=tuple(s[3] for s in scored[1:6]),
+        block_rows=rows, block_cols=cols, lanes=lanes, rem_vectors=rem_n,
+        oh_range=tuple(_valid_range(oh, ih, k, sh, ph) for k in range(kh)),
+        ow_range=tuple(_valid_range(ow, iw, k, sw, pw) for k in range(kw)))

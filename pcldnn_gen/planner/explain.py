@@ -1,0 +1,138 @@
+"""The `reason` text of each plan: the figures behind a choice in one sentence, for the C
+header and `pcldnn-gen inspect`. Arithmetic stays in the family modules; this only words it."""
+from __future__ import annotations
+
+from ..arch import Arch
+from .tiles import LATENCY_HEADROOM, RegisterTile, RowCover
+
+MEMORY_BOUND = {
+    "maxpool_fwd": "one vector of channels per output pixel, max over the clipped window; the argmax "
+                   "(index in the input plane, per lane) is kept for the backward pass",
+    "maxpool_bwd_data": "scatter-add of each output gradient to its argmax; overlapping windows "
+                        "accumulate, threads own whole (image, channel block) planes so no races",
+    "avgpool_fwd": "one vector per output pixel, mean over the window (divisor: kernel area, padding counts as 0)",
+    "avgpool_bwd_data": "each output gradient / kernel area added to its window; threads own whole planes",
+    "relu_fwd": "elementwise max(x, 0) on the blocked buffer",
+    "relu_bwd_data": "elementwise dy * (y > 0), using the forward output as the mask",
+    "dropout_fwd": "elementwise keep/drop from a counter-based hash of (seed, element index): "
+                   "deterministic for any thread count, nothing stored; kept values scaled by 1/(1-rate)",
+    "dropout_bwd_data": "the forward mask recomputed from the same seed, applied to dy",
+    "softmax_cross_entropy_fwd": "per row: max-shifted softmax, loss = log-sum-exp - logit[label], "
+                                 "accumulated in double; mean over the minibatch",
+    "softmax_cross_entropy_bwd_data": "(softmax - onehot(label)) / minibatch, padded lanes zero",
+}
+
+
+def memory_bound(kind: str) -> str:
+    return MEMORY_BOUND[kind] + "; memory-bound, no register tile to choose"
+
+
+def tile_sentence(tile: RegisterTile, arch: Arch, rows: str, vectors: str) -> str:
+    return (f"register tile {tile.width} {rows} x {tile.vectors} {vectors}: {tile.width * tile.vectors} "
+            f"accumulators + {min(tile.width, tile.vectors)} held + 1 streamed = "
+            f"{tile.registers}/{arch.vector_registers} registers, "
+            f"{tile.loads_per_fma:.2f} loads/FMA")
+
+
+def conv_fwd(tile: RegisterTile, arch: Arch, ow: int, cover: RowCover, row_eff: float, icb: int, ifb: int,
+             rows: int, weight_bytes: int, input_bytes: int, partial_bytes: int, fits: bool, l2_bpf: float,
+             eff: float) -> str:
+    working_set = weight_bytes + input_bytes + partial_bytes
+    return (
+        f"register tile {tile.width} px x {tile.vectors} oc-vectors: {tile.width * tile.vectors} accumulators "
+        f"+ {min(tile.width, tile.vectors)} held + 1 streamed = {tile.registers}/{arch.vector_registers} registers, "
+        f"{tile.loads_per_fma:.2f} loads/FMA, {tile.width * tile.vectors} independent chains "
+        f"(latency {arch.fma_latency} x {arch.fma_units} FMA units x headroom {LATENCY_HEADROOM} needs "
+        f"{LATENCY_HEADROOM * arch.fma_latency * arch.fma_units:g}); "
+        f"row of {ow} px = " + " + ".join(
+            ([f"left edge tile of {tile.width}"] if cover.left else [])
+            + [f"{cover.full_tiles} full tiles"]
+            + ([f"1 of {cover.rem}"] if cover.rem else [])
+            + ([f"right edge tile of {tile.width}"] if cover.right else [])
+            + ([f"{cover.border} border px"] if cover.border else []))
+        + f" ({row_eff:.0%} of the tile's peak)"
+        + f"; ifm block {ifb}/{icb} channel blocks x {rows} output row{'s' if rows > 1 else ''}: "
+        f"{weight_bytes // 1024} KiB weight slice + {input_bytes // 1024} KiB input rows "
+        f"+ {partial_bytes // 1024} KiB partial sums = {working_set // 1024} KiB"
+        + (" within" if fits else " (does not fit) against")
+        + f" 3/4 of L1 ({arch.l1d_bytes // 1024} KiB), the weights read from L2 once per {rows} row"
+        + f"{'s' if rows > 1 else ''} ({l2_bpf:.3f} B/FLOP at {arch.l1_refill_cycles:g} cycles per 64 B refill) "
+        f"-> {eff:.0%} of peak predicted"
+    )
+
+
+def conv_bwd_data(tile: RegisterTile, arch: Arch, stride: int, phases: int, eff: float, ofb: int, ocb: int,
+                  slice_bytes: int) -> str:
+    return (
+        f"input-gradient {tile_sentence(tile, arch, 'same-phase input px', 'ic-vectors')}; broadcasts of the "
+        f"output gradient times transposed weights (IC/V, OC/V, KH, KW, V oc, V ic), written by this kernel's "
+        f"prologue; stride {stride} splits each row into {phases} phase(s) with their own kernel "
+        f"columns -> {eff:.0%} of peak predicted; reduction chunk {ofb}/{ocb} output-channel blocks keeps the "
+        f"{ofb * slice_bytes // 1024} KiB weight slice within half of L1"
+    )
+
+
+def conv_bwd_data_few(tile: RegisterTile, arch: Arch, lanes: int, stride: int, phases: int) -> str:
+    v = arch.vector_floats
+    return (
+        f"few-channel input gradient: {lanes} input channel(s) < {v} lanes, so vectors run over output "
+        f"channels: {tile_sentence(tile, arch, 'same-phase input px', 'input channels')} (a dy vector per "
+        f"pixel times the weights' oc vector of each input channel, lanes summed once per pixel) -> "
+        f"{tile.efficiency:.0%} of peak predicted with no padded lanes; stride {stride} splits each "
+        f"row into {phases} phase(s)"
+    )
+
+
+def conv_bwd_weights(tile: RegisterTile, arch: Arch, eff: float, lanes: int, rem_n: int, rows: int, oh: int,
+                     per_row: int, per_row_tile: int, cols: int, ow: int) -> str:
+    v = arch.vector_floats
+    return (
+        f"weight-gradient {tile_sentence(tile, arch, 'ic lanes', 'oc-vectors')}: broadcast inputs times "
+        f"output-gradient vectors, reduced over minibatch and output pixels"
+        + (f" (the last group of {rem_n} vector(s) with a {tile.width}x{rem_n} tile)" if rem_n else "")
+        + f" -> {eff:.0%} of peak predicted" + (f" on the {lanes} real input lanes" if lanes < v else "")
+        + "; threads split the weight tiles (each weight has one owner and a fixed summation order, "
+        f"so results do not depend on the thread count); pixel block of {rows}/{oh} output rows: "
+        f"{rows * per_row // 1024} KiB of gradients and inputs within half of L2, "
+        f"{rows * per_row_tile // 1024} KiB streamed per tile within half of L1"
+        + (f" (cut into blocks of {cols}/{ow} columns)" if cols < ow else "")
+    )
+
+
+def fc_fwd(tile: RegisterTile, arch: Arch, rem_n: int, kc: int, k: int, panel_per_k: int) -> str:
+    return (
+        f"GEMM register tile {tile.width} minibatch rows x {tile.vectors} out-vectors: "
+        f"{tile.width * tile.vectors} accumulators + {min(tile.width, tile.vectors)} held + 1 streamed = "
+        f"{tile.registers}/{arch.vector_registers} registers, {tile.loads_per_fma:.2f} loads/FMA -> "
+        f"{tile.efficiency:.0%} of peak predicted"
+        + (f" (the last group of {rem_n} vector(s) with narrower tiles)" if rem_n else "")
+        + f"; K chunk {kc} of {k}: the group's {kc * panel_per_k // 1024} KiB weight panel stays within an eighth "
+        f"of L2 ({arch.l2_bytes // 1024} KiB) across the row tiles, and the output's partial sums pass through "
+        f"the cache {-(-k // kc)} time(s)"
+    )
+
+
+def fc_bwd_data(tile: RegisterTile, arch: Arch, chunk: int, ocb: int, kb: int) -> str:
+    v = arch.vector_floats
+    return (
+        f"GEMM dX = dY . W: {tile_sentence(tile, arch, 'minibatch rows', 'input-feature vectors')}; "
+        f"broadcasts of dY times W transposed, reduced over chunks of {chunk}/{ocb} output-feature blocks -> "
+        f"{tile.efficiency:.0%} of peak predicted; per K block of {kb} features a thread transposes the chunk's "
+        f"W slice into a contiguous panel ({chunk * v * kb * 4 // 1024} KiB, within a quarter of L2) that "
+        f"every row tile reuses"
+    )
+
+
+def fc_bwd_weights(tile: RegisterTile, arch: Arch, rem_k: int, rem_n: int, batch: int, kc: int, k: int) -> str:
+    v = arch.vector_floats
+    return (
+        f"packed-panel GEMM dW = dY^T . X into W's packed layout: "
+        f"{tile_sentence(tile, arch, 'input features', 'out-vectors')}"
+        + (f"; the last panel has {rem_k} feature(s)" if rem_k else "")
+        + (f"; the last group {rem_n} vector(s)" if rem_n else "")
+        + f"; broadcast inputs times output-gradient vectors, reduced over the minibatch -> "
+        f"{tile.efficiency:.0%} of peak predicted; the tile's dy slice ({batch} rows x {tile.vectors} "
+        f"vectors = {batch * tile.vectors * v * 4 // 1024} KiB at minibatch {batch}) stays within half of L1; "
+        f"K chunk {kc}/{k}: the input chunk is packed into contiguous {tile.width}-wide panels "
+        f"({batch * kc * 4 // 1024} KiB, within half of L2) that every output-vector group reuses"
+    )

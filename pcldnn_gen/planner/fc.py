@@ -1,0 +1,102 @@
+"""Fully-connected kernels: GEMMs over packed panels, the minibatch a run-time argument."""
+from __future__ import annotations
+
+from pcldnn_runtime.limits import blocks
+
+from ..arch import Arch
+from ..netspec import LayerSpec
+from . import explain
+from .plans import FcBwdDataPlan, FcBwdWeightsPlan, FcFwdPlan
+from .tiles import best_first, candidates, divisors
+
+# Concurrent sequential streams the hardware prefetchers follow (Intel's L2 streamer tracks
+# 32). Kernels whose reduction walks across rows of a large matrix chunk the reduction so that
+# no more rows than this are live. Measured on VGG-A fc6 backward-data (AVX2, minibatch 64,
+# one thread, interleaved runs, the kernel's earlier dot-product form): 589 ms unchunked (512
+# rows), 602 ms with chunks of 4, 366 with 16, 317 with 32, 322 with 64.
+PREFETCH_STREAMS = 32
+
+# The minibatch is a run-time argument of the fc kernels; cache blocks along K are sized for
+# this many rows (the targets' largest), and smaller minibatches only use less of the cache.
+FC_PLAN_BATCH = 256
+
+
+def _k(layer: LayerSpec, v: int) -> int:
+    c, h, w = layer.in_shape
+    return blocks(c, v) * v * h * w
+
+
+def plan_fc_fwd(layer: LayerSpec, arch: Arch) -> FcFwdPlan:
+    v = arch.vector_floats
+    k, ocb = _k(layer, v), blocks(layer.out_shape[0], v)
+    # The minibatch (tile width) is only known at run time: score the full tile. Output
+    # vectors need not divide OCB (the last group gets a narrower tile): fc8's 125 blocks
+    # would otherwise allow only 1 or 5 vectors.
+    scored = best_first(candidates(arch.vector_registers, range(1, ocb + 1), arch))
+    tile = scored[0]
+    rem_n = ocb % tile.vectors
+    per_k = (tile.vectors * v + tile.width) * 4  # weight panel + input rows, bytes per k
+    # K chunk: every chunk reads and writes the output's partial sums once (4 MB for VGG-A fc7
+    # at minibatch 256, beyond L2), so chunks are as long as the group's weight panel allows
+    # while it stays within an eighth of L2 for all row tiles. Interleaved A/B at minibatch 256
+    # (one thread) against chunks sized for half of L1: VGG-A fc6/fc7/fc8 1.05/1.22/1.18x,
+    # OverFeat-FAST 1.05/1.32/1.25x; unchanged at minibatch 64.
+    panel_per_k = tile.vectors * v * 4
+    kc = max(v, min(k, (arch.l2_bytes // 8) // panel_per_k // v * v))
+    # Both the minibatch (rows) and the output slice [ocb_lo, ocb_hi) (a model-parallel rank's
+    # share) are run-time arguments: every narrower row count and vector count can occur.
+    return FcFwdPlan(
+        layer=layer.name, pass_name="fwd", kind="fc_fwd", template="fc_fwd.c.j2", isa=arch.isa, vector_floats=v,
+        reason=explain.fc_fwd(tile, arch, rem_n, kc, k, panel_per_k), tile=tile,
+        tile_widths=tuple(range(tile.width, 0, -1)), remainders=tuple(range(tile.width - 1, 0, -1)),
+        predicted_efficiency=tile.efficiency, l1_working_set=kc * panel_per_k,
+        l2_bytes_per_flop=per_k / (2 * tile.width * tile.vectors * v), rejected=tuple(scored[1:6]),
+        k_chunk=kc, rem_vectors=rem_n, vector_counts=tuple(range(tile.vectors, 0, -1)))
+
+
+def plan_fc_bwd_data(layer: LayerSpec, arch: Arch) -> FcBwdDataPlan:
+    v = arch.vector_floats
+    k, ocb = _k(layer, v), blocks(layer.out_shape[0], v)
+    # Tile: minibatch rows (broadcasts of dy) x vectors of consecutive input features; the
+    # vector count divides K / V so that K blocks hold whole tiles.
+    scored = best_first(candidates(arch.vector_registers, divisors(k // v, arch.vector_registers), arch))
+    tile = scored[0]
+    chunk = min(ocb, PREFETCH_STREAMS)
+    tile_k = tile.vectors * v
+    # K block: the transposed slice of W one chunk covers (chunk x V features x kb) stays in a
+    # quarter of L2 while every minibatch row tile passes over it; within the block a row
+    # tile's dy (rows x chunk x V floats) stays in L1 across the k tiles.
+    kb = max(tile_k, min(k, (arch.l2_bytes // 4) // (chunk * v * 4) // tile_k * tile_k))
+    return FcBwdDataPlan(
+        layer=layer.name, pass_name="bwd_data", kind="fc_bwd_data", template="fc_bwd_data.c.j2", isa=arch.isa,
+        vector_floats=v, reason=explain.fc_bwd_data(tile, arch, chunk, ocb, kb), tile=tile,
+        tile_widths=tuple(range(tile.width, 0, -1)), remainders=tuple(range(tile.width - 1, 0, -1)),
+        predicted_efficiency=tile.efficiency, l1_working_set=tile.width * v * chunk * 4,
+        l2_bytes_per_flop=(tile.width + tile.vectors * v) * 4 / (2 * tile.width * tile.vectors * v),
+        rejected=tuple(scored[1:6]), ofm_chunk=chunk, k_block=kb)
+
+
+def plan_fc_bwd_weights(layer: LayerSpec, arch: Arch) -> FcBwdWeightsPlan:
+    v = arch.vector_floats
+    k, ocb = _k(layer, v), blocks(layer.out_shape[0], v)
+    # Neither side of the tile needs to divide its dimension: the last K panel and the last
+    # output-vector group get narrower tiles. A tile reduces over the whole minibatch, so the
+    # output-gradient slice it loads (minibatch x vectors) must stay in half of L1 to be reused
+    # by the next panel's tile; sized for FC_PLAN_BATCH rows.
+    max_vectors = max(1, min(ocb, (arch.l1d_bytes // 2) // (FC_PLAN_BATCH * v * 4)))
+    scored = best_first(candidates(arch.vector_registers, range(1, max_vectors + 1), arch))
+    tile = scored[0]
+    rem_k, rem_n = k % tile.width, ocb % tile.vectors
+    # K chunk: the packed input panels (minibatch x chunk) fill at most half of L2 at the
+    # planning minibatch; every output-vector group sweeps them from L2.
+    kc = max(tile.width, min(k, (arch.l2_bytes // 2) // (4 * FC_PLAN_BATCH) // tile.width * tile.width))
+    # The output slice is a run-time argument (model-parallel ranks), so every narrower vector
+    # count can occur; only the last K panel is narrower along features.
+    return FcBwdWeightsPlan(
+        layer=layer.name, pass_name="bwd_weights", kind="fc_bwd_weights", template="fc_bwd_weights.c.j2",
+        isa=arch.isa, vector_floats=v, reason=explain.fc_bwd_weights(tile, arch, rem_k, rem_n, FC_PLAN_BATCH, kc, k),
+        tile=tile, tile_widths=(tile.width, *((rem_k,) if rem_k else ())), predicted_efficiency=tile.efficiency,
+        l1_working_set=FC_PLAN_BATCH * tile.vectors * v * 4,
+        l2_bytes_per_flop=(tile.width + tile.vectors * v) * 4 / (2 * tile.width * tile.vectors * v),
+        rejected=tuple(scored[1:6]), k_chunk=kc, rem_features=rem_k, rem_vectors=rem_n,
+        feature_widths=(tile.width, *((rem_k,) if rem_k else ())), vector_counts=tuple(range(tile.vectors, 0, -1)))

@@ -1,0 +1,145 @@
+"""The planner's output, the contract with the templates: one frozen, keyword-only dataclass per
+kernel family, one named field per decision. Templates read these fields and nothing else
+decides; numbers stay numbers (codegen formats C literals)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .tiles import EdgeTile, RegisterTile, RowCover
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelPlan:
+    """A memory-bound kernel (pooling, elementwise, loss) and the fields every plan has."""
+    layer: str
+    pass_name: str
+    kind: str                       # <layer type>_<pass>, e.g. conv_fwd, fc_bwd_weights, maxpool_bwd_data
+    template: str                   # the template file that renders it
+    isa: str
+    vector_floats: int
+    reason: str                     # the balance figures behind the choice, for the C header and `inspect`
+    tile: RegisterTile | None = None
+    tile_widths: tuple[int, ...] = ()   # widths of the tile functions emitted, widest first
+    remainders: tuple[int, ...] = ()    # the narrower ones among them, for the header
+    predicted_efficiency: float = 0.0   # register-level model, averaged over full, remainder and border tiles
+    l1_working_set: int = 0         # bytes of the operand a tile streams per reduction chunk
+    l2_bytes_per_flop: float = 0.0  # bytes brought into L1 per FLOP
+    scratch_floats: int = 0         # scratch the runtime passes in (conv bwd_data: transposed weights)
+    rejected: tuple[RegisterTile, ...] = ()  # the next-best candidates, for `inspect`
+
+    def reduction_chunk(self) -> str:
+        """The reduction chunk with its unit, for the header; empty when the kernel has none."""
+        return ""
+
+    def blocks(self) -> dict[str, Any]:
+        """The family's own scalar decisions (the tables stay in the C)."""
+        base = {f.name for f in fields(KernelPlan)}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in base and isinstance(getattr(self, f.name), (int, float, bool))}
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {k: getattr(self, k) for k in (
+            "layer", "pass_name", "kind", "template", "isa", "vector_floats", "l1_working_set", "scratch_floats",
+            "reason")}
+        d["reduction_chunk"] = self.reduction_chunk()
+        d["blocks"] = self.blocks()
+        d["tile_widths"] = list(self.tile_widths)
+        d["remainders"] = list(self.remainders)
+        d["tile"] = None if self.tile is None else {
+            "width": self.tile.width, "vectors": self.tile.vectors, "registers": self.tile.registers,
+            "loads_per_fma": round(self.tile.loads_per_fma, 4), "efficiency": round(self.tile.efficiency, 4)}
+        d["predicted_efficiency"] = round(self.predicted_efficiency, 4)
+        d["l2_bytes_per_flop"] = round(self.l2_bytes_per_flop, 5)
+        return d
+
+
+@dataclass(frozen=True, kw_only=True)
+class DropoutPlan(KernelPlan):
+    keep_threshold: int             # an element is kept when its 32-bit hash is at least this
+    scale: float                    # 1 / (1 - rate): the expected activation is unchanged
+    hash_step: int                  # the counter stride of the hash; the runtime shifts seeds by multiples of it
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvFwdPlan(KernelPlan):
+    ifm_chunk: int                  # input-channel blocks per reduction chunk (the L1 weight slice)
+    rows: int                       # output rows that share one chunk's weight slice in L1
+    ow_lo: int                      # first output column whose window needs no left padding
+    ow_hi: int                      # one past the last column whose window needs no right padding
+    cover: RowCover                 # how a row of output columns is tiled
+
+    def reduction_chunk(self) -> str:
+        return f"{self.ifm_chunk} input-channel blocks"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BwdDataPhase:
+    """Input columns r + q*SW, q in [0, q_count), of one stride phase r: all receive gradient
+    from kernel columns kw_first, kw_first + SW, ..., from output column q + d, d starting at
+    d_first and dropping by one per kernel column. Columns q in [q_lo, q_hi) need no bounds."""
+    r: int
+    q_count: int
+    kw_first: int
+    d_first: int
+    q_lo: int
+    q_hi: int
+    cover: RowCover | None = None   # the general kernel's tiling of the phase; None in the few-channel one
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvBwdDataPlan(KernelPlan):
+    ofm_chunk: int                  # output-channel blocks per reduction chunk (the L1 weight slice)
+    few_channels: bool              # fewer input channels than a vector: vectors run over output channels
+    phases: tuple[BwdDataPhase, ...]
+
+    def reduction_chunk(self) -> str:
+        return f"{self.ofm_chunk} output-channel blocks"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvBwdWeightsPlan(KernelPlan):
+    block_rows: int                 # output rows per pixel block
+    block_cols: int                 # output columns per pixel block
+    lanes: int                      # input-channel lanes with data (the rest are padding)
+    rem_vectors: int                # oc vectors of the last, narrower group (0: none)
+    oh_range: tuple[tuple[int, int], ...]   # per kernel row: output rows [lo, hi) that read inside the input
+    ow_range: tuple[tuple[int, int], ...]   # per kernel column: the same for output columns
+
+    def reduction_chunk(self) -> str:
+        return f"{self.block_rows} output rows"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FcFwdPlan(KernelPlan):
+    k_chunk: int                    # K elements per chunk (the group's weight panel in L2)
+    rem_vectors: int                # output vectors of the last group of the whole layer (0: none)
+    vector_counts: tuple[int, ...]  # output-vector counts of the tiles emitted, widest first
+
+    def reduction_chunk(self) -> str:
+        return f"{self.k_chunk} K elements"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FcBwdDataPlan(KernelPlan):
+    ofm_chunk: int                  # output-feature blocks per reduction chunk
+    k_block: int                    # input features per transposed panel (a multiple of the tile's)
+
+    def reduction_chunk(self) -> str:
+        return f"{self.ofm_chunk} output-feature blocks"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FcBwdWeightsPlan(KernelPlan):
+    k_chunk: int                    # K elements packed per chunk (panels in L2)
+    rem_features: int               # features of the last, narrower panel (0: none)
+    rem_vectors: int                # output vectors of the last group (0: none)
+    feature_widths: tuple[int, ...]  # panel widths of the tiles emitted: full first
+    vector_counts: tuple[int, ...]  # output-vector counts of the tiles emitted, widest first
+
+    def reduction_chunk(self) -> str:
+        return f"{self.k_chunk} K elements"
+
+
+__all__ = ["BwdDataPhase", "ConvBwdDataPlan", "ConvBwdWeightsPlan", "ConvFwdPlan", "DropoutPlan", "EdgeTile",
+           "FcBwdDataPlan", "FcBwdWeightsPlan", "FcFwdPlan", "KernelPlan", "RowCover"]

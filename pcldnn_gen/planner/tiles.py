@@ -1,0 +1,131 @@
+"""The register-tile model and the row cover shared by the conv kernels.
+
+A register tile of `width` outputs (pixels, or minibatch rows for fc) x `vectors`
+output-channel vectors lives in registers across a whole reduction. Per inner step the kernel
+loads `vectors` weight vectors and broadcasts `width` inputs, then issues width x vectors FMAs;
+a step takes at least
+    max(FMAs / fma_units, vector loads / load_ports + broadcasts / broadcasts_per_cycle,
+        LATENCY_HEADROOM x fma_latency)
+cycles, so the fraction of the FMA peak a tile can reach is (FMAs / fma_units) / that.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from ..arch import Arch
+from ..errors import PlanError
+
+# Independent accumulator chains needed, as a multiple of fma_latency × fma_units. Measured
+# on VGG-A conv3 (AVX2, one thread): a 2x4 tile with exactly 8 chains ran at 75 GFLOP/s, a
+# 6x2 tile with 12 chains at 80, and on the 28- and 14-wide layers the gap was 54 vs 74.
+LATENCY_HEADROOM = 1.5
+
+
+@dataclass(frozen=True)
+class RegisterTile:
+    width: int          # outputs along the broadcast dimension (pixels, or minibatch rows)
+    vectors: int        # output-channel vectors
+    registers: int      # accumulators + the shorter side held in registers + 1 streaming register
+    loads_per_fma: float
+    efficiency: float   # fraction of FMA peak this tile alone can reach
+
+    @staticmethod
+    def evaluate(width: int, vectors: int, arch: Arch) -> RegisterTile:
+        fmas = width * vectors
+        loads = width + vectors
+        load_cycles = vectors / arch.load_ports + width / arch.broadcasts_per_cycle
+        cycles = max(fmas / arch.fma_units, load_cycles, LATENCY_HEADROOM * arch.fma_latency)
+        return RegisterTile(width, vectors, fmas + min(width, vectors) + 1, loads / fmas,
+                            (fmas / arch.fma_units) / cycles)
+
+    def describe(self) -> str:
+        return (f"{self.width}x{self.vectors} ({self.registers} regs, "
+                f"{self.loads_per_fma:.2f} loads/FMA, {self.efficiency:.0%} of peak)")
+
+
+def candidates(width_choices: int | Iterable[int], vector_choices: Iterable[int], arch: Arch) -> list[RegisterTile]:
+    """Every tile that fits the register file; an int `width_choices` means 1..that."""
+    widths = list(range(1, width_choices + 1) if isinstance(width_choices, int) else width_choices)
+    tiles = [RegisterTile.evaluate(width, vectors, arch) for vectors in vector_choices for width in widths
+             if width * vectors + min(width, vectors) + 1 <= arch.vector_registers]
+    if not tiles:
+        raise PlanError(f"{arch.name}: {arch.vector_registers} vector registers cannot hold any register tile")
+    return tiles
+
+
+def divisors(n: int, limit: int | None = None) -> list[int]:
+    return [d for d in range(1, min(n, limit or n) + 1) if n % d == 0]
+
+
+def best_first(tiles: list[RegisterTile]) -> list[RegisterTile]:
+    """Sorted best first: predicted efficiency, then bigger tiles (fewer loop trips), then fewer registers."""
+    return sorted(tiles, key=lambda t: (t.efficiency, t.width * t.vectors, -t.registers), reverse=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tap:
+    """One kernel column of an edge tile: the (tile pixel, input or output column) pairs that
+    read inside the plane. The emitted tile issues FMAs for exactly these and tests no bound."""
+    kw: int
+    pixels: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EdgeTile:
+    start: int                  # first column of the tile
+    width: int
+    taps: tuple[Tap, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowCover:
+    """How a row of `count` columns is covered by tiles of one width: an edge tile at each end
+    that needs bounds when the row is wide enough (else 1-column border tiles), full tiles over
+    [mid_lo, mid_hi) and one remainder tile of `rem` columns after them."""
+    left: EdgeTile | None
+    right: EdgeTile | None
+    mid_lo: int
+    mid_hi: int
+    rem: int
+    border: int                 # columns covered by 1-column border tiles
+    width: int                  # columns per full tile
+
+    @property
+    def full_tiles(self) -> int:
+        return (self.mid_hi - self.mid_lo) // self.width
+
+
+def cover_row(count: int, lo: int, hi: int, width: int, edge: Callable[[int], EdgeTile]) -> RowCover:
+    """Cover columns [0, count) whose [lo, hi) need no bounds: an edge tile (built by `edge`
+    from its start column) at each end when its bounded columns fit in one tile and the row
+    holds two tiles, full tiles and one remainder in between, 1-column border tiles for the
+    bounded columns no edge tile takes. The one routine behind conv forward and backward-data."""
+    left = 0 < lo <= width and 2 * width <= count
+    right = hi < count and count - hi <= width and 2 * width <= count
+    mid_lo, mid_hi = (width if left else lo), (count - width if right else hi)
+    if mid_hi < mid_lo:
+        left = right = False
+        mid_lo, mid_hi = lo, hi
+    return RowCover(left=edge(0) if left else None, right=edge(count - width) if right else None,
+                    mid_lo=mid_lo, mid_hi=mid_hi, rem=(mid_hi - mid_lo) % width,
+                    border=(0 if left else lo) + (0 if right else count - hi), width=width)
+
+
+def cover_pieces(cover: RowCover, taps: int) -> list[tuple[int, int]]:
+    """(tile width, calls) of one covered row: full and remainder tiles and border columns once
+    per each of `taps` kernel columns, an edge tile once per tap with that tap's pixel count."""
+    pieces = [(cover.width, cover.full_tiles * taps), (cover.rem, taps), (1, cover.border * taps)]
+    return pieces + [(len(tap.pixels), 1) for e in (cover.left, cover.right) if e for tap in e.taps]
+
+
+def pieces_efficiency(pieces: Iterable[tuple[int, int]], vectors: int, arch: Arch) -> float:
+    """Predicted fraction of peak over tile pieces, each at its own tile's efficiency (work-weighted);
+    1.0 for no work (a row of pure padding)."""
+    work = cycles = 0.0
+    for pixels, count in pieces:
+        if pixels and count:
+            fmas = pixels * vectors * count
+            work += fmas
+            cycles += fmas / RegisterTile.evaluate(pixels, vectors, arch).efficiency
+    return work / cycles if work else 1.0
