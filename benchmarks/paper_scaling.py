@@ -31,7 +31,7 @@ def compare() -> list[dict]:
     for net, machine_name, nodes, batch, published, where in PUBLISHED:
         loads = scaling.loads_of(load_netspec(NETS / f"{net}.json").layers)
         machine = scaling.PRESETS[machine_name]
-        plan = scaling.plan(loads, nodes, batch, machine)
+        plan = scaling.best_strategy(loads, nodes, batch, machine)
         simulated = plan.single / scaling.simulate(plan.costs, nodes, machine.overlap)["time"]
         rows.append({"net": net, "machine": machine_name, "nodes": nodes, "batch": batch, "published": published,
                      "predicted": plan.speedup, "simulated": simulated,

@@ -35,7 +35,7 @@ def worker(cfg: dict) -> None:
     from mpi4py import MPI
 
     import pcldnn_runtime as pr
-    from pcldnn_runtime.distributed import part_counts, shard_bounds
+    from pcldnn_runtime.partition import part_counts, shard_bounds
     comm = MPI.COMM_WORLD
     net = pr.load(cfg["build"], threads=cfg["threads"])
     trace: list = []
@@ -111,7 +111,7 @@ def main() -> None:
     from pcldnn_gen.arch import get_arch
     from pcldnn_gen.build import build
     from pcldnn_gen.netspec import load_netspec
-    from pcldnn_runtime.distributed import mpiexec as find_mpiexec
+    from pcldnn_runtime.mpi_safety import mpiexec as find_mpiexec
     mpiexec = find_mpiexec()
     results = []
     with tempfile.TemporaryDirectory() as tmp:

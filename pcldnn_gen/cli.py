@@ -93,20 +93,20 @@ def _bench(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from pcldnn_runtime import scaling
 
-    from . import plan
+    from . import scaling_report as report
     net = load_netspec(args.net, args.max_memory)
-    nodes = plan.parse_nodes(args.nodes)
-    machine = (plan.local_machine(net, args.arch, args.bench_json, args.threads) if args.machine == "local"
+    nodes = report.parse_nodes(args.nodes)
+    machine = (report.local_machine(net, args.arch, args.bench_json, args.threads) if args.machine == "local"
                else scaling.get_machine(args.machine))
-    plans, simulated, minima, sims = plan.run(net, machine, nodes, args.batch, args.threshold)
-    print(plan.format_table(net, machine, plans, simulated, minima, args.threshold))
+    strategies, simulated, minima, sims = report.run(net, machine, nodes, args.batch, args.threshold)
+    print(report.format_table(net, machine, strategies, simulated, minima, args.threshold))
     if args.json:
-        Path(args.json).write_text(json.dumps(plan.plans_json(net, machine, plans, simulated, minima, args.threshold),
-                                              indent=1))
+        Path(args.json).write_text(json.dumps(
+            report.report_json(net, machine, strategies, simulated, minima, args.threshold), indent=1))
     if args.plot:
-        plan.plot_speedup(Path(args.plot), net, machine, plans, simulated)
+        report.plot_speedup(Path(args.plot), net, machine, strategies, simulated)
     if args.timeline:
-        plan.plot_timeline(Path(args.timeline), net, machine, plans[-1], sims[-1])
+        report.plot_timeline(Path(args.timeline), net, machine, strategies[-1], sims[-1])
     return 0
 
 

@@ -22,332 +22,36 @@ shards: one step on p ranks equals one step on one rank with the concatenated mi
 from __future__ import annotations
 
 import atexit
-import fnmatch
 import os
-import shutil
-import sys
 import threading
 import time
-import traceback
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .errors import PcldnnError
-from .kernels import CACHE_LINE_FLOATS, zeros_aligned
+from .layer_modes import layer_modes
+from .model_parallel import ModelParallelFC
+from .mpi_safety import Watchdog, abort_on_exception, agree, check_same_net, comm_timeout, exit_agreement, guard_world
+from .partition import displacements, part_counts
 
 
-def part_counts(n: int, parts: int, align: int = CACHE_LINE_FLOATS) -> np.ndarray:
-    """Split n elements into `parts` contiguous pieces as even as cache-line granularity
-    allows (piece sizes multiples of `align`, except for the end); pieces may be empty."""
-    lines = -(-n // align)
-    base, extra = divmod(lines, parts)
-    counts = np.array([(base + (r < extra)) * align for r in range(parts)], dtype=np.int64)
-    over = counts.sum() - n  # the last non-empty piece absorbs the rounding
-    for r in range(parts - 1, -1, -1):
-        take = min(over, counts[r])
-        counts[r] -= take
-        over -= take
-    return counts
-
-
-def shard_bounds(batch: int, parts: int, rank: int) -> tuple[int, int]:
-    """[start, stop) of rank's shard of a global minibatch: sizes differ by at most one."""
-    base, extra = divmod(batch, parts)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (rank < extra)
-
-
-# Environment variables through which MPI launchers announce the job's size (MPICH / Intel
-# MPI hydra, Open MPI, MVAPICH) and the number of ranks on this node.
-_WORLD_SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
-_LOCAL_SIZE_ENV = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
-_guarded: set[int] = set()
-
-
-def mpiexec() -> str | None:
-    """The MPI launcher: the one installed beside this Python (the mpich wheel's), else PATH's."""
-    return shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
-
-
-def world():
-    """MPI.COMM_WORLD when this process is one of several MPI ranks, else None. mpi4py is
-    imported only when a launcher announced a job of more than one rank (or the program
-    already imported it)."""
-    launched = any(os.environ.get(k, "").isdigit() and int(os.environ[k]) > 1 for k in _WORLD_SIZE_ENV)
-    if not launched and "mpi4py.MPI" not in sys.modules:
-        return None
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        return None
-    if not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() < 2:
-        return None
-    return MPI.COMM_WORLD
-
-
-def guard_world():
-    """Under an MPI job of more than one rank, an uncaught exception on any rank aborts the
-    job (its traceback printed) instead of leaving the others waiting. Idempotent; returns
-    COMM_WORLD or None. Needs no collective: ranks may call it at different times."""
-    comm = world()
-    if comm is not None and id(comm) not in _guarded:
-        _guarded.add(id(comm))
-        abort_on_exception(comm)
-    return comm
-
-
-def ranks_on_this_node() -> int:
-    """MPI ranks sharing this node: from the launcher's environment, else a shared-memory split
-    of COMM_WORLD (a collective: every rank then calls it), 1 outside MPI."""
-    for key in _LOCAL_SIZE_ENV:
-        text = os.environ.get(key, "")
-        if text.isdigit() and int(text) >= 1:
-            return int(text)
-    comm = world()
-    if comm is None:
-        return 1
-    from mpi4py import MPI
-    return comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
-
-
-def agree(comm, op: str, values: dict, own=None, watchdog: "_Watchdog | None" = None) -> list:
-    """Every collective entry point (start-up, step, save, evaluate, reading weights, exit)
-    begins here: the ranks exchange which operation they are in and the values they must share.
-    A rank in another operation, or with other values, makes every rank raise the same
-    PcldnnError naming both (instead of a hang or silently different work). Returns each
-    rank's `own` value (e.g. its shard size)."""
-    if watchdog is not None:
-        watchdog.waiting(op)
-    everyone = comm.allgather((op, values, own))
-    if watchdog is not None:
-        watchdog.waiting(None)
-    first_op, first_values, _ = everyone[0]
-    for rank, (other_op, other_values, _) in enumerate(everyone):
-        if other_op != first_op:
-            raise PcldnnError(f"rank 0 is in {first_op} but rank {rank} is in {other_op}: under MPI these calls are "
-                              "collective: every rank must make the same calls in the same order (e.g. every rank "
-                              "calls trainer.save(path); rank 0 writes the file)")
-        for key in first_values:
-            if other_values.get(key) != first_values[key]:
-                raise PcldnnError(f"{op}: ranks disagree on {key}: rank 0 has {first_values[key]!r}, rank {rank} has "
-                                  f"{other_values.get(key)!r}; every rank must pass the same {key}")
-    return [o for _, _, o in everyone]
-
-
-def _exit_agreement(comm) -> None:
-    """At interpreter exit of a rank that trained: tell ranks still in a pcldnn collective
-    (step, save, evaluate) that this one is leaving, so they fail with a message."""
-    from mpi4py import MPI
-    if MPI.Is_finalized():
-        return
-    try:
-        agree(comm, "exit", {})
-    except PcldnnError as e:
-        _abort(comm, f"[rank {comm.rank}] {e}\n", 1)
-
-
-def abort_on_exception(comm) -> None:
-    """An uncaught exception on any rank prints that rank's traceback and aborts the whole job
-    (the other ranks would otherwise wait forever in the next collective)."""
-    def hook(kind, value, tb):
-        text = "".join(traceback.format_exception(kind, value, tb))
-        _abort(comm, f"[rank {comm.rank}] uncaught {kind.__name__}: {value}\n{text}", 1)
-    sys.excepthook = hook
-
-
-def _abort(comm, message: str, code: int) -> None:
-    """Print `message` on this rank's stderr and end the whole job. The message goes straight
-    to the file descriptor, and the launcher gets a moment to forward it before MPI_Abort
-    kills every rank (under load, hydra lost it otherwise)."""
-    sys.stderr.flush()
-    os.write(2, message.encode())
-    time.sleep(0.5)
-    comm.Abort(code)
-
-
-def comm_timeout() -> float:
-    """PCLDNN_COMM_TIMEOUT: seconds one collective may wait before the watchdog ends the job."""
-    text = os.environ.get("PCLDNN_COMM_TIMEOUT", "600")
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 1e7:
-        raise PcldnnError(f"PCLDNN_COMM_TIMEOUT must be seconds in [0, 1e7] (0: no watchdog), got {text!r}")
-    return value
-
-
-class _Watchdog:
-    """Reports (and aborts on) a collective that waits longer than `timeout` seconds: which
-    rank, which layer, which operation."""
-
-    def __init__(self, comm, timeout: float):
-        self.comm, self.timeout = comm, timeout
-        self._what: tuple[str, float] | None = None
-        self._lock = threading.Lock()
-        if timeout > 0:
-            threading.Thread(target=self._run, daemon=True, name="pcldnn-watchdog").start()
-
-    def waiting(self, what: str | None) -> None:
-        with self._lock:
-            self._what = (what, time.monotonic()) if what else None
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(min(1.0, self.timeout / 4))
-            with self._lock:
-                what = self._what
-            if what and time.monotonic() - what[1] > self.timeout:
-                _abort(self.comm, f"[rank {self.comm.rank}] pcldnn watchdog: {what[0]} has waited more than "
-                                  f"{self.timeout:g} s; aborting the job (under MPI every rank must make the same pcldnn calls "
-                                  "in the same order: step, save, evaluate, reading weights)\n", 3)
-
-
-def layer_modes(net, parallel, p: int, batch: int) -> dict[str, int]:
-    """{weighted layer: model-parallel group size} (1: data parallel) for `parallel`:
-    "data"; "auto"; or a mapping of layer-name patterns (fnmatch) to "data", "model" (model
-    parallel over all p ranks) or "model:G" (hybrid: model parallel within groups of G
-    consecutive ranks, data parallel across the p/G groups); unmatched layers are data
-    parallel. Only fc layers can be model parallel.
-
-    "auto" asks the communication model (`pcldnn_runtime.scaling.plan`, the one behind
-    `pcldnn-gen plan`) for the choice that minimises the iteration time at this global
-    minibatch, on the machine PCLDNN_MACHINE names (a preset or a machine JSON file; default
-    scaling.DEFAULT_MACHINE)."""
-    weighted = [name for name, layer in net.layers.items() if name in net.param_ranges]
-    modes = dict.fromkeys(weighted, 1)
-    if p == 1 or parallel == "data":
-        return modes
-    if parallel == "auto":
-        from . import scaling
-        chosen = scaling.plan(scaling.loads_of(net.layers.values()), p, max(batch, p), scaling.machine_from_env())
-        modes.update({c.layer: c.group for c in chosen.costs})
-        return modes
-    if not isinstance(parallel, dict):
-        raise PcldnnError(f'parallel={parallel!r}: use "auto", "data" or a mapping like {{"fc*": "model"}}')
-    for pattern, how in parallel.items():
-        matched = [name for name in weighted if fnmatch.fnmatchcase(name, str(pattern))]
-        if not matched:
-            raise PcldnnError(f"parallel: pattern {pattern!r} matches no layer with weights "
-                              f"(those are: {', '.join(weighted)})")
-        group = _group_size(pattern, how, p)
-        for name in matched:
-            if group > 1 and net.layers[name].type != "fc":
-                raise PcldnnError(f"parallel: layer {name} is {net.layers[name].type}; only fc layers can be "
-                                  "model parallel")
-            modes[name] = group
-    return modes
-
-
-def _group_size(pattern, how, p: int) -> int:
-    if how == "data":
-        return 1
-    if how == "model":
-        return p
-    if isinstance(how, str) and how.startswith("model:") and how[6:].isdigit():
-        g = int(how[6:])
-        if g >= 1 and p % g == 0:
-            return g
-        raise PcldnnError(f"parallel: {pattern!r}: {how!r}: the group size must divide the {p} ranks")
-    raise PcldnnError(f'parallel: {pattern!r}: {how!r}: use "data", "model" or "model:G" (groups of G ranks)')
-
-
-class _ModelParallelFC:
-    """One fc layer split by output features over a group of ranks (`gcomm`): each member owns
-    output-feature blocks [lo, hi) of the weights, bias and optimizer state.
-
-    Forward: the group's input rows are gathered (Allgatherv), the owned columns computed for
-    all of them, and each member's rows sent back with every column (Alltoallv). Backward: the
-    output gradient goes the reverse way, the owned weight gradient is complete over the
-    group's rows, and the input gradients, partial sums over the owned features, are added
-    and returned to their rows' owners (Reduce_scatter)."""
-
-    def __init__(self, sgd: "SyncSGD", layer, gcomm):
-        self.sgd, self.layer, self.comm = sgd, layer, gcomm
-        v = layer._net.vector_floats
-        self.v, self.ocb = v, layer.ocb_range[1]
-        counts = part_counts(self.ocb, gcomm.size, align=1)
-        self.parts = [(int(counts[:r].sum()), int(counts[:r + 1].sum())) for r in range(gcomm.size)]
-        self.lo, self.hi = self.parts[gcomm.rank]
-        self.k = int(np.prod(layer.blocked_shape(layer.in_shape, 1)))
-        # (start in the flat buffers, floats per output block) of the weights and of the bias
-        w0, b0 = layer.param_offsets
-        self.spans = ((w0, int(np.prod(layer.blocked_weight_shape[1:]))), (b0, v))
-        self.rows: list[int] = []      # this step's shard sizes of the group's members
-        self.bufs: dict[int, dict] = {}  # by group minibatch
-
-    def begin_step(self, sizes: list[int]) -> None:
-        self.rows = sizes
-
-    def _buffers(self, total: int) -> dict:
-        if total not in self.bufs:
-            n = self.ocb * self.v
-            self.bufs[total] = {"x": zeros_aligned((total, self.k)), "y": zeros_aligned((total, n)),
-                                "dy": zeros_aligned((total, n)), "dx": zeros_aligned((total, self.k))}
-        return self.bufs[total]
-
-    def _exchange(self, src: np.ndarray, dst: np.ndarray, forward: bool, what: str) -> None:
-        """Forward: src = the group's rows x the owned columns (group minibatch, N), dst = this
-        rank's rows x all columns. Backward: the reverse."""
-        v, q = self.v, self.comm.rank
-        widths = [(hi - lo) * v for lo, hi in self.parts]
-        mine = self.rows[q]
-        lo, hi = self.parts[q]
-        if forward:
-            send = np.ascontiguousarray(src[:, lo * v:hi * v])
-            scounts = [r * widths[q] for r in self.rows]
-            rcounts = [mine * w for w in widths]
-        else:
-            send = np.concatenate([src[:, a * v:b * v].ravel() for a, b in self.parts])
-            scounts = [mine * w for w in widths]
-            rcounts = [r * widths[q] for r in self.rows]
-        recv = np.empty(sum(rcounts), np.float32)
-        self.sgd.blocking(lambda: self.comm.Alltoallv([send, (scounts, _displs(scounts))],
-                                                       [recv, (rcounts, _displs(rcounts))]), what)
-        if forward:
-            for (a, b), off, count in zip(self.parts, _displs(rcounts), rcounts):
-                dst[:, a * v:b * v] = recv[off:off + count].reshape(mine, (b - a) * v)
-        else:
-            dst[:, lo * v:hi * v] = recv.reshape(sum(self.rows), (hi - lo) * v)
-
-    def forward(self, xb: np.ndarray, yb: np.ndarray) -> None:
-        name, total = self.layer.name, sum(self.rows)
-        buf = self._buffers(total)
-        counts = [r * self.k for r in self.rows]
-        self.sgd.blocking(lambda: self.comm.Allgatherv(xb, [buf["x"], (counts, _displs(counts))]),
-                           f"model-parallel {name}: gather of the input")
-        self.layer.run_forward(buf["x"], buf["y"], (self.lo, self.hi))
-        self._exchange(buf["y"], yb.reshape(len(xb), -1), True, f"model-parallel {name}: all-to-all of the output")
-
-    def backward(self, dyb: np.ndarray, dxb: np.ndarray | None) -> None:
-        name, total = self.layer.name, sum(self.rows)
-        buf = self.bufs[total]
-        self._exchange(dyb.reshape(len(dyb), -1), buf["dy"], False,
-                       f"model-parallel {name}: all-to-all of the output gradient")
-        self.layer.run_backward(buf["x"], buf["y"], buf["dy"], buf["dx"] if dxb is not None else None,
-                                self.layer.grad_buffers, (self.lo, self.hi))
-        if dxb is not None:
-            counts = [r * self.k for r in self.rows]
-            self.sgd.blocking(lambda: self.comm.Reduce_scatter(buf["dx"], dxb.reshape(-1), recvcounts=counts,
-                                                                op=self.sgd.MPI.SUM),
-                               f"model-parallel {name}: reduce-scatter of the input gradient")
-
-    def owned_ranges(self) -> list[tuple[int, int]]:
-        """[start, stop) in the flat parameter buffer of the owned weight rows and bias."""
-        return [(base + self.lo * unit, base + self.hi * unit) for base, unit in self.spans]
-
-    def complete(self, buf: np.ndarray) -> None:
-        """Gather every member's owned rows of `buf` (params or velocity): the layer is then
-        whole on every rank of the group."""
-        for base, unit in self.spans:
-            counts = [(hi - lo) * unit for lo, hi in self.parts]
-            whole = buf[base:base + self.ocb * unit]
-            self.comm.Allgatherv(self.sgd.MPI.IN_PLACE, [whole, (counts, _displs(counts)), self.sgd.MPI.FLOAT])
-
-
-def _displs(counts: list[int]) -> list[int]:
-    return [int(sum(counts[:r])) for r in range(len(counts))]
+@dataclass
+class CommBlock:
+    """One contiguous range of the flat parameter buffer exchanged as a unit: a data-parallel
+    layer's weights and bias, or a model-parallel layer's owned rows across its group's replicas.
+    The requests are the in-flight part-reduce and part-broadcast (None: none pending)."""
+    name: str                   # the layer
+    range: tuple[int, int]      # [start, stop) in the flat buffers
+    comm: Any                   # the ranks that share the range
+    counts: list[int]           # each rank's part of the range
+    displs: list[int]
+    own: slice                  # this rank's part, in the flat buffers
+    recv: np.ndarray            # the summed gradient of the own part
+    reduce: Any = None
+    gather: Any = None
+    reduce_started: float | None = None  # when the part-reduce was posted, for the trace
 
 
 class SyncSGD:
@@ -371,7 +75,7 @@ class SyncSGD:
         if comm.size > 1:
             abort_on_exception(comm)
         timeout = comm_timeout() if timeout is None else timeout
-        self.watchdog = _Watchdog(comm, timeout)
+        self.watchdog = Watchdog(comm, timeout)
         self.trace = trace
         self._t0 = time.perf_counter()
         self._lock = threading.Lock()
@@ -380,7 +84,7 @@ class SyncSGD:
         # The agreements travel on a duplicate of comm, so they can never match a collective
         # the program itself runs on comm; at exit this rank announces that it leaves.
         self.ctl = self.blocking(comm.Dup, "start-up: duplicating the communicator")
-        atexit.register(_exit_agreement, self.ctl)
+        atexit.register(exit_agreement, self.ctl)
         self.agree("start-up (Trainer with comm)", {})
         self.blocking(lambda: check_same_net(net, comm), "start-up: comparing the ranks' builds")
         layer_modes(net, parallel, self.p, self.p)  # refuse a bad mapping or machine before the first step
@@ -388,9 +92,9 @@ class SyncSGD:
         net.seed = self.blocking(lambda: comm.bcast(net.seed, root=0), "start-up: broadcast of the dropout seed")
         self._stale = False  # other ranks' slices of model-parallel layers are a step old
         self.modes: dict[str, int] | None = None
-        self.blocks: list[dict] = []
-        self.by_name: dict[str, list[dict]] = {}
-        self.model: dict[str, _ModelParallelFC] = {}
+        self.blocks: list[CommBlock] = []
+        self.by_name: dict[str, list[CommBlock]] = {}
+        self.model: dict[str, ModelParallelFC] = {}
         # Progress: requests are tested between layer kernels; with PCLDNN_PROGRESS_THREAD=1
         # (and MPI_THREAD_MULTIPLE) a helper thread also tests them while kernels run (they
         # release the GIL). Every MPI call on a request holds _lock: MPI does not allow two
@@ -414,16 +118,15 @@ class SyncSGD:
                                  self.comm.Split(self.rank % group, self.rank)),
                         f"first step: splitting the ranks into groups of {group}")
                 gcomm, comm = splits[group]
-                runner = _ModelParallelFC(self, self.net.layers[name], gcomm)
+                runner = ModelParallelFC(self.net.layers[name], gcomm, self.blocking)
                 self.net.layers[name].runner = self.model[name] = runner
                 ranges = runner.owned_ranges()
             self.by_name[name] = []
             for lo, hi in ranges:
                 counts = [int(c) for c in part_counts(hi - lo, comm.size)]
-                displs = _displs(counts)
+                displs = displacements(counts)
                 own = slice(lo + displs[comm.rank], lo + displs[comm.rank] + counts[comm.rank])
-                block = {"name": name, "range": (lo, hi), "comm": comm, "counts": counts, "displs": displs,
-                         "own": own, "recv": np.empty(counts[comm.rank], np.float32), "reduce": None, "gather": None}
+                block = CommBlock(name, (lo, hi), comm, counts, displs, own, np.empty(counts[comm.rank], np.float32))
                 self.blocks.append(block)
                 self.by_name[name].append(block)
 
@@ -471,9 +174,9 @@ class SyncSGD:
         """Explicit progress: test every pending request (cheap when nothing is pending)."""
         with self._lock:
             for b in self.blocks:
-                for key in ("reduce", "gather"):
-                    if b[key] is not None:
-                        b[key].Test()  # a finished request becomes REQUEST_NULL: waiting on it is free
+                for req in (b.reduce, b.gather):
+                    if req is not None:
+                        req.Test()  # a finished request becomes REQUEST_NULL: waiting on it is free
 
     def _progress_loop(self) -> None:
         while True:
@@ -483,18 +186,18 @@ class SyncSGD:
     # -- hooks called by Net between layers ---------------------------------------------------
     def _before_forward(self, layer) -> None:
         for b in self.by_name.get(layer.name, ()):
-            if b["gather"] is not None:
-                self._wait(b["gather"], f"part-broadcast {layer.name}")
-                b["gather"] = None
+            if b.gather is not None:
+                self._wait(b.gather, f"part-broadcast {layer.name}")
+                b.gather = None
         self._progress()
 
     def _after_backward(self, layer) -> None:
         for b in self.by_name.get(layer.name, ()):
-            start, stop = b["range"]
+            start, stop = b.range
             with self._lock:
-                b["reduce"] = b["comm"].Ireduce_scatter(self.net.grads[start:stop], b["recv"],
-                                                        recvcounts=b["counts"], op=self.MPI.SUM)
-            b["t_reduce"] = time.perf_counter()
+                b.reduce = b.comm.Ireduce_scatter(self.net.grads[start:stop], b.recv, recvcounts=b.counts,
+                                                  op=self.MPI.SUM)
+            b.reduce_started = time.perf_counter()
         self._progress()
 
     # -- one step --------------------------------------------------------------------------
@@ -529,17 +232,19 @@ class SyncSGD:
         sums = np.array([loss * b_local, correct], np.float64)
         self.blocking(lambda: self.comm.Allreduce(self.MPI.IN_PLACE, sums), f"step {step_index}: allreduce of the loss")
         for b in reversed(self.blocks):  # the order their reductions started: the top layer first
-            self._wait(b["reduce"], f"step {step_index}: part-reduce of layer {b['name']}")
-            b["reduce"] = None
-            self._event(f"part-reduce {b['name']}", "comm", b.pop("t_reduce", t3), time.perf_counter())
+            self._wait(b.reduce, f"step {step_index}: part-reduce of layer {b.name}")
+            b.reduce = None
+            started = b.reduce_started if b.reduce_started is not None else t3
+            b.reduce_started = None
+            self._event(f"part-reduce {b.name}", "comm", started, time.perf_counter())
             s = time.perf_counter()
-            np.copyto(self.net.grads[b["own"]], b["recv"])
-            self.opt.apply(self.net.params, self.net.grads, step_index, b["own"])
-            start, stop = b["range"]
+            np.copyto(self.net.grads[b.own], b.recv)
+            self.opt.apply(self.net.params, self.net.grads, step_index, b.own)
+            start, stop = b.range
             with self._lock:
-                b["gather"] = b["comm"].Iallgatherv(
-                    self.MPI.IN_PLACE, [self.net.params[start:stop], (b["counts"], b["displs"]), self.MPI.FLOAT])
-            self._event(f"sgd {b['name']}", "compute", s, time.perf_counter())
+                b.gather = b.comm.Iallgatherv(
+                    self.MPI.IN_PLACE, [self.net.params[start:stop], (b.counts, b.displs), self.MPI.FLOAT])
+            self._event(f"sgd {b.name}", "compute", s, time.perf_counter())
         self._event("step", "step", t, time.perf_counter())
         self._stale = True
         self.net.complete_on_access(self.sync)  # whoever reads weights next gets the current ones
@@ -552,9 +257,9 @@ class SyncSGD:
         every rank must then read, save or evaluate alike."""
         self.net.complete_on_access(None)
         for b in self.blocks:
-            if b["gather"] is not None:
-                self._wait(b["gather"], f"part-broadcast {b['name']}")
-                b["gather"] = None
+            if b.gather is not None:
+                self._wait(b.gather, f"part-broadcast {b.name}")
+                b.gather = None
         if self.model and self._stale:
             self.agree("reading the weights after a step (model-parallel layers gather their slices)", {})
             for runner in self.model.values():
@@ -567,22 +272,12 @@ class SyncSGD:
         v = self.opt.bound_velocity()
         out = v.copy()
         for b in self.blocks:
-            start, stop = b["range"]
+            start, stop = b.range
             out[start:stop] = 0.0
-            out[b["own"]] = v[b["own"]]
-            self.blocking(lambda: b["comm"].Allgatherv(
-                self.MPI.IN_PLACE, [out[start:stop], (b["counts"], b["displs"]), self.MPI.FLOAT]),
-                f"save: gathering the momentum of {b['name']}")
+            out[b.own] = v[b.own]
+            self.blocking(lambda: b.comm.Allgatherv(
+                self.MPI.IN_PLACE, [out[start:stop], (b.counts, b.displs), self.MPI.FLOAT]),
+                f"save: gathering the momentum of {b.name}")
         for runner in self.model.values():
             self.blocking(lambda: runner.complete(out), f"save: gathering the momentum slices of {runner.layer.name}")
         return out
-
-
-def check_same_net(net, comm) -> None:
-    """Refuse to start when ranks loaded different nets, builds or ISAs (a hash exchange)."""
-    mine = (net.net_hash, int(net.params.size), net.isa, net.build_fingerprint())
-    everyone = comm.allgather(mine)
-    if any(other != mine for other in everyone):
-        lines = [f"rank {r}: net {h[:12]}, {n} parameters, {isa}, build {fp[:12]}"
-                 for r, (h, n, isa, fp) in enumerate(everyone)]
-        raise PcldnnError("ranks loaded different nets or builds; refusing to train:\n  " + "\n  ".join(lines))

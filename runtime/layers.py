@@ -49,6 +49,11 @@ class Layer:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}: {self.in_shape} -> {self.out_shape}>"
 
+    @property
+    def vector_floats(self) -> int:
+        """Floats per vector of the build's ISA: the lane count of the blocked layouts."""
+        return self._v
+
     def blocked_shape(self, shape: tuple[int, int, int], batch: int) -> tuple[int, ...]:
         c, h, w = shape
         return (batch, blocks(c, self._v), h, w, self._v)

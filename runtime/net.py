@@ -271,8 +271,8 @@ def load(build_dir: str | Path, threads: int | None = None, seed: int = 0) -> Ne
     Under mpiexec with more than one rank, an uncaught exception on any rank from here on
     aborts the whole job (a rank whose load fails must not leave the others waiting).
     """
-    from . import distributed
-    distributed.guard_world()
+    from . import mpi_safety
+    mpi_safety.guard_world()
     build_dir = Path(build_dir)
     if threads is None:
         threads = default_threads()
@@ -309,5 +309,5 @@ def default_threads() -> int:
         if not text.isdigit() or not 1 <= int(text) <= 4096:
             raise PcldnnError(f"OMP_NUM_THREADS must be a positive int, got {text!r}")
         return int(text)
-    from .distributed import ranks_on_this_node
+    from .mpi_safety import ranks_on_this_node
     return max(1, cpu.usable_cores() // ranks_on_this_node())

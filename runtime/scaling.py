@@ -31,7 +31,6 @@ exchanges also wait for the link), as the closed form's check and for timelines.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, fields
@@ -247,7 +246,8 @@ def group_sizes(load: LayerLoad, p: int) -> list[int]:
 
 
 @dataclass
-class Plan:
+class Strategy:
+    """The per-layer parallel modes for p nodes at one global minibatch, with the predicted times."""
     nodes: int
     batch: int
     costs: list[LayerCost]
@@ -275,7 +275,7 @@ class Plan:
                 "layers": [asdict(c) | {"mode": c.mode} for c in self.costs]}
 
 
-def plan(loads: list[LayerLoad], p: int, batch: int, m: Machine) -> Plan:
+def best_strategy(loads: list[LayerLoad], p: int, batch: int, m: Machine) -> Strategy:
     """The per-layer choice that minimises the iteration time: coordinate descent from all
     data parallel (each layer in turn takes its best group size given the others) until no
     layer changes; the layers interact only through the overlap term, so this settles in a
@@ -298,7 +298,7 @@ def plan(loads: list[LayerLoad], p: int, batch: int, m: Machine) -> Plan:
         if not changed:
             break
     single = iteration_time([layer_cost(load, 1, 1, batch, m) for load in loads], m.overlap)
-    return Plan(p, batch, chosen, best, single)
+    return Strategy(p, batch, chosen, best, single)
 
 
 def min_batch_per_node(loads: list[LayerLoad], p: int, m: Machine, threshold: float, limit: int = 4096) -> int | None:
@@ -307,11 +307,11 @@ def min_batch_per_node(loads: list[LayerLoad], p: int, m: Machine, threshold: fl
     if p == 1:
         return 1
     lo, hi = 1, limit
-    if plan(loads, p, hi * p, m).efficiency < threshold:
+    if best_strategy(loads, p, hi * p, m).efficiency < threshold:
         return None
     while lo < hi:  # efficiency grows with the per-node minibatch (compute grows, weight traffic does not)
         mid = (lo + hi) // 2
-        if plan(loads, p, mid * p, m).efficiency >= threshold:
+        if best_strategy(loads, p, mid * p, m).efficiency >= threshold:
             hi = mid
         else:
             lo = mid + 1
@@ -372,47 +372,3 @@ def simulate(costs: list[LayerCost], p: int, overlap: bool, jitter: list[float] 
     for c, across in pending:
         collective(f"part-reduce+broadcast {c.layer}", c.dp, across, False)
     return {"time": max(max(busy), max(link)), "events": events}
-
-
-# -- measuring this machine ------------------------------------------------------------------
-def probe(comm) -> dict:
-    """Alpha, beta (ping-pong between ranks 0 and 1), gamma (summing float32 arrays) and the
-    memory bandwidth (copying them), medians of repeats. Run under mpiexec with 2 ranks."""
-    import time
-
-    import numpy as np
-
-    def median_time(fn, repeats: int) -> float:
-        times = []
-        for _ in range(repeats):
-            comm.Barrier()
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return sorted(times)[len(times) // 2]
-
-    def pingpong(buf: np.ndarray) -> None:
-        if comm.rank == 0:
-            comm.Send(buf, dest=1)
-            comm.Recv(buf, source=1)
-        elif comm.rank == 1:
-            comm.Recv(buf, source=0)
-            comm.Send(buf, dest=0)
-
-    small, big = np.zeros(2, np.float32), np.zeros(4 << 20, np.float32)  # 8 B, 16 MB
-    latency = median_time(lambda: pingpong(small), 200) / 2
-    bandwidth = big.nbytes / (median_time(lambda: pingpong(big), 10) / 2 - latency)
-    a, b = np.ones(4 << 20, np.float32), np.ones(4 << 20, np.float32)
-    reduce_rate = a.nbytes / median_time(lambda: np.add(a, b, out=a), 10)
-    copy_rate = 2 * a.nbytes / median_time(lambda: np.copyto(b, a), 10)  # read + write
-    out = {"latency_us": latency * 1e6, "bandwidth_gbs": bandwidth / 1e9, "reduce_gbs": reduce_rate / 1e9,
-           "memory_gbs": copy_rate / 1e9}
-    return comm.bcast(out, root=0) if comm.size > 1 else out
-
-
-if __name__ == "__main__":  # mpiexec -n 2 python -m pcldnn_runtime.scaling: the probe, as JSON
-    from mpi4py import MPI
-
-    result = probe(MPI.COMM_WORLD)
-    if MPI.COMM_WORLD.rank == 0:
-        print(json.dumps(result))

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from .data import ArrayDataset
-from .distributed import shard_bounds
 from .errors import CheckpointError, PcldnnError
 from .optim import SGD
+from .partition import shard_bounds
 from .validate import NAME_RE, SHA256_RE, Fields, open_regular, show
 
 CHECKPOINT_FORMAT = "pcldnn-checkpoint/1"
@@ -46,7 +46,7 @@ class Trainer:
         large against the minibatch go model parallel), "data" (every layer data parallel), or
         a mapping of layer-name patterns to "data", "model" (over all ranks) or "model:G"
         (hybrid: model parallel within groups of G ranks), e.g. {"fc*": "model:2"}; see
-        `pcldnn_runtime.distributed.layer_modes`. trace: a list that collects Chrome-trace
+        `pcldnn_runtime.layer_modes.layer_modes`. trace: a list that collects Chrome-trace
         events of each step (MPI only)."""
         if net.loss_layer is None:
             raise PcldnnError(f"net {net.name} has no loss layer: add a softmax_cross_entropy layer to train it")

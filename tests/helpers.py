@@ -12,7 +12,7 @@ from pcldnn_gen.arch import get_arch
 from pcldnn_gen.build import build
 from pcldnn_gen.netspec import parse_netspec
 from pcldnn_runtime import cpu
-from pcldnn_runtime.distributed import mpiexec
+from pcldnn_runtime.mpi_safety import mpiexec
 
 REPO = Path(__file__).resolve().parent.parent
 NETS = REPO / "examples" / "nets"

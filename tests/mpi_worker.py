@@ -12,7 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 import pcldnn_runtime as pr
-from pcldnn_runtime.distributed import part_counts
+from pcldnn_runtime.partition import part_counts
 
 comm = MPI.COMM_WORLD
 
@@ -23,7 +23,7 @@ def batches(cfg):
 
 
 def shard(x, y):
-    from pcldnn_runtime.distributed import shard_bounds
+    from pcldnn_runtime.partition import shard_bounds
     lo, hi = shard_bounds(len(y), comm.size, comm.rank)
     return x[lo:hi], y[lo:hi]
 

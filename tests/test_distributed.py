@@ -93,7 +93,7 @@ def test_p_ranks_match_one_rank(build_dir, tmp_path, p, batch, thread, parallel)
     trace = json.loads(Path(cfg["out"] + ".trace.json").read_text())["traceEvents"]
     names = {e["name"] for e in trace}
     assert {"forward", "backward", "part-reduce fc2", "sgd conv1"} <= names
-    from pcldnn_runtime.distributed import layer_modes
+    from pcldnn_runtime.layer_modes import layer_modes
     model = {name for name, g in layer_modes(pr.load(build_dir, threads=1), parallel, p, batch).items() if g > 1}
     if parallel not in ("data", "auto") and p > 1:
         assert model == {"fc1", "fc2"}
@@ -177,7 +177,7 @@ def test_checkpoint_resumes_on_other_rank_counts(build_dir, tmp_path, p_save, pa
 
 def test_layer_modes_auto_and_mappings(build_dir, tmp_path, monkeypatch):
     from pcldnn_runtime import scaling
-    from pcldnn_runtime.distributed import layer_modes
+    from pcldnn_runtime.layer_modes import layer_modes
     net = pr.load(build_dir, threads=1)
     assert layer_modes(net, "data", 4, 8) == {"conv1": 1, "fc1": 1, "fc2": 1}
     assert layer_modes(net, {"fc*": "model:2", "fc2": "data"}, 4, 64) == {"conv1": 1, "fc1": 2, "fc2": 1}
@@ -205,7 +205,7 @@ def test_layer_modes_auto_and_mappings(build_dir, tmp_path, monkeypatch):
     ("everything", "parallel='everything'"),
 ])
 def test_layer_modes_refuse_bad_mappings(build_dir, parallel, message):
-    from pcldnn_runtime.distributed import layer_modes
+    from pcldnn_runtime.layer_modes import layer_modes
     with pytest.raises(pr.PcldnnError, match=message):
         layer_modes(pr.load(build_dir, threads=1), parallel, 4, 8)
 

@@ -94,7 +94,7 @@ def test_simulation_adds_link_contention_and_stragglers():
 def test_choices_flip_where_the_algebra_says():
     vgg = scaling.loads_of(load_netspec(NETS / "vgg_a.json").layers)
     aws = scaling.PRESETS["aws-c4"]
-    small = scaling.plan(vgg, 16, 64, aws).modes()     # 4 images per node on 10 GbE
+    small = scaling.best_strategy(vgg, 16, 64, aws).modes()     # 4 images per node on 10 GbE
     assert small["fc6"] != "data"                       # 411 MB of weights against 4 x 25088 activations
     assert all(small[f"conv{i}"] == "data" for i in range(1, 9))
     # a conv layer split by outputs would move far more than its weights
@@ -102,22 +102,23 @@ def test_choices_flip_where_the_algebra_says():
     assert layer_cost(conv, 16, 16, 64, aws).mp_fwd > layer_cost(conv, 1, 16, 64, aws).dp
     # fc6 at a large per-node minibatch: its activations outweigh the weights -> data parallel
     fc6 = next(l for l in vgg if l.name == "fc6")
-    big = scaling.plan([fc6], 2, 2 * 16384, aws).modes()
+    big = scaling.best_strategy([fc6], 2, 2 * 16384, aws).modes()
     assert big["fc6"] == "data"
-    assert scaling.plan([fc6], 2, 16, aws).modes()["fc6"] == "model:2"
+    assert scaling.best_strategy([fc6], 2, 16, aws).modes()["fc6"] == "model:2"
 
 
 def test_plan_speedup_and_minimum_minibatch():
     vgg = scaling.loads_of(load_netspec(NETS / "vgg_a.json").layers)
     aws = scaling.PRESETS["aws-c4"]
-    one, sixteen = scaling.plan(vgg, 1, 256, aws), scaling.plan(vgg, 16, 256, aws)
+    one, sixteen = scaling.best_strategy(vgg, 1, 256, aws), scaling.best_strategy(vgg, 16, 256, aws)
     assert one.speedup == 1 and sixteen.time < one.time and 1 < sixteen.speedup <= 16
     assert sixteen.images_per_s == pytest.approx(256 / sixteen.time)
     b = scaling.min_batch_per_node(vgg, 16, aws, 0.95)
     assert b is not None and b > 1
-    assert scaling.plan(vgg, 16, b * 16, aws).efficiency >= 0.95 > scaling.plan(vgg, 16, (b - 1) * 16, aws).efficiency
+    enough, short = scaling.best_strategy(vgg, 16, b * 16, aws), scaling.best_strategy(vgg, 16, (b - 1) * 16, aws)
+    assert enough.efficiency >= 0.95 > short.efficiency
     with pytest.raises(PcldnnError, match="global minibatch 8 is smaller than 16 nodes"):
-        scaling.plan(vgg, 16, 8, aws)
+        scaling.best_strategy(vgg, 16, 8, aws)
 
 
 @pytest.mark.parametrize("patch, message", [
@@ -176,7 +177,7 @@ def test_plan_local_machine_is_measured(tmp_path, capsys):
 
 
 def test_local_efficiencies_from_a_bench_file(tmp_path):
-    from pcldnn_gen.plan import _bench_efficiency
+    from pcldnn_gen.scaling_report import _bench_efficiency
     spec = load_netspec(NETS / "cifar_small.json")
     results = [{"layer": "conv1", "pass_name": "fwd", "peak_fraction": 0.5},
                {"layer": "conv2", "pass_name": "fwd", "peak_fraction": 0.7},

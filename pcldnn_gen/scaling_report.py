@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pcldnn_runtime import distributed, scaling
+from pcldnn_runtime import mpi_safety, scaling
 from pcldnn_runtime.validate import read_json
 
 from .arch import get_arch
@@ -52,13 +52,13 @@ def local_machine(spec: NetSpec, arch_name: str, bench_json: str | None = None, 
     efficiency = dict(LOCAL_EFFICIENCY)
     if bench_json:
         efficiency.update(_bench_efficiency(Path(bench_json), spec))
-    mpiexec = distributed.mpiexec()
+    mpiexec = mpi_safety.mpiexec()
     if mpiexec is None:
         raise PcldnnError("--machine local needs mpiexec (the mpich wheel provides one) for the network probe")
-    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "pcldnn_runtime.scaling"],
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "pcldnn_gen.network_probe"],
                           capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if proc.returncode:
-        raise PcldnnError(f"network probe failed (mpiexec -n 2 python -m pcldnn_runtime.scaling): {proc.stderr.strip()}")
+        raise PcldnnError(f"network probe failed (mpiexec -n 2 python -m pcldnn_gen.network_probe): {proc.stderr.strip()}")
     net = json.loads(proc.stdout.strip().splitlines()[-1])
     return scaling.Machine(
         "local", f"one rank x {threads} thread(s) of this {cores}-core machine ({arch.name}), ranks over shared memory",
@@ -83,16 +83,16 @@ def _bench_efficiency(path: Path, spec: NetSpec) -> dict:
     return {k: statistics.median(v) for k, v in kinds.items() if k in scaling.KINDS}
 
 
-def format_table(spec: NetSpec, machine: scaling.Machine, plans: list[scaling.Plan], simulated: list[float],
+def format_table(spec: NetSpec, machine: scaling.Machine, strategies: list[scaling.Strategy], simulated: list[float],
                  min_batches: list[int | None], threshold: float) -> str:
     m = machine
     lines = [f"{spec.name} on {m.name} ({m.nodes_note}): peak {m.peak_gflops:.0f} GFLOP/s per node, "
              f"link {m.bandwidth_gbs:.3g} GB/s, latency {m.latency_us:.3g} us, {m.algorithm} collectives, "
-             f"{'overlapped' if m.overlap else 'no overlap'}; global minibatch {plans[0].batch}",
+             f"{'overlapped' if m.overlap else 'no overlap'}; global minibatch {strategies[0].batch}",
              "",
              f"{'nodes':>6} {'img/node':>8} {'iter ms':>9} {'simulated':>9} {'images/s':>9} {'speedup':>8} "
              f"{'eff':>5} {'min img/node':>12}  model/hybrid layers (others data parallel)"]
-    for pl, sim, mb in zip(plans, simulated, min_batches):
+    for pl, sim, mb in zip(strategies, simulated, min_batches):
         split = ", ".join(f"{c.layer} {c.mode}" for c in pl.costs if c.group > 1) or "-"
         lines.append(f"{pl.nodes:>6} {pl.batch / pl.nodes:>8.1f} {pl.time * 1e3:>9.1f} {sim * 1e3:>9.1f} "
                      f"{pl.images_per_s:>9.1f} {pl.speedup:>8.1f} {pl.efficiency:>5.0%} "
@@ -100,7 +100,7 @@ def format_table(spec: NetSpec, machine: scaling.Machine, plans: list[scaling.Pl
     lines.append("")
     lines.append(f"min img/node: the smallest per-node minibatch at which that many nodes still reach "
                  f"{threshold:.0%} parallel efficiency (against one node with the same global minibatch)")
-    last = plans[-1]
+    last = strategies[-1]
     lines.append(f"per layer at {last.nodes} nodes (ms: forward, backward, model-parallel exchanges, "
                  f"part-reduce + part-broadcast):")
     for c in last.costs:
@@ -109,10 +109,10 @@ def format_table(spec: NetSpec, machine: scaling.Machine, plans: list[scaling.Pl
     return "\n".join(lines)
 
 
-def plans_json(spec: NetSpec, machine: scaling.Machine, plans, simulated, min_batches, threshold) -> dict:
+def report_json(spec: NetSpec, machine: scaling.Machine, strategies, simulated, min_batches, threshold) -> dict:
     return {"net": spec.name, "machine": machine.to_json(), "threshold": threshold,
             "plans": [pl.to_json() | {"simulated_time_s": sim, "min_batch_per_node": mb}
-                      for pl, sim, mb in zip(plans, simulated, min_batches)]}
+                      for pl, sim, mb in zip(strategies, simulated, min_batches)]}
 
 
 def _pyplot():
@@ -125,14 +125,14 @@ def _pyplot():
     return plt
 
 
-def plot_speedup(path: Path, spec: NetSpec, machine: scaling.Machine, plans: list[scaling.Plan],
+def plot_speedup(path: Path, spec: NetSpec, machine: scaling.Machine, strategies: list[scaling.Strategy],
                  simulated: list[float]) -> None:
     plt = _pyplot()
-    nodes = [pl.nodes for pl in plans]
+    nodes = [pl.nodes for pl in strategies]
     fig, ax = plt.subplots(figsize=(5.5, 4))
     ax.plot(nodes, nodes, "k:", label="linear")
-    ax.plot(nodes, [pl.speedup for pl in plans], "o-", label=f"closed form, minibatch {plans[0].batch}")
-    ax.plot(nodes, [pl.single / t for pl, t in zip(plans, simulated)], "x--", label="simulated (link contention)")
+    ax.plot(nodes, [pl.speedup for pl in strategies], "o-", label=f"closed form, minibatch {strategies[0].batch}")
+    ax.plot(nodes, [pl.single / t for pl, t in zip(strategies, simulated)], "x--", label="simulated (link contention)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xlabel("nodes")
@@ -144,7 +144,7 @@ def plot_speedup(path: Path, spec: NetSpec, machine: scaling.Machine, plans: lis
     plt.close(fig)
 
 
-def plot_timeline(path: Path, spec: NetSpec, machine: scaling.Machine, pl: scaling.Plan, sim: dict) -> None:
+def plot_timeline(path: Path, spec: NetSpec, machine: scaling.Machine, pl: scaling.Strategy, sim: dict) -> None:
     """Node 0's iteration: compute per layer on one row, communication on the other."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(10, 3))
@@ -167,7 +167,7 @@ def plot_timeline(path: Path, spec: NetSpec, machine: scaling.Machine, pl: scali
 
 
 def run(spec: NetSpec, machine: scaling.Machine, nodes: list[int], batch: int, threshold: float = 0.8):
-    """(plans, simulated times, per-node minibatch minima, simulation of the largest count)."""
+    """(strategies, simulated times, per-node minibatch minima, simulation of the largest count)."""
     if batch < 1:
         raise PcldnnError(f"--batch must be positive, got {batch}")
     if batch < max(nodes):
@@ -177,9 +177,9 @@ def run(spec: NetSpec, machine: scaling.Machine, nodes: list[int], batch: int, t
     loads = scaling.loads_of(spec.layers)
     if not loads:
         raise PcldnnError(f"net {spec.name} has no conv or fc layer to plan")
-    plans = [scaling.plan(loads, p, batch, machine) for p in nodes]
-    sims = [scaling.simulate(pl.costs, pl.nodes, machine.overlap) for pl in plans]
+    strategies = [scaling.best_strategy(loads, p, batch, machine) for p in nodes]
+    sims = [scaling.simulate(pl.costs, pl.nodes, machine.overlap) for pl in strategies]
     minima = [scaling.min_batch_per_node(loads, p, machine, threshold) for p in nodes]
-    return plans, [s["time"] for s in sims], minima, sims
+    return strategies, [s["time"] for s in sims], minima, sims
 
 
