@@ -13,6 +13,7 @@ import os
 import re
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -106,34 +107,66 @@ def onednn_runs(req) -> dict:
 
 _PROP = {"forward_training": "fwd", "forward_inference": "fwd", "backward_data": "bwd_data",
          "backward_weights": "bwd_weights"}
+# The passes a marker's region times: autograd's backward region also runs a forward convolution
+# (the graph is rebuilt each call), which must not join the forward median.
+_REGION_PASSES = {"fwd": ("fwd",), "bwd": ("bwd_data", "bwd_weights")}
 
 
-def parse_verbose(text: str) -> dict:
-    """{layer/pass: median primitive time in seconds} from marker-delimited verbose output."""
-    per_call: dict[str, list[dict[str, float]]] = {}
-    current = None
+@dataclass(frozen=True)
+class OnednnPass:
+    seconds: float                      # median over the region's calls of the pass's primitive time
+    implementations: tuple[str, ...]    # oneDNN's implementation names for the pass (e.g. brg_conv_fwd:avx2)
+
+
+def parse_verbose(text: str) -> dict[str, OnednnPass]:
+    """{layer/pass: OnednnPass} from marker-delimited ONEDNN_VERBOSE=profile_exec output."""
+    per_call: dict[tuple[str, str], list[dict[str, float]]] = {}
+    impls: dict[str, set[str]] = {}
+    region: tuple[str, str] | None = None
+    calls: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith(MARK):
             parts = line.split()
-            current = parts[1] if len(parts) == 3 else None
-            calls: dict[str, float] = {}
-            if current:
-                per_call.setdefault(current, [])
-                per_call[current].append(calls)
+            region = (parts[1], parts[2]) if len(parts) == 3 and parts[2] in _REGION_PASSES else None
+            calls = {}
+            if region:
+                per_call.setdefault(region, []).append(calls)
             continue
-        if current is None or ",exec," not in line or ",convolution," not in line:
+        if region is None or ",exec," not in line or ",convolution," not in line:
             continue
         fields = line.split(",")
         prop = next((_PROP[f] for f in fields if f in _PROP), None)
-        if prop is not None:
-            calls[prop] = calls.get(prop, 0.0) + float(fields[-1]) / 1e3
-    out: dict[str, float] = {}
-    for layer, calls_list in per_call.items():
-        for prop in ("fwd", "bwd_data", "bwd_weights"):
+        if prop is None or prop not in _REGION_PASSES[region[1]]:
+            continue
+        calls[prop] = calls.get(prop, 0.0) + float(fields[-1]) / 1e3
+        impls.setdefault(f"{region[0]}/{prop}", set()).add(fields[fields.index("convolution") + 1])
+    out: dict[str, OnednnPass] = {}
+    for (layer, label), calls_list in per_call.items():
+        for prop in _REGION_PASSES[label]:
             values = [c[prop] for c in calls_list if prop in c]
             if values:
-                out[f"{layer}/{prop}"] = float(np.median(values))
+                key = f"{layer}/{prop}"
+                out[key] = OnednnPass(float(np.median(values)), tuple(sorted(impls[key])))
     return out
+
+
+def verbose_isa(text: str) -> str | None:
+    """The ISA oneDNN reports it dispatches to (its `info,cpu,isa:` line), if printed."""
+    found = re.search(r"info,cpu,isa:([^\n]*)", text)
+    return found.group(1).strip() if found else None
+
+
+# Implementation ISAs above each of our ISAs: oneDNN running one of these would compare its
+# wider vectors with our narrower ones.
+_ABOVE = {"avx2": ("avx512", "amx", "avx10"), "avx512": ("amx",), "scalar": ()}
+
+
+def check_isa(arch_isa: str, implementations: tuple[str, ...]) -> None:
+    """Refuse a comparison in which oneDNN used a wider ISA than the one we generated for."""
+    for impl in implementations:
+        if any(word in impl.lower() for word in _ABOVE.get(arch_isa, ())):
+            raise ValueError(f"oneDNN ran implementation {impl} under --arch {arch_isa}: not a comparison on the "
+                             f"same ISA (is ONEDNN_MAX_CPU_ISA honoured by this PyTorch build?)")
 
 
 def main(argv: list[str]) -> int:
@@ -158,13 +191,21 @@ def main(argv: list[str]) -> int:
             sys.stderr.write(f"oneDNN baseline printed no timings:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
             return 1
         wall = json.loads(marker.group(1))
-        for key, t in parse_verbose(proc.stdout).items():
-            out.setdefault(key, {})["onednn"] = t
+        isa = verbose_isa(proc.stdout)
+        for key, timing in parse_verbose(proc.stdout).items():
+            try:
+                check_isa(req["isa"], timing.implementations)
+            except ValueError as e:
+                sys.stderr.write(f"{key}: {e}\n")
+                return 1
+            out.setdefault(key, {}).update(onednn=timing.seconds, onednn_impl=" ".join(timing.implementations),
+                                           onednn_isa=isa)
         for key, t in wall.items():
             layer, label = key.split("/")
             if label == "fwd":
                 out.setdefault(key, {})["onednn_wall"] = t
-    json.dump(out, open(result, "w"))
+    with open(result, "w") as f:
+        json.dump(out, f)
     return 0
 
 

@@ -30,6 +30,8 @@ from .netspec import NetSpec
 
 PASS_NAMES = ("fwd", "bwd_data", "bwd_weights")
 BASELINES = ("numpy", "onednn")
+# Timed keys of a baseline run (seconds); ratios are taken of these only.
+BASELINE_TIMES = ("numpy", "onednn", "onednn_wall")
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -79,6 +81,8 @@ class PassResult:
     vs_numpy: float | None = None          # numpy time / our time (>1: we are faster)
     vs_onednn: float | None = None         # oneDNN primitive time / our kernel time
     vs_onednn_wall: float | None = None    # PyTorch wall time (reorders included) / our kernel time
+    onednn_impl: str | None = None         # oneDNN's implementation name(s) for the pass, e.g. brg_conv_fwd:avx2
+    onednn_isa: str | None = None          # the ISA oneDNN reported it dispatches to
 
 
 def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASS_NAMES,
@@ -121,8 +125,9 @@ def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASS_N
                                   if compare else {}))
             for p in passes:
                 ours[(ls.name, p)] = float(np.median([mine[p] for mine, _ in per_round]))
-                keys = {k for _, b in per_round for k in b.get(f"{ls.name}/{p}", {})}
-                ratios[(ls.name, p)] = {
+                seen = {k: v for _, b in per_round for k, v in b.get(f"{ls.name}/{p}", {}).items()}
+                keys = {k for k in seen if k in BASELINE_TIMES}
+                ratios[(ls.name, p)] = {k: seen[k] for k in ("onednn_impl", "onednn_isa") if k in seen} | {
                     k: float(np.median([b[f"{ls.name}/{p}"][k] / mine[p] for mine, b in per_round
                                         if b.get(f"{ls.name}/{p}", {}).get(k)]))
                     for k in keys if any(b.get(f"{ls.name}/{p}", {}).get(k) for _, b in per_round)}
@@ -135,7 +140,8 @@ def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASS_N
         for p in passes:
             t, r = ours[(ls.name, p)], ratios[(ls.name, p)]
             results.append(PassResult(ls.name, p, t * 1e3, flops / t / 1e9, flops / t / 1e9 / best_peak,
-                                      r.get("numpy"), r.get("onednn"), r.get("onednn_wall")))
+                                      r.get("numpy"), r.get("onednn"), r.get("onednn_wall"), r.get("onednn_impl"),
+                                      r.get("onednn_isa")))
     return best_peak, results
 
 
@@ -150,12 +156,15 @@ def run_baselines(layers, arch: Arch, batch: int, threads: int, passes, repeats:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads))
     if arch.isa == "avx2":
         env.update(ONEDNN_MAX_CPU_ISA="AVX2", OPENBLAS_CORETYPE="Haswell")
+    elif arch.isa == "avx512":  # fp32 kernels: no AMX or bf16 paths
+        env.update(ONEDNN_MAX_CPU_ISA="AVX512_CORE")
     env.pop("OPENBLAS_L2_SIZE", None)
     with tempfile.TemporaryDirectory() as tmp:
         request = Path(tmp) / "request.json"
         result = Path(tmp) / "result.json"
         request.write_text(json.dumps({"problems": problems, "batch": batch, "threads": threads,
-                                       "passes": list(passes), "repeats": repeats, "compare": list(compare)}))
+                                       "passes": list(passes), "repeats": repeats, "compare": list(compare),
+                                       "isa": arch.isa}))
         proc = subprocess.run([sys.executable, "-m", "pcldnn_gen.baselines", str(request), str(result)],
                               env=env, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:
@@ -176,6 +185,10 @@ def format_table(spec: NetSpec, arch: Arch, batch: int, threads: int, peak: floa
                      f"{fmt(r.vs_numpy, 7)} {fmt(r.vs_onednn, 8)} {fmt(r.vs_onednn_wall, 12)}")
     lines.append("x columns: baseline time / our time (> 1: ours is faster); oneDNN = its primitive time "
                  "(ONEDNN_VERBOSE), oneDNN wall = PyTorch call time including layout reorders")
+    impls = sorted({i for r in results if r.onednn_impl for i in r.onednn_impl.split()})
+    if impls:
+        isa = next((r.onednn_isa for r in results if r.onednn_isa), None)
+        lines.append(f"oneDNN implementations: {', '.join(impls)}" + (f"; oneDNN ISA: {isa}" if isa else ""))
     return "\n".join(lines)
 
 

@@ -83,8 +83,17 @@ class Layer:
             raise PcldnnError(f"layer {self.name}: empty minibatch")
         return as_float32(x, f"layer {self.name}: {what}").reshape(x.shape[0], c, h, w)
 
-    def _check_input(self, x: np.ndarray) -> np.ndarray:
+    def check_input(self, x: np.ndarray) -> np.ndarray:
+        """x as a float32 (N, C, H, W) batch of this layer's input shape, or a clear error."""
         return self._check(x, self.in_shape, self.flat_input, "input")
+
+    def input_into_blocked(self, x: np.ndarray, xb: np.ndarray) -> None:
+        """A checked canonical input batch into the blocked buffer xb (the net's first activation)."""
+        self._k["in_to_blocked"](ptr(x), ptr(xb), x.shape[0], self._net.threads)
+
+    def output_from_blocked(self, yb: np.ndarray) -> np.ndarray:
+        """The blocked output yb in canonical layout: (N, C, H, W), or (N, F) for fc outputs."""
+        return self._from_blocked("out", yb, self.out_shape, self.flat_output)
 
     def _to_blocked(self, role: str, x: np.ndarray, shape: tuple[int, int, int]) -> np.ndarray:
         out = empty_aligned(self.blocked_shape(shape, x.shape[0]))
@@ -100,13 +109,13 @@ class Layer:
         """Forward pass (training mode) on canonical arrays; remembered for `backward_data`."""
         self._net.current()
         self._given_shape = np.shape(x)  # backward_data answers in the shape x came in
-        x = self._check_input(x)
+        x = self.check_input(x)
         xb = self._to_blocked("in", x, self.in_shape)
         yb = empty_aligned(self.blocked_shape(self.out_shape, x.shape[0]))
         aux = self.aux_buffer(x.shape[0])
         self.forward_blocked(xb, yb, aux, training=True)
         self._saved = (xb, yb, aux)
-        return self._from_blocked("out", yb, self.out_shape, self.flat_output)
+        return self.output_from_blocked(yb)
 
     def backward_data(self, dy: np.ndarray) -> np.ndarray:
         """Gradient w.r.t. the input of the last `forward`, given the gradient of its output."""
@@ -254,7 +263,7 @@ class WeightedLayer(Layer):
         """(dw, db) in canonical layouts for input x and output gradient dy (does not touch
         the net's gradient buffer)."""
         self._net.current()
-        x = self._check_input(x)
+        x = self.check_input(x)
         dy = self._check(dy, self.out_shape, self.flat_output, "output gradient")
         if dy.shape[0] != x.shape[0]:
             raise PcldnnError(f"layer {self.name}: minibatch of x ({x.shape[0]}) and dy ({dy.shape[0]}) differ")

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import cpu
 from .errors import BuildDirError, PcldnnError
-from .kernels import CACHE_LINE_FLOATS, empty_aligned, load_library, ptr, zeros_aligned
+from .kernels import CACHE_LINE_FLOATS, empty_aligned, load_library, zeros_aligned
 from .layers import AvgPoolLayer, DropoutLayer, Layer, LossLayer, MaxPoolLayer, ReluLayer, WeightedLayer
 from .manifest import LayerEntry, Manifest, inside, read_manifest
 
@@ -195,10 +195,10 @@ class Net:
         if before_layer is None:
             self.current()
         first, last = self.chain[0], self.chain[-1]
-        x = first._check_input(x)
+        x = first.check_input(x)
         batch = x.shape[0]
         ws = self.workspace(batch)
-        first._k["in_to_blocked"](ptr(x), ptr(ws.acts[0]), batch, self.threads)
+        first.input_into_blocked(x, ws.acts[0])
         for i, layer in enumerate(self.chain):
             if before_layer is not None:
                 before_layer(layer)
@@ -207,7 +207,7 @@ class Net:
             if timings is not None:
                 timings[layer.name] = time.perf_counter() - start
         self._pending = ws if training else None
-        return last._from_blocked("out", ws.acts[-1], last.out_shape, last.flat_output)
+        return last.output_from_blocked(ws.acts[-1])
 
     def backward(self, labels: np.ndarray, *, timings: dict[str, float] | None = None,
                  grad_scale: float = 1.0, after_layer=None) -> float:

@@ -10,7 +10,7 @@ from helpers import RUNNABLE_ISAS
 
 from pcldnn_gen import bench
 from pcldnn_gen.arch import get_arch
-from pcldnn_gen.baselines import MARK, parse_verbose
+from pcldnn_gen.baselines import MARK, check_isa, parse_verbose, verbose_isa
 from pcldnn_gen.cli import main
 from pcldnn_gen.netspec import parse_netspec
 
@@ -50,20 +50,37 @@ def test_rounds_pair_each_baseline_with_the_kernel_time_next_to_it(monkeypatch):
 
 
 def test_parse_onednn_verbose_attributes_primitive_times_to_passes():
-    conv = ("onednn_verbose,v1,primitive,exec,cpu,convolution,jit:avx2,{prop},src:f32 wei:f32 dst:f32,"
+    conv = ("onednn_verbose,v1,primitive,exec,cpu,convolution,{impl},{prop},src:f32 wei:f32 dst:f32,"
             "attr-scratchpad:user,alg:convolution_direct,mb16_ic128oc256_ih56oh56kh3sh1dh0ph1_iw56ow56kw3sw1dw0pw1,{ms}")
     reorder = "onednn_verbose,v1,primitive,exec,cpu,reorder,jit:blk,undef,src:f32 dst:f32,,16x128x56x56,23.9"
+    fwd = "brg_conv_fwd:avx2"
     text = "\n".join([
-        f"{MARK} conv3 fwd", reorder, conv.format(prop="forward_inference", ms="10.0"),
-        f"{MARK} conv3 fwd", reorder, conv.format(prop="forward_inference", ms="12.0"),
-        f"{MARK} conv3 fwd", conv.format(prop="forward_inference", ms="30.0"), f"{MARK} end",
-        f"{MARK} conv3 bwd", reorder, conv.format(prop="backward_data", ms="20.0"),
-        conv.format(prop="backward_weights", ms="40.0"), f"{MARK} end",
-        conv.format(prop="forward_inference", ms="999"),  # outside any marker: ignored
+        "onednn_verbose,v1,info,cpu,isa:Intel AVX2 with Intel DL Boost",
+        f"{MARK} conv3 fwd", reorder, conv.format(impl=fwd, prop="forward_inference", ms="10.0"),
+        f"{MARK} conv3 fwd", reorder, conv.format(impl=fwd, prop="forward_inference", ms="12.0"),
+        f"{MARK} conv3 fwd", conv.format(impl=fwd, prop="forward_inference", ms="30.0"), f"{MARK} end",
+        # autograd's backward region runs a forward convolution too: not a forward timing
+        f"{MARK} conv3 bwd", conv.format(impl=fwd, prop="forward_training", ms="500.0"), reorder,
+        conv.format(impl="jit:avx2", prop="backward_data", ms="20.0"),
+        conv.format(impl="brgconv_bwd_w:avx2", prop="backward_weights", ms="40.0"), f"{MARK} end",
+        conv.format(impl=fwd, prop="forward_inference", ms="999"),  # outside any marker: ignored
     ])
     got = parse_verbose(text)
-    assert got == {"conv3/fwd": pytest.approx(0.012), "conv3/bwd_data": pytest.approx(0.020),
-                   "conv3/bwd_weights": pytest.approx(0.040)}
+    assert {k: v.seconds for k, v in got.items()} == {
+        "conv3/fwd": pytest.approx(0.012), "conv3/bwd_data": pytest.approx(0.020),
+        "conv3/bwd_weights": pytest.approx(0.040)}
+    assert {k: v.implementations for k, v in got.items()} == {
+        "conv3/fwd": (fwd,), "conv3/bwd_data": ("jit:avx2",), "conv3/bwd_weights": ("brgconv_bwd_w:avx2",)}
+    assert verbose_isa(text) == "Intel AVX2 with Intel DL Boost"
+
+
+def test_an_onednn_implementation_wider_than_our_isa_is_refused():
+    check_isa("avx2", ("brg_conv_fwd:avx2", "gemm:jit"))
+    check_isa("avx512", ("brg_conv_fwd:avx512_core",))
+    with pytest.raises(ValueError, match="brg_conv_fwd:avx512_core under --arch avx2"):
+        check_isa("avx2", ("jit:avx2", "brg_conv_fwd:avx512_core"))
+    with pytest.raises(ValueError, match="amx"):
+        check_isa("avx512", ("brg_conv_fwd:avx512_core_amx",))
 
 
 def test_cli_bench_json_and_errors(tmp_path, capsys):
