@@ -308,7 +308,7 @@ def profile_kernel(build_dir: Path, layer: LayerEntry, pass_name: str, batch: in
 
 
 def markdown(data: dict) -> str:
-    """The table RESULTS.md quotes: per kernel, the FMA count against the ideal, the simulated
+    """Per kernel, the FMA count against the ideal, the simulated
     traffic, the share of cycles outside innermost loops and the core-bound efficiency."""
     lines = ["| layer | pass | batch | FMAs / ideal | instr. / FMA | L1 misses / 1000 FMA | L2->L1 B/FLOP "
              "| beyond-L2 B/FLOP | cycles outside loops | core-bound | measured |",

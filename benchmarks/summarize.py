@@ -1,90 +1,212 @@
-"""Summarise `pcldnn-gen bench --json` files against the targets of issue 4.
+"""Summarise `pcldnn-gen bench --json` files against the kernel targets (issue 4).
 
-    python benchmarks/summarize.py benchmarks/results/vgg_a_1t.json [more.json ...]
-    python benchmarks/summarize.py --markdown benchmarks/results/vgg_a_1t.json   # the table for RESULTS.md
+    python benchmarks/summarize.py benchmarks/results/vgg_a_1t.json benchmarks/results/vgg_a_2t.json
+    python benchmarks/summarize.py --markdown benchmarks/results/vgg_a_1t.json ...   # RESULTS.md's tables
 
-Per file and pass: median and worst % of peak and x oneDNN over the mid/deep conv layers
-(every conv layer but the first), the first layer's x oneDNN, and for fc layers % of peak and
-x numpy. With a 1-thread and a 2-thread file of the same net: the 2t/1t time ratios.
+Files are grouped by (net, minibatch, threads); within a group every (layer, pass) row comes from
+exactly one file, so a run of a few layers can sit beside the full run of other layers, and two
+files timing the same layer are refused (name the one you mean) instead of one silently
+replacing the other. Per group and pass: median and worst % of peak and x oneDNN over the
+mid/deep conv layers (every conv layer but the first), the first conv layer's x oneDNN, and for
+fc layers % of peak and x numpy; with 1- and 2-thread groups of the same net and minibatch, the
+2t/1t time ratios over matching conv rows. --markdown prints each group's figures against the
+targets and its per-layer table.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
-from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
+PASSES = ("fwd", "bwd_data", "bwd_weights")
 
-def summarize(path: Path) -> dict:
-    d = json.loads(path.read_text())
-    rows = d["results"]
-    conv = [r for r in rows if r["layer"].startswith("conv")]
-    first = min((r["layer"] for r in conv), key=lambda n: int(n[4:]), default=None)
-    out = {"net": d["net"], "threads": d["threads"], "batch": d["batch"], "peak": d["peak_gflops"], "passes": {}}
-    for p in ("fwd", "bwd_data", "bwd_weights"):
-        mid = [r for r in conv if r["pass_name"] == p and r["layer"] != first]
-        fc = [r for r in rows if r["pass_name"] == p and r["layer"].startswith("fc")]
-        s = {}
-        if mid:
-            eff = [r["peak_fraction"] for r in mid]
-            s["conv_peak"] = (statistics.median(eff), min(eff))
-            one = [r["vs_onednn"] for r in mid if r.get("vs_onednn")]
-            if one:
-                s["conv_onednn"] = (statistics.median(one), min(one))
-            firsts = [r for r in conv if r["pass_name"] == p and r["layer"] == first and r.get("vs_onednn")]
-            if firsts:
-                s["first_onednn"] = firsts[0]["vs_onednn"]
-        if fc:
-            s["fc"] = [(r["layer"], r["peak_fraction"], r.get("vs_numpy")) for r in fc]
-        out["passes"][p] = s
+# Targets of the kernels' issue: (median at least, none below) for conv % of peak per pass.
+CONV_PEAK_TARGET = {"fwd": (0.90, 0.80), "bwd_data": (0.90, 0.80), "bwd_weights": (0.85, 0.80)}
+ONEDNN_TARGET = (1.0, 0.9)       # x oneDNN over mid/deep conv layers: median at least, none below
+FIRST_LAYER_TARGET = 2.0         # first conv layer x oneDNN, every pass
+THREADS_TARGET = 1.85            # 2 threads / 1 thread, median over conv rows
+FC_PEAK_TARGET = 0.80            # every fc row
+FC_NUMPY_TARGET = 1.0            # every fc row, x numpy (OpenBLAS)
+
+
+@dataclass
+class Group:
+    """The rows of one (net, minibatch, threads), possibly from several files."""
+    net: str
+    batch: int
+    threads: int
+    rows: dict[tuple[str, str], dict] = field(default_factory=dict)   # (layer, pass) -> row, in file order
+    source: dict[tuple[str, str], Path] = field(default_factory=dict)
+    peaks: dict[Path, float] = field(default_factory=dict)
+
+    @property
+    def title(self) -> str:
+        return f"{self.net}, minibatch {self.batch}, {self.threads} thread(s)"
+
+
+def _layer_type(row: dict) -> str:
+    """The row's layer type: recorded by newer bench files, else read from the name."""
+    name = row["layer"]
+    return row.get("layer_type") or ("conv" if name.startswith("conv") else "fc" if name.startswith("fc") else "?")
+
+
+def load(paths: list[Path]) -> list[Group]:
+    groups: dict[tuple[str, int, int], Group] = {}
+    for path in paths:
+        d = json.loads(path.read_text())
+        g = groups.setdefault((d["net"], d["batch"], d["threads"]), Group(d["net"], d["batch"], d["threads"]))
+        g.peaks[path] = d["peak_gflops"]
+        for row in d["results"]:
+            key = (row["layer"], row["pass_name"])
+            if key in g.rows:
+                raise SystemExit(f"{path}: {g.title}: {key[0]} {key[1]} is also in {g.source[key]}; "
+                                 "pass one run per layer and pass")
+            g.rows[key], g.source[key] = row, path
+    return list(groups.values())
+
+
+@dataclass(frozen=True)
+class Spread:
+    median: float
+    worst: float
+    worst_layer: str
+
+
+def _spread(rows: list[dict], key: str, lowest: bool = True) -> Spread | None:
+    values = [(r[key], r["layer"]) for r in rows if r.get(key)]
+    if not values:
+        return None
+    worst = min(values) if lowest else max(values)
+    return Spread(statistics.median(v for v, _ in values), worst[0], worst[1])
+
+
+def pass_figures(g: Group, p: str) -> dict:
+    """The figures of one pass: mid/deep conv spreads, the first conv layer's x oneDNN, fc rows."""
+    rows = [r for (_, q), r in g.rows.items() if q == p]
+    conv = [r for r in rows if _layer_type(r) == "conv"]
+    first = next((r["layer"] for r in g.rows.values() if _layer_type(r) == "conv"), None)
+    mid = [r for r in conv if r["layer"] != first]
+    first_row = next((r for r in conv if r["layer"] == first), None)
+    return {"conv_peak": _spread(mid, "peak_fraction"), "conv_onednn": _spread(mid, "vs_onednn"),
+            "first_layer": first, "first_onednn": first_row.get("vs_onednn") if first_row else None,
+            "fc": [r for r in rows if _layer_type(r) == "fc"]}
+
+
+def thread_ratios(groups: list[Group]) -> dict[tuple[str, int], list[float]]:
+    """{(net, batch): sorted 1-thread / 2-thread time ratios over the conv rows both groups have}."""
+    out = {}
+    by_key = {(g.net, g.batch, g.threads): g for g in groups}
+    for (net, batch, threads), one in by_key.items():
+        two = by_key.get((net, batch, 2))
+        if threads == 1 and two is not None:
+            ratios = sorted(r["ms"] / two.rows[k]["ms"] for k, r in one.rows.items()
+                            if k in two.rows and _layer_type(r) == "conv")
+            if ratios:
+                out[(net, batch)] = ratios
     return out
 
 
-def markdown(path: Path) -> str:
-    d = json.loads(path.read_text())
-    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
-    lines = [f"Measured FMA peak in this run: **{d['peak_gflops']:.1f} GFLOP/s** ({d['threads']} thread(s), "
-             f"minibatch {d['batch']}).", "",
-             "| layer | pass | ms | GFLOP/s | % peak | × numpy | × oneDNN (kernel) | × oneDNN (PyTorch wall) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in d["results"]:
-        lines.append(f"| {r['layer']} | {r['pass_name']} | {r['ms']:.1f} | {r['gflops']:.1f} | {r['peak_fraction']:.0%} | "
-                     f"{fmt(r.get('vs_numpy'), '.2f')} | {fmt(r.get('vs_onednn'), '.2f')} | "
-                     f"{fmt(r.get('vs_onednn_wall'), '.2f')} |")
-    return "\n".join(lines)
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
 
 
-def main(paths: list[str]) -> None:
-    if paths and paths[0] == "--markdown":
-        for path in paths[1:]:
-            print(markdown(Path(path)) + "\n")
-        return
-    by_net = defaultdict(dict)
-    for path in paths:
-        s = summarize(Path(path))
-        by_net[(s["net"], s["batch"])][s["threads"]] = (Path(path), s)
-        print(f"{path}: {s['net']}, {s['threads']} thread(s), minibatch {s['batch']}, peak {s['peak']:.1f} GFLOP/s")
-        for p, v in s["passes"].items():
-            parts = []
-            if "conv_peak" in v:
-                parts.append("conv2+ %% peak median %.0f%% worst %.0f%%" % tuple(100 * x for x in v["conv_peak"]))
-            if "conv_onednn" in v:
-                parts.append("x oneDNN median %.2f worst %.2f" % v["conv_onednn"])
-            if "first_onednn" in v:
-                parts.append("first layer x oneDNN %.2f" % v["first_onednn"])
-            for layer, eff, vs in v.get("fc", []):
-                parts.append(f"{layer} {eff:.0%}" + (f" x numpy {vs:.2f}" if vs else ""))
-            print(f"  {p:12s} " + "; ".join(parts))
-    for (net, _), runs in by_net.items():
-        if 1 in runs and 2 in runs:
-            one = {(r["layer"], r["pass_name"]): r["ms"] for r in json.loads(runs[1][0].read_text())["results"]}
-            two = {(r["layer"], r["pass_name"]): r["ms"] for r in json.loads(runs[2][0].read_text())["results"]}
-            ratios = sorted(one[k] / two[k] for k in one if k in two and k[0].startswith("conv"))
-            if ratios:
-                print(f"{net}: 2 threads / 1 thread over conv layers and passes: median {statistics.median(ratios):.2f}, "
-                      f"range {ratios[0]:.2f}-{ratios[-1]:.2f}")
+def _x(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _met(ok: bool | None) -> str:
+    return "-" if ok is None else ("yes" if ok else "**no**")
+
+
+def targets_markdown(g: Group, ratios: list[float] | None) -> list[str]:
+    lines = ["| figure | target | measured | met |", "|---|---|---|---|"]
+    for p in PASSES:
+        f = pass_figures(g, p)
+        s, (med, floor) = f["conv_peak"], CONV_PEAK_TARGET[p]
+        if s:
+            lines.append(f"| {p} % peak, conv after the first | median ≥ {med:.0%}, none < {floor:.0%} | "
+                         f"median {_pct(s.median)}, worst {_pct(s.worst)} ({s.worst_layer}) | "
+                         f"{_met(s.median >= med and s.worst >= floor)} |")
+        s = f["conv_onednn"]
+        if s:
+            lines.append(f"| {p} × oneDNN, conv after the first | median ≥ {ONEDNN_TARGET[0]:.1f}, none < "
+                         f"{ONEDNN_TARGET[1]} | median {_x(s.median)}, worst {_x(s.worst)} ({s.worst_layer}) | "
+                         f"{_met(s.median >= ONEDNN_TARGET[0] and s.worst >= ONEDNN_TARGET[1])} |")
+        if f["first_onednn"] is not None:
+            lines.append(f"| {p} × oneDNN, first layer ({f['first_layer']}) | ≥ {FIRST_LAYER_TARGET:.0f} | "
+                         f"{_x(f['first_onednn'])} | {_met(f['first_onednn'] >= FIRST_LAYER_TARGET)} |")
+        fc = f["fc"]
+        if fc:
+            peaks = [r["peak_fraction"] for r in fc]
+            lines.append(f"| {p} % peak, fc | each ≥ {FC_PEAK_TARGET:.0%} | {_pct(min(peaks))}-{_pct(max(peaks))} | "
+                         f"{_met(min(peaks) >= FC_PEAK_TARGET)} |")
+            vs = [r["vs_numpy"] for r in fc if r.get("vs_numpy")]
+            if vs:
+                lines.append(f"| {p} × numpy (OpenBLAS), fc | each ≥ {FC_NUMPY_TARGET:.1f} | {_x(min(vs))}-{_x(max(vs))} | "
+                             f"{_met(min(vs) >= FC_NUMPY_TARGET)} |")
+    if ratios:
+        lines.append(f"| 2 threads / 1 thread, conv rows | median ≥ {THREADS_TARGET} | median "
+                     f"{_x(statistics.median(ratios))} ({_x(ratios[0])}-{_x(ratios[-1])}) | "
+                     f"{_met(statistics.median(ratios) >= THREADS_TARGET)} |")
+    return lines
+
+
+def table_markdown(g: Group) -> list[str]:
+    lines = ["| layer | pass | ms | GFLOP/s | % peak | × numpy | × oneDNN (kernel) | × oneDNN (PyTorch wall) | oneDNN impl |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in g.rows.values():
+        lines.append(f"| {r['layer']} | {r['pass_name']} | {r['ms']:.2f} | {r['gflops']:.1f} | {_pct(r['peak_fraction'])} | "
+                     f"{_x(r.get('vs_numpy'))} | {_x(r.get('vs_onednn'))} | {_x(r.get('vs_onednn_wall'))} | "
+                     f"{r.get('onednn_impl') or '-'} |")
+    return lines
+
+
+def markdown(groups: list[Group]) -> str:
+    ratios = thread_ratios(groups)
+    out = []
+    for g in groups:
+        files = ", ".join(f"`{p.name}` (peak {peak:.1f} GFLOP/s)" for p, peak in g.peaks.items())
+        out += [f"### {g.title}", "", f"From {files}.", ""]
+        out += targets_markdown(g, ratios.get((g.net, g.batch)) if g.threads == 1 else None) + [""]
+        out += table_markdown(g) + [""]
+    return "\n".join(out)
+
+
+def text(groups: list[Group]) -> str:
+    out = []
+    for g in groups:
+        peaks = ", ".join(f"{peak:.1f}" for peak in g.peaks.values())
+        out.append(f"{g.title} ({len(g.peaks)} file(s), peak {peaks} GFLOP/s)")
+        for p in PASSES:
+            f, parts = pass_figures(g, p), []
+            if f["conv_peak"]:
+                parts.append(f"conv after the first % peak median {_pct(f['conv_peak'].median)} worst "
+                             f"{_pct(f['conv_peak'].worst)} ({f['conv_peak'].worst_layer})")
+            if f["conv_onednn"]:
+                parts.append(f"x oneDNN median {_x(f['conv_onednn'].median)} worst {_x(f['conv_onednn'].worst)}")
+            if f["first_onednn"] is not None:
+                parts.append(f"{f['first_layer']} x oneDNN {_x(f['first_onednn'])}")
+            for r in f["fc"]:
+                parts.append(f"{r['layer']} {_pct(r['peak_fraction'])}" +
+                             (f" x numpy {_x(r['vs_numpy'])}" if r.get("vs_numpy") else ""))
+            if parts:
+                out.append(f"  {p:12s} " + "; ".join(parts))
+    for (net, batch), r in thread_ratios(groups).items():
+        out.append(f"{net}, minibatch {batch}: 2 threads / 1 thread over conv rows: median {statistics.median(r):.2f}, "
+                   f"range {r[0]:.2f}-{r[-1]:.2f}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--markdown", action="store_true", help="targets and per-layer tables for RESULTS.md")
+    parser.add_argument("files", nargs="+", type=Path)
+    args = parser.parse_args(argv)
+    groups = load(args.files)
+    print(markdown(groups) if args.markdown else text(groups))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

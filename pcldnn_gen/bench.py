@@ -83,6 +83,7 @@ class PassResult:
     vs_onednn_wall: float | None = None    # PyTorch wall time (reorders included) / our kernel time
     onednn_impl: str | None = None         # oneDNN's implementation name(s) for the pass, e.g. brg_conv_fwd:avx2
     onednn_isa: str | None = None          # the ISA oneDNN reported it dispatches to
+    layer_type: str = ""                   # conv or fc
 
 
 def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASS_NAMES,
@@ -141,7 +142,7 @@ def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASS_N
             t, r = ours[(ls.name, p)], ratios[(ls.name, p)]
             results.append(PassResult(ls.name, p, t * 1e3, flops / t / 1e9, flops / t / 1e9 / best_peak,
                                       r.get("numpy"), r.get("onednn"), r.get("onednn_wall"), r.get("onednn_impl"),
-                                      r.get("onednn_isa")))
+                                      r.get("onednn_isa"), ls.type))
     return best_peak, results
 
 

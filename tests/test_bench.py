@@ -3,6 +3,7 @@ baselines, and the parsing of oneDNN's verbose output."""
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -96,3 +97,43 @@ def test_cli_bench_json_and_errors(tmp_path, capsys):
     assert "unknown pass sideways" in capsys.readouterr().err
     assert main(["bench", str(net), "--layers", "nope", "--arch", RUNNABLE_ISAS[-1]]) == 2
     assert "no conv/fc layer named nope" in capsys.readouterr().err
+
+
+def _summarize():
+    import importlib.util
+
+    from helpers import REPO
+    spec = importlib.util.spec_from_file_location("summarize", REPO / "benchmarks" / "summarize.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["summarize"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_summarize_keys_rows_by_layer_and_refuses_a_second_timing(tmp_path):
+    """A run of a few layers joins the full run's other layers; two files timing the same layer
+    and pass are refused instead of one silently replacing the other."""
+    summarize = _summarize()
+
+    def run(name, threads, rows):
+        path = tmp_path / name
+        path.write_text(json.dumps({"net": "n", "batch": 4, "threads": threads, "peak_gflops": 100.0, "results": [
+            {"layer": layer, "pass_name": "fwd", "ms": ms, "gflops": 1.0, "peak_fraction": eff, "vs_onednn": x,
+             "layer_type": "conv"} for layer, ms, eff, x in rows]}))
+        return path
+
+    full = run("full.json", 1, [("a", 4.0, 0.5, 3.0), ("b", 2.0, 0.9, 1.2), ("c", 2.0, 0.7, 0.8)])
+    extra = run("extra.json", 1, [("d", 1.0, 0.95, 1.1)])
+    two = run("two.json", 2, [("a", 2.0, 0.5, 3.0), ("b", 0.5, 0.9, 1.2)])
+    groups = summarize.load([full, extra, two])
+    one = next(g for g in groups if g.threads == 1)
+    assert [k[0] for k in one.rows] == ["a", "b", "c", "d"]
+    f = summarize.pass_figures(one, "fwd")
+    # the first conv layer (a, by order) is apart; the others' median and worst
+    assert f["first_layer"] == "a" and f["first_onednn"] == 3.0
+    assert (f["conv_peak"].median, f["conv_peak"].worst, f["conv_peak"].worst_layer) == (0.9, 0.7, "c")
+    assert summarize.thread_ratios(groups) == {("n", 4): [2.0, 4.0]}
+    assert "| fwd × oneDNN, conv after the first | median ≥ 1.0, none < 0.9 | median 1.10, worst 0.80 (c) | **no** |" \
+        in summarize.markdown(groups)
+    with pytest.raises(SystemExit, match="a fwd is also in .*full.json"):
+        summarize.load([full, run("again.json", 1, [("a", 3.0, 0.6, 2.0)])])
