@@ -46,9 +46,8 @@ from pcldnn_gen.build import build  # noqa: E402
 from pcldnn_gen.netspec import load_netspec  # noqa: E402
 from pcldnn_runtime.layers import WeightedLayer  # noqa: E402
 from pcldnn_runtime.limits import blocks  # noqa: E402
-from pcldnn_runtime.manifest import LayerEntry, read_manifest  # noqa: E402
+from pcldnn_runtime.manifest import PASSES, LayerEntry, read_manifest  # noqa: E402
 
-PASSES = ("fwd", "bwd_data", "bwd_weights")
 KIND_CODE = {"fwd": 0, "bwd_data": 1, "bwd_weights": 2}
 
 # Kernel calls from a shared library, buffers filled with values in [-1, 1): argv = library,

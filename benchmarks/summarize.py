@@ -20,7 +20,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PASSES = ("fwd", "bwd_data", "bwd_weights")
+from pcldnn_runtime.manifest import PASSES
 
 # Targets of the kernels' issue: (median at least, none below) for conv % of peak per pass.
 CONV_PEAK_TARGET = {"fwd": (0.90, 0.80), "bwd_data": (0.90, 0.80), "bwd_weights": (0.85, 0.80)}

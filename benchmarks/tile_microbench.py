@@ -2,7 +2,7 @@
 
     python benchmarks/tile_microbench.py [--repeats 9] [--tiles 14x1,4x3,...]
 
-Checks the planner's register-level model (pcldnn_gen/planner.py, RegisterTile) without any
+Checks the planner's register-level model (pcldnn_gen/planner/tiles.py, RegisterTile) without any
 cache effect: every tile runs the kernels' inner step (the shorter side of the tile held in
 registers, the longer side streamed through one register, weights as aligned vector loads,
 inputs as broadcasts) over operands that stay in L1, four steps unrolled per loop trip. Each

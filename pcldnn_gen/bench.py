@@ -18,7 +18,7 @@ import numpy as np
 import pcldnn_runtime as pr
 from pcldnn_runtime.abi import SIGNATURES
 from pcldnn_runtime.kernels import empty_aligned, load_library, ptr
-from pcldnn_runtime.manifest import file_sha256
+from pcldnn_runtime.manifest import PASSES, file_sha256
 
 from . import __version__
 from .arch import Arch
@@ -28,7 +28,7 @@ from .compiler import Source, compile_source
 from .errors import PcldnnError
 from .netspec import NetSpec
 
-PASS_NAMES = ("fwd", "bwd_data", "bwd_weights")
+PASS_NAMES = PASSES  # every pass of a weighted layer
 BASELINES = ("numpy", "onednn")
 # Timed keys of a baseline run (seconds); ratios are taken of these only.
 BASELINE_TIMES = ("numpy", "onednn", "onednn_wall")

@@ -216,6 +216,7 @@ def template_env() -> jinja2.Environment:
     env.filters["c_comment"] = c_comment
     env.filters["c_float"] = c_float
     env.filters["c_hex_ull"] = c_hex_ull
+    env.globals["blocks"] = blocks  # channel blocks of V lanes: the one rounding rule
     return env
 
 

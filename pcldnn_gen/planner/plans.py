@@ -103,6 +103,7 @@ class ConvBwdWeightsPlan(KernelPlan):
     block_cols: int                 # output columns per pixel block
     lanes: int                      # input-channel lanes with data (the rest are padding)
     rem_vectors: int                # oc vectors of the last, narrower group (0: none)
+    vector_counts: tuple[int, ...]  # oc-vector counts of the tiles emitted: the full group, then the last
     oh_range: tuple[tuple[int, int], ...]   # per kernel row: output rows [lo, hi) that read inside the input
     ow_range: tuple[tuple[int, int], ...]   # per kernel column: the same for output columns
 
