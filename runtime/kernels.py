@@ -7,6 +7,7 @@ node needs no compiler), so the two cannot drift apart.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import functools
 import shutil
 import tempfile
@@ -66,6 +67,7 @@ def load_library(path: Path, sha256: str, symbols: dict[str, str]) -> KernelLibr
                 raise BuildDirError(f"{path}: cannot load kernel library: {e}") from None
             finally:
                 link.unlink(missing_ok=True)
+    _pin_openmp_runtimes()
     out = {}
     for sym in symbols:
         try:
@@ -73,6 +75,29 @@ def load_library(path: Path, sha256: str, symbols: dict[str, str]) -> KernelLibr
         except AttributeError:
             raise BuildDirError(f"{path}: symbol {sym} missing from kernel library") from None
     return KernelLibrary(out, ffi, lib)
+
+
+# OpenMP runtimes park their worker threads inside their own code between parallel regions. When
+# the last kernel library that pulled a runtime in is unloaded (its Net garbage-collected, or at
+# interpreter exit), dlclose would unmap the runtime under those threads: SIGSEGV, in about one
+# run in four of "load, forward, exit". So every OpenMP runtime mapped into the process is held
+# open for the process lifetime (a handle per runtime file: one or two entries).
+_OPENMP_RUNTIMES = ("libgomp", "libomp", "libiomp5")
+_pinned: dict[str, ctypes.CDLL] = {}
+
+
+def _pin_openmp_runtimes() -> None:
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return
+    for line in maps.splitlines():
+        fields = line.split(None, 5)  # address, perms, offset, device, inode, path (may hold spaces)
+        path = fields[5] if len(fields) == 6 else ""
+        name = Path(path).name
+        if path.startswith("/") and path not in _pinned and name.startswith(_OPENMP_RUNTIMES) and ".so" in name:
+            with _lock:
+                _pinned.setdefault(path, ctypes.CDLL(path))
 
 
 @functools.lru_cache(maxsize=1)

@@ -96,3 +96,21 @@ def test_builds_differing_only_in_core_count_have_one_fingerprint(tmp_path):
                            "layers": [{"name": "c", "type": "conv", "out_channels": 5, "kernel": 3}]})
     build(other, one, tmp_path / "c")
     assert pr.load(tmp_path / "c").build_fingerprint() != pr.load(tmp_path / "a").build_fingerprint()
+
+
+def test_unloading_every_net_keeps_the_openmp_runtime_under_its_threads(built):
+    """A Net's kernel libraries are unloaded with it; the OpenMP runtime they pulled in must not
+    be (its parked worker threads would crash: SIGSEGV at exit in about one run in four). Run
+    in a fresh process, where no other Net holds the runtime."""
+    import subprocess
+    import sys
+    code = ("import gc, sys, numpy as np, pcldnn_runtime as pr\n"
+            f"net = pr.load({str(built)!r}, threads=2)\n"
+            "net.forward(np.zeros((2, *net.chain[0].in_shape), np.float32))\n"
+            "del net\n"
+            "gc.collect()\n"
+            "maps = open('/proc/self/maps').read()\n"
+            "sys.exit(0 if 'libgomp' in maps or 'libomp' in maps else 3)\n")
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
