@@ -5,6 +5,8 @@ lock, so a failed or concurrent build never leaves a half-written build director
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import shutil
@@ -125,7 +127,30 @@ def _check_replaceable(out_dir: Path) -> None:
                             "refusing to overwrite it (choose another -o)")
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically exchange two directories (Linux renameat2 with RENAME_EXCHANGE), so that a
+    reader of either path finds the old or the new one, never neither. False where the C
+    library, kernel or file system cannot; then the caller renames twice."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
 def _swap_in(stage: Path, out_dir: Path) -> None:
+    """The staged build replaces out_dir: in one step where the system allows (a process
+    loading the build meanwhile reads the old or the new one), else by two renames."""
+    if out_dir.exists() and _exchange(stage, out_dir):
+        shutil.rmtree(stage, ignore_errors=True)  # the old build, now under the staging name
+        return
     old = None
     if out_dir.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
