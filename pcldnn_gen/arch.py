@@ -63,18 +63,62 @@ class Arch:
         return d
 
 
+KIB, MIB = 1024, 1024 * 1024
+
 PRESETS: dict[str, Arch] = {
-    # Haswell-to-Sapphire-Rapids class core running 256-bit code: 16 ymm registers, 2 FMA
-    # pipes of latency 4, 2 load ports; 32 KiB L1d, 1 MiB L2, 32 MiB L3.
-    "avx2": Arch("avx2", "avx2", 256, 16, 2, 32 * 1024, 1024 * 1024, 32 * 1024 * 1024, 2,
-                 cpu.ISA_CFLAGS["avx2"]),
-    # Skylake-SP and later with AVX-512: 32 zmm registers, 2 FMA pipes (1 on some SKUs).
-    "avx512": Arch("avx512", "avx512", 512, 32, 2, 32 * 1024, 1024 * 1024, 32 * 1024 * 1024, 2,
-                   cpu.ISA_CFLAGS["avx512"]),
+    # Generic: a Haswell-to-Sapphire-Rapids class core running 256-bit code: 16 ymm registers,
+    # 2 FMA pipes of latency 4, 2 load ports; 32 KiB L1d, 1 MiB L2, 32 MiB L3.
+    "avx2": Arch("avx2", "avx2", 256, 16, 2, 32 * KIB, 1 * MIB, 32 * MIB, 2, cpu.ISA_CFLAGS["avx2"]),
+    # Generic: Skylake-SP and later with AVX-512: 32 zmm registers, 2 FMA pipes (1 on some SKUs).
+    "avx512": Arch("avx512", "avx512", 512, 32, 2, 32 * KIB, 1 * MIB, 32 * MIB, 2, cpu.ISA_CFLAGS["avx512"]),
     # Portable C: one float per "vector", 16 FP registers, no FMA instruction assumed.
-    "scalar": Arch("scalar", "scalar", 32, 16, 1, 32 * 1024, 1024 * 1024, 32 * 1024 * 1024, 2,
+    "scalar": Arch("scalar", "scalar", 32, 16, 1, 32 * KIB, 1 * MIB, 32 * MIB, 2,
                    cpu.ISA_CFLAGS["scalar"], fma_latency=4, load_ports=2, broadcasts_per_cycle=2.0),
+    # The families users have (vendors' optimization manuals; cache sizes per core, L3 per
+    # socket or CCD as a typical part has it; `native` replaces the caches with what sysfs says).
+    # Haswell / Broadwell: 2 FMA-256, latency 5, 256 KiB L2.
+    "haswell": Arch("haswell", "avx2", 256, 16, 2, 32 * KIB, 256 * KIB, 20 * MIB, 2, cpu.ISA_CFLAGS["avx2"],
+                    fma_latency=5),
+    # Skylake-SP / Cascade Lake (Xeon Gold 6xxx, Platinum: two 512-bit FMA units), 1 MiB L2.
+    "skylake-x": Arch("skylake-x", "avx512", 512, 32, 2, 32 * KIB, 1 * MIB, 22 * MIB, 2, cpu.ISA_CFLAGS["avx512"]),
+    # Ice Lake-SP: 48 KiB L1d, 1.25 MiB L2.
+    "icelake": Arch("icelake", "avx512", 512, 32, 2, 48 * KIB, 1280 * KIB, 48 * MIB, 2, cpu.ISA_CFLAGS["avx512"]),
+    # Sapphire Rapids / Emerald Rapids: 48 KiB L1d, 2 MiB L2.
+    "sapphirerapids": Arch("sapphirerapids", "avx512", 512, 32, 2, 48 * KIB, 2 * MIB, 96 * MIB, 2,
+                           cpu.ISA_CFLAGS["avx512"]),
+    # Zen 3: AVX2 only, 2 FMA-256 of latency 4, 512 KiB L2, 32 MiB L3 per CCD.
+    "zen3": Arch("zen3", "avx2", 256, 16, 2, 32 * KIB, 512 * KIB, 32 * MIB, 2, cpu.ISA_CFLAGS["avx2"]),
+    # Zen 4: AVX-512 on two 256-bit pipes: a 512-bit FMA takes both, one per cycle (the AVX2
+    # peak: 114-115 GFLOP/s for both ISAs on one thread of the project's EPYC VM). Planned as
+    # two units all the same: with one, the model rates most tiles at 100% and stops telling them
+    # apart, and its plans ran 0.89-1.05x the two-unit ones on VGG-A conv2-8 backward-weights
+    # (0.96-1.04 on the other passes; benchmarks/ab.py, interleaved, 3 rounds); the extra
+    # independent accumulators also cover the double-pumped latency. 32 KiB L1d, 1 MiB L2.
+    "zen4": Arch("zen4", "avx512", 512, 32, 2, 32 * KIB, 1 * MIB, 32 * MIB, 2, cpu.ISA_CFLAGS["avx512"]),
+    # Zen 5 (server, desktop): full 512-bit datapath, 2 FMA-512, 48 KiB L1d, 1 MiB L2.
+    "zen5": Arch("zen5", "avx512", 512, 32, 2, 48 * KIB, 1 * MIB, 32 * MIB, 2, cpu.ISA_CFLAGS["avx512"]),
 }
+
+# Intel family-6 models of each preset (Intel's model table), newest parts of a family included
+# where the core is the same (Cascade/Cooper Lake are Skylake-SP; Emerald Rapids is Sapphire Rapids).
+_INTEL_MODELS = {
+    "haswell": {0x3C, 0x3F, 0x45, 0x46, 0x3D, 0x47, 0x4F, 0x56},
+    "skylake-x": {0x55},
+    "icelake": {0x6A, 0x6C, 0x7D, 0x7E},
+    "sapphirerapids": {0x8F, 0xCF},
+}
+
+
+def family_preset(identity: cpu.CpuIdentity, isa: str) -> str | None:
+    """The preset of this CPU's family, if it is one we describe and it runs `isa` (a VM may
+    hide AVX-512 from a Sapphire Rapids guest: then the family's figures do not apply)."""
+    name = None
+    if identity.vendor == "GenuineIntel" and identity.family == 6:
+        name = next((n for n, models in _INTEL_MODELS.items() if identity.model in models), None)
+    elif identity.vendor == "AuthenticAMD":
+        # family 25 (0x19) is Zen 3 and Zen 4: the AVX-512 flag tells them apart
+        name = {25: "zen4" if isa == "avx512" else "zen3", 26: "zen5"}.get(identity.family)
+    return name if name and PRESETS[name].isa == isa else None
 
 
 def get_arch(spec: str) -> Arch:
@@ -90,10 +134,12 @@ def get_arch(spec: str) -> Arch:
 
 
 def native_arch() -> Arch:
-    """The running CPU: best ISA from its flags, cache sizes from sysfs (clamped into the
+    """The running CPU: the widest ISA its flags allow, the figures of its family's preset where
+    we know the family (else the ISA's generic preset), cache sizes from sysfs (clamped into the
     documented ranges: some VMs report odd ones), usable cores."""
     isa = cpu.best_isa()
-    base = PRESETS[isa]
+    family = family_preset(cpu.cpu_identity(), isa)
+    base = PRESETS[family or isa]
     caches = cpu.cache_sizes()
 
     def clamp(name: str, value: int, floor: int = 0) -> int:
@@ -103,7 +149,7 @@ def native_arch() -> Arch:
     l1 = clamp("l1d_bytes", caches.get(1, base.l1d_bytes))
     l2 = clamp("l2_bytes", caches.get(2, base.l2_bytes), l1)
     l3 = clamp("l3_bytes", caches.get(3, base.l3_bytes), l2)
-    return replace(base, name=f"native-{isa}", l1d_bytes=l1, l2_bytes=l2, l3_bytes=l3,
+    return replace(base, name=f"native-{family or isa}", l1d_bytes=l1, l2_bytes=l2, l3_bytes=l3,
                    cores=clamp("cores", cpu.usable_cores()))
 
 

@@ -12,6 +12,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -71,6 +72,21 @@ def measure_peak(arch: Arch, threads: int, repeats: int = 5) -> float:
     return flops_per_iter * iters / seconds / 1e9
 
 
+def kernel_runs(layer, batch: int) -> dict[str, Callable[[], None]]:
+    """{pass: one call of the layer's kernel} on blocked buffers of random values (fixed seed):
+    what the benchmarks time, without layout conversions."""
+    rng = np.random.default_rng(0)
+    xb = empty_aligned(layer.blocked_shape(layer.in_shape, batch))
+    xb[...] = rng.standard_normal(xb.shape)
+    yb, dyb = (empty_aligned(layer.blocked_shape(layer.out_shape, batch)) for _ in range(2))
+    dxb = empty_aligned(xb.shape)
+    dyb[...] = rng.standard_normal(dyb.shape)
+    grads = tuple(empty_aligned(g.shape) for g in layer.grad_buffers)
+    return {"fwd": lambda: layer.forward_blocked(xb, yb),
+            "bwd_data": lambda: layer.backward_blocked(xb, None, None, dyb, dxb),
+            "bwd_weights": lambda: layer.backward_blocked(xb, None, None, dyb, None, grads)}
+
+
 @dataclass(frozen=True)
 class PassResult:
     layer: str
@@ -108,17 +124,7 @@ def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASS_N
         build(spec, arch, out)
         net = pr.load(out, threads=threads)
         for ls in chosen:
-            layer = net.layers[ls.name]
-            rng = np.random.default_rng(0)
-            xb = empty_aligned(layer.blocked_shape(layer.in_shape, batch))
-            xb[...] = rng.standard_normal(xb.shape)
-            yb, dyb = (empty_aligned(layer.blocked_shape(layer.out_shape, batch)) for _ in range(2))
-            dxb = empty_aligned(xb.shape)
-            dyb[...] = rng.standard_normal(dyb.shape)
-            grads = tuple(empty_aligned(g.shape) for g in layer.grad_buffers)
-            runs = {"fwd": lambda: layer.forward_blocked(xb, yb),
-                    "bwd_data": lambda: layer.backward_blocked(xb, None, None, dyb, dxb),
-                    "bwd_weights": lambda: layer.backward_blocked(xb, None, None, dyb, None, grads)}
+            runs = kernel_runs(net.layers[ls.name], batch)
             per_round = []  # [({pass: our seconds}, {"layer/pass": {baseline: seconds}})]
             for _ in range(rounds):
                 mine = {p: median_seconds(runs[p], repeats) for p in passes}

@@ -125,7 +125,8 @@ def parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("compile", help="plan, generate and compile every kernel of a net into a build directory")
     c.add_argument("net", help="network description (net.json)")
-    c.add_argument("--arch", default="native", help="avx2, avx512, scalar, native (default) or an arch JSON file")
+    c.add_argument("--arch", default="native", help="native (default), a CPU family (haswell, skylake-x, icelake, "
+                   "sapphirerapids, zen3, zen4, zen5), avx2, avx512, scalar, or an arch JSON file")
     c.add_argument("-o", "--output", help="build directory (default build/<net>-<isa>)")
     c.add_argument("--jobs", type=_int_in(1, 256), default=None, help="parallel compiler processes (default: cores)")
     _max_memory_option(c)

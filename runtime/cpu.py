@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ArchError
@@ -32,17 +33,45 @@ ISA_VECTOR_BITS: dict[str, int] = {"scalar": 32, "avx2": 256, "avx512": 512}
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The flags of the first processor in /proc/cpuinfo (empty where unreadable)."""
+def _first_processor() -> dict[str, str]:
+    """The fields of the first processor in /proc/cpuinfo (empty where unreadable)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
+        return {}
+    fields: dict[str, str] = {}
     for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break
+            continue
         key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_flags() -> frozenset[str]:
+    """The ISA flags of the first processor (empty where unreadable)."""
+    fields = _first_processor()
+    return frozenset((fields.get("flags") or fields.get("Features") or "").split())
+
+
+@dataclass(frozen=True)
+class CpuIdentity:
+    vendor: str       # GenuineIntel, AuthenticAMD, ... ("" where unknown)
+    family: int       # cpuid family (6 for Intel cores since the Pentium Pro; 25 Zen 3/4, 26 Zen 5)
+    model: int
+    name: str         # the marketing name, as reported (a VM may shorten it)
+
+
+def cpu_identity() -> CpuIdentity:
+    fields = _first_processor()
+
+    def number(key: str) -> int:
+        text = fields.get(key, "")
+        return int(text) if text.isdigit() else -1
+
+    return CpuIdentity(fields.get("vendor_id", ""), number("cpu family"), number("model"), fields.get("model name", ""))
 
 
 def supports(isa: str) -> bool:
@@ -64,10 +93,8 @@ def require(isa: str, what: str) -> None:
 
 
 def best_isa() -> str:
-    """AVX2 where the CPU has AVX2 and FMA, else scalar: the ISA `native` builds for. AVX-512
-    kernels are generated and tested but not tuned yet, so they are asked for by name
-    (--arch avx512), never chosen here."""
-    for isa in ("avx2", "scalar"):
+    """The widest ISA whose kernels this CPU runs: the one `native` builds for."""
+    for isa in ("avx512", "avx2"):
         if supports(isa):
             return isa
     return "scalar"

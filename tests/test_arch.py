@@ -30,6 +30,42 @@ def test_native_reads_this_cpu():
         assert arch.l1d_bytes == sizes[1]
 
 
+AVX512_FLAGS = frozenset({"avx512f", "avx2", "fma"})
+AVX2_FLAGS = frozenset({"avx2", "fma"})
+
+
+@pytest.mark.parametrize("vendor, family, model, flags, want", [
+    ("GenuineIntel", 6, 0x3F, AVX2_FLAGS, "haswell"),
+    ("GenuineIntel", 6, 0x55, AVX512_FLAGS, "skylake-x"),
+    ("GenuineIntel", 6, 0x6A, AVX512_FLAGS, "icelake"),
+    ("GenuineIntel", 6, 0x8F, AVX512_FLAGS, "sapphirerapids"),
+    ("GenuineIntel", 6, 0x8F, AVX2_FLAGS, "avx2"),         # AVX-512 hidden by a VM: the family's figures do not apply
+    ("GenuineIntel", 6, 0x9E, AVX2_FLAGS, "avx2"),         # a client part we do not describe: generic
+    ("AuthenticAMD", 25, 0x21, AVX2_FLAGS, "zen3"),
+    ("AuthenticAMD", 25, 0x11, AVX512_FLAGS, "zen4"),
+    ("AuthenticAMD", 26, 0x02, AVX512_FLAGS, "zen5"),
+    ("AuthenticAMD", 23, 0x31, AVX2_FLAGS, "avx2"),        # Zen 2: generic AVX2
+    ("", -1, -1, frozenset(), "scalar"),                   # nothing readable
+])
+def test_native_takes_the_widest_isa_and_the_family_figures(monkeypatch, vendor, family, model, flags, want):
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(cpu, "cpu_identity", lambda: cpu.CpuIdentity(vendor, family, model, "test"))
+    monkeypatch.setattr(cpu, "cache_sizes", lambda: {1: 48 * 1024, 2: 2 * 1024 * 1024, 3: 64 * 1024 * 1024})
+    arch = native_arch()
+    assert arch.name == f"native-{want}"
+    assert arch.isa == PRESETS[want].isa == ("avx512" if "avx512f" in flags else "avx2" if flags else "scalar")
+    fields = ("vector_registers", "fma_units", "fma_latency", "load_ports", "broadcasts_per_cycle")
+    assert [getattr(arch, f) for f in fields] == [getattr(PRESETS[want], f) for f in fields]
+    assert (arch.l1d_bytes, arch.l2_bytes, arch.l3_bytes) == (48 * 1024, 2 * 1024 * 1024, 64 * 1024 * 1024)  # sysfs wins
+
+
+def test_every_preset_is_a_valid_arch_description():
+    from pcldnn_gen.arch import arch_from_dict
+    for name, arch in PRESETS.items():
+        assert arch_from_dict(arch.to_json(), name) == arch
+        assert arch.vector_bits == cpu.ISA_VECTOR_BITS[arch.isa]
+
+
 def test_arch_from_json_file(tmp_path):
     path = tmp_path / "mine.json"
     path.write_text(json.dumps({**PRESETS["avx2"].to_json(), "name": "mine", "l2_bytes": 2 * 1024 * 1024,

@@ -6,6 +6,9 @@ import pytest
 import reference as ref
 from helpers import NETS, assert_dot_close, build_and_load
 
+from pcldnn_gen.arch import PRESETS
+from pcldnn_runtime import cpu
+
 # (batch, C, H, W, OC, kernel, stride, pad, relu): kernel 1/2/3/5/11, stride 1/2/4,
 # pad 0/1/2 (also pad > kernel/2), asymmetric, channels 1/3/8/17/64, non-square, batch 1 and 7.
 CONV_SHAPES = [
@@ -52,6 +55,10 @@ def _conv_layer(i, oc, k, s, p, relu):
 @pytest.mark.parametrize("case", range(len(CONV_SHAPES)))
 def test_conv_passes_match_numpy(tmp_path, isa, case):
     """Forward, backward-data and backward-weights of one conv layer, through the canonical API."""
+    _check_conv(tmp_path, isa, case)
+
+
+def _check_conv(tmp_path, isa, case):
     n, c, h, w, oc, k, s, p, relu = CONV_SHAPES[case]
     net = build_and_load(tmp_path, [_conv_layer(case, oc, k, s, p, relu)], (c, h, w), isa)
     layer = net.layers[f"c{case}"]
@@ -79,6 +86,22 @@ def test_conv_passes_match_numpy(tmp_path, isa, case):
     assert_dot_close(db, want_b, abs_b, terms)
 
 
+FAMILIES = [name for name, arch in PRESETS.items() if name != arch.isa]
+
+
+@pytest.mark.parametrize("preset", [
+    pytest.param(name, marks=pytest.mark.skipif(not cpu.supports(PRESETS[name].isa), reason=f"this CPU cannot run "
+                                                f"{PRESETS[name].isa}")) for name in FAMILIES])
+def test_family_presets_match_numpy(tmp_path, preset):
+    """A CPU family's figures (one FMA unit on Zen 4, latency 5 on Haswell, 48 KiB L1 ...) choose
+    other tiles and chunks than the generic preset: the kernels they give are checked too, on a
+    first layer with edge tiles, a strided layer, an edge-tiled one and two GEMMs."""
+    for case in (0, 3, 6):
+        _check_conv(tmp_path / f"c{case}", preset, case)
+    for case in (4, 8):
+        _check_fc(tmp_path / f"f{case}", preset, case)
+
+
 # (batch, input C, H, W, out features, relu): features not multiples of the vector width,
 # input from a spatial tensor (flatten) and from a vector, batch sizes hitting every remainder tile.
 FC_SHAPES = [
@@ -96,6 +119,10 @@ FC_SHAPES = [
 
 @pytest.mark.parametrize("case", range(len(FC_SHAPES)))
 def test_fc_passes_match_numpy(tmp_path, isa, case):
+    _check_fc(tmp_path, isa, case)
+
+
+def _check_fc(tmp_path, isa, case):
     n, c, h, w, oc, relu = FC_SHAPES[case]
     layer_spec = {"name": "f", "type": "fc", "out_features": oc}
     if relu:

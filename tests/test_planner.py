@@ -13,7 +13,7 @@ from pcldnn_gen.planner import L1_BUDGET, LATENCY_HEADROOM, LAYER_PASSES, Regist
 from pcldnn_runtime.limits import blocks
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512", "scalar"])
+@pytest.mark.parametrize("isa", sorted(PRESETS))  # generic ISAs and the CPU families
 @pytest.mark.parametrize("net_file", ["vgg_a.json", "overfeat_fast.json", "cifar_small.json"])
 def test_every_tile_fits_the_register_file(isa, net_file):
     arch = PRESETS[isa]
@@ -177,7 +177,7 @@ def test_conv_fwd_reuses_a_weight_chunk_over_several_rows():
 
 
 @settings(max_examples=300, deadline=None)
-@given(isa=st.sampled_from(["avx2", "avx512", "scalar"]), c=st.integers(1, 600), oc=st.integers(1, 600),
+@given(isa=st.sampled_from(sorted(PRESETS)), c=st.integers(1, 600), oc=st.integers(1, 600),
        h=st.integers(1, 60), w=st.integers(1, 60), k=st.integers(1, 11), s=st.integers(1, 4), p=st.integers(0, 3))
 def test_any_conv_plan_is_consistent(isa, c, oc, h, w, k, s, p):
     """Whatever the shape, the plan fits the registers and its geometry tiles the row exactly."""

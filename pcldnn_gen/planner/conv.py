@@ -251,14 +251,17 @@ def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch) -> ConvBwdWeightsPlan:
     lanes = ic if icb == 1 else v
     # Output vectors need not divide OCB: the last group gets a narrower tile, so 4 lanes x 3
     # vectors (12 chains) is open to power-of-two channel counts. Score = work-weighted
-    # efficiency of the full and the remainder group.
+    # efficiency of the full and the remainder group; among equals, fewer loads per FMA (each
+    # oc vector is a dy stream OUT_CB apart): on VGG-A conv2-8 (AMD EPYC VM, one thread,
+    # benchmarks/ab.py) 4x3 instead of 2x6 ran 1.02-1.09x on AVX2, and 8x3 / 4x5 instead of
+    # 2x13 / 8x3 1.01-1.44x on AVX-512, against the bigger tile the old tie-break preferred.
     scored = []
     for t in candidates(divisors(lanes, arch.vector_registers), range(1, ocb + 1), arch):
         full, rest = divmod(ocb, t.vectors)
         cycles = full * t.vectors / t.efficiency
         if rest:
             cycles += rest / RegisterTile.evaluate(t.width, rest, arch).efficiency
-        scored.append((ocb / cycles, t.width * t.vectors, -t.registers, t))
+        scored.append((ocb / cycles, -t.loads_per_fma, t.width * t.vectors, t))
     scored.sort(key=lambda s: s[:3], reverse=True)
     eff, _, _, tile = scored[0]
     rem_n = ocb % tile.vectors
