@@ -114,3 +114,21 @@ def test_unloading_every_net_keeps_the_openmp_runtime_under_its_threads(built):
     for _ in range(3):
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_canonical_calls_keep_their_own_state_across_reused_buffers(built):
+    """The canonical API reuses its blocked buffers from call to call: a returned array is the
+    caller's, and backward_weights on other data leaves the last forward's state intact."""
+    net = pr.load(built, threads=1)
+    conv = net.layers["c"]
+    rng = np.random.default_rng(5)
+    x1, x2 = (rng.standard_normal((2, 3, 6, 6)).astype(np.float32) for _ in range(2))
+    y1 = conv.forward(x1)
+    keep = y1.copy()
+    dy = rng.standard_normal(y1.shape).astype(np.float32)
+    dx_alone = conv.backward_data(dy)
+    conv.forward(x2)
+    np.testing.assert_array_equal(y1, keep)           # the second forward did not write into the first result
+    np.testing.assert_array_equal(conv.forward(x1), keep)
+    conv.backward_weights(x2, rng.standard_normal(y1.shape).astype(np.float32))
+    np.testing.assert_array_equal(conv.backward_data(dy), dx_alone)  # still the mask of forward(x1)
