@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -100,6 +100,7 @@ class PassResult:
     onednn_impl: str | None = None         # oneDNN's implementation name(s) for the pass, e.g. brg_conv_fwd:avx2
     onednn_isa: str | None = None          # the ISA oneDNN reported it dispatches to
     layer_type: str = ""                   # conv or fc
+    family: str = ""                       # zoo rows: the architecture the shape comes from
 
 
 def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASS_NAMES,
@@ -152,6 +153,21 @@ def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASS_N
     return best_peak, results
 
 
+def bench_zoo(shapes, arch: Arch, batch: int, threads: int, passes=PASS_NAMES, repeats: int = 5, compare=(),
+              rounds: int = 1) -> tuple[float, list[PassResult]]:
+    """Every shape of a zoo (pcldnn_gen.zoo) as a one-layer net, like bench_net. The FMA peak is
+    measured before and after the whole zoo; the efficiencies use the higher of the two."""
+    peaks = [measure_peak(arch, threads)]
+    rows: list[PassResult] = []
+    for shape in shapes:
+        _, results = bench_net(shape.net, arch, batch, threads, passes, None, repeats, compare, peak=peaks[0],
+                               rounds=rounds)
+        rows += [replace(r, family=shape.family) for r in results]
+    peaks.append(measure_peak(arch, threads))
+    best = max(peaks)
+    return best, [replace(r, peak_fraction=r.gflops / best) for r in rows]
+
+
 def run_baselines(layers, arch: Arch, batch: int, threads: int, passes, repeats: int, compare) -> dict:
     """Run pcldnn_gen.baselines in a subprocess whose environment pins the ISA and the thread
     count of the libraries (OpenBLAS, oneDNN) to what our kernels get."""
@@ -179,8 +195,8 @@ def run_baselines(layers, arch: Arch, batch: int, threads: int, passes, repeats:
         return json.loads(result.read_text())
 
 
-def format_table(spec: NetSpec, arch: Arch, batch: int, threads: int, peak: float, results: list[PassResult]) -> str:
-    lines = [f"{spec.name} on {arch.name}, minibatch {batch}, {threads} thread(s); measured FMA peak {peak:.1f} GFLOP/s "
+def format_table(title: str, arch: Arch, batch: int, threads: int, peak: float, results: list[PassResult]) -> str:
+    lines = [f"{title} on {arch.name}, minibatch {batch}, {threads} thread(s); measured FMA peak {peak:.1f} GFLOP/s "
              "(highest of the run)",
              f"{'layer':<8} {'pass':<12} {'ms':>9} {'GFLOP/s':>8} {'%peak':>6} {'xnumpy':>7} {'xoneDNN':>8} {'xoneDNN wall':>12}"]
 
@@ -190,6 +206,8 @@ def format_table(spec: NetSpec, arch: Arch, batch: int, threads: int, peak: floa
     for r in results:
         lines.append(f"{r.layer:<8} {r.pass_name:<12} {r.ms:9.2f} {r.gflops:8.1f} {r.peak_fraction:6.0%} "
                      f"{fmt(r.vs_numpy, 7)} {fmt(r.vs_onednn, 8)} {fmt(r.vs_onednn_wall, 12)}")
+    lines.append("GFLOP/s and %peak count nominal FLOPs (2 x every multiply-add of the layer, padding taps "
+                 "included), whatever the kernels skip")
     lines.append("x columns: baseline time / our time (> 1: ours is faster); oneDNN = its primitive time "
                  "(ONEDNN_VERBOSE), oneDNN wall = PyTorch call time including layout reorders")
     impls = sorted({i for r in results if r.onednn_impl for i in r.onednn_impl.split()})
@@ -199,12 +217,14 @@ def format_table(spec: NetSpec, arch: Arch, batch: int, threads: int, peak: floa
     return "\n".join(lines)
 
 
-def results_json(spec: NetSpec, arch: Arch, batch: int, threads: int, peak: float, results: list[PassResult]) -> dict:
-    return {"net": spec.name, "arch": arch.to_json(), "batch": batch, "threads": threads, "peak_gflops": peak,
+def results_json(title: str, arch: Arch, batch: int, threads: int, peak: float, results: list[PassResult],
+                 zoo: bool = False) -> dict:
+    """The run as JSON; `zoo`: the rows are independent shapes, not the layers of one net."""
+    return {"net": title, "zoo": zoo, "arch": arch.to_json(), "batch": batch, "threads": threads, "peak_gflops": peak,
             "results": [asdict(r) for r in results]}
 
 
-def plot(path: Path, spec: NetSpec, arch: Arch, results: list[PassResult]) -> None:
+def plot(path: Path, title: str, arch: Arch, results: list[PassResult]) -> None:
     """Bar chart: per layer and pass, our fraction of peak beside oneDNN's (ours / ratio)."""
     try:
         import matplotlib
@@ -222,7 +242,7 @@ def plot(path: Path, spec: NetSpec, arch: Arch, results: list[PassResult]) -> No
         ax.bar(x + 0.2, theirs, 0.4, label="oneDNN (primitive time)")
     ax.set_xticks(x, [l.replace("\n", " ") for l in labels], fontsize=7, rotation=60, ha="right")
     ax.set_ylabel("% of measured FMA peak")
-    ax.set_title(f"{spec.name}, {arch.name}")
+    ax.set_title(f"{title}, {arch.name}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

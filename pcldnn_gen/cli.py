@@ -71,7 +71,8 @@ def _cores() -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from . import bench
-    net = load_netspec(args.net, args.max_memory)
+    if (args.net is None) == (args.zoo is None):
+        raise PcldnnError("bench: give a net file or --zoo FILE (one of the two)")
     arch = get_arch(args.arch)
     threads = args.threads or _cores()
     passes = tuple(args.passes.split(","))
@@ -79,14 +80,29 @@ def _bench(args: argparse.Namespace) -> int:
     if bad:
         raise PcldnnError(f"--passes: unknown pass {', '.join(bad)}; known: {', '.join(PASSES)}")
     compare = tuple(c for c in args.compare.split(",") if c) if args.compare else ()
-    layers = args.layers.split(",") if args.layers else None
-    peak, results = bench.bench_net(net, arch, args.batch, threads, passes, layers, args.repeats, compare,
-                                    rounds=args.rounds)
-    print(bench.format_table(net, arch, args.batch, threads, peak, results))
+    if args.zoo:
+        from .zoo import load_zoo
+        shapes = load_zoo(args.zoo, args.max_memory)
+        if args.layers:
+            wanted = set(args.layers.split(","))
+            unknown = wanted - {s.name for s in shapes}
+            if unknown:
+                raise PcldnnError(f"{args.zoo}: no shape named {', '.join(sorted(unknown))}")
+            shapes = [s for s in shapes if s.name in wanted]
+        title = f"zoo {Path(args.zoo).name}"
+        peak, results = bench.bench_zoo(shapes, arch, args.batch, threads, passes, args.repeats, compare, args.rounds)
+    else:
+        net = load_netspec(args.net, args.max_memory)
+        title = net.name
+        layers = args.layers.split(",") if args.layers else None
+        peak, results = bench.bench_net(net, arch, args.batch, threads, passes, layers, args.repeats, compare,
+                                        rounds=args.rounds)
+    print(bench.format_table(title, arch, args.batch, threads, peak, results))
     if args.json:
-        Path(args.json).write_text(json.dumps(bench.results_json(net, arch, args.batch, threads, peak, results), indent=1))
+        Path(args.json).write_text(json.dumps(bench.results_json(title, arch, args.batch, threads, peak, results,
+                                                                 zoo=bool(args.zoo)), indent=1))
     if args.plot:
-        bench.plot(Path(args.plot), net, arch, results)
+        bench.plot(Path(args.plot), title, arch, results)
     return 0
 
 
@@ -147,12 +163,13 @@ def parser() -> argparse.ArgumentParser:
     k.set_defaults(func=_peak)
 
     b = sub.add_parser("bench", help="time every conv/fc layer and pass against the peak and baselines")
-    b.add_argument("net")
+    b.add_argument("net", nargs="?", help="a net file (or --zoo)")
+    b.add_argument("--zoo", help="a shape zoo file (benchmarks/zoo/zoo.json): every shape as a one-layer net")
     b.add_argument("--arch", default="native")
     b.add_argument("--threads", type=_int_in(1, 4096), default=None, help="OpenMP threads (default: all cores)")
     b.add_argument("--batch", type=_int_in(1, 1 << 20), default=16)
     b.add_argument("--passes", default=",".join(PASSES), help="comma-separated, default all")
-    b.add_argument("--layers", default=None, help="comma-separated conv/fc layers (default all)")
+    b.add_argument("--layers", default=None, help="comma-separated conv/fc layers, or zoo shapes (default all)")
     b.add_argument("--repeats", type=_int_in(1, 1000), default=5)
     b.add_argument("--rounds", type=_int_in(1, 100), default=2,
                    help="rounds of (our kernels, baselines) per layer; ratios are the median of the per-round ratios")

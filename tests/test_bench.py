@@ -33,7 +33,7 @@ def test_bench_net_with_numpy_baseline(tmp_path):
     for r in results:
         assert r.ms > 0 and r.gflops > 0 and r.peak_fraction == pytest.approx(r.gflops / 100.0)
         assert r.vs_numpy is not None and r.vs_numpy > 0 and r.vs_onednn is None
-    table = bench.format_table(TINY, get_arch("avx2"), 3, 1, peak, results)
+    table = bench.format_table(TINY.name, get_arch("avx2"), 3, 1, peak, results)
     assert "c1       bwd_weights" in table and "measured FMA peak 100.0" in table
 
 
@@ -137,3 +137,52 @@ def test_summarize_keys_rows_by_layer_and_refuses_a_second_timing(tmp_path):
         in summarize.markdown(groups)
     with pytest.raises(SystemExit, match="a fwd is also in .*full.json"):
         summarize.load([full, run("again.json", 1, [("a", 3.0, 0.6, 2.0)])])
+
+
+def test_the_shipped_zoo_covers_what_users_train():
+    from helpers import REPO
+
+    from pcldnn_gen.zoo import load_zoo
+    shapes = load_zoo(REPO / "benchmarks" / "zoo" / "zoo.json")
+    layers = [s.net.layers[0] for s in shapes]
+    conv = [l for l in layers if l.type == "conv"]
+    assert len(conv) >= 40 and len(layers) - len(conv) >= 10
+    assert {s.family for s in shapes} >= {"AlexNet", "VGG", "GoogLeNet", "ResNet", "MobileNet", "CIFAR"}
+    assert {1, 3, 5, 7, 11} <= {l.kernel[0] for l in conv} and {1, 2, 4} <= {l.stride[0] for l in conv}
+    channels = {l.in_shape[0] for l in layers} | {l.out_shape[0] for l in layers}
+    assert {3, 24, 40, 48, 96, 200, 500} <= channels
+    assert max(l.in_shape[1] for l in conv) >= 224 and min(l.in_shape[1] for l in conv) <= 7
+
+
+@pytest.mark.parametrize("patch, fragment", [
+    ({"shapes": []}, "shapes: must be a list of 1 to 10000 items"),
+    ({"shapes": [{"name": "a", "family": "X", "input": [3, 8, 8], "layer": {"type": "pool"}}]},
+     "shapes[0].layer.type: must be one of"),
+    ({"shapes": [{"name": "a", "family": "X", "input": [3, 8, 8], "layer": {"type": "conv", "out_channels": 4,
+                                                                              "kernel": 99}}]}, "shapes[0]"),
+    ({"shapes": [{"name": "a", "family": "X", "input": [3, 8, 8], "layer": {"type": "fc", "out_features": 4}}] * 2},
+     "shapes[1].name: a appears twice"),
+])
+def test_a_broken_zoo_is_refused_in_one_line(tmp_path, capsys, patch, fragment):
+    path = tmp_path / "zoo.json"
+    path.write_text(json.dumps({"name": "z", **patch}))
+    assert main(["bench", "--zoo", str(path), "--arch", RUNNABLE_ISAS[-1]]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and str(path) in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_zoo_times_every_shape_as_its_own_net(tmp_path):
+    zoo = tmp_path / "zoo.json"
+    zoo.write_text(json.dumps({"name": "z", "shapes": [
+        {"name": "c24", "family": "CIFAR", "input": [3, 8, 8],
+         "layer": {"type": "conv", "out_channels": 24, "kernel": 3, "pad": 1}},
+        {"name": "f40", "family": "Toy", "input": [40, 1, 1], "layer": {"type": "fc", "out_features": 10}}]}))
+    out = tmp_path / "r.json"
+    assert main(["bench", "--zoo", str(zoo), "--arch", RUNNABLE_ISAS[-1], "--batch", "2", "--threads", "1",
+                 "--repeats", "1", "--rounds", "1", "--passes", "fwd,bwd_data", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["zoo"] is True
+    assert [(r["layer"], r["pass_name"], r["family"], r["layer_type"]) for r in data["results"]] == [
+        ("c24", "fwd", "CIFAR", "conv"), ("c24", "bwd_data", "CIFAR", "conv"),
+        ("f40", "fwd", "Toy", "fc"), ("f40", "bwd_data", "Toy", "fc")]
+    assert all(0 < r["peak_fraction"] == pytest.approx(r["gflops"] / data["peak_gflops"]) for r in data["results"])
