@@ -101,6 +101,7 @@ class PassResult:
     onednn_isa: str | None = None          # the ISA oneDNN reported it dispatches to
     layer_type: str = ""                   # conv or fc
     family: str = ""                       # zoo rows: the architecture the shape comes from
+    useful_gflops: float = 0.0             # GFLOP/s counting only taps that read inside the input (no padding)
 
 
 def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASS_NAMES,
@@ -144,12 +145,12 @@ def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASS_N
     best_peak = max(peaks)
     results = []
     for ls in chosen:
-        flops = ls.flops(batch)
+        flops, useful = ls.flops(batch), ls.useful_flops(batch)
         for p in passes:
             t, r = ours[(ls.name, p)], ratios[(ls.name, p)]
             results.append(PassResult(ls.name, p, t * 1e3, flops / t / 1e9, flops / t / 1e9 / best_peak,
                                       r.get("numpy"), r.get("onednn"), r.get("onednn_wall"), r.get("onednn_impl"),
-                                      r.get("onednn_isa"), ls.type))
+                                      r.get("onednn_isa"), ls.type, useful_gflops=useful / t / 1e9))
     return best_peak, results
 
 
@@ -198,16 +199,18 @@ def run_baselines(layers, arch: Arch, batch: int, threads: int, passes, repeats:
 def format_table(title: str, arch: Arch, batch: int, threads: int, peak: float, results: list[PassResult]) -> str:
     lines = [f"{title} on {arch.name}, minibatch {batch}, {threads} thread(s); measured FMA peak {peak:.1f} GFLOP/s "
              "(highest of the run)",
-             f"{'layer':<8} {'pass':<12} {'ms':>9} {'GFLOP/s':>8} {'%peak':>6} {'xnumpy':>7} {'xoneDNN':>8} {'xoneDNN wall':>12}"]
+             f"{'layer':<8} {'pass':<12} {'ms':>9} {'GFLOP/s':>8} {'%peak':>6} {'useful':>7} {'xnumpy':>7} {'xoneDNN':>8} "
+             f"{'xoneDNN wall':>12}"]
 
     def fmt(v, width):
         return f"{v:{width}.2f}" if v is not None else f"{'-':>{width}}"
 
     for r in results:
         lines.append(f"{r.layer:<8} {r.pass_name:<12} {r.ms:9.2f} {r.gflops:8.1f} {r.peak_fraction:6.0%} "
-                     f"{fmt(r.vs_numpy, 7)} {fmt(r.vs_onednn, 8)} {fmt(r.vs_onednn_wall, 12)}")
+                     f"{r.useful_gflops / r.gflops if r.gflops else 0:7.0%} {fmt(r.vs_numpy, 7)} {fmt(r.vs_onednn, 8)} "
+                     f"{fmt(r.vs_onednn_wall, 12)}")
     lines.append("GFLOP/s and %peak count nominal FLOPs (2 x every multiply-add of the layer, padding taps "
-                 "included), whatever the kernels skip")
+                 "included); useful = the share of them that reads inside the input (the kernels skip the rest)")
     lines.append("x columns: baseline time / our time (> 1: ours is faster); oneDNN = its primitive time "
                  "(ONEDNN_VERBOSE), oneDNN wall = PyTorch call time including layout reorders")
     impls = sorted({i for r in results if r.onednn_impl for i in r.onednn_impl.split()})

@@ -74,6 +74,21 @@ class LayerSpec:
         oc, oh, ow = self.out_shape
         return 2 * batch * oc * oh * ow * self.in_shape[0] * self.kernel[0] * self.kernel[1]
 
+    def useful_flops(self, batch: int) -> int:
+        """The FLOPs of `flops` whose input is not padding: each kernel tap counted only at the
+        outputs where it reads inside the input (what a kernel that skips padding executes,
+        padded channel lanes aside)."""
+        if self.type != "conv":
+            return self.flops(batch)
+
+        def inside(out: int, size: int, k: int, stride: int, pad: int) -> int:
+            return sum(1 for o in range(out) for t in range(k) if 0 <= o * stride - pad + t < size)
+
+        (oh, ow), (ih, iw) = self.out_shape[1:], self.in_shape[1:]
+        rows = inside(oh, ih, self.kernel[0], self.stride[0], self.pad[0])
+        cols = inside(ow, iw, self.kernel[1], self.stride[1], self.pad[1])
+        return 2 * batch * self.out_shape[0] * self.in_shape[0] * rows * cols
+
 
 @dataclass(frozen=True)
 class NetSpec:

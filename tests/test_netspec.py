@@ -143,3 +143,19 @@ def test_hash_identifies_the_description():
     b = parse_netspec(json.loads(json.dumps(BASE)))
     c = parse_netspec(_with(lambda n: n["layers"][0].update(out_channels=9)) | {"classes": 10})
     assert a.source_hash == b.source_hash != c.source_hash
+
+
+@pytest.mark.parametrize("size, k, s, p", [(8, 3, 1, 1), (7, 5, 2, 2), (19, 11, 4, 0), (12, 11, 4, 2), (5, 3, 2, 3),
+                                          (6, 1, 1, 0)])
+def test_useful_flops_count_only_taps_inside_the_input(size, k, s, p):
+    """Against a brute-force count over every (output pixel, tap) of a padded input."""
+    import numpy as np
+    net = parse_netspec({"name": "u", "input": {"channels": 3, "height": size, "width": size + 1}, "layers": [
+        {"name": "c", "type": "conv", "out_channels": 5, "kernel": k, "stride": s, "pad": p}]})
+    layer = net.layers[0]
+    _, oh, ow = layer.out_shape
+    inside = np.zeros((size + 2 * p, size + 1 + 2 * p), bool)
+    inside[p:p + size, p:p + size + 1] = True
+    taps = sum(int(inside[y * s:y * s + k, x * s:x * s + k].sum()) for y in range(oh) for x in range(ow))
+    assert layer.useful_flops(2) == 2 * 2 * 5 * 3 * taps
+    assert layer.useful_flops(2) <= layer.flops(2) and (p > 0 or layer.useful_flops(2) == layer.flops(2))
