@@ -29,7 +29,6 @@ from .compiler import Source, compile_source
 from .errors import PcldnnError
 from .netspec import NetSpec
 
-PASS_NAMES = PASSES  # every pass of a weighted layer
 BASELINES = ("numpy", "onednn")
 # Timed keys of a baseline run (seconds); ratios are taken of these only.
 BASELINE_TIMES = ("numpy", "onednn", "onednn_wall")
@@ -104,7 +103,7 @@ class PassResult:
     useful_gflops: float = 0.0             # GFLOP/s counting only taps that read inside the input (no padding)
 
 
-def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASS_NAMES,
+def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASSES,
               layers: list[str] | None = None, repeats: int = 5, compare=(), peak: float | None = None,
               build_dir: Path | None = None, rounds: int = 1) -> tuple[float, list[PassResult]]:
     """Time every (weighted layer, pass). Returns (peak GFLOP/s, results).
@@ -154,7 +153,7 @@ def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASS_N
     return best_peak, results
 
 
-def bench_zoo(shapes, arch: Arch, batch: int, threads: int, passes=PASS_NAMES, repeats: int = 5, compare=(),
+def bench_zoo(shapes, arch: Arch, batch: int, threads: int, passes=PASSES, repeats: int = 5, compare=(),
               rounds: int = 1) -> tuple[float, list[PassResult]]:
     """Every shape of a zoo (pcldnn_gen.zoo) as a one-layer net, like bench_net. The FMA peak is
     measured before and after the whole zoo; the efficiencies use the higher of the two."""

@@ -29,7 +29,7 @@ def test_bench_net_with_numpy_baseline(tmp_path):
     peak, results = bench.bench_net(TINY, get_arch(RUNNABLE_ISAS[-1]), batch=3, threads=1, repeats=1,
                                     compare=("numpy",), peak=100.0)
     assert peak == 100.0
-    assert [(r.layer, r.pass_name) for r in results] == [(l, p) for l in ("c1", "f1") for p in bench.PASS_NAMES]
+    assert [(r.layer, r.pass_name) for r in results] == [(l, p) for l in ("c1", "f1") for p in bench.PASSES]
     for r in results:
         assert r.ms > 0 and r.gflops > 0 and r.peak_fraction == pytest.approx(r.gflops / 100.0)
         assert r.vs_numpy is not None and r.vs_numpy > 0 and r.vs_onednn is None

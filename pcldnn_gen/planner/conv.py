@@ -287,6 +287,5 @@ def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch) -> ConvBwdWeightsPlan:
         tile=tile, tile_widths=(tile.width,), predicted_efficiency=eff, l1_working_set=rows * per_row,
         l2_bytes_per_flop=(tile.vectors * v + tile.width) * 4 / flops_px, rejected=tuple(s[3] for s in scored[1:6]),
         block_rows=rows, block_cols=cols, lanes=lanes, rem_vectors=rem_n,
-        vector_counts=(tile.vectors, *((rem_n,) if rem_n else ())),
         oh_range=tuple(_valid_range(oh, ih, k, sh, ph) for k in range(kh)),
         ow_range=tuple(_valid_range(ow, iw, k, sw, pw) for k in range(kw)))

@@ -43,15 +43,15 @@ def plan_fc_fwd(layer: LayerSpec, arch: Arch) -> FcFwdPlan:
     # OverFeat-FAST 1.05/1.32/1.25x; unchanged at minibatch 64.
     panel_per_k = tile.vectors * v * 4
     kc = max(v, min(k, (arch.l2_bytes // 8) // panel_per_k // v * v))
-    # Both the minibatch (rows) and the output slice [ocb_lo, ocb_hi) (a model-parallel rank's
-    # share) are run-time arguments: every narrower row count and vector count can occur.
+    # The minibatch is a run-time argument: every narrower row count can occur (and every
+    # vector count: FcFwdPlan.vector_counts).
     return FcFwdPlan(
         layer=layer.name, pass_name="fwd", kind="fc_fwd", template="fc_fwd.c.j2", isa=arch.isa, vector_floats=v,
         reason=explain.fc_fwd(tile, arch, rem_n, kc, k, panel_per_k), tile=tile,
         tile_widths=tuple(range(tile.width, 0, -1)), remainders=tuple(range(tile.width - 1, 0, -1)),
         predicted_efficiency=tile.efficiency, l1_working_set=kc * panel_per_k,
         l2_bytes_per_flop=per_k / (2 * tile.width * tile.vectors * v), rejected=tuple(scored[1:6]),
-        k_chunk=kc, rem_vectors=rem_n, vector_counts=tuple(range(tile.vectors, 0, -1)))
+        k_chunk=kc, rem_vectors=rem_n)
 
 
 def plan_fc_bwd_data(layer: LayerSpec, arch: Arch) -> FcBwdDataPlan:
@@ -90,13 +90,11 @@ def plan_fc_bwd_weights(layer: LayerSpec, arch: Arch) -> FcBwdWeightsPlan:
     # K chunk: the packed input panels (minibatch x chunk) fill at most half of L2 at the
     # planning minibatch; every output-vector group sweeps them from L2.
     kc = max(tile.width, min(k, (arch.l2_bytes // 2) // (4 * FC_PLAN_BATCH) // tile.width * tile.width))
-    # The output slice is a run-time argument (model-parallel ranks), so every narrower vector
-    # count can occur; only the last K panel is narrower along features.
+    # Only the last K panel is narrower along features (vector counts: FcBwdWeightsPlan.vector_counts).
     return FcBwdWeightsPlan(
         layer=layer.name, pass_name="bwd_weights", kind="fc_bwd_weights", template="fc_bwd_weights.c.j2",
         isa=arch.isa, vector_floats=v, reason=explain.fc_bwd_weights(tile, arch, rem_k, rem_n, FC_PLAN_BATCH, kc, k),
         tile=tile, tile_widths=(tile.width, *((rem_k,) if rem_k else ())), predicted_efficiency=tile.efficiency,
         l1_working_set=FC_PLAN_BATCH * tile.vectors * v * 4,
         l2_bytes_per_flop=(tile.width + tile.vectors * v) * 4 / (2 * tile.width * tile.vectors * v),
-        rejected=tuple(scored[1:6]), k_chunk=kc, rem_features=rem_k, rem_vectors=rem_n,
-        feature_widths=(tile.width, *((rem_k,) if rem_k else ())), vector_counts=tuple(range(tile.vectors, 0, -1)))
+        rejected=tuple(scored[1:6]), k_chunk=kc, rem_features=rem_k, rem_vectors=rem_n)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .tiles import EdgeTile, RegisterTile, RowCover
+from .tiles import RegisterTile, RowCover
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,9 +103,14 @@ class ConvBwdWeightsPlan(KernelPlan):
     block_cols: int                 # output columns per pixel block
     lanes: int                      # input-channel lanes with data (the rest are padding)
     rem_vectors: int                # oc vectors of the last, narrower group (0: none)
-    vector_counts: tuple[int, ...]  # oc-vector counts of the tiles emitted: the full group, then the last
     oh_range: tuple[tuple[int, int], ...]   # per kernel row: output rows [lo, hi) that read inside the input
     ow_range: tuple[tuple[int, int], ...]   # per kernel column: the same for output columns
+
+    @property
+    def vector_counts(self) -> tuple[int, ...]:
+        """oc-vector counts of the tiles emitted: the full group, then the last if narrower."""
+        assert self.tile is not None
+        return (self.tile.vectors, *((self.rem_vectors,) if self.rem_vectors else ()))
 
     def reduction_chunk(self) -> str:
         return f"{self.block_rows} output rows"
@@ -115,7 +120,14 @@ class ConvBwdWeightsPlan(KernelPlan):
 class FcFwdPlan(KernelPlan):
     k_chunk: int                    # K elements per chunk (the group's weight panel in L2)
     rem_vectors: int                # output vectors of the last group of the whole layer (0: none)
-    vector_counts: tuple[int, ...]  # output-vector counts of the tiles emitted, widest first
+
+    @property
+    def vector_counts(self) -> tuple[int, ...]:
+        """Every output-vector count up to the tile's, widest first: the output slice
+        [ocb_lo, ocb_hi) is a run-time argument (a model-parallel rank's share), so any
+        narrower last group can occur."""
+        assert self.tile is not None
+        return tuple(range(self.tile.vectors, 0, -1))
 
     def reduction_chunk(self) -> str:
         return f"{self.k_chunk} K elements"
@@ -135,12 +147,17 @@ class FcBwdWeightsPlan(KernelPlan):
     k_chunk: int                    # K elements packed per chunk (panels in L2)
     rem_features: int               # features of the last, narrower panel (0: none)
     rem_vectors: int                # output vectors of the last group (0: none)
-    feature_widths: tuple[int, ...]  # panel widths of the tiles emitted: full first
-    vector_counts: tuple[int, ...]  # output-vector counts of the tiles emitted, widest first
+
+    @property
+    def vector_counts(self) -> tuple[int, ...]:
+        """Every output-vector count up to the tile's, widest first (the output slice is a
+        run-time argument, as in FcFwdPlan); the panel widths are `tile_widths`."""
+        assert self.tile is not None
+        return tuple(range(self.tile.vectors, 0, -1))
 
     def reduction_chunk(self) -> str:
         return f"{self.k_chunk} K elements"
 
 
-__all__ = ["BwdDataPhase", "ConvBwdDataPlan", "ConvBwdWeightsPlan", "ConvFwdPlan", "DropoutPlan", "EdgeTile",
+__all__ = ["BwdDataPhase", "ConvBwdDataPlan", "ConvBwdWeightsPlan", "ConvFwdPlan", "DropoutPlan",
            "FcBwdDataPlan", "FcBwdWeightsPlan", "FcFwdPlan", "KernelPlan", "RowCover"]
