@@ -105,7 +105,7 @@ class PassResult:
 
 def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASSES,
               layers: list[str] | None = None, repeats: int = 5, compare=(), peak: float | None = None,
-              build_dir: Path | None = None, rounds: int = 1) -> tuple[float, list[PassResult]]:
+              build_dir: Path | None = None, rounds: int = 1, tuning=None) -> tuple[float, list[PassResult]]:
     """Time every (weighted layer, pass). Returns (peak GFLOP/s, results).
 
     Layer by layer, `rounds` times: our kernels then the baselines, back to back. Our time is
@@ -122,7 +122,7 @@ def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASSES
     ours, ratios = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         out = build_dir or Path(tmp) / "build"
-        build(spec, arch, out)
+        build(spec, arch, out, tuning=tuning)
         net = pr.load(out, threads=threads)
         for ls in chosen:
             runs = kernel_runs(net.layers[ls.name], batch)
@@ -154,14 +154,14 @@ def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASSES
 
 
 def bench_zoo(shapes, arch: Arch, batch: int, threads: int, passes=PASSES, repeats: int = 5, compare=(),
-              rounds: int = 1) -> tuple[float, list[PassResult]]:
+              rounds: int = 1, tuning=None) -> tuple[float, list[PassResult]]:
     """Every shape of a zoo (pcldnn_gen.zoo) as a one-layer net, like bench_net. The FMA peak is
     measured before and after the whole zoo; the efficiencies use the higher of the two."""
     peaks = [measure_peak(arch, threads)]
     rows: list[PassResult] = []
     for shape in shapes:
         _, results = bench_net(shape.net, arch, batch, threads, passes, None, repeats, compare, peak=peaks[0],
-                               rounds=rounds)
+                               rounds=rounds, tuning=tuning)
         rows += [replace(r, family=shape.family) for r in results]
     peaks.append(measure_peak(arch, threads))
     best = max(peaks)

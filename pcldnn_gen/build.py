@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Mapping
 
 from filelock import FileLock
 
@@ -25,6 +26,9 @@ from .compiler import Source, compile_all
 from .errors import BuildDirError
 from .netspec import LayerSpec, NetSpec
 from .planner import LAYER_PASSES, KernelPlan, plan_layer
+
+if TYPE_CHECKING:
+    from .tuning import TuningDB
 
 
 @dataclass(frozen=True)
@@ -39,14 +43,25 @@ def default_build_dir(net: NetSpec, arch: Arch) -> Path:
     return Path("build") / f"{net.name}-{arch.isa}"
 
 
-def plan_net(net: NetSpec, arch: Arch) -> dict[tuple[str, str], KernelPlan]:
-    return {(layer.name, p): plan_layer(layer, p, arch)
-            for layer in net.layers for p in LAYER_PASSES[layer.type]}
+def plan_net(net: NetSpec, arch: Arch, tuning: TuningDB | None = None,
+             choices: Mapping[tuple[str, str], tuple[int, int]] | None = None) -> dict[tuple[str, str], KernelPlan]:
+    """Every (layer, pass) plan: the model's, the tuning database's measured tile where an
+    entry matches, or a forced candidate tile from `choices` (the tuner's trial builds)."""
+    plans = {}
+    for layer in net.layers:
+        for p in LAYER_PASSES[layer.type]:
+            choice = (choices or {}).get((layer.name, p))
+            plans[(layer.name, p)] = (plan_layer(layer, p, arch, choice) if choice or tuning is None
+                                      else tuning.plan(layer, p, arch))
+    return plans
 
 
-def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | None = None) -> BuildResult:
+def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | None = None,
+          tuning: TuningDB | None = None, choices: Mapping[tuple[str, str], tuple[int, int]] | None = None
+          ) -> BuildResult:
+    """Plan (through `tuning` when given; see plan_net), render, compile, write the directory."""
     out_dir = Path(out_dir) if out_dir is not None else default_build_dir(net, arch)
-    plans = plan_net(net, arch)
+    plans = plan_net(net, arch, tuning, choices)
     sources: list[tuple[LayerSpec, str, Source]] = []
     for layer in net.layers:
         for p in LAYER_PASSES[layer.type]:

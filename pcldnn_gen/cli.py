@@ -22,12 +22,13 @@ def _compile(args: argparse.Namespace) -> int:
     net = load_netspec(args.net, args.max_memory)
     arch = get_arch(args.arch)
     t0 = time.perf_counter()
-    result = build(net, arch, Path(args.output) if args.output else None, args.jobs)
+    result = build(net, arch, Path(args.output) if args.output else None, args.jobs, _tuning(args))
     elapsed = time.perf_counter() - t0
     for layer in net.layers:
         shape = "x".join(map(str, layer.out_shape))
         detail = "  ".join(
             f"{p} {plan.tile.width}x{plan.tile.vectors}v {plan.predicted_efficiency:.0%}"
+            f"{' tuned' if plan.measured is not None else ''}"
             for (name, p), plan in result.plans.items() if name == layer.name and plan.tile is not None)
         print(f"  {layer.name:<12} {layer.type:<22} -> {shape:<14} {detail}")
     print(f"{result.directory}: {len(net.layers)} layers, {result.compiled} kernels compiled, "
@@ -35,11 +36,18 @@ def _compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tuning(args: argparse.Namespace):
+    """The tuning database unless --no-tuning (then the model decides every tile)."""
+    from .tuning import TuningDB
+    return None if args.no_tuning else TuningDB.load()
+
+
 def _inspect(args: argparse.Namespace) -> int:
     net = load_netspec(args.net, args.max_memory)
     arch = get_arch(args.arch)
     layer = net.layer(args.layer)
-    plan = plan_layer(layer, args.pass_name, arch)
+    tuning = _tuning(args)
+    plan = tuning.plan(layer, args.pass_name, arch) if tuning else plan_layer(layer, args.pass_name, arch)
     if args.explain:
         print(f"{layer.name} {plan.pass_name} on {arch.name}: {plan.reason}")
         if plan.tile is not None:
@@ -47,8 +55,47 @@ def _inspect(args: argparse.Namespace) -> int:
                   f"L2->L1 {plan.l2_bytes_per_flop:.4f} B/FLOP")
             for t in plan.rejected:
                 print(f"rejected : {t.describe()}")
+            print(_measured_lines(plan) if plan.measured else
+                  f"measured : none (`pcldnn-gen tune {args.net} --arch {args.arch}` times the candidates)")
         return 0
     sys.stdout.write(render_kernel(layer, plan, arch).text)
+    return 0
+
+
+def _measured_lines(plan) -> str:
+    """The model's prediction beside the tuner's measurement, one candidate per line."""
+    m = plan.measured
+    lines = [f"measured : minibatch {m.batch}, {m.threads} thread(s), FMA peak {m.peak_gflops:.1f} GFLOP/s",
+             "           tile     predicted  measured ms  % of peak"]
+    for t in m.timings:
+        notes = [n for n, tile in (("model's first choice", m.model), ("used", (plan.tile.width, plan.tile.vectors)))
+                 if tile == (t.width, t.vectors)]
+        lines.append(f"           {t.width}x{t.vectors:<6} {t.predicted_efficiency:9.0%} {t.ms:12.3f} "
+                     f"{m.percent_of_peak(t):10.0%}  {', '.join(notes)}")
+    return "\n".join(lines)
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from . import tuner
+    from .tuning import TuningDB
+    if (args.net is None) == (args.zoo is None):
+        raise PcldnnError("tune: give a net file or --zoo FILE (one of the two)")
+    arch = get_arch(args.arch)
+    threads = args.threads or _cores()
+    if args.zoo:
+        from .zoo import load_zoo
+        nets = [s.net for s in load_zoo(args.zoo, args.max_memory)]
+    else:
+        nets = [load_netspec(args.net, args.max_memory)]
+    db = TuningDB.load()
+    print(f"tuning {len(nets)} net(s) on {arch.name}, minibatch {args.batch}, {threads} thread(s); "
+          f"database {db.path}", flush=True)
+    report = tuner.tune(nets, arch, args.batch, threads, candidates=args.candidates, rounds=args.rounds,
+                        repeats=args.repeats, budget=args.budget, force=args.force, db=db,
+                        progress=lambda line: print(line, flush=True))
+    print(tuner.summary(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(tuner.report_json(report, arch, args.batch, threads), indent=1))
     return 0
 
 
@@ -90,13 +137,14 @@ def _bench(args: argparse.Namespace) -> int:
                 raise PcldnnError(f"{args.zoo}: no shape named {', '.join(sorted(unknown))}")
             shapes = [s for s in shapes if s.name in wanted]
         title = f"zoo {Path(args.zoo).name}"
-        peak, results = bench.bench_zoo(shapes, arch, args.batch, threads, passes, args.repeats, compare, args.rounds)
+        peak, results = bench.bench_zoo(shapes, arch, args.batch, threads, passes, args.repeats, compare, args.rounds,
+                                        _tuning(args))
     else:
         net = load_netspec(args.net, args.max_memory)
         title = net.name
         layers = args.layers.split(",") if args.layers else None
         peak, results = bench.bench_net(net, arch, args.batch, threads, passes, layers, args.repeats, compare,
-                                        rounds=args.rounds)
+                                        rounds=args.rounds, tuning=_tuning(args))
     print(bench.format_table(title, arch, args.batch, threads, peak, results))
     if args.json:
         Path(args.json).write_text(json.dumps(bench.results_json(title, arch, args.batch, threads, peak, results,
@@ -145,6 +193,7 @@ def parser() -> argparse.ArgumentParser:
                    "sapphirerapids, zen3, zen4, zen5), avx2, avx512, scalar, or an arch JSON file")
     c.add_argument("-o", "--output", help="build directory (default build/<net>-<isa>)")
     c.add_argument("--jobs", type=_int_in(1, 256), default=None, help="parallel compiler processes (default: cores)")
+    _no_tuning_option(c)
     _max_memory_option(c)
     c.set_defaults(func=_compile)
 
@@ -153,7 +202,9 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--layer", required=True)
     i.add_argument("--pass", dest="pass_name", default="fwd", choices=PASSES)
     i.add_argument("--arch", default="native")
-    i.add_argument("--explain", action="store_true", help="print the plan and rejected tiles instead of C")
+    i.add_argument("--explain", action="store_true",
+                   help="print the plan, the rejected tiles and the tuner's measurements instead of C")
+    _no_tuning_option(i)
     _max_memory_option(i)
     i.set_defaults(func=_inspect)
 
@@ -176,8 +227,27 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--compare", default="", help="comma-separated baselines: numpy, onednn (needs torch)")
     b.add_argument("--json", help="write the results as JSON")
     b.add_argument("--plot", help="write a bar chart (PNG; needs matplotlib)")
+    _no_tuning_option(b)
     _max_memory_option(b)
     b.set_defaults(func=_bench)
+
+    t = sub.add_parser("tune", help="time the model's best few tiles per kernel; record the fastest for compile")
+    t.add_argument("net", nargs="?", help="a net file (or --zoo)")
+    t.add_argument("--zoo", help="a shape zoo file: every shape as a one-layer net")
+    t.add_argument("--arch", default="native")
+    t.add_argument("--threads", type=_int_in(1, 4096), default=None, help="OpenMP threads (default: all cores)")
+    t.add_argument("--batch", type=_int_in(1, 1 << 20), default=16, help="minibatch the kernels are timed at")
+    t.add_argument("--candidates", type=_int_in(2, 6), default=4, help="tiles per kernel, the model's best first")
+    t.add_argument("--rounds", type=_int_in(1, 1000), default=15,
+                   help="interleaved rounds; candidates are compared on the median of per-round ratios")
+    t.add_argument("--repeats", type=_int_in(1, 1000), default=1,
+                   help="timed calls per candidate and round, after a warm-up call (median)")
+    t.add_argument("--budget", type=_seconds, default=None, metavar="SECONDS",
+                   help="stop measuring after this long (kernels not reached keep the model's tile)")
+    t.add_argument("--force", action="store_true", help="measure kernels that already have an entry again")
+    t.add_argument("--json", help="write the measurements as JSON")
+    _max_memory_option(t)
+    t.set_defaults(func=_tune)
 
     pl = sub.add_parser("plan", help="predict multi-node scaling and choose data / model / hybrid parallelism per layer")
     pl.add_argument("net")
@@ -197,6 +267,11 @@ def parser() -> argparse.ArgumentParser:
     _max_memory_option(pl)
     pl.set_defaults(func=_plan)
     return ap
+
+
+def _no_tuning_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-tuning", action="store_true",
+                   help="ignore the tuning database (PCLDNN_TUNING_DB, default <cache dir>/tuning.json): model only")
 
 
 def _max_memory_option(p: argparse.ArgumentParser) -> None:
@@ -224,6 +299,16 @@ def _int_in(lo: int, hi: int):
             raise argparse.ArgumentTypeError(f"must be an int in [{lo}, {hi}], got {text[:40]!r}")
         return value
     return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text) if len(text) <= 20 else -1.0
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 7 * 24 * 3600:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a number of seconds in (0, 604800], got {text[:40]!r}")
+    return value
 
 
 def _fraction(text: str) -> float:

@@ -235,6 +235,12 @@ def _comment_lines(plan: KernelPlan) -> list[str]:
         lines.append(blocks_line)
     wrapped = textwrap.wrap(c_comment(plan.reason), 88)
     lines += [("why     : " if i == 0 else "          ") + w for i, w in enumerate(wrapped)]
+    if plan.measured is not None:
+        m = plan.measured
+        times = ", ".join(f"{t.width}x{t.vectors} {t.ms:.3f} ms" for t in m.timings)
+        tuned = (f"tile from the tuning database (model's first choice {m.model[0]}x{m.model[1]}); "
+                 f"measured at minibatch {m.batch}, {m.threads} thread(s): {times}")
+        lines += [("tuned   : " if i == 0 else "          ") + w for i, w in enumerate(textwrap.wrap(c_comment(tuned), 88))]
     return lines
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,9 @@ import pytest
 # nothing. PCLDNN_TEST_CACHE moves it.
 REPO = Path(__file__).resolve().parent.parent
 os.environ["PCLDNN_CACHE_DIR"] = os.environ.get("PCLDNN_TEST_CACHE", str(REPO / "build" / "test-kernel-cache"))
+# Nor the user's tuning database: builds in tests follow the model unless a test points
+# PCLDNN_TUNING_DB at a database of its own.
+os.environ["PCLDNN_TUNING_DB"] = os.path.join(tempfile.mkdtemp(prefix="pcldnn-test-tuning-"), "tuning.json")
 sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import ISA_PARAMS  # noqa: E402

@@ -11,6 +11,7 @@ import pcldnn_runtime as pr
 from pcldnn_gen.arch import get_arch
 from pcldnn_gen.build import build
 from pcldnn_gen.netspec import parse_netspec
+from pcldnn_gen.planner import LAYER_PASSES, plan_layer
 from pcldnn_runtime import cpu
 from pcldnn_runtime.mpi_safety import mpiexec
 
@@ -37,11 +38,23 @@ TRAIN_LAYERS = [
 TRAIN_SHAPE = (3, 8, 8)
 
 
-def build_and_load(tmp_path: Path, layers: list[dict], input_shape, isa: str, name: str = "t", threads: int = 2):
+def build_and_load(tmp_path: Path, layers: list[dict], input_shape, isa: str, name: str = "t", threads: int = 2,
+                   candidate: int = 0):
+    """Build and load a net; `candidate` k > 0 forces every kernel's k-th best register tile
+    (the model's own ranking, as the tuner tries them; the last one where there are fewer)."""
     c, h, w = input_shape
     net = parse_netspec({"name": name, "input": {"channels": c, "height": h, "width": w}, "layers": layers})
-    out = tmp_path / f"{name}-{isa}"
-    build(net, get_arch(isa), out)
+    out = tmp_path / f"{name}-{isa}-{candidate}"
+    arch = get_arch(isa)
+    choices = {}
+    if candidate:
+        for layer in net.layers:
+            for p in LAYER_PASSES[layer.type]:
+                plan = plan_layer(layer, p, arch)
+                if plan.tile is not None:
+                    t = [plan.tile, *plan.rejected][min(candidate, len(plan.rejected))]
+                    choices[(layer.name, p)] = (t.width, t.vectors)
+    build(net, arch, out, choices=choices)
     return pr.load(out, threads=threads)
 
 

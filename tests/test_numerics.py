@@ -58,9 +58,9 @@ def test_conv_passes_match_numpy(tmp_path, isa, case):
     _check_conv(tmp_path, isa, case)
 
 
-def _check_conv(tmp_path, isa, case):
+def _check_conv(tmp_path, isa, case, candidate=0):
     n, c, h, w, oc, k, s, p, relu = CONV_SHAPES[case]
-    net = build_and_load(tmp_path, [_conv_layer(case, oc, k, s, p, relu)], (c, h, w), isa)
+    net = build_and_load(tmp_path, [_conv_layer(case, oc, k, s, p, relu)], (c, h, w), isa, candidate=candidate)
     layer = net.layers[f"c{case}"]
     rng = np.random.default_rng(case)
     layer.bias = rng.standard_normal(oc).astype(np.float32)
@@ -102,6 +102,17 @@ def test_family_presets_match_numpy(tmp_path, preset):
         _check_fc(tmp_path / f"f{case}", preset, case)
 
 
+@pytest.mark.parametrize("candidate", [1, 2, 3])
+def test_tuner_candidates_match_numpy(tmp_path, isa, candidate):
+    """The tiles `pcldnn-gen tune` may choose instead of the model's (its next-best candidates,
+    each with its own remainder, edge and blocking), on a first layer, a strided layer with
+    channel remainders, an edge-tiled layer and two GEMMs."""
+    for case in (1, 3, 25):
+        _check_conv(tmp_path, isa, case, candidate)
+    for case in (4, 8):
+        _check_fc(tmp_path, isa, case, candidate)
+
+
 # (batch, input C, H, W, out features, relu): features not multiples of the vector width,
 # input from a spatial tensor (flatten) and from a vector, batch sizes hitting every remainder tile.
 FC_SHAPES = [
@@ -122,12 +133,12 @@ def test_fc_passes_match_numpy(tmp_path, isa, case):
     _check_fc(tmp_path, isa, case)
 
 
-def _check_fc(tmp_path, isa, case):
+def _check_fc(tmp_path, isa, case, candidate=0):
     n, c, h, w, oc, relu = FC_SHAPES[case]
     layer_spec = {"name": "f", "type": "fc", "out_features": oc}
     if relu:
         layer_spec["activation"] = "relu"
-    net = build_and_load(tmp_path, [layer_spec], (c, h, w), isa)
+    net = build_and_load(tmp_path, [layer_spec], (c, h, w), isa, candidate=candidate)
     layer = net.layers["f"]
     rng = np.random.default_rng(100 + case)
     layer.bias = rng.standard_normal(oc).astype(np.float32)

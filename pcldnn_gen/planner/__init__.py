@@ -21,23 +21,30 @@ from ..netspec import LayerSpec
 from .conv import L1_BUDGET, plan_conv_bwd_data, plan_conv_bwd_weights, plan_conv_fwd
 from .fc import plan_fc_bwd_data, plan_fc_bwd_weights, plan_fc_fwd
 from .memory import plan_memory_bound
-from .plans import KernelPlan
+from .plans import KernelPlan, Measured, TileTiming
 from .tiles import LATENCY_HEADROOM, RegisterTile
 
-_PLANNERS: dict[tuple[str, str], Callable[[LayerSpec, Arch], KernelPlan]] = {
+_PLANNERS: dict[tuple[str, str], Callable[[LayerSpec, Arch, tuple[int, int] | None], KernelPlan]] = {
     ("conv", "fwd"): plan_conv_fwd, ("conv", "bwd_data"): plan_conv_bwd_data,
     ("conv", "bwd_weights"): plan_conv_bwd_weights,
     ("fc", "fwd"): plan_fc_fwd, ("fc", "bwd_data"): plan_fc_bwd_data, ("fc", "bwd_weights"): plan_fc_bwd_weights,
 }
 
 
-def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch) -> KernelPlan:
+def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, int] | None = None) -> KernelPlan:
+    """The model's plan; with `choice` = (width, vectors), the plan built around that register
+    tile instead (a measured choice: it must be one of the planner's own candidates)."""
     passes = LAYER_PASSES.get(layer.type, ())
     if pass_name not in passes:
         raise PlanError(f"{layer.name}: a {layer.type} layer has no {pass_name!r} pass "
                         f"(it has: {', '.join(passes) or 'none'})")
     planner = _PLANNERS.get((layer.type, pass_name))
-    return planner(layer, arch) if planner else plan_memory_bound(layer, pass_name, arch)
+    if planner:
+        return planner(layer, arch, choice)
+    if choice is not None:
+        raise PlanError(f"{layer.name}: the {pass_name} pass of a {layer.type} layer has no register tile to choose")
+    return plan_memory_bound(layer, pass_name, arch)
 
 
-__all__ = ["L1_BUDGET", "LATENCY_HEADROOM", "LAYER_PASSES", "PASSES", "KernelPlan", "RegisterTile", "plan_layer"]
+__all__ = ["L1_BUDGET", "LATENCY_HEADROOM", "LAYER_PASSES", "PASSES", "KernelPlan", "Measured", "RegisterTile",
+           "TileTiming", "plan_layer"]

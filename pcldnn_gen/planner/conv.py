@@ -11,7 +11,7 @@ from ..errors import PlanError
 from ..netspec import LayerSpec
 from . import explain
 from .plans import BwdDataPhase, ConvBwdDataPlan, ConvBwdWeightsPlan, ConvFwdPlan
-from .tiles import EdgeTile, RegisterTile, Tap, candidates, cover_pieces, cover_row, divisors, pieces_efficiency
+from .tiles import EdgeTile, RegisterTile, Tap, candidates, cover_pieces, cover_row, divisors, pieces_efficiency, put_first
 
 # In conv forward and backward-data tiles, each weight vector comes from another channel
 # block (tens of KiB apart): a separate stream. More than 4 ran far below the model's
@@ -89,7 +89,7 @@ def _conv_fwd_blocking(layer: LayerSpec, tile: RegisterTile, slice_bytes: int, l
     return best[1]
 
 
-def plan_conv_fwd(layer: LayerSpec, arch: Arch) -> ConvFwdPlan:
+def plan_conv_fwd(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | None = None) -> ConvFwdPlan:
     v = arch.vector_floats
     ic, ih, iw = layer.in_shape
     oc, oh, ow = layer.out_shape
@@ -115,6 +115,7 @@ def plan_conv_fwd(layer: LayerSpec, arch: Arch) -> ConvFwdPlan:
         eff = min(eff, arch.l2_bytes_per_cycle / (blocking.l2_bytes_per_flop * peak_flops_per_cycle))
         scored.append((eff, tile.width * tile.vectors, -tile.registers, tile, cover, blocking, row_eff))
     scored.sort(key=lambda s: s[:3], reverse=True)
+    scored = put_first(scored, choice, lambda s: s[3])
     eff, _, _, tile, cover, blocking, row_eff = scored[0]
     remainders = (cover.rem,) if cover.rem else ()
     reason = explain.conv_fwd(tile, arch, ow, cover, row_eff, icb, blocking.chunk, blocking.rows,
@@ -168,14 +169,14 @@ def _covered(layer: LayerSpec, phase: BwdDataPhase, width: int) -> BwdDataPhase:
                         q_lo=phase.q_lo, q_hi=phase.q_hi, cover=cover)
 
 
-def plan_conv_bwd_data(layer: LayerSpec, arch: Arch) -> ConvBwdDataPlan:
+def plan_conv_bwd_data(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | None = None) -> ConvBwdDataPlan:
     v = arch.vector_floats
     icb, ocb = blocks(layer.in_shape[0], v), blocks(layer.out_shape[0], v)
     kh, kw = layer.kernel
     sw = layer.stride[1]
     phases = _bwd_data_phases(layer)
     if icb == 1 and layer.in_shape[0] < v:
-        return _plan_conv_bwd_data_few_channels(layer, arch, phases)
+        return _plan_conv_bwd_data_few_channels(layer, arch, phases, choice)
     widest = max(p.q_hi - p.q_lo for p in phases)
     scored = []
     for tile in candidates(max(1, min(widest, arch.vector_registers)), divisors(icb, WEIGHT_STREAMS), arch):
@@ -184,6 +185,7 @@ def plan_conv_bwd_data(layer: LayerSpec, arch: Arch) -> ConvBwdDataPlan:
         eff = pieces_efficiency(pieces, tile.vectors, arch)
         scored.append((eff, tile.width * tile.vectors, -tile.loads_per_fma, tile, covered))
     scored.sort(key=lambda s: s[:3], reverse=True)  # ties: more chains, then fewer loads per FMA
+    scored = put_first(scored, choice, lambda s: s[3])
     eff, _, _, tile, covered = scored[0]
     slice_bytes = tile.vectors * v * v * kh * kw * 4  # transposed weights of one output-channel block
     ofb = max(1, min(ocb, (arch.l1d_bytes // 2) // slice_bytes))
@@ -199,7 +201,8 @@ def plan_conv_bwd_data(layer: LayerSpec, arch: Arch) -> ConvBwdDataPlan:
         ofm_chunk=ofb, few_channels=False, phases=tuple(covered))
 
 
-def _plan_conv_bwd_data_few_channels(layer: LayerSpec, arch: Arch, phases: list[BwdDataPhase]) -> ConvBwdDataPlan:
+def _plan_conv_bwd_data_few_channels(layer: LayerSpec, arch: Arch, phases: list[BwdDataPhase],
+                                     choice: tuple[int, int] | None) -> ConvBwdDataPlan:
     """Fewer input channels than a vector (an RGB first layer): the general kernel's ic vectors
     would be mostly padding (3 of 8 lanes: kernel_profile counted 2.65x the ideal FMAs on VGG-A
     conv1), so this variant vectorises over the output channels, one accumulator per (input
@@ -209,7 +212,7 @@ def _plan_conv_bwd_data_few_channels(layer: LayerSpec, arch: Arch, phases: list[
     lanes = layer.in_shape[0]
     widest = max(1, max(p.q_hi - p.q_lo for p in phases))
     width = max(1, min(widest, (arch.vector_registers - lanes - 1) // lanes))
-    tile = RegisterTile.evaluate(width, lanes, arch)
+    tile = put_first([RegisterTile.evaluate(width, lanes, arch)], choice)[0]  # one candidate
     ocb = blocks(layer.out_shape[0], v)
     kh, kw = layer.kernel
     # Per input row: the kh/SH dy rows it reads, once from L2 (neighbouring pixels share them in L1).
@@ -238,7 +241,7 @@ def _valid_range(out_size: int, in_size: int, k: int, stride: int, pad: int) -> 
     return lo, hi
 
 
-def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch) -> ConvBwdWeightsPlan:
+def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | None = None) -> ConvBwdWeightsPlan:
     v = arch.vector_floats
     ic, ih, iw = layer.in_shape
     oc, oh, ow = layer.out_shape
@@ -263,6 +266,7 @@ def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch) -> ConvBwdWeightsPlan:
             cycles += rest / RegisterTile.evaluate(t.width, rest, arch).efficiency
         scored.append((ocb / cycles, -t.loads_per_fma, t.width * t.vectors, t))
     scored.sort(key=lambda s: s[:3], reverse=True)
+    scored = put_first(scored, choice, lambda s: s[3])
     eff, _, _, tile = scored[0]
     rem_n = ocb % tile.vectors
     # Output rows per pixel block: the block's output gradients and inputs stay in half of L2

@@ -7,7 +7,7 @@ from ..arch import Arch
 from ..netspec import LayerSpec
 from . import explain
 from .plans import FcBwdDataPlan, FcBwdWeightsPlan, FcFwdPlan
-from .tiles import best_first, candidates, divisors
+from .tiles import best_first, candidates, divisors, put_first
 
 # Concurrent sequential streams the hardware prefetchers follow (Intel's L2 streamer tracks
 # 32). Kernels whose reduction walks across rows of a large matrix chunk the reduction so that
@@ -26,13 +26,13 @@ def _k(layer: LayerSpec, v: int) -> int:
     return blocks(c, v) * v * h * w
 
 
-def plan_fc_fwd(layer: LayerSpec, arch: Arch) -> FcFwdPlan:
+def plan_fc_fwd(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | None = None) -> FcFwdPlan:
     v = arch.vector_floats
     k, ocb = _k(layer, v), blocks(layer.out_shape[0], v)
     # The minibatch (tile width) is only known at run time: score the full tile. Output
     # vectors need not divide OCB (the last group gets a narrower tile): fc8's 125 blocks
     # would otherwise allow only 1 or 5 vectors.
-    scored = best_first(candidates(arch.vector_registers, range(1, ocb + 1), arch))
+    scored = put_first(best_first(candidates(arch.vector_registers, range(1, ocb + 1), arch)), choice)
     tile = scored[0]
     rem_n = ocb % tile.vectors
     per_k = (tile.vectors * v + tile.width) * 4  # weight panel + input rows, bytes per k
@@ -54,12 +54,12 @@ def plan_fc_fwd(layer: LayerSpec, arch: Arch) -> FcFwdPlan:
         k_chunk=kc, rem_vectors=rem_n)
 
 
-def plan_fc_bwd_data(layer: LayerSpec, arch: Arch) -> FcBwdDataPlan:
+def plan_fc_bwd_data(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | None = None) -> FcBwdDataPlan:
     v = arch.vector_floats
     k, ocb = _k(layer, v), blocks(layer.out_shape[0], v)
     # Tile: minibatch rows (broadcasts of dy) x vectors of consecutive input features; the
     # vector count divides K / V so that K blocks hold whole tiles.
-    scored = best_first(candidates(arch.vector_registers, divisors(k // v, arch.vector_registers), arch))
+    scored = put_first(best_first(candidates(arch.vector_registers, divisors(k // v, arch.vector_registers), arch)), choice)
     tile = scored[0]
     chunk = min(ocb, PREFETCH_STREAMS)
     tile_k = tile.vectors * v
@@ -76,7 +76,7 @@ def plan_fc_bwd_data(layer: LayerSpec, arch: Arch) -> FcBwdDataPlan:
         rejected=tuple(scored[1:6]), ofm_chunk=chunk, k_block=kb)
 
 
-def plan_fc_bwd_weights(layer: LayerSpec, arch: Arch) -> FcBwdWeightsPlan:
+def plan_fc_bwd_weights(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | None = None) -> FcBwdWeightsPlan:
     v = arch.vector_floats
     k, ocb = _k(layer, v), blocks(layer.out_shape[0], v)
     # Neither side of the tile needs to divide its dimension: the last K panel and the last
@@ -84,7 +84,7 @@ def plan_fc_bwd_weights(layer: LayerSpec, arch: Arch) -> FcBwdWeightsPlan:
     # output-gradient slice it loads (minibatch x vectors) must stay in half of L1 to be reused
     # by the next panel's tile; sized for FC_PLAN_BATCH rows.
     max_vectors = max(1, min(ocb, (arch.l1d_bytes // 2) // (FC_PLAN_BATCH * v * 4)))
-    scored = best_first(candidates(arch.vector_registers, range(1, max_vectors + 1), arch))
+    scored = put_first(best_first(candidates(arch.vector_registers, range(1, max_vectors + 1), arch)), choice)
     tile = scored[0]
     rem_k, rem_n = k % tile.width, ocb % tile.vectors
     # K chunk: the packed input panels (minibatch x chunk) fill at most half of L2 at the

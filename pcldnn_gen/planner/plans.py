@@ -10,6 +10,30 @@ from .tiles import RegisterTile, RowCover
 
 
 @dataclass(frozen=True, kw_only=True)
+class TileTiming:
+    """One candidate register tile as the tuner measured it."""
+    width: int
+    vectors: int
+    predicted_efficiency: float     # the model's figure for this tile
+    ms: float                       # median kernel time at the tuning minibatch
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    """Why a plan's tile is what it is when the tuning database chose it (`pcldnn-gen tune`):
+    the model's first choice and every candidate's measured time, best first."""
+    model: tuple[int, int]          # (width, vectors) the model ranked first
+    batch: int
+    threads: int
+    peak_gflops: float              # the FMA peak measured in the same tuning run
+    flops: int                      # nominal FLOPs of one call at `batch`
+    timings: tuple[TileTiming, ...]
+
+    def percent_of_peak(self, t: TileTiming) -> float:
+        return self.flops / (t.ms * 1e-3) / 1e9 / self.peak_gflops
+
+
+@dataclass(frozen=True, kw_only=True)
 class KernelPlan:
     """A memory-bound kernel (pooling, elementwise, loss) and the fields every plan has."""
     layer: str
@@ -27,6 +51,7 @@ class KernelPlan:
     l2_bytes_per_flop: float = 0.0  # bytes brought into L1 per FLOP
     scratch_floats: int = 0         # scratch the runtime passes in (conv bwd_data: transposed weights)
     rejected: tuple[RegisterTile, ...] = ()  # the next-best candidates, for `inspect`
+    measured: Measured | None = None    # set when the tuning database chose the tile
 
     def reduction_chunk(self) -> str:
         """The reduction chunk with its unit, for the header; empty when the kernel has none."""
@@ -51,6 +76,10 @@ class KernelPlan:
             "loads_per_fma": round(self.tile.loads_per_fma, 4), "efficiency": round(self.tile.efficiency, 4)}
         d["predicted_efficiency"] = round(self.predicted_efficiency, 4)
         d["l2_bytes_per_flop"] = round(self.l2_bytes_per_flop, 5)
+        if self.measured is not None:
+            d["tuned"] = {"model_tile": list(self.measured.model), "batch": self.measured.batch,
+                          "threads": self.measured.threads,
+                          "ms": {f"{t.width}x{t.vectors}": round(t.ms, 4) for t in self.measured.timings}}
         return d
 
 
@@ -159,5 +188,5 @@ class FcBwdWeightsPlan(KernelPlan):
         return f"{self.k_chunk} K elements"
 
 
-__all__ = ["BwdDataPhase", "ConvBwdDataPlan", "ConvBwdWeightsPlan", "ConvFwdPlan", "DropoutPlan",
+__all__ = ["Measured", "TileTiming", "BwdDataPhase", "ConvBwdDataPlan", "ConvBwdWeightsPlan", "ConvFwdPlan", "DropoutPlan",
            "FcBwdDataPlan", "FcBwdWeightsPlan", "FcFwdPlan", "KernelPlan", "RowCover"]

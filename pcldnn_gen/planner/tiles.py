@@ -11,7 +11,7 @@ cycles, so the fraction of the FMA peak a tile can reach is (FMAs / fma_units) /
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from ..arch import Arch
 from ..errors import PlanError
@@ -52,6 +52,19 @@ def candidates(width_choices: int | Iterable[int], vector_choices: Iterable[int]
     if not tiles:
         raise PlanError(f"{arch.name}: {arch.vector_registers} vector registers cannot hold any register tile")
     return tiles
+
+
+def put_first(scored: list, choice: tuple[int, int] | None, tile_of: Callable[[Any], RegisterTile] = lambda s: s) -> list:
+    """`scored` (best first) with the entry whose tile is `choice` = (width, vectors) moved to
+    the front: how a measured choice from the tuning database is applied, only ever among the
+    planner's own candidates. PlanError when they hold no such tile."""
+    if choice is None:
+        return scored
+    for i, entry in enumerate(scored):
+        tile = tile_of(entry)
+        if (tile.width, tile.vectors) == tuple(choice):
+            return [entry, *scored[:i], *scored[i + 1:]]
+    raise PlanError(f"no candidate register tile {choice[0]}x{choice[1]}")
 
 
 def divisors(n: int, limit: int | None = None) -> list[int]:

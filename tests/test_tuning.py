@@ -1,0 +1,185 @@
+"""The tuning database and `pcldnn-gen tune`: measured tiles reach compile only as one of the
+planner's own candidates, a broken database is one error line, the tuner's records agree with
+its own measurements."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import RUNNABLE_ISAS
+
+from pcldnn_gen import cli
+from pcldnn_gen.arch import get_arch
+from pcldnn_gen.build import build
+from pcldnn_gen.errors import PlanError
+from pcldnn_gen.netspec import parse_netspec
+from pcldnn_gen.planner import LAYER_PASSES, Measured, TileTiming, plan_layer
+from pcldnn_gen.tuner import NOISE, tune
+from pcldnn_gen.tuning import Entry, TuningDB, TuningError, kernel_key
+
+ISA = RUNNABLE_ISAS[-1]  # the widest this CPU runs: most candidates
+NET_JSON = {"name": "tn", "input": {"channels": 16, "height": 12, "width": 12}, "layers": [
+    {"name": "c1", "type": "conv", "out_channels": 32, "kernel": 3, "pad": 1, "activation": "relu"},
+    {"name": "p1", "type": "maxpool", "kernel": 2, "stride": 2},
+    {"name": "f1", "type": "fc", "out_features": 40},
+    {"name": "loss", "type": "softmax_cross_entropy"}]}
+NET = parse_netspec(NET_JSON)
+
+
+@pytest.fixture
+def db_path(tmp_path, monkeypatch):
+    path = tmp_path / "db" / "tuning.json"
+    monkeypatch.setenv("PCLDNN_TUNING_DB", str(path))
+    return path
+
+
+def _entry(layer, pass_name, arch, choice, model=None) -> Entry:
+    plan = plan_layer(layer, pass_name, arch)
+    model = model or (plan.tile.width, plan.tile.vectors)
+    tiles = [(choice, 1.0)] + ([(model, 1.5)] if model != choice else [])
+    timings = tuple(TileTiming(width=w, vectors=v, predicted_efficiency=0.5, ms=ms) for (w, v), ms in tiles)
+    measured = Measured(model=model, batch=4, threads=1, peak_gflops=100.0, flops=layer.flops(4), timings=timings)
+    return Entry(kernel_key(layer, pass_name, arch, plan.template), arch.name, choice, measured)
+
+
+@pytest.mark.parametrize("pass_name", ["fwd", "bwd_data", "bwd_weights"])
+def test_every_candidate_can_be_chosen_and_nothing_else(pass_name):
+    arch = get_arch("avx512")
+    layer = NET.layer("c1")
+    model = plan_layer(layer, pass_name, arch)
+    for t in model.rejected:
+        forced = plan_layer(layer, pass_name, arch, (t.width, t.vectors))
+        assert (forced.tile.width, forced.tile.vectors) == (t.width, t.vectors)
+        assert forced.predicted_efficiency > 0
+    with pytest.raises(PlanError, match="no candidate register tile 64x64"):
+        plan_layer(layer, pass_name, arch, (64, 64))
+    with pytest.raises(PlanError, match="no register tile"):
+        plan_layer(NET.layer("p1"), "fwd", arch, (1, 1))
+
+
+def test_compile_uses_a_matching_entry_and_ignores_the_rest(tmp_path, db_path, capsys):
+    arch = get_arch(ISA)
+    conv, fc = NET.layer("c1"), NET.layer("f1")
+    rejected = plan_layer(conv, "fwd", arch).rejected[0]
+    chosen = (rejected.width, rejected.vectors)
+    stale = _entry(fc, "fwd", arch, (64, 64))  # no longer a candidate: the model decides
+    other_isa = _entry(conv, "bwd_data", get_arch("scalar" if ISA != "scalar" else "avx2"), (1, 1))
+    TuningDB(db_path).merge_into([_entry(conv, "fwd", arch, chosen), stale, other_isa])
+    assert len(json.loads(db_path.read_text())["entries"]) == 3
+
+    result = build(NET, arch, tmp_path / "b", tuning=TuningDB.load())
+    plans = result.plans
+    assert (plans[("c1", "fwd")].tile.width, plans[("c1", "fwd")].tile.vectors) == chosen
+    assert plans[("c1", "fwd")].measured is not None
+    model = plan_layer(fc, "fwd", arch)
+    assert plans[("f1", "fwd")].tile == model.tile and plans[("f1", "fwd")].measured is None
+    assert plans[("c1", "bwd_data")] == plan_layer(conv, "bwd_data", arch)
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    record = manifest["layers"][0]["kernels"]["fwd"]["plan"]
+    conv_model = plan_layer(conv, "fwd", arch).tile
+    assert [record["tile"]["width"], record["tile"]["vectors"]] == list(chosen)
+    assert record["tuned"]["model_tile"] == [conv_model.width, conv_model.vectors]
+    assert "tuned" not in manifest["layers"][0]["kernels"]["bwd_data"]["plan"]
+    assert "tuned   : tile from the tuning database" in (tmp_path / "b" / "src" / "c1_fwd.c").read_text()
+
+    # The CLI marks tiles from the database; --no-tuning gives the model's plan.
+    net_file = tmp_path / "n.json"
+    net_file.write_text(json.dumps(NET_JSON))
+    assert cli.main(["compile", str(net_file), "--arch", ISA, "-o", str(tmp_path / "t")]) == 0
+    assert cli.main(["compile", str(net_file), "--arch", ISA, "-o", str(tmp_path / "m"), "--no-tuning"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.count(" tuned") for line in out if line.strip().startswith("c1 ")] == [1, 0]
+    assert "tuned" not in (tmp_path / "m" / "src" / "c1_fwd.c").read_text()
+
+
+def test_inspect_explain_shows_prediction_beside_measurement(tmp_path, db_path, capsys):
+    arch = get_arch(ISA)
+    net_file = tmp_path / "n.json"
+    net_file.write_text(json.dumps(NET_JSON))
+    conv = NET.layer("c1")
+    t = plan_layer(conv, "bwd_weights", arch).rejected[0]
+    TuningDB(db_path).merge_into([_entry(conv, "bwd_weights", arch, (t.width, t.vectors))])
+    assert cli.main(["inspect", str(net_file), "--layer", "c1", "--pass", "bwd_weights", "--arch", ISA,
+                     "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert f"chosen   : {t.width}x{t.vectors} " in out
+    lines = [line for line in out.splitlines() if "model's first choice" in line or line.rstrip().endswith("used")]
+    assert len(lines) == 2, out
+    assert cli.main(["inspect", str(net_file), "--layer", "c1", "--pass", "bwd_weights", "--arch", ISA,
+                     "--explain", "--no-tuning"]) == 0
+    assert "measured : none" in capsys.readouterr().out
+
+
+def _valid_db(arch) -> dict:
+    conv = NET.layer("c1")
+    t = plan_layer(conv, "fwd", arch).rejected[0]
+    return {"format": "pcldnn-tuning/1", "entries": [_entry(conv, "fwd", arch, (t.width, t.vectors)).to_json()]}
+
+
+BROKEN = [
+    (lambda d: d.update(format="pcldnn-tuning/0"), "format: must be one of"),
+    (lambda d: d["entries"][0].update(choice=[0, 3]), r"entries\[0\]\.choice\[0\]: must be a positive int"),
+    (lambda d: d["entries"][0].update(choice=[7, 7]), r"entries\[0\]\.choice: \[7, 7\] is not one of the measured"),
+    (lambda d: d["entries"][0]["candidates"][0].update(ms=-1), r"candidates\[0\]\.ms: must be a number"),
+    (lambda d: d["entries"][0]["key"].update(isa="avx1024"), r"key\.isa: must be one of"),
+    (lambda d: d["entries"][0]["key"].update(cpu="x\ny"), r"key\.cpu: must be one line"),
+    (lambda d: d["entries"][0].update(extra=1), r"entries\[0\]\.extra: unknown field"),
+    (lambda d: d["entries"][0]["key"]["in_shape"].append(3), r"key\.in_shape: must be a list of 3 to 3"),
+    (lambda d: d["entries"][0].update(candidates=[]), r"candidates: must be a list of 1 to 16"),
+]
+
+
+@pytest.mark.parametrize("breakage,message", BROKEN)
+def test_broken_database_is_one_error_line(tmp_path, db_path, capsys, breakage, message):
+    data = _valid_db(get_arch(ISA))
+    breakage(data)
+    db_path.parent.mkdir()
+    db_path.write_text(json.dumps(data))
+    with pytest.raises(TuningError, match=message):
+        TuningDB.load()
+    net_file = tmp_path / "n.json"
+    net_file.write_text(json.dumps({"name": "x", "input": {"channels": 3, "height": 4, "width": 4},
+                                    "layers": [{"name": "c", "type": "conv", "out_channels": 8, "kernel": 3}]}))
+    assert cli.main(["compile", str(net_file), "--arch", ISA, "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {db_path}: ") and not (tmp_path / "out").exists()
+    # --no-tuning does not read it
+    assert cli.main(["compile", str(net_file), "--arch", ISA, "-o", str(tmp_path / "out"), "--no-tuning"]) == 0
+
+
+@pytest.mark.parametrize("text", ["", "{", '{"format": "pcldnn-tuning/1", "entries": [], "entries": []}', "[]",
+                                  '{"format": "pcldnn-tuning/1", "entries": [NaN]}'])
+def test_unparsable_database_is_one_error_line(db_path, text):
+    db_path.parent.mkdir()
+    db_path.write_text(text)
+    with pytest.raises(TuningError, match=str(db_path)):
+        TuningDB.load()
+
+
+def test_tune_records_what_it_measured(db_path, capsys):
+    arch = get_arch(ISA)
+    report = tune([NET], arch, batch=4, threads=1, candidates=3, rounds=1, repeats=1, db=TuningDB.load())
+    tunable = [(l.name, p) for l in NET.layers if l.weighted for p in LAYER_PASSES[l.type]
+               if len(plan_layer(l, p, arch).rejected) >= 1]
+    assert sorted((r.layer, r.pass_name) for r in report.rows) == sorted(tunable)
+    db = TuningDB.load()
+    assert len(db.entries) == len(tunable)
+    for row in report.rows:
+        layer = NET.layer(row.layer)
+        entry = db.lookup(layer, row.pass_name, arch, plan_layer(layer, row.pass_name, arch))
+        times = {(t.width, t.vectors): t.ms for t in entry.measured.timings}
+        assert len(times) == row.candidates == min(3, 1 + len(plan_layer(layer, row.pass_name, arch).rejected))
+        # best first (by per-round ratios); the file keeps ms to 6 decimals
+        first = entry.measured.timings[0]
+        assert (first.width, first.vectors) == row.best
+        assert times[row.best] == pytest.approx(row.best_ms, rel=1e-4, abs=1e-6)
+        assert times[row.model] == pytest.approx(row.model_ms, rel=1e-4, abs=1e-6)
+        assert row.gain >= 1.0 and (row.gain == 1.0) == (row.best == row.model)
+        # the model keeps its tile unless beaten by more than the noise margin
+        assert entry.choice == (row.best if row.gain > 1 + NOISE else row.model)
+        assert db.plan(layer, row.pass_name, arch).tile.width == entry.choice[0]
+    # a second run measures nothing already known, unless forced
+    again = tune([NET], arch, batch=4, threads=1, candidates=3, rounds=1, repeats=1, db=db)
+    assert again.rows == () and again.known == len(tunable)
+    short = tune([NET], arch, batch=4, threads=1, candidates=2, rounds=1, repeats=1, db=db, force=True, budget=1e-9)
+    assert short.rows == () and short.unmeasured == len(tunable)
