@@ -47,9 +47,9 @@ class VectorISA:
     # ports (llvm-mca: VGG-A conv2 forward's 3x4 tile at 84% of peak, 100% with the value pinned).
     _pin: str = ""
     _hsum: str = "{v}"   # expression: the sum of a vector's lanes (few-channel conv backward-data)
-    # Statement: transpose the V x V blocks of `src` (TILE_K rows of V floats) into `dst` (V rows
-    # of TILE_K floats) in registers; empty: the template's scalar loop (fc backward-data panels).
-    transpose_blocks: str = ""
+    # Body of transpose_vxv(s, ss, d, ds): d[j * ds + i] = s[i * ss + j] for one V x V block, in
+    # registers (fc backward-data panels, layout conversions); empty: _common's scalar loop.
+    transpose: str = ""
 
     def pin(self, var: str) -> str:
         return self._pin.format(v=var)
@@ -93,40 +93,35 @@ class VectorISA:
 
 
 _AVX2_TRANSPOSE = """\
-    for (int kk = 0; kk < TILE_K; kk += 8) {  /* 8 x 8 blocks in registers: unpack, shuffle, swap halves */
-        const float *s = src + (size_t)kk * V;
-        const __m256 r0 = _mm256_load_ps(s), r1 = _mm256_load_ps(s + 8), r2 = _mm256_load_ps(s + 16),
-                     r3 = _mm256_load_ps(s + 24), r4 = _mm256_load_ps(s + 32), r5 = _mm256_load_ps(s + 40),
-                     r6 = _mm256_load_ps(s + 48), r7 = _mm256_load_ps(s + 56);
-        const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1),
-                     t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3),
-                     t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
-                     t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
-        const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
-                     u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
-                     u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
-                     u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-        float *d = dst + kk;
-        _mm256_store_ps(d + 0 * TILE_K, _mm256_permute2f128_ps(u0, u4, 0x20));
-        _mm256_store_ps(d + 1 * TILE_K, _mm256_permute2f128_ps(u1, u5, 0x20));
-        _mm256_store_ps(d + 2 * TILE_K, _mm256_permute2f128_ps(u2, u6, 0x20));
-        _mm256_store_ps(d + 3 * TILE_K, _mm256_permute2f128_ps(u3, u7, 0x20));
-        _mm256_store_ps(d + 4 * TILE_K, _mm256_permute2f128_ps(u0, u4, 0x31));
-        _mm256_store_ps(d + 5 * TILE_K, _mm256_permute2f128_ps(u1, u5, 0x31));
-        _mm256_store_ps(d + 6 * TILE_K, _mm256_permute2f128_ps(u2, u6, 0x31));
-        _mm256_store_ps(d + 7 * TILE_K, _mm256_permute2f128_ps(u3, u7, 0x31));
-    }"""
+    /* unpack pairs of rows, shuffle (4 x 4 blocks within 128-bit halves), swap halves */
+    const __m256 r0 = _mm256_loadu_ps(s), r1 = _mm256_loadu_ps(s + ss), r2 = _mm256_loadu_ps(s + 2 * ss),
+                 r3 = _mm256_loadu_ps(s + 3 * ss), r4 = _mm256_loadu_ps(s + 4 * ss), r5 = _mm256_loadu_ps(s + 5 * ss),
+                 r6 = _mm256_loadu_ps(s + 6 * ss), r7 = _mm256_loadu_ps(s + 7 * ss);
+    const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1),
+                 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3),
+                 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
+                 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
+                 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
+                 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
+                 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_storeu_ps(d + 0 * ds, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps(d + 1 * ds, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps(d + 2 * ds, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps(d + 3 * ds, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps(d + 4 * ds, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps(d + 5 * ds, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps(d + 6 * ds, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps(d + 7 * ds, _mm256_permute2f128_ps(u3, u7, 0x31));"""
 
 
 def _avx512_transpose() -> str:
-    """16 x 16 blocks in registers: unpack pairs of rows (2 x 2 float blocks), shuffle pairs of
-    those (4 x 4 within each 128-bit lane), then exchange 128-bit lanes twice."""
-    lines = ["    for (int kk = 0; kk < TILE_K; kk += 16) {  /* 16 x 16 blocks in registers: unpack, shuffle, "
-             "two lane exchanges */",
-             "        const float *s = src + (size_t)kk * V;"]
-    decl = lambda name, exprs: "        const __m512 " + ",\n                     ".join(  # noqa: E731
+    """16 x 16 in registers: unpack pairs of rows (2 x 2 float blocks), shuffle pairs of those
+    (4 x 4 within each 128-bit lane), then exchange 128-bit lanes twice."""
+    lines = ["    /* unpack, shuffle, two lane exchanges */"]
+    decl = lambda name, exprs: "    const __m512 " + ",\n                 ".join(  # noqa: E731
         ", ".join(f"{name}{i} = {e}" for i, e in list(enumerate(exprs))[k:k + 2]) for k in range(0, 16, 2)) + ";"
-    lines.append(decl("r", [f"_mm512_load_ps(s + {16 * i})" for i in range(16)]))
+    lines.append(decl("r", [f"_mm512_loadu_ps(s + {i} * ss)" for i in range(16)]))
     lines.append(decl("t", [f"_mm512_unpack{'lo' if i % 2 == 0 else 'hi'}_ps(r{i - i % 2}, r{i - i % 2 + 1})"
                             for i in range(16)]))
     u = []
@@ -140,11 +135,9 @@ def _avx512_transpose() -> str:
         h, j = divmod(i, 8)
         v.append(f"_mm512_shuffle_f32x4(u{8 * h + j % 4}, u{8 * h + 4 + j % 4}, {'0x88' if j < 4 else '0xDD'})")
     lines.append(decl("v", v))
-    lines.append("        float *d = dst + kk;")
     for i in range(16):
-        lines.append(f"        _mm512_store_ps(d + {i} * TILE_K, _mm512_shuffle_f32x4(v{i % 8}, v{8 + i % 8}, "
+        lines.append(f"    _mm512_storeu_ps(d + {i} * ds, _mm512_shuffle_f32x4(v{i % 8}, v{8 + i % 8}, "
                      f"{'0x88' if i < 8 else '0xDD'}));")
-    lines.append("    }")
     return "\n".join(lines)
 
 

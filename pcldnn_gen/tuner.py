@@ -18,7 +18,7 @@ from typing import Callable
 import pcldnn_runtime as pr
 
 from .arch import Arch
-from .bench import kernel_runs, measure_peak, median_seconds
+from .bench import kernel_runs, measure_peak
 from .build import build
 from .netspec import NetSpec
 from .planner import LAYER_PASSES, Measured, TileTiming, plan_layer
@@ -28,6 +28,9 @@ from .tuning import Entry, TuningDB, kernel_key, key_id
 # thread, 5 rounds) gave per-kernel ratios of 0.96-1.03: a candidate must beat the model's tile
 # by more than that to replace it.
 NOISE = 0.03
+WARM_CALL_MS = 5.0
+KERNEL_SECONDS = 3.0
+MIN_ROUNDS = 5
 
 
 @dataclass(frozen=True)
@@ -135,14 +138,28 @@ def tune(nets: list[NetSpec], arch: Arch, batch: int, threads: int, *, candidate
 
 
 def _time_candidates(calls: list[Callable[[], None]], rounds: int, repeats: int) -> list[list[float]]:
-    """Milliseconds of each call per round (median of `repeats` after a warm-up call), the
-    candidates timed back to back within a round and their order rotated between rounds."""
+    """Milliseconds of each call per round (median of `repeats`), the candidates timed back to
+    back within a round and their order rotated between rounds. Kernels shorter than
+    WARM_CALL_MS get an untimed call first (their buffers back in cache after the other
+    candidates'); long ones get fewer rounds, down to MIN_ROUNDS, to keep near KERNEL_SECONDS."""
+    first = [_seconds(call) * 1e3 for call in calls]  # also warms every candidate up
+    warm = first[0] < WARM_CALL_MS
+    per_round = sum(first) * (repeats + warm) / 1e3
+    rounds = max(min(rounds, MIN_ROUNDS), min(rounds, int(KERNEL_SECONDS / per_round)))
     times: list[list[float]] = [[] for _ in calls]
     for r in range(rounds):
         for i in range(len(calls)):
             k = (i + r) % len(calls)
-            times[k].append(median_seconds(calls[k], repeats) * 1e3)
+            if warm:
+                calls[k]()
+            times[k].append(statistics.median(_seconds(calls[k]) for _ in range(repeats)) * 1e3)
     return times
+
+
+def _seconds(call: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
 
 
 def _result(net: str, kn: _Kernel, times: list[list[float]], arch: Arch, batch: int, threads: int,

@@ -419,3 +419,24 @@ def test_initialisation_is_seeded_he_normal(tmp_path):
     # He-normal: std sqrt(2 / fan_in), fan_in = 32 * 3 * 3 = 288; 64*288 samples -> ~0.6% sampling error
     assert abs(wa.std() / np.sqrt(2 / 288) - 1) < 0.03
     assert abs(a.layers["fc1"].weights.std() / np.sqrt(2 / 2048) - 1) < 0.03
+
+
+@pytest.mark.parametrize("c,h,w", [(1, 1, 1), (3, 5, 7), (15, 4, 4), (16, 4, 4), (17, 3, 11), (35, 7, 9), (32, 8, 8)])
+def test_layout_conversions_match_numpy(tmp_path, isa, c, h, w):
+    """Canonical <-> blocked activations: whole channel blocks go through V x V register
+    transposes, the pixels after the last whole V and a partly filled last block element by
+    element; padded lanes must come out zero. Checked against numpy's pad + transpose."""
+    net = build_and_load(tmp_path, [{"name": "c", "type": "conv", "out_channels": c, "kernel": 1}], (c, h, w), isa)
+    layer, v = net.layers["c"], net.vector_floats
+    cb = -(-c // v)
+    x = np.random.default_rng(c * h * w).standard_normal((3, c, h, w)).astype(np.float32)
+    want = np.zeros((3, cb * v, h, w), np.float32)
+    want[:, :c] = x
+    want = want.reshape(3, cb, v, h, w).transpose(0, 1, 3, 4, 2)
+    xb = np.full(layer.blocked_shape((c, h, w), 3), np.nan, dtype=np.float32)
+    layer.input_into_blocked(x, xb)
+    np.testing.assert_array_equal(xb, want)
+    yb = np.ascontiguousarray(want)
+    padded = (np.arange(cb * v) >= c).reshape(cb, v)[None, :, None, None, :]
+    yb[np.broadcast_to(padded, yb.shape)] = np.nan  # padded lanes are never read back
+    np.testing.assert_array_equal(layer.output_from_blocked(yb), x)
