@@ -28,6 +28,14 @@ def as_float32(x, what: str) -> np.ndarray:
         raise PcldnnError(f"{what}: must be an array of numbers ({e})") from None
 
 
+# Waking the OpenMP team for a kernel call costs more than sharing out very little work saves:
+# a 16 -> 16 fc call at minibatch 1 took 5.8 us on one thread and 13 us on two (EPYC VM,
+# benchmarks/api_overhead.py). A call whose work is under both figures below, about 20 us on one
+# thread, runs on one thread (the kernels' results do not depend on the thread count).
+PARALLEL_MIN_FLOPS = 2_000_000
+PARALLEL_MIN_BYTES = 512 * 1024
+
+
 class Layer:
     """Common part: shapes, the layer's kernels by role, canonical <-> blocked conversion."""
 
@@ -43,6 +51,7 @@ class Layer:
         self._net = net
         self._saved: tuple | None = None  # (xb, yb, aux) of the last canonical forward
         self._buffers: dict[str, np.ndarray] = {}  # blocked buffers of the canonical API, by use
+        self._teams: dict[tuple[int, int], int] = {}  # (minibatch, net threads) -> threads per call
         # Set by Net: inside the fully-connected part of the chain activations are vectors.
         self.flat_input = self.type == "fc"
         self.flat_output = self.type == "fc"
@@ -58,6 +67,20 @@ class Layer:
     def blocked_shape(self, shape: tuple[int, int, int], batch: int) -> tuple[int, ...]:
         c, h, w = shape
         return (batch, blocks(c, self._v), h, w, self._v)
+
+    def team(self, batch: int) -> int:
+        """Threads for one kernel call at `batch`: the net's, or one when the call's work (nominal
+        FLOPs; bytes of activations and weights) is under PARALLEL_MIN_FLOPS and _BYTES."""
+        threads = self._net.threads
+        team = self._teams.get((batch, threads))
+        if team is None:
+            oc, oh, ow = self.out_shape
+            weights = oc * self.in_shape[0] * self.kernel[0] * self.kernel[1] if self.type in ("conv", "fc") else 0
+            flops = 2 * batch * oh * ow * weights
+            moved = 4 * (batch * (int(np.prod(self.in_shape)) + int(np.prod(self.out_shape))) + weights)
+            small = flops < PARALLEL_MIN_FLOPS and moved < PARALLEL_MIN_BYTES
+            team = self._teams[(batch, threads)] = 1 if small else threads
+        return team
 
     def aux_buffer(self, batch: int):
         """Per-minibatch state the backward pass needs besides x and y (argmax, seed)."""
@@ -90,7 +113,7 @@ class Layer:
 
     def input_into_blocked(self, x: np.ndarray, xb: np.ndarray) -> None:
         """A checked canonical input batch into the blocked buffer xb (the net's first activation)."""
-        self._k["in_to_blocked"](ptr(x), ptr(xb), x.shape[0], self._net.threads)
+        self._k["in_to_blocked"](ptr(x), ptr(xb), x.shape[0], self.team(x.shape[0]))
 
     def output_from_blocked(self, yb: np.ndarray) -> np.ndarray:
         """The blocked output yb in canonical layout: (N, C, H, W), or (N, F) for fc outputs."""
@@ -107,12 +130,12 @@ class Layer:
 
     def _to_blocked(self, role: str, x: np.ndarray, shape: tuple[int, int, int], use: str) -> np.ndarray:
         out = self._buffer(use, self.blocked_shape(shape, x.shape[0]))
-        self._k[f"{role}_to_blocked"](ptr(x), ptr(out), x.shape[0], self._net.threads)
+        self._k[f"{role}_to_blocked"](ptr(x), ptr(out), x.shape[0], self.team(x.shape[0]))
         return out
 
     def _from_blocked(self, role: str, xb: np.ndarray, shape: tuple[int, int, int], flat: bool) -> np.ndarray:
         out = np.empty((xb.shape[0], *shape), dtype=np.float32)
-        self._k[f"{role}_from_blocked"](ptr(xb), ptr(out), xb.shape[0], self._net.threads)
+        self._k[f"{role}_from_blocked"](ptr(xb), ptr(out), xb.shape[0], self.team(xb.shape[0]))
         return out.reshape(out.shape[0], -1) if flat else out
 
     def forward(self, x: np.ndarray) -> np.ndarray:
@@ -157,6 +180,9 @@ class WeightedLayer(Layer):
         self.relu: bool = spec.relu
         self._wt, self._bias = params
         self._dwt, self._dbias = grads
+        # Views into the net's parameter buffer for the layer's life: their C pointers are made
+        # once, not on every kernel call (each costs about a microsecond).
+        self._wt_ptr, self._bias_ptr = ptr(self._wt), ptr(self._bias)
         # conv backward-data may transpose the weights into scratch: room for all of them (the
         # runtime sizes it from the shapes, not from a number in the manifest)
         self.scratch_floats: int = self._wt.size if self.type == "conv" else 0
@@ -214,7 +240,7 @@ class WeightedLayer(Layer):
             raise PcldnnError(f"layer {self.name}: weights shape {value.shape}, expected {self.weight_shape}")
         value = as_float32(value, f"layer {self.name}: weights")
         self._net.current()
-        self._k["wt_to_blocked"](ptr(value), ptr(self._wt))
+        self._k["wt_to_blocked"](ptr(value), self._wt_ptr)
 
     @property
     def bias(self) -> np.ndarray:
@@ -254,11 +280,12 @@ class WeightedLayer(Layer):
     def run_forward(self, xb, yb, part: tuple[int, int] | None) -> None:
         """The forward kernel on this process's data; fc: output blocks `part` only."""
         extra = part if part is not None else ()
-        self._k["fwd"](ptr(xb), ptr(self._wt), ptr(self._bias), ptr(yb), xb.shape[0], self._net.threads, *extra)
+        self._k["fwd"](ptr(xb), self._wt_ptr, self._bias_ptr, ptr(yb), xb.shape[0], self.team(xb.shape[0]), *extra)
 
     def run_backward(self, xb, yb, dyb, dxb, grads, part: tuple[int, int] | None) -> None:
         """The backward kernels on this process's data (dxb / grads None: skip that pass)."""
-        batch, threads = xb.shape[0], self._net.threads
+        batch = xb.shape[0]
+        threads = self.team(batch)
         extra = part if part is not None else ()
         mask = yb if self.relu else None
         if grads is not None:
@@ -267,7 +294,7 @@ class WeightedLayer(Layer):
             mask = None  # dy is masked in place now
         if dxb is not None:
             scratch = self._net.scratch(self.scratch_floats)
-            self._k["bwd_data"](ptr(dyb), ptr(mask), ptr(self._wt), ptr(scratch), ptr(dxb), batch, threads, *extra)
+            self._k["bwd_data"](ptr(dyb), ptr(mask), self._wt_ptr, ptr(scratch), ptr(dxb), batch, threads, *extra)
 
     def backward_weights(self, x: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(dw, db) in canonical layouts for input x and output gradient dy (does not touch
@@ -296,26 +323,26 @@ class MaxPoolLayer(Layer):
     def forward_blocked(self, xb, yb, aux=None, training=False) -> None:
         if aux is None:
             aux = self.aux_buffer(xb.shape[0])
-        self._k["fwd"](ptr(xb), ptr(yb), ptr(aux), xb.shape[0], self._net.threads)
+        self._k["fwd"](ptr(xb), ptr(yb), ptr(aux), xb.shape[0], self.team(xb.shape[0]))
 
     def backward_blocked(self, xb, yb, aux, dyb, dxb, grads=None) -> None:
-        self._k["bwd_data"](ptr(dyb), ptr(aux), ptr(dxb), dyb.shape[0], self._net.threads)
+        self._k["bwd_data"](ptr(dyb), ptr(aux), ptr(dxb), dyb.shape[0], self.team(dyb.shape[0]))
 
 
 class AvgPoolLayer(Layer):
     def forward_blocked(self, xb, yb, aux=None, training=False) -> None:
-        self._k["fwd"](ptr(xb), ptr(yb), xb.shape[0], self._net.threads)
+        self._k["fwd"](ptr(xb), ptr(yb), xb.shape[0], self.team(xb.shape[0]))
 
     def backward_blocked(self, xb, yb, aux, dyb, dxb, grads=None) -> None:
-        self._k["bwd_data"](ptr(dyb), ptr(dxb), dyb.shape[0], self._net.threads)
+        self._k["bwd_data"](ptr(dyb), ptr(dxb), dyb.shape[0], self.team(dyb.shape[0]))
 
 
 class ReluLayer(Layer):
     def forward_blocked(self, xb, yb, aux=None, training=False) -> None:
-        self._k["fwd"](ptr(xb), ptr(yb), xb.shape[0], self._net.threads)
+        self._k["fwd"](ptr(xb), ptr(yb), xb.shape[0], self.team(xb.shape[0]))
 
     def backward_blocked(self, xb, yb, aux, dyb, dxb, grads=None) -> None:
-        self._k["bwd_data"](ptr(dyb), ptr(yb), ptr(dxb), dyb.shape[0], self._net.threads)
+        self._k["bwd_data"](ptr(dyb), ptr(yb), ptr(dxb), dyb.shape[0], self.team(dyb.shape[0]))
 
 
 
@@ -342,10 +369,10 @@ class DropoutLayer(Layer):
             return
         offset = self._net.row_offset * int(np.prod(yb.shape[1:]))
         aux[0] = (self._net.next_dropout_seed() + offset * DROPOUT_HASH_STEP) % 2 ** 64
-        self._k["fwd"](ptr(xb), ptr(yb), int(aux[0]), xb.shape[0], self._net.threads)
+        self._k["fwd"](ptr(xb), ptr(yb), int(aux[0]), xb.shape[0], self.team(xb.shape[0]))
 
     def backward_blocked(self, xb, yb, aux, dyb, dxb, grads=None) -> None:
-        self._k["bwd_data"](ptr(dyb), ptr(dxb), int(aux[0]), dyb.shape[0], self._net.threads)
+        self._k["bwd_data"](ptr(dyb), ptr(dxb), int(aux[0]), dyb.shape[0], self.team(dyb.shape[0]))
 
 
 class LossLayer(Layer):
@@ -363,11 +390,11 @@ class LossLayer(Layer):
 
     def loss_blocked(self, logits_b: np.ndarray, labels: np.ndarray, probs: np.ndarray) -> float:
         loss = np.zeros(1, dtype=np.float64)
-        self._k["fwd"](ptr(logits_b), ptr(labels), ptr(probs), ptr(loss), logits_b.shape[0], self._net.threads)
+        self._k["fwd"](ptr(logits_b), ptr(labels), ptr(probs), ptr(loss), logits_b.shape[0], self.team(logits_b.shape[0]))
         return float(loss[0])
 
     def grad_blocked(self, probs: np.ndarray, labels: np.ndarray, dlogits_b: np.ndarray) -> None:
-        self._k["bwd_data"](ptr(probs), ptr(labels), ptr(dlogits_b), dlogits_b.shape[0], self._net.threads)
+        self._k["bwd_data"](ptr(probs), ptr(labels), ptr(dlogits_b), dlogits_b.shape[0], self.team(dlogits_b.shape[0]))
 
     def forward(self, logits: np.ndarray, labels: np.ndarray) -> float:  # type: ignore[override]
         """Mean cross-entropy of softmax(logits) against integer labels; remembered for backward_data."""

@@ -44,7 +44,7 @@ def build_and_load(tmp_path: Path, layers: list[dict], input_shape, isa: str, na
     (the model's own ranking, as the tuner tries them; the last one where there are fewer)."""
     c, h, w = input_shape
     net = parse_netspec({"name": name, "input": {"channels": c, "height": h, "width": w}, "layers": layers})
-    out = tmp_path / f"{name}-{isa}-{candidate}"
+    out = tmp_path / (f"{name}-{isa}" + (f"-candidate{candidate}" if candidate else ""))
     arch = get_arch(isa)
     choices = {}
     if candidate:

@@ -131,3 +131,21 @@ def test_canonical_calls_keep_their_own_state_across_reused_buffers(built):
     np.testing.assert_array_equal(conv.forward(x1), keep)
     conv.backward_weights(x2, rng.standard_normal(y1.shape).astype(np.float32))
     np.testing.assert_array_equal(conv.backward_data(dy), dx_alone)  # still the mask of forward(x1)
+
+
+def test_calls_with_little_work_run_on_one_thread(tmp_path):
+    """Waking a thread team costs more than sharing out a tiny call saves (PARALLEL_MIN_*):
+    such calls get one thread, larger ones the net's, decided per minibatch."""
+    from pcldnn_runtime.layers import PARALLEL_MIN_BYTES, PARALLEL_MIN_FLOPS
+    net = build_and_load(tmp_path, [{"name": "c", "type": "conv", "out_channels": 8, "kernel": 3, "pad": 1},
+                                    {"name": "r", "type": "relu"}], (8, 8, 8), "scalar", threads=2)
+    conv, relu = net.layers["c"], net.layers["r"]
+    per_image_flops = 2 * 8 * 8 * 8 * 8 * 9
+    assert per_image_flops < PARALLEL_MIN_FLOPS
+    assert conv.team(1) == 1 and relu.team(1) == 1
+    big = PARALLEL_MIN_FLOPS // per_image_flops + 1
+    assert conv.team(big) == 2
+    assert relu.team(big) == (2 if big * 2 * 4 * 8 * 8 * 8 >= PARALLEL_MIN_BYTES else 1)
+    assert relu.team(PARALLEL_MIN_BYTES // (2 * 4 * 8 * 8 * 8) + 1) == 2
+    x = np.random.default_rng(0).standard_normal((big, 8, 8, 8)).astype(np.float32)
+    np.testing.assert_array_equal(conv.forward(x[:1]), conv.forward(x)[:1])  # same results either way
