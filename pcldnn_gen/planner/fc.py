@@ -1,13 +1,15 @@
 """Fully-connected kernels: GEMMs over packed panels, the minibatch a run-time argument."""
 from __future__ import annotations
 
+import statistics
+
 from pcldnn_runtime.limits import blocks
 
 from ..arch import Arch
 from ..netspec import LayerSpec
 from . import explain
 from .plans import FcBwdDataPlan, FcBwdWeightsPlan, FcFwdPlan
-from .tiles import best_first, candidates, divisors, put_first
+from .tiles import RegisterTile, best_first, candidates, divisors, pieces_efficiency, put_first
 
 # Concurrent sequential streams the hardware prefetchers follow (Intel's L2 streamer tracks
 # 32). Kernels whose reduction walks across rows of a large matrix chunk the reduction so that
@@ -19,6 +21,29 @@ PREFETCH_STREAMS = 32
 # The minibatch is a run-time argument of the fc kernels; cache blocks along K are sized for
 # this many rows (the targets' largest), and smaller minibatches only use less of the cache.
 FC_PLAN_BATCH = 256
+
+# ... and register tiles are scored over these minibatches: each splits into full row tiles and
+# one narrower remainder, which can be latency-bound (a 14x2 tile leaves a 2x2 one, 4 chains, at
+# minibatch 16). Against scoring the full tile alone (VGG-A fc6-8 forward and backward-data,
+# benchmarks/ab.py, EPYC VM, one thread, minibatch 16 / 64 / 256): AVX-512 8x3 and 8x2 instead
+# of 14x2, 1.00-1.62x (median 1.31x); AVX2 4x3 and 3x4 instead of 6x2, 0.93-1.20x (median 1.05x,
+# the losses at minibatch 256 forward).
+SCORE_BATCHES = (16, 32, 64, 128, 256)
+
+
+def _rows_scored(tiles: list[RegisterTile], arch: Arch) -> list[RegisterTile]:
+    """Tiles whose width is minibatch rows, best first: mean over SCORE_BATCHES of the
+    work-weighted efficiency of full and remainder row tiles, capped by the L2 roofline of the
+    panel a tile streams (every row tile reads its vectors' weights again: few rows, many
+    bytes per FLOP), then more accumulators."""
+    peak = 2 * arch.vector_floats * arch.fma_units
+
+    def score(t: RegisterTile) -> float:
+        bytes_per_flop = (t.vectors * arch.vector_floats + t.width) * 4 / (2 * t.width * t.vectors * arch.vector_floats)
+        roof = arch.l2_bytes_per_cycle / (bytes_per_flop * peak)
+        return statistics.fmean(min(roof, pieces_efficiency([(t.width, b // t.width), (b % t.width, 1)], t.vectors,
+                                                            arch)) for b in SCORE_BATCHES)
+    return sorted(tiles, key=lambda t: (round(score(t), 6), t.width * t.vectors, -t.registers), reverse=True)
 
 
 def _k(layer: LayerSpec, v: int) -> int:
@@ -32,7 +57,7 @@ def plan_fc_fwd(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | None = N
     # The minibatch (tile width) is only known at run time: score the full tile. Output
     # vectors need not divide OCB (the last group gets a narrower tile): fc8's 125 blocks
     # would otherwise allow only 1 or 5 vectors.
-    scored = put_first(best_first(candidates(arch.vector_registers, range(1, ocb + 1), arch)), choice)
+    scored = put_first(_rows_scored(candidates(arch.vector_registers, range(1, ocb + 1), arch), arch), choice)
     tile = scored[0]
     rem_n = ocb % tile.vectors
     per_k = (tile.vectors * v + tile.width) * 4  # weight panel + input rows, bytes per k
@@ -59,7 +84,8 @@ def plan_fc_bwd_data(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | Non
     k, ocb = _k(layer, v), blocks(layer.out_shape[0], v)
     # Tile: minibatch rows (broadcasts of dy) x vectors of consecutive input features; the
     # vector count divides K / V so that K blocks hold whole tiles.
-    scored = put_first(best_first(candidates(arch.vector_registers, divisors(k // v, arch.vector_registers), arch)), choice)
+    scored = put_first(_rows_scored(candidates(arch.vector_registers, divisors(k // v, arch.vector_registers), arch),
+                                    arch), choice)
     tile = scored[0]
     chunk = min(ocb, PREFETCH_STREAMS)
     tile_k = tile.vectors * v
