@@ -1,7 +1,7 @@
 """Training throughput (images/s) of a whole SGD step: ours against PyTorch CPU, one run.
 
     python benchmarks/train_throughput.py [--net examples/nets/cifar_small.json] [--batch 64]
-        [--threads 1,2] [--steps 20] [--arch avx2] [--json out.json]
+        [--threads 1,2] [--steps 20] [--arch native] [--no-tuning] [--json out.json]
 
 Ours: Trainer-equivalent steps (forward, loss, backward, SGD with momentum on the flat
 buffers), median step time after warm-up, and where the step's time goes (the kernels of
@@ -26,15 +26,18 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 
 
-def ours(net_file: str, arch_name: str, batch: int, threads: int, steps: int) -> dict:
+def ours(net_file: str, arch_name: str, batch: int, threads: int, steps: int, tuned: bool) -> dict:
     import pcldnn_runtime as pr
     from pcldnn_gen.arch import get_arch
     from pcldnn_gen.build import build
     from pcldnn_gen.netspec import load_netspec
+    from pcldnn_gen.tuning import TuningDB
 
     spec = load_netspec(net_file)
     with tempfile.TemporaryDirectory() as tmp:
-        build(spec, get_arch(arch_name), Path(tmp) / "b")
+        # as `pcldnn-gen compile` builds it: through the tuning database unless --no-tuning
+        result = build(spec, get_arch(arch_name), Path(tmp) / "b", tuning=TuningDB.load() if tuned else None)
+        tuned_kernels = sum(plan.measured is not None for plan in result.plans.values())
         net = pr.load(Path(tmp) / "b", threads=threads)
         classes = net.loss_layer.out_shape[0]
         data = pr.synthetic(batch * 4, tuple(spec.input), classes, seed=0)
@@ -56,7 +59,7 @@ def ours(net_file: str, arch_name: str, batch: int, threads: int, steps: int) ->
                 kernels.append(sum(ft.values()) + sum(bt.values()))
                 optim.append(t2 - t1)
     step = float(np.median(totals))
-    return {"images_per_s": batch / step, "step_ms": step * 1e3,
+    return {"images_per_s": batch / step, "step_ms": step * 1e3, "arch": arch_name, "tuned_kernels": tuned_kernels,
             "kernels_ms": float(np.median(kernels)) * 1e3, "optimizer_ms": float(np.median(optim)) * 1e3}
 
 
@@ -124,7 +127,8 @@ def pytorch(net_file: str, batch: int, threads: int, steps: int, isa: str | None
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--net", default=str(REPO / "examples" / "nets" / "cifar_small.json"))
-    ap.add_argument("--arch", default="avx2")
+    ap.add_argument("--arch", default="native")
+    ap.add_argument("--no-tuning", action="store_true", help="the model's tiles only (ignore the tuning database)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--steps", type=int, default=20)
@@ -136,7 +140,7 @@ def main() -> None:
         return
     rows = []
     for threads in [int(t) for t in args.threads.split(",")]:
-        mine = ours(args.net, args.arch, args.batch, threads, args.steps)
+        mine = ours(args.net, args.arch, args.batch, threads, args.steps, not args.no_tuning)
         row = {"threads": threads, "ours": mine}
         for isa, label in (("AVX2", "avx2"), (None, "default")):
             best = None
@@ -148,7 +152,8 @@ def main() -> None:
             row[f"ratio_vs_torch_{label}"] = mine["images_per_s"] / best if best else None
         rows.append(row)
         rest = mine["step_ms"] - mine["kernels_ms"] - mine["optimizer_ms"]
-        print(f"{threads} thread(s): ours {mine['images_per_s']:.0f} images/s (step {mine['step_ms']:.1f} ms = "
+        print(f"{threads} thread(s): ours ({args.arch}, {mine['tuned_kernels']} tuned kernels) "
+              f"{mine['images_per_s']:.0f} images/s (step {mine['step_ms']:.1f} ms = "
               f"kernels {mine['kernels_ms']:.1f} + optimizer {mine['optimizer_ms']:.1f} + rest {rest:.1f})")
         for key in sorted(k for k in row if k.startswith("torch_")):
             print(f"    {key:28s} {row[key]['images_per_s']:7.0f} images/s")

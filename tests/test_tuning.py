@@ -183,3 +183,27 @@ def test_tune_records_what_it_measured(db_path, capsys):
     assert again.rows == () and again.known == len(tunable)
     short = tune([NET], arch, batch=4, threads=1, candidates=2, rounds=1, repeats=1, db=db, force=True, budget=1e-9)
     assert short.rows == () and short.unmeasured == len(tunable)
+
+
+def test_tune_command_line(tmp_path, db_path, capsys):
+    net_file = tmp_path / "n.json"
+    net_file.write_text(json.dumps(NET_JSON))
+    out_json = tmp_path / "tune.json"
+    assert cli.main(["tune", str(net_file), "--arch", ISA, "--threads", "1", "--batch", "2", "--rounds", "1",
+                     "--candidates", "2", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "model's first choice measured fastest" in out and str(db_path) in out
+    report = json.loads(out_json.read_text())
+    assert report["rows"] and all(r["candidates"] == 2 for r in report["rows"])
+    assert len(TuningDB.load().entries) == len(report["rows"])
+    for bad in (["tune", str(net_file), "--zoo", str(net_file)], ["tune"], ["tune", str(net_file), "--budget", "0"],
+                ["tune", str(net_file), "--budget", "nan"], ["tune", str(net_file), "--candidates", "1"]):
+        assert _exit_code(bad) == 2
+        assert capsys.readouterr().err.count("\n") == 1
+
+
+def _exit_code(argv: list[str]) -> int:
+    try:
+        return cli.main(argv)
+    except SystemExit as e:  # argparse's usage errors
+        return int(e.code or 0)
