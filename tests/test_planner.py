@@ -10,6 +10,7 @@ from pcldnn_gen.arch import PRESETS
 from pcldnn_gen.build import plan_net
 from pcldnn_gen.netspec import load_netspec, parse_netspec
 from pcldnn_gen.planner import L1_BUDGET, LATENCY_HEADROOM, LAYER_PASSES, RegisterTile, plan_layer
+from pcldnn_gen.planner.tiles import WHOLE_ROW_MAX
 from pcldnn_runtime.limits import blocks
 
 
@@ -95,21 +96,30 @@ def _check_bwd_data_phase(layer, p, w):
     (pixel, kernel column) pairs whose output column exists."""
     ow, kw, sw = layer.out_shape[2], layer.kernel[1], layer.stride[1]
     c = p.cover
-    covered = list(range(c.mid_lo, c.mid_hi))
-    assert c.width == w and c.rem == (c.mid_hi - c.mid_lo) % w
+    assert c.width == w and c.rem == (c.mid_hi - c.mid_lo) % w and c.count == p.q_count
     assert p.q_lo <= c.mid_lo and c.mid_hi <= p.q_hi or c.mid_lo == c.mid_hi
-    covered += list(range(c.mid_lo)) if c.left is None else []
-    covered += list(range(c.mid_hi, p.q_count)) if c.right is None else []
     for edge in (c.left, c.right):
         if edge is None:
             continue
-        covered += list(range(edge.start, edge.start + edge.width))
         want = {(q - edge.start, k, q + p.d_first - i)
                 for q in range(edge.start, edge.start + edge.width)
                 for i, k in enumerate(range(p.kw_first, kw, sw)) if 0 <= q + p.d_first - i < ow}
         got = {(px, tap.kw, col) for tap in edge.taps for px, col in tap.pixels}
         assert got == want
-    assert sorted(covered) == list(range(p.q_count))
+    _check_cover_partition(c, p.q_lo, p.q_hi)
+
+
+def _check_cover_partition(c, lo, hi):
+    """Edge tiles, the middle and the 1-column borders cover [0, count) exactly once; border
+    columns are only bounded ones (a 1-column tile tests its bounds, the middle does not)."""
+    covered = list(range(c.mid_lo, c.mid_hi)) + list(range(c.border_lo)) + list(range(c.border_hi, c.count))
+    for edge in (c.left, c.right):
+        if edge is not None:
+            covered += list(range(edge.start, edge.start + edge.width))
+    assert sorted(covered) == list(range(c.count))
+    assert c.border_lo <= lo and c.border_hi >= hi
+    if c.left is not None and c.left.width == c.count:  # one edge tile for the whole row
+        assert c.count <= min(c.width, WHOLE_ROW_MAX) and (lo > 0 or hi < c.count) and c.right is None
 
 
 def _check_conv_row(layer, plan):
@@ -118,13 +128,10 @@ def _check_conv_row(layer, plan):
     ow, iw = layer.out_shape[2], layer.in_shape[2]
     (kw,), (sw,), (pw,) = layer.kernel[1:], layer.stride[1:], layer.pad[1:]
     g, w = plan.cover, plan.tile.width
-    assert 0 <= plan.ow_lo <= plan.ow_hi <= ow
-    assert plan.ow_lo <= g.mid_lo <= g.mid_hi <= plan.ow_hi
+    assert 0 <= plan.ow_lo <= plan.ow_hi <= ow and g.count == ow
+    assert plan.ow_lo <= g.mid_lo <= g.mid_hi <= plan.ow_hi or g.mid_lo == g.mid_hi
     assert plan.remainders == (((g.mid_hi - g.mid_lo) % w,) if (g.mid_hi - g.mid_lo) % w else ())
-    left = g.left.width if g.left else plan.ow_lo
-    right = g.right.width if g.right else ow - plan.ow_hi
-    assert left == g.mid_lo and ow - right == g.mid_hi
-    assert g.border == (0 if g.left else plan.ow_lo) + (0 if g.right else ow - plan.ow_hi)
+    _check_cover_partition(g, plan.ow_lo, plan.ow_hi)
     # the tile functions emitted: the full width, the remainder, 1 px for borders without an edge tile
     assert set(plan.tile_widths) == {w, *plan.remainders} | ({1} if g.border else set())
     for edge in (g.left, g.right):

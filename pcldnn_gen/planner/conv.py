@@ -106,7 +106,7 @@ def plan_conv_fwd(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | None =
     peak_flops_per_cycle = 2 * v * arch.fma_units
     scored = []
     for tile in candidates(max(1, min(ow, arch.vector_registers)), divisors(ocb, WEIGHT_STREAMS), arch):
-        cover = cover_row(ow, ow_lo, ow_hi, tile.width, functools.partial(_fwd_edge, layer, width=tile.width))
+        cover = cover_row(ow, ow_lo, ow_hi, tile.width, functools.partial(_fwd_edge, layer))
         row_eff = pieces_efficiency(cover_pieces(cover, kw), tile.vectors, arch)
         slice_bytes = tile.vectors * v * lanes * kh * kw * 4
         blocking = _conv_fwd_blocking(layer, tile, slice_bytes, lanes, arch)
@@ -163,8 +163,7 @@ def _bwd_data_edge(layer: LayerSpec, phase: BwdDataPhase, start: int, width: int
 
 
 def _covered(layer: LayerSpec, phase: BwdDataPhase, width: int) -> BwdDataPhase:
-    cover = cover_row(phase.q_count, phase.q_lo, phase.q_hi, width,
-                      functools.partial(_bwd_data_edge, layer, phase, width=width))
+    cover = cover_row(phase.q_count, phase.q_lo, phase.q_hi, width, functools.partial(_bwd_data_edge, layer, phase))
     return BwdDataPhase(r=phase.r, q_count=phase.q_count, kw_first=phase.kw_first, d_first=phase.d_first,
                         q_lo=phase.q_lo, q_hi=phase.q_hi, cover=cover)
 
@@ -177,7 +176,8 @@ def plan_conv_bwd_data(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | N
     phases = _bwd_data_phases(layer)
     if icb == 1 and layer.in_shape[0] < v:
         return _plan_conv_bwd_data_few_channels(layer, arch, phases, choice)
-    widest = max(p.q_hi - p.q_lo for p in phases)
+    # Widths up to a whole phase row: one no wider than the tile is a single edge tile (cover_row).
+    widest = max(p.q_count for p in phases)
     scored = []
     for tile in candidates(max(1, min(widest, arch.vector_registers)), divisors(icb, WEIGHT_STREAMS), arch):
         covered = [_covered(layer, p, tile.width) for p in phases]

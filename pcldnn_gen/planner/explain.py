@@ -45,7 +45,8 @@ def conv_fwd(tile: RegisterTile, arch: Arch, ow: int, cover: RowCover, row_eff: 
         f"(latency {arch.fma_latency} x {arch.fma_units} FMA units x headroom {LATENCY_HEADROOM} needs "
         f"{LATENCY_HEADROOM * arch.fma_latency * arch.fma_units:g}); "
         f"row of {ow} px = " + " + ".join(
-            ([f"left edge tile of {tile.width}"] if cover.left else [])
+            ([f"one edge tile of {cover.left.width} (the whole row)"] if cover.left and cover.mid_lo == ow else
+             [f"left edge tile of {tile.width}"] if cover.left else [])
             + [f"{cover.full_tiles} full tiles"]
             + ([f"1 of {cover.rem}"] if cover.rem else [])
             + ([f"right edge tile of {tile.width}"] if cover.right else [])

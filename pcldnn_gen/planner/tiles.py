@@ -91,38 +91,59 @@ class EdgeTile:
     taps: tuple[Tap, ...]
 
 
+# Rows of at most this many columns with padding are covered by one edge tile when the tile is
+# as wide. Against the edge / remainder / border cover (benchmarks/ab.py on the zoo's planes up
+# to 16 wide, EPYC VM, AVX-512, one thread, minibatch 16): 4-, 7- and 8-column rows 1.06-1.35x
+# (forward and backward-data, one 0.93), 13- and 14-column rows 0.94-1.03x: not taken there.
+WHOLE_ROW_MAX = 8
+
+
 @dataclass(frozen=True, kw_only=True)
 class RowCover:
     """How a row of `count` columns is covered by tiles of one width: an edge tile at each end
-    that needs bounds when the row is wide enough (else 1-column border tiles), full tiles over
-    [mid_lo, mid_hi) and one remainder tile of `rem` columns after them."""
+    that needs bounds when the row is wide enough, full tiles over [mid_lo, mid_hi) and one
+    remainder tile of `rem` columns after them, 1-column border tiles over [0, border_lo) and
+    [border_hi, count). A short row (WHOLE_ROW_MAX) no wider than the tile, with padding on a
+    side, is one edge tile (`left`, covering the whole row: a 7-column plane in one tile instead
+    of two edges and a 1-column remainder, or 1-column border tiles)."""
     left: EdgeTile | None
     right: EdgeTile | None
     mid_lo: int
     mid_hi: int
     rem: int
-    border: int                 # columns covered by 1-column border tiles
+    border_lo: int
+    border_hi: int
+    count: int
     width: int                  # columns per full tile
 
     @property
     def full_tiles(self) -> int:
         return (self.mid_hi - self.mid_lo) // self.width
 
+    @property
+    def border(self) -> int:
+        """Columns covered by 1-column border tiles."""
+        return self.border_lo + self.count - self.border_hi
 
-def cover_row(count: int, lo: int, hi: int, width: int, edge: Callable[[int], EdgeTile]) -> RowCover:
+
+def cover_row(count: int, lo: int, hi: int, width: int, edge: Callable[[int, int], EdgeTile]) -> RowCover:
     """Cover columns [0, count) whose [lo, hi) need no bounds: an edge tile (built by `edge`
-    from its start column) at each end when its bounded columns fit in one tile and the row
-    holds two tiles, full tiles and one remainder in between, 1-column border tiles for the
-    bounded columns no edge tile takes. The one routine behind conv forward and backward-data."""
+    from its start column and width) at each end when its bounded columns fit in one tile and
+    the row holds two tiles, or one edge tile for a short row no wider than a tile; full tiles
+    and one remainder in between, 1-column border tiles for the bounded columns no edge tile
+    takes. The one routine behind conv forward and backward-data."""
+    if count <= min(width, WHOLE_ROW_MAX) and (lo > 0 or hi < count):
+        return RowCover(left=edge(0, count), right=None, mid_lo=count, mid_hi=count, rem=0, border_lo=0,
+                        border_hi=count, count=count, width=width)
     left = 0 < lo <= width and 2 * width <= count
     right = hi < count and count - hi <= width and 2 * width <= count
     mid_lo, mid_hi = (width if left else lo), (count - width if right else hi)
     if mid_hi < mid_lo:
         left = right = False
         mid_lo, mid_hi = lo, hi
-    return RowCover(left=edge(0) if left else None, right=edge(count - width) if right else None,
+    return RowCover(left=edge(0, width) if left else None, right=edge(count - width, width) if right else None,
                     mid_lo=mid_lo, mid_hi=mid_hi, rem=(mid_hi - mid_lo) % width,
-                    border=(0 if left else lo) + (0 if right else count - hi), width=width)
+                    border_lo=0 if left else lo, border_hi=count if right else hi, count=count, width=width)
 
 
 def cover_pieces(cover: RowCover, taps: int) -> list[tuple[int, int]]:
