@@ -101,6 +101,7 @@ class PassResult:
     layer_type: str = ""                   # conv or fc
     family: str = ""                       # zoo rows: the architecture the shape comes from
     useful_gflops: float = 0.0             # GFLOP/s counting only taps that read inside the input (no padding)
+    tuned: bool = False                    # the kernel's tile came from the tuning database
 
 
 def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASSES,
@@ -122,7 +123,7 @@ def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASSES
     ours, ratios = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         out = build_dir or Path(tmp) / "build"
-        build(spec, arch, out, tuning=tuning)
+        plans = build(spec, arch, out, tuning=tuning).plans
         net = pr.load(out, threads=threads)
         for ls in chosen:
             runs = kernel_runs(net.layers[ls.name], batch)
@@ -149,7 +150,8 @@ def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASSES
             t, r = ours[(ls.name, p)], ratios[(ls.name, p)]
             results.append(PassResult(ls.name, p, t * 1e3, flops / t / 1e9, flops / t / 1e9 / best_peak,
                                       r.get("numpy"), r.get("onednn"), r.get("onednn_wall"), r.get("onednn_impl"),
-                                      r.get("onednn_isa"), ls.type, useful_gflops=useful / t / 1e9))
+                                      r.get("onednn_isa"), ls.type, useful_gflops=useful / t / 1e9,
+                                      tuned=plans[(ls.name, p)].measured is not None))
     return best_peak, results
 
 
@@ -212,6 +214,9 @@ def format_table(title: str, arch: Arch, batch: int, threads: int, peak: float, 
                  "included); useful = the share of them that reads inside the input (the kernels skip the rest)")
     lines.append("x columns: baseline time / our time (> 1: ours is faster); oneDNN = its primitive time "
                  "(ONEDNN_VERBOSE), oneDNN wall = PyTorch call time including layout reorders")
+    tuned = sum(r.tuned for r in results)
+    if tuned:
+        lines.append(f"{tuned} of {len(results)} kernels use a tile from the tuning database (`pcldnn-gen tune`)")
     impls = sorted({i for r in results if r.onednn_impl for i in r.onednn_impl.split()})
     if impls:
         isa = next((r.onednn_isa for r in results if r.onednn_isa), None)

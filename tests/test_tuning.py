@@ -207,3 +207,16 @@ def _exit_code(argv: list[str]) -> int:
         return cli.main(argv)
     except SystemExit as e:  # argparse's usage errors
         return int(e.code or 0)
+
+
+def test_bench_marks_kernels_whose_tile_was_tuned(db_path):
+    from pcldnn_gen import bench
+    arch = get_arch(ISA)
+    conv = NET.layer("c1")
+    t = plan_layer(conv, "fwd", arch).rejected[0]
+    TuningDB(db_path).merge_into([_entry(conv, "fwd", arch, (t.width, t.vectors))])
+    _, results = bench.bench_net(NET, arch, batch=2, threads=1, repeats=1, peak=100.0, tuning=TuningDB.load())
+    assert [(r.layer, r.pass_name) for r in results if r.tuned] == [("c1", "fwd")]
+    assert "1 of 6 kernels use a tile from the tuning database" in bench.format_table("t", arch, 2, 1, 100.0, results)
+    _, untuned = bench.bench_net(NET, arch, batch=2, threads=1, repeats=1, peak=100.0)
+    assert not any(r.tuned for r in untuned)
