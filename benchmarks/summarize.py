@@ -34,8 +34,9 @@ FC_NUMPY_TARGET = 1.0            # every fc row, x numpy (OpenBLAS)
 
 @dataclass
 class Group:
-    """The rows of one (net, minibatch, threads), possibly from several files."""
+    """The rows of one (net, ISA, minibatch, threads), possibly from several files."""
     net: str
+    isa: str
     batch: int
     threads: int
     rows: dict[tuple[str, str], dict] = field(default_factory=dict)   # (layer, pass) -> row, in file order
@@ -45,7 +46,7 @@ class Group:
 
     @property
     def title(self) -> str:
-        return f"{self.net}, minibatch {self.batch}, {self.threads} thread(s)"
+        return f"{self.net}, {self.isa}, minibatch {self.batch}, {self.threads} thread(s)"
 
 
 def _layer_type(row: dict) -> str:
@@ -55,11 +56,12 @@ def _layer_type(row: dict) -> str:
 
 
 def load(paths: list[Path]) -> list[Group]:
-    groups: dict[tuple[str, int, int], Group] = {}
+    groups: dict[tuple[str, str, int, int], Group] = {}
     for path in paths:
         d = json.loads(path.read_text())
-        g = groups.setdefault((d["net"], d["batch"], d["threads"]),
-                              Group(d["net"], d["batch"], d["threads"], zoo=bool(d.get("zoo"))))
+        isa = d["arch"]["isa"]
+        g = groups.setdefault((d["net"], isa, d["batch"], d["threads"]),
+                              Group(d["net"], isa, d["batch"], d["threads"], zoo=bool(d.get("zoo"))))
         g.peaks[path] = d["peak_gflops"]
         for row in d["results"]:
             key = (row["layer"], row["pass_name"])
@@ -97,17 +99,17 @@ def pass_figures(g: Group, p: str) -> dict:
             "fc": [r for r in rows if _layer_type(r) == "fc"]}
 
 
-def thread_ratios(groups: list[Group]) -> dict[tuple[str, int], list[float]]:
-    """{(net, batch): sorted 1-thread / 2-thread time ratios over the conv rows both groups have}."""
+def thread_ratios(groups: list[Group]) -> dict[tuple[str, str, int], list[float]]:
+    """{(net, isa, batch): sorted 1-thread / 2-thread time ratios over the conv rows both groups have}."""
     out = {}
-    by_key = {(g.net, g.batch, g.threads): g for g in groups}
-    for (net, batch, threads), one in by_key.items():
-        two = by_key.get((net, batch, 2))
+    by_key = {(g.net, g.isa, g.batch, g.threads): g for g in groups}
+    for (net, isa, batch, threads), one in by_key.items():
+        two = by_key.get((net, isa, batch, 2))
         if threads == 1 and two is not None:
             ratios = sorted(r["ms"] / two.rows[k]["ms"] for k, r in one.rows.items()
                             if k in two.rows and _layer_type(r) == "conv")
             if ratios:
-                out[(net, batch)] = ratios
+                out[(net, isa, batch)] = ratios
     return out
 
 
@@ -178,7 +180,7 @@ def markdown(groups: list[Group]) -> str:
     for g in groups:
         files = ", ".join(f"`{p.name}` (peak {peak:.1f} GFLOP/s)" for p, peak in g.peaks.items())
         out += [f"### {g.title}", "", f"From {files}.", ""]
-        out += targets_markdown(g, ratios.get((g.net, g.batch)) if g.threads == 1 else None) + [""]
+        out += targets_markdown(g, ratios.get((g.net, g.isa, g.batch)) if g.threads == 1 else None) + [""]
         out += table_markdown(g) + [""]
     return "\n".join(out)
 
@@ -203,8 +205,8 @@ def text(groups: list[Group]) -> str:
                              (f" x numpy {_x(r['vs_numpy'])}" if r.get("vs_numpy") else ""))
             if parts:
                 out.append(f"  {p:12s} " + "; ".join(parts))
-    for (net, batch), r in thread_ratios(groups).items():
-        out.append(f"{net}, minibatch {batch}: 2 threads / 1 thread over conv rows: median {statistics.median(r):.2f}, "
+    for (net, isa, batch), r in thread_ratios(groups).items():
+        out.append(f"{net}, {isa}, minibatch {batch}: 2 threads / 1 thread over conv rows: median {statistics.median(r):.2f}, "
                    f"range {r[0]:.2f}-{r[-1]:.2f}")
     return "\n".join(out)
 

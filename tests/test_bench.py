@@ -115,9 +115,10 @@ def test_summarize_keys_rows_by_layer_and_refuses_a_second_timing(tmp_path):
     and pass are refused instead of one silently replacing the other."""
     summarize = _summarize()
 
-    def run(name, threads, rows):
+    def run(name, threads, rows, isa="avx2"):
         path = tmp_path / name
-        path.write_text(json.dumps({"net": "n", "batch": 4, "threads": threads, "peak_gflops": 100.0, "results": [
+        path.write_text(json.dumps({"net": "n", "arch": {"isa": isa}, "batch": 4, "threads": threads,
+                                    "peak_gflops": 100.0, "results": [
             {"layer": layer, "pass_name": "fwd", "ms": ms, "gflops": 1.0, "peak_fraction": eff, "vs_onednn": x,
              "layer_type": "conv"} for layer, ms, eff, x in rows]}))
         return path
@@ -132,11 +133,14 @@ def test_summarize_keys_rows_by_layer_and_refuses_a_second_timing(tmp_path):
     # the first conv layer (a, by order) is apart; the others' median and worst
     assert f["first_layer"] == "a" and f["first_onednn"] == 3.0
     assert (f["conv_peak"].median, f["conv_peak"].worst, f["conv_peak"].worst_layer) == (0.9, 0.7, "c")
-    assert summarize.thread_ratios(groups) == {("n", 4): [2.0, 4.0]}
+    assert summarize.thread_ratios(groups) == {("n", "avx2", 4): [2.0, 4.0]}
     assert "| fwd × oneDNN, conv after the first | median ≥ 1.0, none < 0.9 | median 1.10, worst 0.80 (c) | **no** |" \
         in summarize.markdown(groups)
     with pytest.raises(SystemExit, match="a fwd is also in .*full.json"):
         summarize.load([full, run("again.json", 1, [("a", 3.0, 0.6, 2.0)])])
+    # the same net on another ISA is a group of its own
+    wide = summarize.load([full, run("wide.json", 1, [("a", 3.0, 0.6, 2.0)], isa="avx512")])
+    assert sorted((g.isa, len(g.rows)) for g in wide) == [("avx2", 3), ("avx512", 1)]
 
 
 def test_the_shipped_zoo_covers_what_users_train():
