@@ -71,9 +71,11 @@ class _Kernel:
     predicted: tuple[float, ...]
 
 
-def tune(nets: list[NetSpec], arch: Arch, batch: int, threads: int, *, candidates: int = 4, rounds: int = 5,
-         repeats: int = 3, budget: float | None = None, force: bool = False, db: TuningDB | None = None,
+def tune(nets: list[NetSpec], arch: Arch, batch: int, threads: int, *, candidates: int = 4, rounds: int = 15,
+         repeats: int = 1, budget: float | None = None, force: bool = False, db: TuningDB | None = None,
          progress: Callable[[str], None] = lambda line: None) -> TuneReport:
+    """Time the candidates of every conv / fc kernel of `nets` (each kernel shape once) and
+    merge the results into `db` (default: the database at its usual path) net by net."""
     pr.cpu.require(arch.isa, "tuning")
     db = db if db is not None else TuningDB.load()
     start = time.perf_counter()
@@ -86,28 +88,8 @@ def tune(nets: list[NetSpec], arch: Arch, batch: int, threads: int, *, candidate
         return budget is not None and time.perf_counter() - start > budget
 
     for net in nets:
-        kernels = []
-        for layer in net.layers:
-            if not layer.weighted:
-                continue
-            for p in LAYER_PASSES[layer.type]:
-                model = plan_layer(layer, p, arch)
-                key = kernel_key(layer, p, arch, model.template)
-                if key_id(key) in seen:
-                    continue
-                seen.add(key_id(key))
-                if key_id(key) in db.entries and not force:
-                    known += 1
-                    continue
-                assert model.tile is not None
-                tiles = [model.tile, *model.rejected][:candidates]
-                if len(tiles) < 2:
-                    single += 1
-                    continue
-                # Predicted figures of each candidate as the planner rates it in its own plan.
-                predicted = [plan_layer(layer, p, arch, (t.width, t.vectors)).predicted_efficiency for t in tiles]
-                kernels.append(_Kernel(layer.name, p, key, layer.flops(batch),
-                                       tuple((t.width, t.vectors) for t in tiles), tuple(predicted)))
+        kernels, counts = _kernels_to_time(net, arch, batch, candidates, db, force, seen)
+        single, known = single + counts[0], known + counts[1]
         if not kernels:
             continue
         if over_budget():
@@ -135,6 +117,35 @@ def tune(nets: list[NetSpec], arch: Arch, batch: int, threads: int, *, candidate
         if entries:
             db.merge_into(entries)
     return TuneReport(tuple(rows), single, known, unmeasured, peak, time.perf_counter() - start)
+
+
+def _kernels_to_time(net: NetSpec, arch: Arch, batch: int, candidates: int, db: TuningDB, force: bool,
+                     seen: set[str]) -> tuple[list[_Kernel], tuple[int, int]]:
+    """The net's kernels with two or more candidate tiles not measured yet (this run: `seen`;
+    the database, unless `force`), and (kernels with one candidate, kernels already known)."""
+    kernels, single, known = [], 0, 0
+    for layer in net.layers:
+        if not layer.weighted:
+            continue
+        for p in LAYER_PASSES[layer.type]:
+            model = plan_layer(layer, p, arch)
+            key = kernel_key(layer, p, arch, model.template)
+            if key_id(key) in seen:
+                continue
+            seen.add(key_id(key))
+            if key_id(key) in db.entries and not force:
+                known += 1
+                continue
+            assert model.tile is not None
+            tiles = [model.tile, *model.rejected][:candidates]
+            if len(tiles) < 2:
+                single += 1
+                continue
+            # each candidate's figure as the planner rates it in its own plan
+            predicted = [plan_layer(layer, p, arch, (t.width, t.vectors)).predicted_efficiency for t in tiles]
+            kernels.append(_Kernel(layer.name, p, key, layer.flops(batch), tuple((t.width, t.vectors) for t in tiles),
+                                   tuple(predicted)))
+    return kernels, (single, known)
 
 
 def _time_candidates(calls: list[Callable[[], None]], rounds: int, repeats: int) -> list[list[float]]:
