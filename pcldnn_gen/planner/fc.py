@@ -26,8 +26,8 @@ FC_PLAN_BATCH = 256
 # one narrower remainder, which can be latency-bound (a 14x2 tile leaves a 2x2 one, 4 chains, at
 # minibatch 16). Against scoring the full tile alone (VGG-A fc6-8 forward and backward-data,
 # benchmarks/ab.py, EPYC VM, one thread, minibatch 16 / 64 / 256): AVX-512 8x3 and 8x2 instead
-# of 14x2, 1.00-1.62x (median 1.31x); AVX2 4x3 and 3x4 instead of 6x2, 0.93-1.20x (median 1.05x,
-# the losses at minibatch 256 forward).
+# of 14x2, 0.98-1.62x (median 1.31x); AVX2 4x3 and 3x4 instead of 6x2, 0.93-1.20x (median 1.05x;
+# the losses, 0.93-0.99, on fc6 / fc8 forward at minibatch 64-256 and fc8 backward-data).
 SCORE_BATCHES = (16, 32, 64, 128, 256)
 
 

@@ -92,9 +92,10 @@ class EdgeTile:
 
 
 # Rows of at most this many columns with padding are covered by one edge tile when the tile is
-# as wide. Against the edge / remainder / border cover (benchmarks/ab.py on the zoo's planes up
-# to 16 wide, EPYC VM, AVX-512, one thread, minibatch 16): 4-, 7- and 8-column rows 1.06-1.35x
-# (forward and backward-data, one 0.93), 13- and 14-column rows 0.94-1.03x: not taken there.
+# as wide. Against the edge / remainder / border cover (benchmarks/ab.py-style interleaved runs
+# on the zoo's planes up to 16 wide, EPYC VM, AVX-512, one thread, minibatch 16): 4-, 7- and
+# 8-column rows forward 1.12-1.31x, backward-data 1.01-1.45x; 13- and 14-column rows measured
+# 0.94-1.03x with it, so wider rows keep the edges and middle.
 WHOLE_ROW_MAX = 8
 
 
