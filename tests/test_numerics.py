@@ -102,7 +102,7 @@ def test_family_presets_match_numpy(tmp_path, preset):
         _check_fc(tmp_path / f"f{case}", preset, case)
 
 
-@pytest.mark.parametrize("candidate", [1, 2, 3])
+@pytest.mark.parametrize("candidate", [1, 3])
 def test_tuner_candidates_match_numpy(tmp_path, isa, candidate):
     """The tiles `pcldnn-gen tune` may choose instead of the model's (its next-best candidates,
     each with its own remainder, edge and blocking), on a first layer, a strided layer with
