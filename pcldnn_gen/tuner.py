@@ -136,8 +136,7 @@ def _kernels_to_time(net: NetSpec, arch: Arch, batch: int, candidates: int, db: 
             if key_id(key) in db.entries and not force:
                 known += 1
                 continue
-            assert model.tile is not None
-            tiles = [model.tile, *model.rejected][:candidates]
+            tiles = model.candidate_tiles[:candidates]
             if len(tiles) < 2:
                 single += 1
                 continue

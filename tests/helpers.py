@@ -50,9 +50,9 @@ def build_and_load(tmp_path: Path, layers: list[dict], input_shape, isa: str, na
     if candidate:
         for layer in net.layers:
             for p in LAYER_PASSES[layer.type]:
-                plan = plan_layer(layer, p, arch)
-                if plan.tile is not None:
-                    t = [plan.tile, *plan.rejected][min(candidate, len(plan.rejected))]
+                tiles = plan_layer(layer, p, arch).candidate_tiles
+                if tiles:
+                    t = tiles[min(candidate, len(tiles) - 1)]
                     choices[(layer.name, p)] = (t.width, t.vectors)
     build(net, arch, out, choices=choices)
     return pr.load(out, threads=threads)

@@ -57,6 +57,11 @@ class KernelPlan:
         """The reduction chunk with its unit, for the header; empty when the kernel has none."""
         return ""
 
+    @property
+    def candidate_tiles(self) -> tuple[RegisterTile, ...]:
+        """The model's ranking, its choice first: the tiles the tuner may time instead."""
+        return () if self.tile is None else (self.tile, *self.rejected)
+
     def blocks(self) -> dict[str, Any]:
         """The family's own scalar decisions (the tables stay in the C)."""
         base = {f.name for f in fields(KernelPlan)}
