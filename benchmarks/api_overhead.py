@@ -51,7 +51,7 @@ def fixed_cost(arch, tmp: Path, calls: int) -> None:
     for threads in (1, 2):
         layer = pr.load(tmp / "tiny", threads=threads).layers["fc"]
         x = np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
-        xb, yb = (empty_aligned(layer.blocked_shape(s, 1)) for s in (layer.in_shape, layer.out_shape))
+        xb, yb = empty_aligned(layer.input_shape(1)), empty_aligned(layer.blocked_shape(layer.out_shape, 1))
         layer.input_into_blocked(x.reshape(1, 16, 1, 1), xb)
         print(f"fixed cost, 16 -> 16 fc, minibatch 1, {threads} thread(s): "
               f"blocked kernel {mean_us(lambda: layer.forward_blocked(xb, yb), calls):.1f} us, "
@@ -64,7 +64,7 @@ def conversion_cost(arch, tmp: Path, net_file: Path, layer_name: str, batch: int
     build(spec, arch, tmp / "net")
     layer = pr.load(tmp / "net", threads=threads).layers[layer_name]
     x = np.random.default_rng(0).standard_normal((batch, *layer.in_shape)).astype(np.float32)
-    xb, yb = (empty_aligned(layer.blocked_shape(s, batch)) for s in (layer.in_shape, layer.out_shape))
+    xb, yb = empty_aligned(layer.input_shape(batch)), empty_aligned(layer.blocked_shape(layer.out_shape, batch))
     y = np.empty((batch, *layer.out_shape), dtype=np.float32)
     k = layer._k  # the layout kernels alone
     calls = {

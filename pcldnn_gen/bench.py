@@ -75,7 +75,7 @@ def kernel_runs(layer, batch: int) -> dict[str, Callable[[], None]]:
     """{pass: one call of the layer's kernel} on blocked buffers of random values (fixed seed):
     what the benchmarks time, without layout conversions."""
     rng = np.random.default_rng(0)
-    xb = empty_aligned(layer.blocked_shape(layer.in_shape, batch))
+    xb = empty_aligned(layer.input_shape(batch))
     xb[...] = rng.standard_normal(xb.shape)
     yb, dyb = (empty_aligned(layer.blocked_shape(layer.out_shape, batch)) for _ in range(2))
     dxb = empty_aligned(xb.shape)

@@ -15,7 +15,7 @@ from importlib import resources
 import jinja2
 
 from pcldnn_runtime.abi import SIGNATURES
-from pcldnn_runtime.limits import blocks
+from pcldnn_runtime.limits import blocks, input_pixel_floats
 from pcldnn_runtime.validate import NAME_RE, full_match, show
 
 from . import __version__
@@ -248,6 +248,7 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
         layer=layer, arch=arch, plan=plan, V=v, vec=VECTOR_ISAS[arch.isa], symbol=symbol,
         params=SIGNATURES[plan.kind], version=__version__, plan_lines=_comment_lines(plan),
         R=plan.tile.vectors if plan.tile else 0, icb=icb, ocb=blocks(layer.out_shape[0], v),
+        xv=input_pixel_floats(layer.index, layer.type, c, v),
         ic_tail=c - (icb - 1) * v, k=icb * v * h * w, size=icb * v * h * w, classes=c, ld=icb * v)
     return Source(f"{layer.name}_{plan.pass_name}.c", text, {symbol: plan.kind})
 
@@ -268,7 +269,8 @@ def render_layout(layer: LayerSpec, arch: Arch) -> Source:
         wshape = (oc, ic, *layer.kernel)
     text = template_env().get_template("layout.c.j2").render(
         layer=layer, arch=arch, V=arch.vector_floats, vec=VECTOR_ISAS[arch.isa], version=__version__,
-        prefix=f"pcldnn_{c_identifier(layer.name)}", wshape=wshape, params=SIGNATURES)
+        prefix=f"pcldnn_{c_identifier(layer.name)}", wshape=wshape, params=SIGNATURES,
+        packed_input=input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats)
     roles = layout_symbols(layer.name)
     if not layer.weighted:
         roles = {r: s for r, s in roles.items() if not r.startswith("wt_")}

@@ -16,7 +16,7 @@ import numpy as np
 from .abi import DROPOUT_HASH_STEP
 from .errors import PcldnnError
 from .kernels import empty_aligned, ptr
-from .limits import blocks
+from .limits import blocks, input_pixel_floats
 from .manifest import LayerEntry
 
 
@@ -49,6 +49,8 @@ class Layer:
         self._k = kernels
         self._v = v
         self._net = net
+        # V, or the packed channels of a first conv layer's few-channel input (limits.input_pixel_floats)
+        self.in_pixel_floats = input_pixel_floats(spec.index, spec.type, spec.in_shape[0], v)
         self._saved: tuple | None = None  # (xb, yb, aux) of the last canonical forward
         self._buffers: dict[str, np.ndarray] = {}  # blocked buffers of the canonical API, by use
         self._teams: dict[tuple[int, int], int] = {}  # (minibatch, net threads) -> threads per call
@@ -65,8 +67,16 @@ class Layer:
         return self._v
 
     def blocked_shape(self, shape: tuple[int, int, int], batch: int) -> tuple[int, ...]:
+        """Blocked (N, C/V, H, W, V) of an activation of `shape` (the output; the input unless packed)."""
         c, h, w = shape
         return (batch, blocks(c, self._v), h, w, self._v)
+
+    def input_shape(self, batch: int) -> tuple[int, ...]:
+        """The blocked input buffer's shape: (N, C/V, H, W, V), or (N, 1, H, W, C) when packed."""
+        c, h, w = self.in_shape
+        if self.in_pixel_floats != self._v:
+            return (batch, 1, h, w, self.in_pixel_floats)
+        return self.blocked_shape(self.in_shape, batch)
 
     def team(self, batch: int) -> int:
         """Threads for one kernel call at `batch`: the net's, or one when the call's work (nominal
@@ -129,7 +139,7 @@ class Layer:
         return buf
 
     def _to_blocked(self, role: str, x: np.ndarray, shape: tuple[int, int, int], use: str) -> np.ndarray:
-        out = self._buffer(use, self.blocked_shape(shape, x.shape[0]))
+        out = self._buffer(use, self.input_shape(x.shape[0]) if role == "in" else self.blocked_shape(shape, x.shape[0]))
         self._k[f"{role}_to_blocked"](ptr(x), ptr(out), x.shape[0], self.team(x.shape[0]))
         return out
 

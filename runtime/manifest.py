@@ -53,6 +53,7 @@ class KernelEntry:
 
 @dataclass(frozen=True)
 class LayerEntry:
+    index: int          # position in the net (the first layer's input may be packed: limits.input_pixel_floats)
     name: str
     type: str
     in_shape: tuple[int, int, int]
@@ -116,7 +117,7 @@ def parse_manifest(data: Any, origin: str) -> Manifest:
     layers: list[LayerEntry] = []
     shape = net_input
     for i, raw in enumerate(raw_layers):
-        layer = _layer(f, raw, f"layers[{i}]", shape, v)
+        layer = _layer(f, raw, i, shape, v)
         if any(l.name == layer.name for l in layers):
             f.fail(f"layers[{i}].name", f"duplicate layer name {layer.name!r}")
         layers.append(layer)
@@ -153,7 +154,8 @@ def _arch(f: Fields, value: Any) -> dict:
     return dict(arch)
 
 
-def _layer(f: Fields, raw: Any, where: str, in_shape: tuple[int, int, int], v: int) -> LayerEntry:
+def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: int) -> LayerEntry:
+    where = f"layers[{index}]"
     keys = {"name", "type", "in_shape", "out_shape", "kernel", "stride", "pad", "relu", "rate",
             "weight_shape", "kernels"}
     f.obj(raw, where, keys)
@@ -195,7 +197,7 @@ def _layer(f: Fields, raw: Any, where: str, in_shape: tuple[int, int, int], v: i
         if size > limits.MAX_TENSOR_FLOATS:
             f.fail(f"{where}.{what}", f"a tensor of {size} floats per image, more than the {limits.MAX_TENSOR_FLOATS} allowed")
     kernels = _kernels(f, raw["kernels"], f"{where}.kernels", name, ltype)
-    return LayerEntry(name, ltype, in_shape, out, kernel, stride, pad, relu, rate, weight_shape, kernels)
+    return LayerEntry(index, name, ltype, in_shape, out, kernel, stride, pad, relu, rate, weight_shape, kernels)
 
 
 def _kernels(f: Fields, value: Any, where: str, layer: str, ltype: str) -> dict[str, KernelEntry]:

@@ -29,7 +29,7 @@ class _Workspace:
     def __init__(self, net: "Net", batch: int):
         chain = net.chain
         self.batch = batch
-        self.acts = [empty_aligned(chain[0].blocked_shape(chain[0].in_shape, batch))]
+        self.acts = [empty_aligned(chain[0].input_shape(batch))]
         self.acts += [empty_aligned(l.blocked_shape(l.out_shape, batch)) for l in chain]
         self.aux = [l.aux_buffer(batch) for l in chain]
         largest = max(a.size for a in self.acts)

@@ -38,6 +38,10 @@ CONV_SHAPES = [
     (1, 64, 9, 9, 64, 2, 2, 0, True),
     (2, 3, 1, 1, 8, 1, 2, 1, False),  # every output reads only padding: the bias alone
     (1, 16, 5, 40, 16, 3, 1, 1, True),  # wide enough for an edge tile at both ends
+    # few channels: backward-weights tiles over several kernel columns, with a narrower last
+    # tap group and a narrower last oc-vector group together (AVX-512 / AVX2 respectively)
+    (2, 2, 9, 20, 72, 7, 1, 3, True),
+    (1, 3, 13, 17, 40, 5, [1, 2], 2, False),
 ]
 
 
@@ -425,7 +429,8 @@ def test_initialisation_is_seeded_he_normal(tmp_path):
 def test_layout_conversions_match_numpy(tmp_path, isa, c, h, w):
     """Canonical <-> blocked activations: whole channel blocks go through V x V register
     transposes, the pixels after the last whole V and a partly filled last block element by
-    element; padded lanes must come out zero. Checked against numpy's pad + transpose."""
+    element; padded lanes must come out zero. Checked against numpy's pad + transpose. The
+    first conv layer's input with fewer channels than V is packed, (N, H, W, C), both ways."""
     net = build_and_load(tmp_path, [{"name": "c", "type": "conv", "out_channels": c, "kernel": 1}], (c, h, w), isa)
     layer, v = net.layers["c"], net.vector_floats
     cb = -(-c // v)
@@ -433,9 +438,13 @@ def test_layout_conversions_match_numpy(tmp_path, isa, c, h, w):
     want = np.zeros((3, cb * v, h, w), np.float32)
     want[:, :c] = x
     want = want.reshape(3, cb, v, h, w).transpose(0, 1, 3, 4, 2)
-    xb = np.full(layer.blocked_shape((c, h, w), 3), np.nan, dtype=np.float32)
+    packed = c < v
+    assert layer.input_shape(3) == ((3, 1, h, w, c) if packed else want.shape)
+    xb = np.full(layer.input_shape(3), np.nan, dtype=np.float32)
     layer.input_into_blocked(x, xb)
-    np.testing.assert_array_equal(xb, want)
+    np.testing.assert_array_equal(xb, x.transpose(0, 2, 3, 1)[:, None] if packed else want)
+    dxb = np.ascontiguousarray(xb)
+    np.testing.assert_array_equal(layer._from_blocked("in", dxb, layer.in_shape, False), x)
     yb = np.ascontiguousarray(want)
     padded = (np.arange(cb * v) >= c).reshape(cb, v)[None, :, None, None, :]
     yb[np.broadcast_to(padded, yb.shape)] = np.nan  # padded lanes are never read back

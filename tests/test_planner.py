@@ -58,7 +58,14 @@ def test_every_tile_fits_the_register_file(isa, net_file):
         elif plan.kind == "conv_bwd_weights":
             lanes = plan.lanes
             assert lanes == (layer.in_shape[0] if icb == 1 else v)  # padded lanes of a lone block are skipped
-            assert lanes % t.width == 0 and plan.rem_vectors == ocb % t.vectors and t.vectors <= ocb
+            assert plan.rem_vectors == ocb % t.vectors and t.vectors <= ocb
+            # a tile of some lanes of one kernel column, or (fewer channels than V) all lanes of
+            # kw_taps columns, the last group narrower
+            if plan.kw_taps == 1:
+                assert lanes % t.width == 0 and plan.rem_taps == 0
+            else:
+                assert lanes < v and t.width == lanes * plan.kw_taps <= lanes * layer.kernel[1]
+                assert plan.rem_taps == layer.kernel[1] % plan.kw_taps
             assert 1 <= plan.block_rows <= layer.out_shape[1]
             assert len(plan.oh_range) == layer.kernel[0]
         elif plan.kind == "fc_fwd":
@@ -84,7 +91,8 @@ def _check_conv_fwd_blocks(layer, plan, arch):
     lanes = ic if blocks(ic, v) == 1 else v
     assert 1 <= plan.ifm_chunk <= blocks(ic, v) and 1 <= plan.rows <= layer.out_shape[1]
     weights = plan.ifm_chunk * t.vectors * v * lanes * kh * kw * 4
-    inputs = plan.ifm_chunk * min(ih, (plan.rows - 1) * layer.stride[0] + kh) * iw * v * 4
+    pixel = ic if layer.index == 0 and ic < v else v  # the net's few-channel input is packed (N, H, W, C)
+    inputs = plan.ifm_chunk * min(ih, (plan.rows - 1) * layer.stride[0] + kh) * iw * pixel * 4
     partials = plan.rows * layer.out_shape[2] * t.vectors * v * 4
     assert plan.l1_working_set == weights + inputs + partials
     assert plan.l1_working_set <= L1_BUDGET * arch.l1d_bytes or (plan.ifm_chunk, plan.rows) == (1, 1)

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
-from pcldnn_runtime.limits import blocks
+from pcldnn_runtime.limits import blocks, input_pixel_floats
 
 from ..arch import Arch
 from ..errors import PlanError
@@ -68,16 +69,17 @@ def _conv_fwd_blocking(layer: LayerSpec, tile: RegisterTile, slice_bytes: int, l
     oc, oh, ow = layer.out_shape
     kh, kw = layer.kernel
     icb = blocks(ic, v)
+    xv = input_pixel_floats(layer.index, layer.type, ic, v)
     row_flops = 2 * ow * tile.vectors * v * icb * lanes * kh * kw
     best = None
     for chunk in range(1, icb + 1):
         for rows in range(1, oh + 1):
             rows_in = min(ih, (rows - 1) * layer.stride[0] + kh)
-            weights, inputs = chunk * slice_bytes, chunk * rows_in * iw * v * 4
+            weights, inputs = chunk * slice_bytes, chunk * rows_in * iw * xv * 4
             partials = rows * ow * tile.vectors * v * 4
             if weights + inputs + partials > L1_BUDGET * arch.l1d_bytes and (chunk, rows) != (1, 1):
                 break  # more rows only grow the working set
-            traffic = icb * slice_bytes + icb * rows_in * iw * v * 4 + 2 * partials
+            traffic = icb * slice_bytes + icb * rows_in * iw * xv * 4 + 2 * partials
             bpf = traffic / (rows * row_flops)
             overhead = 1 + 2 / (chunk * lanes * kh * kw)
             refill = bpf / 64 * arch.l1_refill_cycles
@@ -254,42 +256,56 @@ def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch, choice: tuple[int, int] 
     lanes = ic if icb == 1 else v
     # Output vectors need not divide OCB: the last group gets a narrower tile, so 4 lanes x 3
     # vectors (12 chains) is open to power-of-two channel counts. Score = work-weighted
-    # efficiency of the full and the remainder group; among equals, fewer loads per FMA (each
+    # efficiency of the full and the remainder groups; among equals, fewer loads per FMA (each
     # oc vector is a dy stream OUT_CB apart): on VGG-A conv2-8 (AMD EPYC VM, one thread,
     # benchmarks/ab.py) 4x3 instead of 2x6 ran 1.02-1.09x on AVX2, and 8x3 / 4x5 instead of
     # 2x13 / 8x3 1.01-1.44x on AVX-512, against the bigger tile the old tie-break preferred.
+    # With fewer input channels than a vector, a tile also spans several kernel columns
+    # (width = lanes x taps): 3 lanes x 2 oc vectors alone are 6 accumulator chains, too few to
+    # hide the FMA latency (MobileNet conv1 at 29% of peak, AVX-512).
+    widths = divisors(lanes, arch.vector_registers)
+    if lanes < v:
+        widths += [lanes * t for t in range(2, kw + 1)]
     scored = []
-    for t in candidates(divisors(lanes, arch.vector_registers), range(1, ocb + 1), arch):
-        full, rest = divmod(ocb, t.vectors)
-        cycles = full * t.vectors / t.efficiency
-        if rest:
-            cycles += rest / RegisterTile.evaluate(t.width, rest, arch).efficiency
-        scored.append((ocb / cycles, -t.loads_per_fma, t.width * t.vectors, t))
+    for t in candidates(widths, range(1, ocb + 1), arch):
+        taps = t.width // lanes if t.width > lanes else 1
+        tap_groups = [(taps, kw // taps)] + ([(kw % taps, 1)] if kw % taps else [])
+        vector_groups = [(t.vectors, ocb // t.vectors)] + ([(ocb % t.vectors, 1)] if ocb % t.vectors else [])
+        fmas = cycles = 0.0
+        for (kt, tap_count), (nv, vector_count) in itertools.product(tap_groups, vector_groups):
+            width = t.width // taps * kt
+            work = width * nv * tap_count * vector_count
+            fmas += work
+            cycles += work / RegisterTile.evaluate(width, nv, arch).efficiency
+        scored.append((fmas / cycles, -t.loads_per_fma, t.width * t.vectors, t, taps))
     scored.sort(key=lambda s: s[:3], reverse=True)
     scored = put_first(scored, choice, lambda s: s[3])
-    eff, _, _, tile = scored[0]
+    eff, _, _, tile, taps = scored[0]
     rem_n = ocb % tile.vectors
     # Output rows per pixel block: the block's output gradients and inputs stay in half of L2
     # while every weight tile (spread over the threads) reduces over them, and the slice one
     # tile streams (its oc vectors of dy, one input channel block) stays in half of L1, where
     # the next tiles (other kernel taps and lanes of the same oc vectors) find it again.
-    per_row = (ocb * ow + icb * sh * iw) * v * 4
-    per_row_tile = (tile.vectors * ow + sh * iw) * v * 4
+    xv = input_pixel_floats(layer.index, layer.type, ic, v)
+    per_row = (ocb * ow * v + icb * sh * iw * xv) * 4
+    per_row_tile = (tile.vectors * ow * v + sh * iw * xv) * 4
     rows = max(1, min(oh, (arch.l2_bytes // 2) // per_row, (arch.l1d_bytes // 2) // per_row_tile))
     # A single row still too big for L1 (wide early layers) is cut into column blocks; the
     # tile then reads the input rows of all its kernel taps (kh) from L1 as well.
     cols = ow
     if rows == 1 and per_row_tile > arch.l1d_bytes // 2:
-        per_col = (tile.vectors + kh * sw) * v * 4
+        per_col = (tile.vectors * v + kh * sw * xv) * 4
         widest = max(MIN_BLOCK_COLUMNS, min(ow, (arch.l1d_bytes // 2) // per_col))
         cols = -(-ow // max(1, ow // widest))  # equal blocks, none narrower than `widest`
     flops_px = 2 * tile.width * tile.vectors * v
     return ConvBwdWeightsPlan(
         layer=layer.name, pass_name="bwd_weights", kind="conv_bwd_weights", template="conv_bwd_weights.c.j2",
         isa=arch.isa, vector_floats=v,
-        reason=explain.conv_bwd_weights(tile, arch, eff, lanes, rem_n, rows, oh, per_row, per_row_tile, cols, ow),
-        tile=tile, tile_widths=(tile.width,), predicted_efficiency=eff, l1_working_set=rows * per_row,
+        reason=explain.conv_bwd_weights(tile, arch, eff, lanes, rem_n, taps, kw, rows, oh, per_row, per_row_tile,
+                                        cols, ow),
+        tile=tile, tile_widths=tuple(sorted({tile.width, tile.width // taps * (kw % taps or taps)}, reverse=True)),
+        predicted_efficiency=eff, l1_working_set=rows * per_row,
         l2_bytes_per_flop=(tile.vectors * v + tile.width) * 4 / flops_px, rejected=tuple(s[3] for s in scored[1:6]),
-        block_rows=rows, block_cols=cols, lanes=lanes, rem_vectors=rem_n,
+        block_rows=rows, block_cols=cols, lanes=lanes, rem_vectors=rem_n, kw_taps=taps, rem_taps=kw % taps,
         oh_range=tuple(_valid_range(oh, ih, k, sh, ph) for k in range(kh)),
         ow_range=tuple(_valid_range(ow, iw, k, sw, pw) for k in range(kw)))

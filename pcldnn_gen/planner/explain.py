@@ -84,13 +84,15 @@ def conv_bwd_data_few(tile: RegisterTile, arch: Arch, lanes: int, stride: int, p
     )
 
 
-def conv_bwd_weights(tile: RegisterTile, arch: Arch, eff: float, lanes: int, rem_n: int, rows: int, oh: int,
-                     per_row: int, per_row_tile: int, cols: int, ow: int) -> str:
+def conv_bwd_weights(tile: RegisterTile, arch: Arch, eff: float, lanes: int, rem_n: int, taps: int, kw: int,
+                     rows: int, oh: int, per_row: int, per_row_tile: int, cols: int, ow: int) -> str:
     v = arch.vector_floats
+    unit = "ic lanes" if taps == 1 else f"(ic lanes x {taps} kernel columns)"
     return (
-        f"weight-gradient {tile_sentence(tile, arch, 'ic lanes', 'oc-vectors')}: broadcast inputs times "
+        f"weight-gradient {tile_sentence(tile, arch, unit, 'oc-vectors')}: broadcast inputs times "
         f"output-gradient vectors, reduced over minibatch and output pixels"
         + (f" (the last group of {rem_n} vector(s) with a {tile.width}x{rem_n} tile)" if rem_n else "")
+        + (f" (the last {kw % taps} of {kw} kernel columns with a narrower tile)" if kw % taps else "")
         + f" -> {eff:.0%} of peak predicted" + (f" on the {lanes} real input lanes" if lanes < v else "")
         + "; threads split the weight tiles (each weight has one owner and a fixed summation order, "
         f"so results do not depend on the thread count); pixel block of {rows}/{oh} output rows: "

@@ -137,6 +137,8 @@ class ConvBwdWeightsPlan(KernelPlan):
     block_cols: int                 # output columns per pixel block
     lanes: int                      # input-channel lanes with data (the rest are padding)
     rem_vectors: int                # oc vectors of the last, narrower group (0: none)
+    kw_taps: int                    # kernel columns per tile (> 1 only with fewer channels than a vector)
+    rem_taps: int                   # kernel columns of the last, narrower tap group (0: none)
     oh_range: tuple[tuple[int, int], ...]   # per kernel row: output rows [lo, hi) that read inside the input
     ow_range: tuple[tuple[int, int], ...]   # per kernel column: the same for output columns
 
@@ -145,6 +147,11 @@ class ConvBwdWeightsPlan(KernelPlan):
         """oc-vector counts of the tiles emitted: the full group, then the last if narrower."""
         assert self.tile is not None
         return (self.tile.vectors, *((self.rem_vectors,) if self.rem_vectors else ()))
+
+    @property
+    def tap_counts(self) -> tuple[int, ...]:
+        """Kernel-column counts of the tiles emitted: the full tap group, then the last if narrower."""
+        return (self.kw_taps, *((self.rem_taps,) if self.rem_taps else ()))
 
     def reduction_chunk(self) -> str:
         return f"{self.block_rows} output rows"
