@@ -62,14 +62,19 @@ def conv_fwd(tile: RegisterTile, arch: Arch, ow: int, cover: RowCover, row_eff: 
     )
 
 
-def conv_bwd_data(tile: RegisterTile, arch: Arch, stride: int, phases: int, eff: float, ofb: int, ocb: int,
-                  slice_bytes: int) -> str:
+def conv_bwd_data(tile: RegisterTile, arch: Arch, stride: int, phases: int, row_eff: float, eff: float, ocb: int,
+                  blocking) -> str:
+    b = blocking
     return (
         f"input-gradient {tile_sentence(tile, arch, 'same-phase input px', 'ic-vectors')}; broadcasts of the "
         f"output gradient times transposed weights (IC/V, OC/V, KH, KW, V oc, V ic), written by this kernel's "
         f"prologue; stride {stride} splits each row into {phases} phase(s) with their own kernel "
-        f"columns -> {eff:.0%} of peak predicted; reduction chunk {ofb}/{ocb} output-channel blocks keeps the "
-        f"{ofb * slice_bytes // 1024} KiB weight slice within half of L1"
+        f"columns ({row_eff:.0%} of the tile's peak); reduction chunk {b.chunk}/{ocb} output-channel blocks x "
+        f"{b.rows} input row{'s' if b.rows > 1 else ''}: the {b.weight_bytes // 1024} KiB weight slice stays within "
+        f"half of L1 over the rows, their {b.partial_bytes // 1024} KiB of partial sums "
+        + ("stay in L1 beside it" if b.partials_stay else "pass through L2 once per chunk")
+        + f" ({b.l2_bytes_per_flop:.3f} B/FLOP from L2 at {arch.l1_refill_cycles:g} cycles per 64 B refill) "
+        f"-> {eff:.0%} of peak predicted"
     )
 
 

@@ -124,11 +124,12 @@ class BwdDataPhase:
 @dataclass(frozen=True, kw_only=True)
 class ConvBwdDataPlan(KernelPlan):
     ofm_chunk: int                  # output-channel blocks per reduction chunk (the L1 weight slice)
+    rows: int                       # input rows that reuse one chunk's weight slice from L1
     few_channels: bool              # fewer input channels than a vector: vectors run over output channels
     phases: tuple[BwdDataPhase, ...]
 
     def reduction_chunk(self) -> str:
-        return f"{self.ofm_chunk} output-channel blocks"
+        return f"{self.ofm_chunk} output-channel blocks x {self.rows} input rows"
 
 
 @dataclass(frozen=True, kw_only=True)
