@@ -5,6 +5,10 @@ numpy: im2col + BLAS for conv, plain GEMMs for fc (whole pass, Python included).
 onednn: PyTorch's CPU convolution, which calls oneDNN; ONEDNN_VERBOSE=profile_exec makes
 oneDNN print each primitive's execution time, which we read back per pass, so the ratio
 compares kernels with kernels; the PyTorch call's wall time (with layout reorders) is kept too.
+An fc layer runs through oneDNN's inner-product primitives (brgemm matmul kernels), reached by
+PyTorch's mkldnn ops on oneDNN tensors: PyTorch's own fp32 `linear` calls MKL's sgemm, which
+prints nothing to time, and as a 1x1 convolution of a 1x1 image oneDNN picks kernels not meant
+for a GEMM (up to 8x slower than its inner product on AlexNet fc6).
 """
 from __future__ import annotations
 
@@ -69,28 +73,13 @@ def numpy_times(req) -> dict:
 
 
 def onednn_runs(req) -> dict:
-    """Run every conv problem through PyTorch, printing a marker line before each timed call
+    """Run every conv and fc problem through PyTorch, printing a marker line before each timed call
     so the parent can attribute oneDNN's verbose lines. Returns PyTorch wall times."""
     import torch
     torch.set_num_threads(req["threads"])
     batch, wall = req["batch"], {}
     for p in req["problems"]:
-        if p["type"] != "conv":
-            continue
-        c, h, w = p["in_shape"]
-        x = torch.randn(batch, c, h, w)
-        wt = torch.randn(p["out_channels"], c, *p["kernel"])
-        conv = lambda inp, wgt: torch.nn.functional.conv2d(inp, wgt, stride=p["stride"], padding=p["pad"])  # noqa: E731
-        dy = torch.randn_like(conv(x, wt))
-        xg, wg = x.clone().requires_grad_(), wt.clone().requires_grad_()
-
-        def fwd():
-            with torch.no_grad():
-                conv(x, wt)
-
-        def bwd():
-            xg.grad = wg.grad = None
-            conv(xg, wg).backward(dy)
+        fwd, bwd = (_conv_runs if p["type"] == "conv" else _inner_product_runs)(torch, p, batch)
 
         for label, fn in (("fwd", fwd), ("bwd", bwd)):
             fn()  # warm-up: primitive creation
@@ -105,6 +94,44 @@ def onednn_runs(req) -> dict:
     return wall
 
 
+def _conv_runs(torch, p, batch):
+    """(fwd, bwd) calls of PyTorch's convolution (oneDNN) for a conv problem; bwd is autograd's."""
+    c, h, w = p["in_shape"]
+    x, wt = torch.randn(batch, c, h, w), torch.randn(p["out_channels"], c, *p["kernel"])
+    conv = lambda inp, wgt: torch.nn.functional.conv2d(inp, wgt, stride=p["stride"], padding=p["pad"])  # noqa: E731
+    dy = torch.randn_like(conv(x, wt))
+    xg, wg = x.clone().requires_grad_(), wt.clone().requires_grad_()
+
+    def fwd():
+        with torch.no_grad():
+            conv(x, wt)
+
+    def bwd():
+        xg.grad = wg.grad = None
+        conv(xg, wg).backward(dy)
+
+    return fwd, bwd
+
+
+def _inner_product_runs(torch, p, batch):
+    """(fwd, bwd) calls of oneDNN's inner product for an fc problem, on oneDNN tensors."""
+    k = int(np.prod(p["in_shape"]))
+    x, wt, dy = torch.randn(batch, k), torch.randn(p["out_channels"], k), torch.randn(batch, p["out_channels"])
+    xm, wm, dym = x.to_mkldnn(), wt.to_mkldnn(), dy.to_mkldnn()
+    aten = torch.ops.aten
+
+    def fwd():
+        with torch.no_grad():
+            torch._C._nn.mkldnn_linear(xm, wm, None)
+
+    def bwd():
+        aten.mkldnn_linear_backward_input([batch, k], dym, wt)
+        aten.mkldnn_linear_backward_weights(dym, xm, wt, True)
+
+    return fwd, bwd
+
+
+_OPS = (",convolution,", ",inner_product,")
 _PROP = {"forward_training": "fwd", "forward_inference": "fwd", "backward_data": "bwd_data",
          "backward_weights": "bwd_weights"}
 # The passes a marker's region times: autograd's backward region also runs a forward convolution
@@ -132,14 +159,15 @@ def parse_verbose(text: str) -> dict[str, OnednnPass]:
             if region:
                 per_call.setdefault(region, []).append(calls)
             continue
-        if region is None or ",exec," not in line or ",convolution," not in line:
+        op = next((o.strip(",") for o in _OPS if o in line), None)
+        if region is None or ",exec," not in line or op is None:
             continue
         fields = line.split(",")
         prop = next((_PROP[f] for f in fields if f in _PROP), None)
         if prop is None or prop not in _REGION_PASSES[region[1]]:
             continue
         calls[prop] = calls.get(prop, 0.0) + float(fields[-1]) / 1e3
-        impls.setdefault(f"{region[0]}/{prop}", set()).add(fields[fields.index("convolution") + 1])
+        impls.setdefault(f"{region[0]}/{prop}", set()).add(fields[fields.index(op) + 1])
     out: dict[str, OnednnPass] = {}
     for (layer, label), calls_list in per_call.items():
         for prop in _REGION_PASSES[label]:
