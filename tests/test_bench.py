@@ -75,6 +75,21 @@ def test_parse_onednn_verbose_attributes_primitive_times_to_passes():
     assert verbose_isa(text) == "Intel AVX2 with Intel DL Boost"
 
 
+def test_parse_onednn_verbose_reads_inner_product_for_fc_rows():
+    """fc rows time oneDNN's inner product; its weight reorders are not kernel time."""
+    ip = ("onednn_verbose,v1,primitive,exec,cpu,inner_product,brg_matmul:avx512_core,{prop},src:f32:a:blocked:ab::f0 "
+          "wei:f32:a:blocked:ab::f0 dst:f32:a:blocked:ab::f0,attr-scratchpad:user,,mb16ic9216oc4096,{ms}")
+    reorder = "onednn_verbose,v1,primitive,exec,cpu,reorder,jit_direct_copy:uni,undef,src:f32 dst:f32,,4096x9216,48.2"
+    text = "\n".join([
+        f"{MARK} fc6 fwd", ip.format(prop="forward_training", ms="13.0"), f"{MARK} end",
+        f"{MARK} fc6 bwd", ip.format(prop="backward_data", ms="15.0"), ip.format(prop="backward_weights", ms="51.0"),
+        reorder, f"{MARK} end"])
+    got = parse_verbose(text)
+    assert {k: v.seconds for k, v in got.items()} == {
+        "fc6/fwd": pytest.approx(0.013), "fc6/bwd_data": pytest.approx(0.015), "fc6/bwd_weights": pytest.approx(0.051)}
+    assert got["fc6/bwd_weights"].implementations == ("brg_matmul:avx512_core",)
+
+
 def test_an_onednn_implementation_wider_than_our_isa_is_refused():
     check_isa("avx2", ("brg_conv_fwd:avx2", "gemm:jit"))
     check_isa("avx512", ("brg_conv_fwd:avx512_core",))
