@@ -215,13 +215,16 @@ class ConvBwdDataBlocking:
 
 
 def _conv_bwd_data_blocking(layer: LayerSpec, tile: RegisterTile, arch: Arch) -> ConvBwdDataBlocking:
-    """Reduction chunk and input-row block for conv backward-data: the pair that costs the
-    fewest cycles per FLOP, counting the L2 -> L1 refills per row block (every chunk's weight
-    slice once, the output gradients once, and the rows' partial sums once per chunk unless
-    they fit L1 beside the slice) and the accumulator loads and stores each chunk adds. One
-    row per block, as before, read the whole weight tensor from L2 once per input row: on
-    14x14 and 7x7 layers that is 0.5 B/FLOP (ResNet-18 layer4 stride-2 conv, AVX2: 49% of peak,
-    0.77x oneDNN)."""
+    """Reduction chunk and input-row block for conv backward-data. The chunk is as many
+    output-channel blocks as keep the weight slice within half of L1; the row block is the
+    one that costs the fewest cycles per FLOP, counting the L2 -> L1 refills per row block
+    (every chunk's weight slice once, the output gradients once, and the rows' partial sums
+    once per chunk unless they fit L1 beside the slice). One row per block read the whole
+    weight tensor from L2 once per input row: on 14x14 and 7x7 layers that is 0.5 B/FLOP
+    (ResNet-18 layer4 stride-2 conv, AVX2: 49% of peak, 0.77x oneDNN). Choosing the chunk by
+    the same cost as well picked 1-2 blocks on 1x1 layers (partial sums kept in L1) and ran
+    0.80-0.94x the widest chunk (AVX-512, ab.py): the model undercounts what a chunk's
+    accumulator reloads cost."""
     v = arch.vector_floats
     ic, ih, iw = layer.in_shape
     ocb = blocks(layer.out_shape[0], v)
@@ -232,26 +235,23 @@ def _conv_bwd_data_blocking(layer: LayerSpec, tile: RegisterTile, arch: Arch) ->
     slice_bytes = tile.vectors * v * v * kh * kw * 4  # transposed weights of one output-channel block
     row_flops = 2 * iw * tile.vectors * v * ocb * v * taps
     best = None
-    for chunk in range(1, ocb + 1):
-        weights = chunk * slice_bytes
-        if weights > arch.l1d_bytes // 2 and chunk > 1:
+    chunk = max(1, min(ocb, (arch.l1d_bytes // 2) // slice_bytes))
+    weights, chunks = chunk * slice_bytes, -(-ocb // chunk)
+    for rows in range(1, ih + 1):
+        partials = rows * iw * tile.vectors * v * 4
+        # the output-gradient rows the block reads stream through L1 past the slice
+        dy_rows = min(layer.out_shape[1], -(-rows // sh) + kh // sh)
+        streamed = chunk * dy_rows * ow * v * 4
+        if rows > 1 and (partials > arch.l2_bytes // 4 or weights + streamed > L1_BUDGET * arch.l1d_bytes):
             break
-        for rows in range(1, ih + 1):
-            partials = rows * iw * tile.vectors * v * 4
-            # the output-gradient rows the block reads stream through L1 past the slice
-            dy_rows = min(layer.out_shape[1], -(-rows // sh) + kh // sh)
-            streamed = chunk * dy_rows * ow * v * 4
-            if rows > 1 and (partials > arch.l2_bytes // 4 or weights + streamed > L1_BUDGET * arch.l1d_bytes):
-                break
-            stay = weights + streamed + partials <= L1_BUDGET * arch.l1d_bytes
-            chunks = -(-ocb // chunk)
-            traffic = ocb * slice_bytes + ocb * dy_rows * ow * v * 4 + (0 if stay else 2 * partials * chunks)
-            bpf = traffic / (rows * row_flops)
-            overhead = 1 + 2 / (chunk * v * taps)
-            refill = bpf / 64 * arch.l1_refill_cycles
-            cost = overhead / (2 * v * arch.fma_units) + refill
-            if best is None or cost < best[0] - 1e-12:
-                best = (cost, ConvBwdDataBlocking(chunk, rows, weights, partials, stay, bpf, overhead, refill))
+        stay = weights + streamed + partials <= L1_BUDGET * arch.l1d_bytes
+        traffic = ocb * slice_bytes + ocb * dy_rows * ow * v * 4 + (0 if stay else 2 * partials * chunks)
+        bpf = traffic / (rows * row_flops)
+        overhead = 1 + 2 / (chunk * v * taps)
+        refill = bpf / 64 * arch.l1_refill_cycles
+        cost = overhead / (2 * v * arch.fma_units) + refill
+        if best is None or cost < best[0] - 1e-12:
+            best = (cost, ConvBwdDataBlocking(chunk, rows, weights, partials, stay, bpf, overhead, refill))
     assert best is not None
     b = best[1]
     rows = -(-ih // -(-ih // b.rows))  # equal blocks: 14 rows as 7 + 7, not 8 + 6
