@@ -154,6 +154,13 @@ class ConvBwdWeightsPlan(KernelPlan):
         """Kernel-column counts of the tiles emitted: the full tap group, then the last if narrower."""
         return (self.kw_taps, *((self.rem_taps,) if self.rem_taps else ()))
 
+    @property
+    def tile_variants(self) -> tuple[tuple[int, int, bool, bool], ...]:
+        """(taps, vectors, in the last oc group, in the last tap group) of every tile the
+        kernel calls, the narrowest first: the order of its dispatch."""
+        return tuple((kt, nv, nv != self.vector_counts[0], kt != self.kw_taps)
+                     for nv in reversed(self.vector_counts) for kt in reversed(self.tap_counts))
+
     def reduction_chunk(self) -> str:
         return f"{self.block_rows} output rows"
 
