@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Mapping
 
 from filelock import FileLock
 
-from pcldnn_runtime.manifest import FORMAT, MANIFEST, file_sha256
+from pcldnn_runtime.manifest import FORMAT, FORMAT_FAMILY, MANIFEST, file_sha256
 
 from . import __version__
 from .arch import Arch
@@ -137,7 +137,7 @@ def _check_replaceable(out_dir: Path) -> None:
         fmt = json.loads((out_dir / MANIFEST).read_text()).get("format")
     except (OSError, ValueError, AttributeError):
         fmt = None
-    if fmt != FORMAT:
+    if not (isinstance(fmt, str) and fmt.startswith(FORMAT_FAMILY)):  # any version of ours may be replaced
         raise BuildDirError(f"{out_dir}: exists and is not a pcldnn-gen build directory; "
                             "refusing to overwrite it (choose another -o)")
 

@@ -18,7 +18,10 @@ from . import cpu, limits
 from .errors import BuildDirError
 from .validate import LABEL_RE, NAME_RE, SHA256_RE, Fields, read_json
 
-FORMAT = "pcldnn-build/1"
+# 2: the first layer's few-channel input is packed (limits.input_pixel_floats); a /1 build's
+# kernels read it padded to V lanes, so it is refused rather than fed the wrong layout.
+FORMAT = "pcldnn-build/2"
+FORMAT_FAMILY = "pcldnn-build/"
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 
