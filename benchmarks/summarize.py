@@ -149,6 +149,11 @@ def targets_markdown(g: Group, ratios: list[float] | None) -> list[str]:
             lines.append(f"| {p} × oneDNN, first layer ({f['first_layer']}) | ≥ {FIRST_LAYER_TARGET:.0f} | "
                          f"{_x(f['first_onednn'])} | {_met(f['first_onednn'] >= FIRST_LAYER_TARGET)} |")
         fc = f["fc"]
+        fc_onednn = _spread(fc, "vs_onednn")
+        if fc_onednn and g.zoo:  # oneDNN's inner product (brgemm matmul)
+            lines.append(f"| {p} × oneDNN, fc shapes | median ≥ {one_med:.1f}, none < {one_floor} | median "
+                         f"{_x(fc_onednn.median)}, worst {_x(fc_onednn.worst)} ({fc_onednn.worst_layer}) | "
+                         f"{_met(fc_onednn.median >= one_med and fc_onednn.worst >= one_floor)} |")
         if fc and not g.zoo:  # the fc targets are for the paper nets' fc6-fc8 at minibatch 64 and 256
             peaks = [r["peak_fraction"] for r in fc]
             lines.append(f"| {p} % peak, fc | each ≥ {FC_PEAK_TARGET:.0%} | {_pct(min(peaks))}-{_pct(max(peaks))} | "
