@@ -1,6 +1,7 @@
 """Convolution kernels: forward, backward-data (general and few-channel) and backward-weights."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
@@ -226,7 +227,7 @@ def _conv_bwd_data_blocking(layer: LayerSpec, tile: RegisterTile, arch: Arch) ->
     0.80-0.94x the widest chunk (AVX-512, ab.py): the model undercounts what a chunk's
     accumulator reloads cost."""
     v = arch.vector_floats
-    ic, ih, iw = layer.in_shape
+    _, ih, iw = layer.in_shape
     ocb = blocks(layer.out_shape[0], v)
     ow = layer.out_shape[2]
     kh, kw = layer.kernel
@@ -253,10 +254,8 @@ def _conv_bwd_data_blocking(layer: LayerSpec, tile: RegisterTile, arch: Arch) ->
         if best is None or cost < best[0] - 1e-12:
             best = (cost, ConvBwdDataBlocking(chunk, rows, weights, partials, stay, bpf, overhead, refill))
     assert best is not None
-    b = best[1]
-    rows = -(-ih // -(-ih // b.rows))  # equal blocks: 14 rows as 7 + 7, not 8 + 6
-    return ConvBwdDataBlocking(b.chunk, rows, b.weight_bytes, rows * iw * tile.vectors * v * 4, b.partials_stay,
-                               b.l2_bytes_per_flop, b.overhead, b.refill_cycles_per_flop)
+    rows = -(-ih // -(-ih // best[1].rows))  # equal blocks: 14 rows as 7 + 7, not 8 + 6 (no bigger, so still fits)
+    return dataclasses.replace(best[1], rows=rows, partial_bytes=rows * iw * tile.vectors * v * 4)
 
 
 def _plan_conv_bwd_data_few_channels(layer: LayerSpec, arch: Arch, phases: list[BwdDataPhase],
