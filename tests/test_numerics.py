@@ -360,6 +360,34 @@ def test_small_caches_force_several_reduction_chunks(tmp_path, isa):
     assert_dot_close(db, want_b, abs_b, 3 * 6 * 70)
 
 
+def test_groups_outside_images_match_numpy(tmp_path, isa):
+    """Weights far beyond L2 on a small plane: forward and backward-data loop over channel
+    groups outside the images (images_inner), with 2 threads splitting the groups."""
+    import dataclasses
+
+    import pcldnn_runtime as pr
+    from pcldnn_gen.build import build
+    from pcldnn_gen.netspec import parse_netspec
+    # 128 -> 128 3x3 weights are 576 KiB, above 4 x this L2; a one-vector group's slice (V output
+    # channels, 4.5 V KiB) fits 3/4 of it beside an image's 2 KiB input and outweighs that input
+    arch = dataclasses.replace(PRESETS[isa], name=f"small-l2-{isa}", l2_bytes=128 * 1024)
+    spec = parse_netspec({"name": "groups", "input": {"channels": 128, "height": 2, "width": 2}, "layers": [
+        {"name": "c", "type": "conv", "out_channels": 128, "kernel": 3, "pad": 1, "activation": "relu"}]})
+    result = build(spec, arch, tmp_path / "b", choices={("c", "fwd"): (2, 1), ("c", "bwd_data"): (2, 1)})
+    assert result.plans[("c", "fwd")].images_inner and result.plans[("c", "bwd_data")].images_inner
+    layer = pr.load(tmp_path / "b", threads=2).layers["c"]
+    rng = np.random.default_rng(5)
+    layer.bias = rng.standard_normal(128).astype(np.float32)
+    x = rng.standard_normal((3, 128, 2, 2)).astype(np.float32)
+    y = layer.forward(x)
+    w, b = layer.weights, layer.bias
+    assert_dot_close(y, ref.conv2d(x, w, b, (1, 1), (1, 1), relu=True),
+                     ref.conv2d(np.abs(x), np.abs(w), np.abs(b), (1, 1), (1, 1)), 128 * 9)
+    dy = rng.standard_normal(y.shape).astype(np.float32) * (y > 0)
+    assert_dot_close(layer.backward_data(dy), ref.conv2d_bwd_data(dy, w, (1, 1), (1, 1), x.shape),
+                     ref.conv2d_bwd_data(np.abs(dy), np.abs(w), (1, 1), (1, 1), x.shape), 128 * 9)
+
+
 def test_whole_net_forward_matches_layer_by_layer_reference(tmp_path, isa):
     import pcldnn_runtime as pr
     from pcldnn_gen.arch import get_arch

@@ -93,6 +93,8 @@ def _check_conv_fwd_blocks(layer, plan, arch):
     weights = plan.ifm_chunk * t.vectors * v * lanes * kh * kw * 4
     pixel = ic if layer.index == 0 and ic < v else v  # the net's few-channel input is packed (N, H, W, C)
     inputs = plan.ifm_chunk * min(ih, (plan.rows - 1) * layer.stride[0] + kh) * iw * pixel * 4
+    # a 1x1 kernel reads each input pixel once per group: the next tile's are prefetched
+    assert plan.prefetch_inputs == ((kh, kw) == (1, 1) and pixel == v)
     partials = plan.rows * layer.out_shape[2] * t.vectors * v * 4
     assert plan.l1_working_set == weights + inputs + partials
     assert plan.l1_working_set <= L1_BUDGET * arch.l1d_bytes or (plan.ifm_chunk, plan.rows) == (1, 1)

@@ -59,6 +59,32 @@ class ConvFwdBlocking:
         return self.weight_bytes + self.input_bytes + self.partial_bytes
 
 
+def images_inner(weight_bytes: int, groups: int, image_bytes: int, plane_pixels: int, arch: Arch) -> bool:
+    """Loop order of a conv kernel over (image, channel group). Images outermost reads every
+    group's weight slice once per image, 4 bytes per 2 x plane_pixels FLOPs; groups outermost
+    keeps one group's slice in L2 while every image passes and reads each image's streamed
+    operand (input or output gradient) once per group instead. Worth it only where the weights
+    are far beyond L2 and an image reuses them little: ResNet-18 layer4 (512 -> 512 at 7x7,
+    9.4 MB of weights, minibatch 16, one thread) forward 1.17x / 1.12x and backward-data 1.16x /
+    1.01x on AVX-512 / AVX2 (ab, 5 rounds). Where an image reuses them 169-196 times or they
+    are 2-4x L2 (AlexNet conv3-5, ResNet-18 layer3, ResNet-50 and MobileNet 7x7 1x1 layers)
+    the swap measured 0.80-1.05x, mostly below 1."""
+    group = weight_bytes // groups
+    return (weight_bytes > 4 * arch.l2_bytes and plane_pixels < 64 and group > image_bytes
+            and group + image_bytes <= 3 * arch.l2_bytes // 4)
+
+
+def streams_inputs(layer: LayerSpec, arch: Arch) -> bool:
+    """A 1x1 forward kernel reads each input pixel once per oc-vector group, from beyond L2 when
+    an image's input is large: the tile software-prefetches the next tile's input pixels into L2
+    (inception3a 5x5_reduce, 192 -> 16 channels at 28x28, minibatch 16, AVX-512: its 9.6 MB of
+    input comes from L3 and the hardware prefetchers did not keep up with the interleaved
+    channel-block streams). A packed few-channel input shares cache lines between pixels and is
+    small: left to the hardware."""
+    return layer.kernel == (1, 1) and input_pixel_floats(layer.index, layer.type, layer.in_shape[0],
+                                                         arch.vector_floats) == arch.vector_floats
+
+
 def _conv_fwd_blocking(layer: LayerSpec, tile: RegisterTile, slice_bytes: int, lanes: int,
                        arch: Arch) -> ConvFwdBlocking:
     """Reduction chunk and output-row block for conv forward: the pair whose working set fits
@@ -123,14 +149,19 @@ def plan_conv_fwd(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | None =
     remainders = (cover.rem,) if cover.rem else ()
     reason = explain.conv_fwd(tile, arch, ow, cover, row_eff, icb, blocking.chunk, blocking.rows,
                               blocking.weight_bytes, blocking.input_bytes, blocking.partial_bytes,
-                              blocking.working_set <= L1_BUDGET * arch.l1d_bytes, blocking.l2_bytes_per_flop, eff)
+                              blocking.working_set <= L1_BUDGET * arch.l1d_bytes, blocking.l2_bytes_per_flop, eff,
+                              streams_inputs(layer, arch))
     # Border pixels without an edge tile are computed by 1-pixel tiles.
     widths = {tile.width, *remainders} | ({1} if cover.border else set())
     return ConvFwdPlan(layer=layer.name, pass_name="fwd", kind="conv_fwd", template="conv_fwd.c.j2", isa=arch.isa,
                        vector_floats=v, reason=reason, tile=tile, tile_widths=tuple(sorted(widths, reverse=True)),
                        remainders=remainders, predicted_efficiency=eff, l1_working_set=blocking.working_set,
                        l2_bytes_per_flop=blocking.l2_bytes_per_flop, rejected=tuple(s[3] for s in scored[1:6]),
-                       ifm_chunk=blocking.chunk, rows=blocking.rows, ow_lo=ow_lo, ow_hi=ow_hi, cover=cover)
+                       ifm_chunk=blocking.chunk, rows=blocking.rows, ow_lo=ow_lo, ow_hi=ow_hi, cover=cover,
+                       prefetch_inputs=streams_inputs(layer, arch),
+                       images_inner=images_inner(ocb * v * icb * lanes * kh * kw * 4, ocb // tile.vectors,
+                                                 icb * ih * iw * input_pixel_floats(layer.index, layer.type, ic, v) * 4,
+                                                 oh * ow, arch))
 
 
 def _bwd_data_phases(layer: LayerSpec) -> list[BwdDataPhase]:
@@ -200,7 +231,10 @@ def plan_conv_bwd_data(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | N
         predicted_efficiency=eff, l1_working_set=blocking.weight_bytes + blocking.partial_bytes,
         l2_bytes_per_flop=blocking.l2_bytes_per_flop,
         scratch_floats=icb * ocb * kh * kw * v * v, rejected=tuple(s[3] for s in scored[1:6]),
-        ofm_chunk=blocking.chunk, rows=blocking.rows, few_channels=False, phases=tuple(covered))
+        ofm_chunk=blocking.chunk, rows=blocking.rows, few_channels=False, phases=tuple(covered),
+        images_inner=images_inner(icb * ocb * kh * kw * v * v * 4, icb // tile.vectors,
+                                  ocb * v * layer.out_shape[1] * layer.out_shape[2] * 4,
+                                  layer.out_shape[1] * layer.out_shape[2], arch))
 
 
 @dataclass(frozen=True)
@@ -284,7 +318,7 @@ def _plan_conv_bwd_data_few_channels(layer: LayerSpec, arch: Arch, phases: list[
         reason=explain.conv_bwd_data_few(tile, arch, lanes, layer.stride[1], len(phases)),
         tile=tile, tile_widths=(width, *remainders), remainders=remainders, predicted_efficiency=tile.efficiency,
         l1_working_set=ocb * lanes * kh * kw * v * 4, l2_bytes_per_flop=l2_bpf,
-        ofm_chunk=ocb, rows=1, few_channels=True, phases=tuple(phases))
+        ofm_chunk=ocb, rows=1, few_channels=True, phases=tuple(phases), images_inner=False)
 
 
 def _valid_range(out_size: int, in_size: int, k: int, stride: int, pad: int) -> tuple[int, int]:

@@ -36,7 +36,7 @@ def tile_sentence(tile: RegisterTile, arch: Arch, rows: str, vectors: str) -> st
 
 def conv_fwd(tile: RegisterTile, arch: Arch, ow: int, cover: RowCover, row_eff: float, icb: int, ifb: int,
              rows: int, weight_bytes: int, input_bytes: int, partial_bytes: int, fits: bool, l2_bpf: float,
-             eff: float) -> str:
+             eff: float, streamed: bool) -> str:
     working_set = weight_bytes + input_bytes + partial_bytes
     return (
         f"register tile {tile.width} px x {tile.vectors} oc-vectors: {tile.width * tile.vectors} accumulators "
@@ -59,6 +59,7 @@ def conv_fwd(tile: RegisterTile, arch: Arch, ow: int, cover: RowCover, row_eff: 
         + f" 3/4 of L1 ({arch.l1d_bytes // 1024} KiB), the weights read from L2 once per {rows} row"
         + f"{'s' if rows > 1 else ''} ({l2_bpf:.3f} B/FLOP at {arch.l1_refill_cycles:g} cycles per 64 B refill) "
         f"-> {eff:.0%} of peak predicted"
+        + ("; 1x1: each input pixel is read once per group, the next tile's prefetched into L2" if streamed else "")
     )
 
 

@@ -102,6 +102,8 @@ class ConvFwdPlan(KernelPlan):
     ow_lo: int                      # first output column whose window needs no left padding
     ow_hi: int                      # one past the last column whose window needs no right padding
     cover: RowCover                 # how a row of output columns is tiled
+    prefetch_inputs: bool           # 1x1: inputs streamed, the next tile's prefetched into L2
+    images_inner: bool              # loop over oc-vector groups outside the images (weights beyond L2)
 
     def reduction_chunk(self) -> str:
         return f"{self.ifm_chunk} input-channel blocks"
@@ -126,6 +128,7 @@ class ConvBwdDataPlan(KernelPlan):
     ofm_chunk: int                  # output-channel blocks per reduction chunk (the L1 weight slice)
     rows: int                       # input rows that reuse one chunk's weight slice from L1
     few_channels: bool              # fewer input channels than a vector: vectors run over output channels
+    images_inner: bool              # loop over ic-vector groups outside the images (weights beyond L2)
     phases: tuple[BwdDataPhase, ...]
 
     def reduction_chunk(self) -> str:
