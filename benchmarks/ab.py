@@ -16,7 +16,7 @@ import statistics
 from pathlib import Path
 
 import pcldnn_runtime as pr
-from pcldnn_gen.bench import kernel_runs, median_seconds
+from pcldnn_gen.bench import kernel_timers, median_kernel_seconds
 from pcldnn_runtime.manifest import PASSES
 
 
@@ -43,12 +43,12 @@ def main() -> None:
     names = args.layers.split(",") if args.layers else [n for n, l in nets[0].layers.items() if l.type in ("conv", "fc")]
     print(f"{'layer':<8} {'pass':<12} {'A ms':>9} {'B ms':>9} {'A/B':>6}  blocks (A -> B where they differ)")
     for name in names:
-        runs = [kernel_runs(net.layers[name], args.batch) for net in nets]
+        runs = [kernel_timers(net.layers[name], args.batch) for net in nets]
         for p in args.passes.split(","):
             times: list[list[float]] = [[], []]
             for _ in range(args.rounds):
                 for side in (0, 1):
-                    times[side].append(median_seconds(runs[side][p], args.repeats))
+                    times[side].append(median_kernel_seconds(runs[side][p], args.repeats))
             ratio = statistics.median(a / b for a, b in zip(*times))
             blocks = [blocks_line(build, name, p) for build in (args.a, args.b)]
             shown = blocks[0] if blocks[0] == blocks[1] else f"{blocks[0]} -> {blocks[1]}"

@@ -4,6 +4,7 @@ that machine noise largely cancels in the ratios. Timings are medians over repea
 warm-up; our kernels are timed on blocked layouts, like oneDNN's primitive times."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -12,17 +13,16 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 import pcldnn_runtime as pr
-from pcldnn_runtime.abi import SIGNATURES
+from pcldnn_runtime.abi import REPEATED_KINDS, SIGNATURES
 from pcldnn_runtime.kernels import empty_aligned, load_library, ptr
 from pcldnn_runtime.manifest import PASSES, file_sha256
 
 from . import __version__
-from .arch import Arch
+from .arch import PRESETS, Arch
 from .build import build
 from .codegen import VECTOR_ISAS, template_env
 from .compiler import Source, compile_source
@@ -71,9 +71,53 @@ def measure_peak(arch: Arch, threads: int, repeats: int = 5) -> float:
     return flops_per_iter * iters / seconds / 1e9
 
 
-def kernel_runs(layer, batch: int) -> dict[str, Callable[[], None]]:
-    """{pass: one call of the layer's kernel} on blocked buffers of random values (fixed seed):
-    what the benchmarks time, without layout conversions."""
+# A timing call repeats a kernel until about this long (one call at least, at most MAX_REPEATS).
+TIMED_BLOCK_SECONDS = 1e-3
+MAX_REPEATS = 1000
+
+
+@functools.cache
+def _repeat_library():
+    """The timing loops (templates/repeat.c.j2), compiled once through the cache; plain C, so
+    with the scalar preset's flags whatever the kernels' ISA."""
+    kinds = [(kind, SIGNATURES[kind], ", ".join(param.split()[-1].lstrip("*") for param in SIGNATURES[kind].split(",")))
+             for kind in REPEATED_KINDS]
+    symbols = {f"pcldnn_repeat_{kind}": f"repeat_{kind}" for kind in REPEATED_KINDS}
+    text = template_env().get_template("repeat.c.j2").render(version=__version__, kinds=kinds)
+    lib = compile_source(Source("repeat.c", text, symbols), PRESETS["scalar"]).library
+    return load_library(lib, file_sha256(lib), symbols)
+
+
+class KernelTimer:
+    """One kernel call, repeated in C: each call of the timer runs the kernel `reps` times back
+    to back (set on the first call so that they take about TIMED_BLOCK_SECONDS) and returns the
+    seconds per kernel call. The Python call around a kernel (3-4 us, most of a small fc
+    layer's time) is left out, as oneDNN's primitive time leaves out PyTorch's."""
+
+    def __init__(self, kind: str, kernel, args: tuple):
+        library = _repeat_library()
+        self._library = library  # kept alive while the loop is called
+        self._loop = library[f"pcldnn_repeat_{kind}"]
+        self._kernel = library._ffi.cast("void *", kernel)
+        self._args = args
+        self._seconds = np.zeros(1, dtype=np.float64)
+        self.reps = 0
+
+    def _run(self, reps: int) -> float:
+        self._loop(self._kernel, reps, ptr(self._seconds), *self._args)
+        return float(self._seconds[0])
+
+    def __call__(self) -> float:
+        if not self.reps:
+            once = self._run(1)
+            self.reps = int(min(MAX_REPEATS, max(1, TIMED_BLOCK_SECONDS // max(once, 1e-9))))
+            return once
+        return self._run(self.reps)
+
+
+def kernel_timers(layer, batch: int) -> dict[str, KernelTimer]:
+    """{pass: a KernelTimer of the layer's kernel} on blocked buffers of random values (fixed
+    seed): what the benchmarks time, without layout conversions."""
     rng = np.random.default_rng(0)
     xb = empty_aligned(layer.input_shape(batch))
     xb[...] = rng.standard_normal(xb.shape)
@@ -81,9 +125,17 @@ def kernel_runs(layer, batch: int) -> dict[str, Callable[[], None]]:
     dxb = empty_aligned(xb.shape)
     dyb[...] = rng.standard_normal(dyb.shape)
     grads = tuple(empty_aligned(g.shape) for g in layer.grad_buffers)
-    return {"fwd": lambda: layer.forward_blocked(xb, yb),
+    runs = {"fwd": lambda: layer.forward_blocked(xb, yb),
             "bwd_data": lambda: layer.backward_blocked(xb, None, None, dyb, dxb),
             "bwd_weights": lambda: layer.backward_blocked(xb, None, None, dyb, None, grads)}
+    # the traced arguments hold the buffers (ptr keeps an array alive)
+    return {p: KernelTimer(f"{layer.type}_{p}", *layer.traced_kernel_call(p, run)) for p, run in runs.items()}
+
+
+def median_kernel_seconds(timer: KernelTimer, repeats: int) -> float:
+    """Median seconds per kernel call over `repeats` timed blocks, after one warm-up block."""
+    timer()
+    return float(np.median([timer() for _ in range(repeats)]))
 
 
 @dataclass(frozen=True)
@@ -126,10 +178,10 @@ def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASSES
         plans = build(spec, arch, out, tuning=tuning).plans
         net = pr.load(out, threads=threads)
         for ls in chosen:
-            runs = kernel_runs(net.layers[ls.name], batch)
+            timers = kernel_timers(net.layers[ls.name], batch)
             per_round = []  # [({pass: our seconds}, {"layer/pass": {baseline: seconds}})]
             for _ in range(rounds):
-                mine = {p: median_seconds(runs[p], repeats) for p in passes}
+                mine = {p: median_kernel_seconds(timers[p], repeats) for p in passes}
                 per_round.append((mine, run_baselines([ls], arch, batch, threads, passes, repeats, compare)
                                   if compare else {}))
             for p in passes:
@@ -207,7 +259,7 @@ def format_table(title: str, arch: Arch, batch: int, threads: int, peak: float, 
         return f"{v:{width}.2f}" if v is not None else f"{'-':>{width}}"
 
     for r in results:
-        lines.append(f"{r.layer:<8} {r.pass_name:<12} {r.ms:9.2f} {r.gflops:8.1f} {r.peak_fraction:6.0%} "
+        lines.append(f"{r.layer:<8} {r.pass_name:<12} {r.ms:9.{2 if r.ms >= 1 else 4}f} {r.gflops:8.1f} {r.peak_fraction:6.0%} "
                      f"{r.useful_gflops / r.gflops if r.gflops else 0:7.0%} {fmt(r.vs_numpy, 7)} {fmt(r.vs_onednn, 8)} "
                      f"{fmt(r.vs_onednn_wall, 12)}")
     lines.append("GFLOP/s and %peak count nominal FLOPs (2 x every multiply-add of the layer, padding taps "

@@ -18,7 +18,7 @@ from typing import Callable
 import pcldnn_runtime as pr
 
 from .arch import Arch
-from .bench import kernel_runs, measure_peak
+from .bench import KernelTimer, kernel_timers, measure_peak
 from .build import build
 from .netspec import NetSpec
 from .planner import LAYER_PASSES, Measured, TileTiming, plan_layer
@@ -107,7 +107,7 @@ def tune(nets: list[NetSpec], arch: Arch, batch: int, threads: int, *, candidate
                 if over_budget():
                     unmeasured += len(mine)
                     continue
-                runs = [kernel_runs(n.layers[layer_name], batch) for n in loaded[:max(len(kn.tiles) for kn in mine)]]
+                runs = [kernel_timers(n.layers[layer_name], batch) for n in loaded[:max(len(kn.tiles) for kn in mine)]]
                 for kn in mine:
                     times = _time_candidates([r[kn.pass_name] for r in runs[:len(kn.tiles)]], rounds, repeats)
                     row, entry = _result(net.name, kn, times, arch, batch, threads, peak)
@@ -147,29 +147,24 @@ def _kernels_to_time(net: NetSpec, arch: Arch, batch: int, candidates: int, db: 
     return kernels, (single, known)
 
 
-def _time_candidates(calls: list[Callable[[], None]], rounds: int, repeats: int) -> list[list[float]]:
-    """Milliseconds of each call per round (median of `repeats`), the candidates timed back to
-    back within a round and their order rotated between rounds. Kernels shorter than
-    WARM_CALL_MS get an untimed call first (their buffers back in cache after the other
-    candidates'); long ones get fewer rounds, down to MIN_ROUNDS, to keep near KERNEL_SECONDS."""
-    first = [_seconds(call) * 1e3 for call in calls]  # also warms every candidate up
+def _time_candidates(timers: list[KernelTimer], rounds: int, repeats: int) -> list[list[float]]:
+    """Milliseconds per kernel call of each candidate per round (median of `repeats`), the
+    candidates timed back to back within a round and their order rotated between rounds.
+    Kernels shorter than WARM_CALL_MS get an untimed call first (their buffers back in cache
+    after the other candidates'); long ones get fewer rounds, down to MIN_ROUNDS, to keep near
+    KERNEL_SECONDS."""
+    first = [timer() * 1e3 for timer in timers]  # also warms every candidate up
     warm = first[0] < WARM_CALL_MS
     per_round = sum(first) * (repeats + warm) / 1e3
     rounds = max(min(rounds, MIN_ROUNDS), min(rounds, int(KERNEL_SECONDS / per_round)))
-    times: list[list[float]] = [[] for _ in calls]
+    times: list[list[float]] = [[] for _ in timers]
     for r in range(rounds):
-        for i in range(len(calls)):
-            k = (i + r) % len(calls)
+        for i in range(len(timers)):
+            k = (i + r) % len(timers)
             if warm:
-                calls[k]()
-            times[k].append(statistics.median(_seconds(calls[k]) for _ in range(repeats)) * 1e3)
+                timers[k]()
+            times[k].append(statistics.median(timers[k]() for _ in range(repeats)) * 1e3)
     return times
-
-
-def _seconds(call: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    call()
-    return time.perf_counter() - start
 
 
 def _result(net: str, kn: _Kernel, times: list[list[float]], arch: Arch, batch: int, threads: int,

@@ -35,6 +35,12 @@ SIGNATURES: dict[str, str] = {
     "weight_layout": "const float *src, float *dst",
 }
 
+# Timing loops of `bench` (templates/repeat.c.j2): a weighted kernel's own arguments after the
+# kernel, the call count and where the seconds per call go.
+REPEATED_KINDS = ("conv_fwd", "conv_bwd_data", "conv_bwd_weights", "fc_fwd", "fc_bwd_data", "fc_bwd_weights")
+SIGNATURES |= {f"repeat_{kind}": "void *fn, long long reps, double *seconds, " + SIGNATURES[kind]
+               for kind in REPEATED_KINDS}
+
 # G of the dropout kernels' counter hash (the golden-ratio increment of SplitMix64): the
 # generator emits it into the kernels, the runtime shifts seeds by multiples of it.
 DROPOUT_HASH_STEP = 0x9E3779B97F4A7C15

@@ -105,6 +105,19 @@ class Layer:
         (dw, db) into `grads` when given. dyb may be modified in place (ReLU mask)."""
         raise NotImplementedError
 
+    def traced_kernel_call(self, pass_name: str, run: Callable[[], None]) -> tuple[Callable, tuple]:
+        """(kernel, arguments) of the one call that run() makes to this layer's `pass_name`
+        kernel, which is not executed: what `pcldnn-gen bench` repeats in a C loop."""
+        real, seen = self._k[pass_name], []
+        self._k[pass_name] = lambda *args: seen.append(args)
+        try:
+            run()
+        finally:
+            self._k[pass_name] = real
+        if len(seen) != 1:
+            raise PcldnnError(f"layer {self.name}: {pass_name} made {len(seen)} kernel calls, expected 1")
+        return real, seen[0]
+
     # -- canonical API ------------------------------------------------------------------
     def _check(self, x: np.ndarray, shape: tuple[int, int, int], flat: bool, what: str) -> np.ndarray:
         x = np.asarray(x)

@@ -37,11 +37,34 @@ def test_bench_net_with_numpy_baseline(tmp_path):
     assert "c1       bwd_weights" in table and "measured FMA peak 100.0" in table
 
 
+@pytest.mark.parametrize("layer_name", ["c1", "f1"])
+def test_kernel_timer_repeats_the_traced_call_in_c(tmp_path, layer_name):
+    """Tracing a kernel call does not run it; the timer runs exactly that call (same buffers,
+    same result as the runtime's own call) and calibrates its repeat count."""
+    import pcldnn_runtime as pr
+    from pcldnn_gen.build import build
+    from pcldnn_runtime.kernels import empty_aligned
+    arch = get_arch(RUNNABLE_ISAS[-1])
+    build(TINY, arch, tmp_path / "b")
+    layer = pr.load(tmp_path / "b", threads=1).layers[layer_name]
+    rng = np.random.default_rng(1)
+    xb = empty_aligned(layer.input_shape(2))
+    xb[...] = rng.standard_normal(xb.shape)
+    want, yb = (empty_aligned(layer.blocked_shape(layer.out_shape, 2)) for _ in range(2))
+    layer.forward_blocked(xb, want)
+    yb[...] = 0
+    kernel, args = layer.traced_kernel_call("fwd", lambda: layer.forward_blocked(xb, yb))
+    assert not yb.any()  # traced, not run
+    timer = bench.KernelTimer(f"{layer.type}_fwd", kernel, args)
+    assert timer() > 0 and 1 < timer.reps <= bench.MAX_REPEATS  # a us-long kernel is repeated
+    np.testing.assert_array_equal(yb, want)
+
+
 def test_rounds_pair_each_baseline_with_the_kernel_time_next_to_it(monkeypatch):
     """Ratios are the median of per-round ratios (pairs measured back to back), not the ratio
     of medians: here a slow first round for ours and a slow third round for numpy."""
     ours, theirs = iter([1.0, 4.0, 4.0]), iter([2.0, 2.0, 20.0])
-    monkeypatch.setattr(bench, "median_seconds", lambda fn, repeats: next(ours))
+    monkeypatch.setattr(bench, "median_kernel_seconds", lambda timer, repeats: next(ours))
     monkeypatch.setattr(bench, "run_baselines", lambda layers, *a: {f"{layers[0].name}/fwd": {"numpy": next(theirs)}})
     _, results = bench.bench_net(TINY, get_arch(RUNNABLE_ISAS[-1]), batch=2, threads=1, passes=("fwd",),
                                  layers=["c1"], compare=("numpy",), peak=100.0, rounds=3)
