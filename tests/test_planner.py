@@ -10,6 +10,7 @@ from pcldnn_gen.arch import PRESETS
 from pcldnn_gen.build import plan_net
 from pcldnn_gen.netspec import load_netspec, parse_netspec
 from pcldnn_gen.planner import L1_BUDGET, LATENCY_HEADROOM, LAYER_PASSES, RegisterTile, plan_layer
+from pcldnn_gen.planner.conv import WEIGHT_STREAMS
 from pcldnn_gen.planner.tiles import WHOLE_ROW_MAX
 from pcldnn_runtime.limits import blocks
 
@@ -58,7 +59,7 @@ def test_every_tile_fits_the_register_file(isa, net_file):
         elif plan.kind == "conv_bwd_weights":
             lanes = plan.lanes
             assert lanes == (layer.in_shape[0] if icb == 1 else v)  # padded lanes of a lone block are skipped
-            assert plan.rem_vectors == ocb % t.vectors and t.vectors <= ocb
+            assert plan.rem_vectors == ocb % t.vectors and t.vectors <= min(ocb, WEIGHT_STREAMS)  # dy streams
             # a tile of some lanes of one kernel column, or (fewer channels than V) all lanes of
             # kw_taps columns, the last group narrower
             if plan.kw_taps == 1:

@@ -352,11 +352,13 @@ def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch, choice: tuple[int, int] 
     # With fewer input channels than a vector, a tile also spans several kernel columns
     # (width = lanes x taps): 3 lanes x 2 oc vectors alone are 6 accumulator chains, too few to
     # hide the FMA latency (MobileNet conv1 at 29% of peak, AVX-512).
+    # At most WEIGHT_STREAMS dy streams, as in forward and backward-data: the AVX-512 zoo
+    # tuning run found <= 4 oc vectors fastest on 23 of the 27 kernels the model gave 5 or 6.
     widths = divisors(lanes, arch.vector_registers)
     if lanes < v:
         widths += [lanes * t for t in range(2, kw + 1)]
     scored = []
-    for t in candidates(widths, range(1, ocb + 1), arch):
+    for t in candidates(widths, range(1, min(ocb, WEIGHT_STREAMS) + 1), arch):
         taps = t.width // lanes if t.width > lanes else 1
         tap_groups = [(taps, kw // taps)] + ([(kw % taps, 1)] if kw % taps else [])
         vector_groups = [(t.vectors, ocb // t.vectors)] + ([(ocb % t.vectors, 1)] if ocb % t.vectors else [])
