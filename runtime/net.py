@@ -7,6 +7,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -19,6 +20,26 @@ from .manifest import LayerEntry, Manifest, inside, read_manifest
 _LAYER_CLASSES = {"conv": WeightedLayer, "fc": WeightedLayer, "maxpool": MaxPoolLayer,
                   "avgpool": AvgPoolLayer, "relu": ReluLayer, "dropout": DropoutLayer,
                   "softmax_cross_entropy": LossLayer}
+
+
+class StateKeys(NamedTuple):
+    """What `Net.load_state_dict` did not match (both empty under strict=True)."""
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+
+
+def _as_numpy(value, key: str) -> np.ndarray:
+    """A float32 array from a numpy array, a torch tensor (no torch import) or an array-like."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        value = value.detach().cpu()
+        value = value.float().numpy() if hasattr(value, "float") else value.numpy()
+    try:
+        array = np.asarray(value)
+        if array.dtype.kind not in "fiu":
+            raise TypeError(f"dtype {array.dtype}")
+        return np.ascontiguousarray(array, dtype=np.float32)
+    except (TypeError, ValueError) as e:
+        raise PcldnnError(f"load_state_dict: {key}: must be an array of numbers ({e})") from None
 
 
 class _Workspace:
@@ -147,6 +168,54 @@ class Net:
 
     def __repr__(self) -> str:
         return f"<Net {self.name} ({self.isa}, {self.threads} threads): {', '.join(self.layers)}>"
+
+    # -- weights in and out, canonical layouts ----------------------------------------------
+    def _weighted(self) -> dict[str, WeightedLayer]:
+        return {name: l for name, l in self.layers.items() if isinstance(l, WeightedLayer)}
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """{"<layer>.weight": conv (OC, IC, KH, KW) / fc (OC, IC), "<layer>.bias": (OC,)}: float32
+        copies in canonical layouts (PyTorch's for Conv2d and Linear), in net order, the same
+        whatever the ISA the net was built for."""
+        out: dict[str, np.ndarray] = {}
+        for name, layer in self._weighted().items():
+            out[f"{name}.weight"] = layer.weights
+            out[f"{name}.bias"] = layer.bias
+        return out
+
+    def load_state_dict(self, state, strict: bool = True) -> StateKeys:
+        """Set weights and biases from a mapping like `state_dict()`'s: numpy arrays, torch
+        tensors (anything with .detach().cpu().numpy()) or array-likes of any float dtype. Every
+        entry is checked (shape, finite values) before anything is written, so a refused call
+        leaves the net as it was. strict: missing and unexpected keys are an error listing all
+        of them; otherwise the matching keys load and the others come back in the result."""
+        if not hasattr(state, "items"):
+            raise PcldnnError(f"load_state_dict: expected a mapping of names to arrays, got {type(state).__name__}")
+        wanted = {}
+        for name, layer in self._weighted().items():
+            wanted[f"{name}.weight"] = (layer, "weights", layer.weight_shape)
+            wanted[f"{name}.bias"] = (layer, "bias", (layer.out_shape[0],))
+        keys = [str(k) for k in state.keys()]
+        missing = tuple(k for k in wanted if k not in state)
+        unexpected = tuple(k for k in keys if k not in wanted)
+        if strict and (missing or unexpected):
+            parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
+                [f"unexpected {', '.join(unexpected)}"] if unexpected else [])
+            raise PcldnnError(f"load_state_dict: keys do not match net {self.name}: {'; '.join(parts)}")
+        staged = []
+        for key, value in state.items():
+            if key not in wanted:
+                continue
+            layer, attr, shape = wanted[key]
+            array = _as_numpy(value, key)
+            if array.shape != shape:
+                raise PcldnnError(f"load_state_dict: {key}: shape {array.shape}, expected {shape}")
+            if not np.isfinite(array).all():
+                raise PcldnnError(f"load_state_dict: {key}: holds NaN or infinity")
+            staged.append((layer, attr, array))
+        for layer, attr, array in staged:
+            setattr(layer, attr, array)
+        return StateKeys(missing, unexpected)
 
     # -- buffers -------------------------------------------------------------------------
     def workspace(self, batch: int) -> _Workspace:

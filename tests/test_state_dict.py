@@ -1,0 +1,96 @@
+"""Weights in and out in canonical layouts (Net.state_dict / load_state_dict): the same state on
+every ISA, checked before anything is written, torch tensors accepted without importing torch."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import RUNNABLE_ISAS, TRAIN_LAYERS, TRAIN_SHAPE, build_and_load
+
+from pcldnn_runtime import PcldnnError
+
+
+def _net(tmp_path, isa):
+    return build_and_load(tmp_path, TRAIN_LAYERS, TRAIN_SHAPE, isa, name="io")
+
+
+def _random_state(net, seed=0):
+    rng = np.random.default_rng(seed)
+    return {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in net.state_dict().items()}
+
+
+def test_state_dict_keys_shapes_and_roundtrip(tmp_path, isa):
+    net = _net(tmp_path, isa)
+    state = net.state_dict()
+    assert list(state) == ["conv1.weight", "conv1.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    assert state["conv1.weight"].shape == (6, 3, 3, 3) and state["fc1.weight"].shape == (12, 6 * 4 * 4)
+    new = _random_state(net)
+    assert net.load_state_dict(new) == ((), ())
+    for k, v in net.state_dict().items():
+        np.testing.assert_array_equal(v, new[k])
+    # the canonical layout is the layers' own: conv weights as layer.weights, fc2 as (OC, IC)
+    np.testing.assert_array_equal(net.layers["conv1"].weights, new["conv1.weight"])
+    np.testing.assert_array_equal(net.layers["fc2"].bias, new["fc2.bias"])
+
+
+@pytest.mark.skipif(len(RUNNABLE_ISAS) < 2, reason="needs two ISAs this CPU runs")
+def test_a_state_moves_between_isas_with_the_same_logits(tmp_path):
+    nets = [_net(tmp_path, isa) for isa in (RUNNABLE_ISAS[0], RUNNABLE_ISAS[-1])]
+    nets[1].load_state_dict(nets[0].state_dict())
+    x = np.random.default_rng(1).standard_normal((4, *TRAIN_SHAPE)).astype(np.float32)
+    a, b = (n.forward(x) for n in nets)
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(a).max())
+
+
+def test_refused_loads_list_every_problem_and_change_nothing(tmp_path):
+    net = _net(tmp_path, RUNNABLE_ISAS[-1])
+    before = net.state_dict()
+    state = _random_state(net)
+    del state["fc1.bias"], state["conv1.weight"]
+    state["fc9.weight"] = np.zeros((2, 2), np.float32)
+    with pytest.raises(PcldnnError, match=r"missing conv1\.weight, fc1\.bias; unexpected fc9\.weight"):
+        net.load_state_dict(state)
+    result = net.load_state_dict(state, strict=False)  # the rest loads
+    assert result.missing == ("conv1.weight", "fc1.bias") and result.unexpected == ("fc9.weight",)
+    np.testing.assert_array_equal(net.layers["fc2"].weights, state["fc2.weight"])
+    np.testing.assert_array_equal(net.layers["conv1"].weights, before["conv1.weight"])
+
+    bad_entries = (("fc1.weight", np.zeros((12, 95), np.float32), r"fc1\.weight: shape \(12, 95\), expected \(12, 96\)"),
+                   ("fc2.bias", np.full(5, np.nan, np.float32), r"fc2\.bias: holds NaN"),
+                   ("fc2.bias", np.array(["a"] * 5), r"fc2\.bias: must be an array of numbers"))
+    for key, bad, message in bad_entries:
+        state = _random_state(net, seed=2)
+        state[key] = bad
+        current = net.state_dict()
+        with pytest.raises(PcldnnError, match=message):
+            net.load_state_dict(state)
+        for k, v in net.state_dict().items():  # entries before and after the bad one: untouched
+            np.testing.assert_array_equal(v, current[k])
+    with pytest.raises(PcldnnError, match="expected a mapping"):
+        net.load_state_dict([1, 2])
+
+
+class _FakeTensor:
+    """What load_state_dict relies on in a torch tensor: detach().cpu() then float().numpy()."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def detach(self):
+        return self
+
+    def cpu(self):
+        return self
+
+    def float(self):
+        return _FakeTensor(self.array.astype(np.float32))
+
+    def numpy(self):
+        return self.array
+
+
+def test_tensor_like_and_float64_values_load(tmp_path):
+    net = _net(tmp_path, RUNNABLE_ISAS[-1])
+    state = {k: _FakeTensor(v.astype(np.float64)) for k, v in _random_state(net, 3).items()}
+    net.load_state_dict(state)
+    for k, v in net.state_dict().items():
+        np.testing.assert_array_equal(v, state[k].array.astype(np.float32))
