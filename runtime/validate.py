@@ -9,6 +9,7 @@ would let a final newline through).
 """
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -25,6 +26,23 @@ NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 LABEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
 
 SHA256_RE = re.compile(r"[0-9a-f]{64}")  # digests of libraries and net descriptions
+
+# Field names of PyTorch, ONNX and Keras for what our files call otherwise: suggested when
+# one of them appears as an unknown field.
+FIELD_SYNONYMS = {"kernel_size": "kernel", "kernel_shape": "kernel", "padding": "pad", "pads": "pad",
+                  "strides": "stride", "filters": "out_channels", "units": "out_features",
+                  "num_classes": "classes", "p": "rate", "ratio": "rate", "act": "activation"}
+
+
+def suggest_field(key: str, allowed: Iterable[str]) -> str | None:
+    """The allowed field `key` most likely stands for: a known synonym, else a close spelling."""
+    allowed = sorted(allowed)
+    synonym = FIELD_SYNONYMS.get(key.lower())
+    if synonym in allowed:
+        return synonym
+    close = difflib.get_close_matches(key.lower(), allowed, n=1, cutoff=0.75)
+    return close[0] if close else None
+
 
 MAX_JSON_BYTES = 16 * 1024 * 1024   # a net of thousands of layers is a few hundred KiB
 MAX_DEPTH = 32                      # the deepest legitimate file (a manifest) nests 6 levels
@@ -152,16 +170,22 @@ class Fields:
         raise self.error(f"{self.origin}: {where or '(top level)'}: {problem}")
 
     def obj(self, value: Any, where: str, required: Iterable[str], optional: Iterable[str] = ()) -> dict:
+        """An object with these fields. Unknown fields are reported first, with the allowed
+        field a misspelling or another framework's name most likely meant (`kernel_size` ->
+        `kernel`), since a missing-field error alone does not say what was typed instead."""
         required, optional = set(required), set(optional)
         if not isinstance(value, dict):
             self.fail(where, f"must be an object, got {show(value)}")
+        allowed = required | optional
+        for key in value:
+            if key not in allowed:
+                guess = suggest_field(key, allowed) if isinstance(key, str) else None
+                self.fail(join(where, show(key, 40) if not isinstance(key, str) or len(key) > 40 else key),
+                          "unknown field" + (f"; did you mean {guess!r}?" if guess else "")
+                          + f" (allowed: {', '.join(sorted(allowed))})")
         for key in sorted(required):
             if key not in value:
                 self.fail(join(where, key), "missing required field")
-        for key in value:
-            if key not in required and key not in optional:
-                self.fail(join(where, show(key, 40) if not isinstance(key, str) or len(key) > 40 else key),
-                          f"unknown field (allowed: {', '.join(sorted(required | optional))})")
         return value
 
     def array(self, value: Any, where: str, lo: int = 0, hi: int = 1 << 20) -> list:
