@@ -10,8 +10,13 @@ class PlanError(PcldnnError):
     """No kernel plan satisfies the constraints (e.g. too few registers)."""
 
 
+class ModelImportError(PcldnnError):
+    """A PyTorch or ONNX model that the net description cannot express (every node listed)."""
+
+
 class CompileError(PcldnnError):
     """The C compiler failed; carries its command line, stderr and the source path."""
 
 
-__all__ = ["PcldnnError", "ArchError", "BuildDirError", "NetSpecError", "PlanError", "CompileError"]
+__all__ = ["PcldnnError", "ArchError", "BuildDirError", "NetSpecError", "PlanError", "CompileError",
+           "ModelImportError"]

@@ -18,7 +18,9 @@ from pcldnn_runtime.validate import NAME_RE, Fields, read_json, show
 
 from .errors import NetSpecError
 
-# Fields each layer type takes: required, and optional with their defaults.
+# Fields each layer type takes: required, and optional with their defaults. Every layer may
+# also carry `source`: the framework's name of the module or node it was imported from
+# (from_torch, `pcldnn-gen import`), informational only.
 _COMMON = {"name", "type"}
 LAYER_FIELDS: dict[str, tuple[set[str], dict[str, Any]]] = {
     "conv": ({"out_channels", "kernel"}, {"stride": 1, "pad": 0, "activation": None}),
@@ -142,8 +144,10 @@ def parse_netspec(data: Any, origin: str = "<net>", max_memory: int | None = Non
         if not isinstance(ltype, str) or ltype not in LAYER_FIELDS:
             p.fail(f"{where}.type", f"unknown layer type {show(ltype)}; known: {', '.join(LAYER_FIELDS)}")
         required, optional = LAYER_FIELDS[ltype]
-        p.obj(raw, where, _COMMON | required, set(optional))
+        p.obj(raw, where, _COMMON | required, {*optional, "source"})
         lname = p.name(raw["name"], f"{where}.name")
+        if "source" in raw:
+            p.text(raw["source"], f"{where}.source")
         if lname in seen:
             p.fail(f"{where}.name", f"duplicate layer name {lname!r}")
         seen.add(lname)

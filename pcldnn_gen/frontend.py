@@ -1,0 +1,173 @@
+"""Models from other frameworks -> a net description and its weights: the part the PyTorch and
+ONNX front ends share. A front end turns its graph into a chain of `Op`s (and a list of what it
+could not translate); `net_from_ops` checks them against what net.json expresses, names the
+layers after the framework's own names, fuses each ReLU into the conv or fc before it, appends
+the loss and returns (net dict, state dict) that `parse_netspec` accepts and
+`Net.load_state_dict` loads."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pcldnn_runtime import limits
+
+from .errors import ModelImportError
+from .netspec import parse_netspec
+
+OP_KINDS = ("conv", "fc", "maxpool", "avgpool", "relu", "dropout", "flatten", "softmax", "identity")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One node of the framework's graph, in net.json's terms."""
+    kind: str                       # one of OP_KINDS
+    source: str                     # the framework's name of the module or node
+    type_name: str                  # the framework's type (Conv2d, Gemm, ...), for messages
+    attrs: dict[str, Any] = field(default_factory=dict)  # kernel / stride / pad pairs, rate
+    weight: np.ndarray | None = None  # conv (OC, IC, KH, KW), fc (OC, IC): canonical layouts
+    bias: np.ndarray | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.source} ({self.type_name})"
+
+
+def fail_unsupported(framework: str, problems: list[str]) -> None:
+    """One error listing every node the front end could not translate."""
+    if problems:
+        raise ModelImportError(f"{framework}: {len(problems)} unsupported node(s): " + "; ".join(problems))
+
+
+def input_shape_of(shape: Any) -> tuple[int, int, int]:
+    """(C, H, W) as three ints within net.json's ranges."""
+    try:
+        c, h, w = (int(v) for v in shape)
+        ok = tuple(shape) == (c, h, w)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok or not (1 <= c <= limits.MAX_CHANNELS and 1 <= h <= limits.MAX_SPATIAL and 1 <= w <= limits.MAX_SPATIAL):
+        raise ModelImportError(f"input_shape must be (C, H, W), three positive ints, got {shape!r}")
+    return c, h, w
+
+
+def layer_name(source: str, taken: set[str]) -> str:
+    """A net.json name for a framework name: `features.0` -> `features_0`, unique in `taken`."""
+    base = re.sub(r"[^A-Za-z0-9_]", "_", source).strip("_")[:56]
+    if not base or not (base[0].isalpha() or base[0] == "_"):
+        base = f"layer_{base}"[:56]
+    name, i = base, 2
+    while name in taken:
+        name, i = f"{base}_{i}", i + 1
+    taken.add(name)
+    return name
+
+
+def _finite(array: np.ndarray, what: str, problems: list[str]) -> np.ndarray:
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if not np.isfinite(array).all():
+        problems.append(f"{what}: holds NaN or infinity")
+    return array
+
+
+def net_from_ops(ops: list[Op], input_shape: tuple[int, int, int], name: str, origin: str,
+                 loss: bool = True) -> tuple[dict, dict[str, np.ndarray]]:
+    """The chain of ops as (net dict, state): every op checked, every problem reported at once."""
+    problems: list[str] = []
+    c, h, w = input_shape
+    flat = False
+    layers: list[dict] = []
+    state: dict[str, np.ndarray] = {}
+    taken: set[str] = set()
+    fusable = False  # the previous layer is a conv / fc whose output nothing else read yet
+    for i, op in enumerate(ops):
+        if op.kind == "identity":
+            continue
+        if op.kind == "flatten":
+            flat = True
+            continue
+        if op.kind == "softmax":
+            if any(o.kind not in ("identity", "flatten") for o in ops[i + 1:]):
+                problems.append(f"{op.label}: a softmax is supported only as the last node (the loss replaces it)")
+            continue
+        if op.kind == "relu" and fusable:
+            layers[-1]["activation"] = "relu"
+            fusable = False
+            continue
+        layer: dict[str, Any] = {"name": layer_name(op.source, taken), "type": op.kind}
+        fusable = False
+        if op.kind in ("conv", "maxpool", "avgpool"):
+            if flat:
+                problems.append(f"{op.label}: follows a flatten (its input is a vector)")
+                continue
+            if "adaptive" in op.attrs:  # an adaptive average pool: a plain one when the size divides
+                oh, ow = (size or dim for size, dim in zip(op.attrs["adaptive"], (h, w)))
+                if h % oh or w % ow:
+                    problems.append(f"{op.label}: output size {oh}x{ow} does not divide the {h}x{w} input")
+                    continue
+                op = Op(op.kind, op.source, op.type_name, {"kernel": (h // oh, w // ow), "stride": (h // oh, w // ow),
+                                                           "pad": (0, 0)})
+            kernel, stride, pad = op.attrs["kernel"], op.attrs["stride"], op.attrs["pad"]
+            layer |= {"kernel": list(kernel), "stride": list(stride), "pad": list(pad)}
+            oh = limits.out_size(h, kernel[0], stride[0], pad[0])
+            ow = limits.out_size(w, kernel[1], stride[1], pad[1])
+            if op.kind == "conv":
+                assert op.weight is not None
+                oc, ic = op.weight.shape[:2]
+                if ic != c or tuple(op.weight.shape[2:]) != tuple(kernel):
+                    problems.append(f"{op.label}: weight shape {op.weight.shape} does not fit a {c}-channel input "
+                                    f"and kernel {list(kernel)}")
+                    continue
+                layer["out_channels"] = oc
+                c = oc
+                fusable = True
+            h, w = oh, ow
+        elif op.kind == "fc":
+            assert op.weight is not None
+            if not flat and (h, w) != (1, 1):
+                problems.append(f"{op.label}: applied to a {c}x{h}x{w} tensor without a flatten before it (PyTorch's "
+                                "Linear would act on the last dimension only)")
+                continue
+            oc, features = op.weight.shape
+            if features != c * h * w:
+                problems.append(f"{op.label}: takes {features} input features, the tensor before it has {c * h * w}")
+                continue
+            layer["out_features"] = oc
+            c, h, w, flat = oc, 1, 1, True
+            fusable = True
+        elif op.kind == "dropout":
+            layer["rate"] = op.attrs["rate"]
+        elif op.kind != "relu":
+            raise AssertionError(op.kind)
+        layer["source"] = op.source[:200]
+        if op.weight is not None:
+            state[f"{layer['name']}.weight"] = _finite(op.weight, f"{op.label} weight", problems)
+            bias = op.bias if op.bias is not None else np.zeros(op.weight.shape[0], np.float32)
+            state[f"{layer['name']}.bias"] = _finite(bias, f"{op.label} bias", problems)
+        layers.append(layer)
+    fail_unsupported(origin, problems)
+    weighted = [layer for layer in layers if layer["type"] in ("conv", "fc")]
+    if not weighted:
+        raise ModelImportError(f"{origin}: the model has no convolution or linear layer")
+    net: dict[str, Any] = {"name": name, "input": {"channels": input_shape[0], "height": input_shape[1],
+                                                   "width": input_shape[2]}}
+    if loss:
+        if weighted[-1]["type"] != "fc" or (c, h, w) != (weighted[-1]["out_features"], 1, 1):
+            raise ModelImportError(f"{origin}: the model must end with a linear layer (the logits the loss "
+                                   "reads), optionally followed by ReLU, dropout or softmax")
+        net["classes"] = weighted[-1]["out_features"]
+        layers.append({"name": layer_name("loss", taken), "type": "softmax_cross_entropy"})
+    net["layers"] = layers
+    parse_netspec(net, origin)  # what the front end made is a valid description, or one clear error
+    return net, state
+
+
+def model_name(name: str | None, fallback: str) -> str:
+    """The net's name: the one given (checked), else the model's own, made a valid name."""
+    if name is not None:
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", name):
+            raise ModelImportError(f"name must match [A-Za-z_][A-Za-z0-9_]{{0,63}}, got {name!r}")
+        return name
+    return layer_name(fallback or "model", set())

@@ -1,0 +1,220 @@
+"""PyTorch models -> net description + weights (`pcldnn_gen.from_torch`). torch is an optional
+extra: it is imported inside `from_torch` only. The module is traced with torch.fx, so
+nn.Sequential and any module whose forward is a chain of supported calls work, whatever their
+nesting; names come from the modules' qualified names (`features.0` -> `features_0`, the original
+kept as each layer's `source`)."""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import numpy as np
+
+from .errors import ModelImportError
+from .frontend import Op, input_shape_of, model_name, net_from_ops
+
+SUPPORTED = ("Conv2d (groups=1, dilation=1, zero padding), Linear, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d "
+             "(to a size that divides the input), ReLU, Dropout, Flatten, Identity, a final Softmax / LogSoftmax, "
+             "and torch.flatten / F.relu / F.dropout / F.max_pool2d / F.avg_pool2d / view(N, -1) in forward")
+
+
+def from_torch(module, input_shape, name: str | None = None, loss: bool = True) -> tuple[dict, dict[str, np.ndarray]]:
+    """(net dict, state) for a PyTorch module taking (N, C, H, W) images, input_shape = (C, H, W).
+    The state maps `<layer>.weight` / `<layer>.bias` to float32 arrays in canonical layouts
+    (bias-free convolutions get zeros). With `loss`, a softmax_cross_entropy layer follows the
+    last Linear (nn.CrossEntropyLoss's computation; `classes` = its out_features). Anything the
+    net description cannot express is one ModelImportError listing every such node."""
+    try:
+        import torch
+        import torch.fx
+    except ImportError:
+        raise ModelImportError("from_torch needs PyTorch (pip install 'pcldnn-gen[torch]')") from None
+    shape = input_shape_of(input_shape)
+    if not isinstance(module, torch.nn.Module):
+        raise ModelImportError(f"from_torch: expected a torch.nn.Module, got {type(module).__name__}")
+    try:
+        traced = torch.fx.symbolic_trace(module)
+    except Exception as e:  # torch.fx raises TraceError, TypeError, ... on dynamic control flow
+        raise ModelImportError(f"from_torch: torch.fx cannot trace {type(module).__name__} "
+                               f"({type(e).__name__}: {e}); supported: {SUPPORTED}") from None
+    ops = _ops(traced, torch)
+    return net_from_ops(ops, shape, model_name(name, type(module).__name__), f"from_torch({type(module).__name__})",
+                        loss)
+
+
+def _pair(value: Any) -> tuple[int, int]:
+    return (int(value[0]), int(value[1])) if isinstance(value, (tuple, list)) else (int(value), int(value))
+
+
+def _array(t) -> np.ndarray:
+    return t.detach().cpu().float().numpy().copy()
+
+
+def _ops(traced, torch) -> list[Op]:
+    """The traced graph as a chain of Ops; every unsupported node collected, then one error."""
+    nn, F = torch.nn, torch.nn.functional
+    modules = dict(traced.named_modules())
+    problems: list[str] = []
+    ops: list[Op] = []
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != 1:
+        raise ModelImportError(f"from_torch: forward must take one tensor, it takes {len(placeholders)} arguments")
+    prev = placeholders[0]
+    shape_nodes = set()  # x.size(0) / x.shape[0] feeding a view(N, -1): no tensor of their own
+
+    def tensor_users(node):
+        return [u for u in node.users if u not in shape_nodes]
+
+    for node in traced.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            if node.args[0] is not prev:
+                problems.append("output: the model's result is not the last node of the chain")
+            break
+        if _is_shape_query(node, torch):
+            shape_nodes.add(node)
+            continue
+        label = f"{node.target if node.op == 'call_module' else node.name}"
+        if not node.args or node.args[0] is not prev:
+            problems.append(f"{label}: does not take the previous node's output as its input (only chains are supported)")
+            prev = node
+            continue
+        if len(tensor_users(prev)) > 1:
+            problems.append(f"{label}: its input also feeds {', '.join(u.name for u in tensor_users(prev) if u is not node)} "
+                            "(branches and residual connections are not supported)")
+        prev = node
+        try:
+            if node.op == "call_module":
+                op = _module_op(str(node.target), modules[node.target], nn)
+            elif node.op in ("call_function", "call_method"):
+                op = _function_op(node, torch, F)
+            else:
+                raise _Unsupported(node.op)
+        except _Unsupported as e:
+            problems.append(f"{label} ({e.args[0]})" + (f": {e.args[1]}" if len(e.args) > 1 else ""))
+            continue
+        ops.append(op)
+    if problems:
+        raise ModelImportError(f"from_torch: {len(problems)} unsupported node(s): " + "; ".join(problems)
+                               + f". Supported: {SUPPORTED}")
+    return ops
+
+
+class _Unsupported(Exception):
+    """(type name[, reason]) of a node the net description cannot express."""
+
+
+def _is_shape_query(node, torch) -> bool:
+    """x.size(...), x.shape, or an index into one: only the minibatch size of a view(N, -1)."""
+    if node.op == "call_method" and node.target == "size":
+        return True
+    if node.op == "call_function" and node.target is getattr and node.args[1:] == ("shape",):
+        return True
+    return (node.op == "call_function" and node.target is operator.getitem and hasattr(node.args[0], "op")
+            and (node.args[0].op, node.args[0].target) in (("call_method", "size"), ("call_function", getattr)))
+
+
+def _module_op(target: str, m, nn) -> Op:
+    kind = type(m).__name__
+    if isinstance(m, nn.Conv2d):
+        if m.groups != 1:
+            raise _Unsupported(kind, f"groups={m.groups} (only 1)")
+        if _pair(m.dilation) != (1, 1):
+            raise _Unsupported(kind, f"dilation={m.dilation} (only 1)")
+        if m.padding_mode != "zeros":
+            raise _Unsupported(kind, f"padding_mode={m.padding_mode!r} (only 'zeros')")
+        if isinstance(m.padding, str):  # 'valid' or 'same' (stride 1)
+            k = _pair(m.kernel_size)
+            if m.padding == "same" and (k[0] % 2 == 0 or k[1] % 2 == 0):
+                raise _Unsupported(kind, "padding='same' with an even kernel (asymmetric padding)")
+            pad = (0, 0) if m.padding == "valid" else (k[0] // 2, k[1] // 2)
+        else:
+            pad = _pair(m.padding)
+        return Op("conv", target, kind, {"kernel": _pair(m.kernel_size), "stride": _pair(m.stride), "pad": pad},
+                  _array(m.weight), None if m.bias is None else _array(m.bias))
+    if isinstance(m, nn.Linear):
+        return Op("fc", target, kind, {}, _array(m.weight), None if m.bias is None else _array(m.bias))
+    if isinstance(m, (nn.MaxPool2d, nn.AvgPool2d)):
+        return _pool_op(target, kind, m.kernel_size, m.stride, m.padding, m.ceil_mode,
+                        getattr(m, "dilation", 1), getattr(m, "return_indices", False),
+                        getattr(m, "count_include_pad", True), getattr(m, "divisor_override", None))
+    if isinstance(m, nn.AdaptiveAvgPool2d):
+        size = m.output_size if isinstance(m.output_size, (tuple, list)) else (m.output_size, m.output_size)
+        return Op("avgpool", target, kind, {"adaptive": tuple(None if v is None else int(v) for v in size)})
+    if isinstance(m, nn.ReLU):
+        return Op("relu", target, kind)
+    if isinstance(m, nn.Dropout):
+        return Op("dropout", target, kind, {"rate": float(m.p)})
+    if isinstance(m, nn.Flatten):
+        if (m.start_dim, m.end_dim) != (1, -1):
+            raise _Unsupported(kind, f"start_dim={m.start_dim}, end_dim={m.end_dim} (only 1, -1)")
+        return Op("flatten", target, kind)
+    if isinstance(m, nn.Identity):
+        return Op("identity", target, kind)
+    if isinstance(m, (nn.Softmax, nn.LogSoftmax)):
+        if m.dim not in (1, -1):
+            raise _Unsupported(kind, f"dim={m.dim} (only over the classes, dim 1)")
+        return Op("softmax", target, kind)
+    raise _Unsupported(kind)
+
+
+def _pool_op(target: str, kind: str, kernel, stride, padding, ceil_mode, dilation, return_indices,
+             count_include_pad, divisor_override) -> Op:
+    k = _pair(kernel)
+    s = k if stride is None or stride == [] or stride == () else _pair(stride)
+    p = _pair(padding)
+    if ceil_mode:
+        raise _Unsupported(kind, "ceil_mode=True (only floor)")
+    if _pair(dilation) != (1, 1):
+        raise _Unsupported(kind, f"dilation={dilation} (only 1)")
+    if return_indices:
+        raise _Unsupported(kind, "return_indices=True")
+    if kind.startswith("Avg") or kind == "avg_pool2d":
+        if divisor_override:
+            raise _Unsupported(kind, "divisor_override")
+        if p != (0, 0) and not count_include_pad:
+            raise _Unsupported(kind, "count_include_pad=False with padding (only padding counted as zeros)")
+        return Op("avgpool", target, kind, {"kernel": k, "stride": s, "pad": p})
+    return Op("maxpool", target, kind, {"kernel": k, "stride": s, "pad": p})
+
+
+def _function_op(node, torch, F) -> Op:
+    """torch.* / F.* calls and tensor methods inside forward."""
+    fn, args, kwargs = node.target, node.args, node.kwargs
+    name = node.name
+    kind = getattr(fn, "__name__", str(fn))
+    if fn in (F.relu, torch.relu) or (node.op == "call_method" and fn in ("relu", "relu_")):
+        return Op("relu", name, kind)
+    if fn in (torch.flatten,) or (node.op == "call_method" and fn == "flatten"):
+        start = args[1] if len(args) > 1 else kwargs.get("start_dim", 0)
+        end = args[2] if len(args) > 2 else kwargs.get("end_dim", -1)
+        if (start, end) != (1, -1):
+            raise _Unsupported(kind, f"start_dim={start}, end_dim={end} (only 1, -1)")
+        return Op("flatten", name, kind)
+    if node.op == "call_method" and fn in ("view", "reshape"):
+        dims = args[1:] if len(args) != 2 or not isinstance(args[1], (tuple, list)) else tuple(args[1])
+        if len(dims) == 2 and dims[1] == -1:
+            return Op("flatten", name, kind)
+        raise _Unsupported(kind, f"{fn}{tuple(dims)} (only (N, -1), a flatten)")
+    if fn is F.dropout or (node.op == "call_method" and fn == "dropout"):
+        rate = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+        return Op("dropout", name, kind, {"rate": float(rate)})
+    if fn in (F.max_pool2d, F.avg_pool2d):
+        names = ("kernel_size", "stride", "padding")
+        given = dict(zip(names, args[1:])) | {k: v for k, v in kwargs.items() if k in names}
+        extra: dict[str, Any]
+        if fn is F.max_pool2d:
+            extra = {"ceil_mode": False, "dilation": 1, "return_indices": False}
+            order = ("dilation", "ceil_mode", "return_indices")
+        else:
+            extra = {"ceil_mode": False, "count_include_pad": True, "divisor_override": None}
+            order = ("ceil_mode", "count_include_pad", "divisor_override")
+        extra |= dict(zip(order, args[4:])) | {k: v for k, v in kwargs.items() if k in extra}
+        return _pool_op(name, kind, given["kernel_size"], given.get("stride"), given.get("padding", 0),
+                        extra["ceil_mode"], extra.get("dilation", 1), extra.get("return_indices", False),
+                        extra.get("count_include_pad", True), extra.get("divisor_override"))
+    if fn in (F.softmax, F.log_softmax, torch.softmax, torch.log_softmax) or (
+            node.op == "call_method" and fn in ("softmax", "log_softmax")):
+        return Op("softmax", name, kind)
+    raise _Unsupported(kind)

@@ -1,0 +1,136 @@
+"""pcldnn_gen.from_torch: PyTorch models traced into net descriptions whose compiled nets give
+PyTorch's logits and gradients; everything unsupported reported at once. Skipped without torch
+(an optional extra; CI installs it)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import RUNNABLE_ISAS
+
+import pcldnn_gen
+import pcldnn_runtime as pr
+from pcldnn_gen.arch import get_arch
+from pcldnn_gen.build import build
+from pcldnn_gen.errors import ModelImportError
+from pcldnn_gen.netspec import parse_netspec
+
+torch = pytest.importorskip("torch")
+nn, F = torch.nn, torch.nn.functional
+
+
+class LeNetStyle(nn.Module):
+    """Functional calls in forward, a bias-free conv, view(N, -1), dropout as a call."""
+
+    def __init__(self, p=0.3):
+        super().__init__()
+        self.p = p
+        self.conv1 = nn.Conv2d(3, 6, 5)
+        self.conv2 = nn.Conv2d(6, 16, 3, padding=1, bias=False)
+        self.fc1 = nn.Linear(16 * 6 * 6, 32)
+        self.fc2 = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.relu(self.conv2(x))
+        x = x.view(x.size(0), -1)
+        return self.fc2(F.dropout(F.relu(self.fc1(x)), self.p, self.training))
+
+
+def _sequential(p=0.1):
+    """Nested Sequentials, stride and asymmetric kernel, padding='same', average pools."""
+    return nn.Sequential(
+        nn.Sequential(nn.Conv2d(3, 8, (3, 5), stride=(1, 2), padding=(1, 2)), nn.ReLU(inplace=True)),
+        nn.MaxPool2d(3, stride=2, padding=1),
+        nn.Conv2d(8, 12, 3, padding="same"), nn.ReLU(),
+        nn.AvgPool2d(2), nn.Identity(),
+        nn.Conv2d(12, 20, 1), nn.ReLU(), nn.AdaptiveAvgPool2d((1, 1)),
+        nn.Flatten(), nn.Dropout(p), nn.Linear(20, 7))
+
+
+@pytest.mark.parametrize("make,shape", [(LeNetStyle, (3, 16, 16)), (_sequential, (3, 12, 20))])
+def test_logits_and_gradients_match_pytorch(tmp_path, make, shape):
+    torch.manual_seed(0)
+    model = make(p=0.0).eval()  # no dropout: the training step's gradients are comparable
+    net_dict, state = pcldnn_gen.from_torch(model, shape)
+    spec = parse_netspec(net_dict)
+    assert spec.layers[-1].type == "softmax_cross_entropy" and spec.classes == net_dict["layers"][-2]["out_features"]
+    build(spec, get_arch(RUNNABLE_ISAS[-1]), tmp_path / "b")
+    net = pr.load(tmp_path / "b", threads=1)
+    net.load_state_dict(state)
+    x = np.random.default_rng(0).standard_normal((4, *shape)).astype(np.float32)
+    want = model(torch.from_numpy(x)).detach().numpy()
+    got = net.forward(x)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    # one SGD step (lr 1, no momentum) moves every weight by minus its mean cross-entropy
+    # gradient: compared with autograd's, layer by layer
+    labels = np.array([0, 1, 2, 3])
+    before = net.state_dict()
+    pr.Trainer(net, pr.SGD(lr=1.0)).step(x, labels)
+    model.zero_grad()
+    F.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(labels)).backward()
+    grads = {n: p.grad.numpy() for n, p in model.named_parameters()}
+    after = net.state_dict()
+    for layer in (l for l in net_dict["layers"] if l["type"] in ("conv", "fc")):
+        key = f"{layer['name']}.weight"
+        want_w = grads[f"{layer['source']}.weight"]
+        np.testing.assert_allclose(before[key] - after[key], want_w, rtol=1e-3, atol=2e-4 * np.abs(want_w).max())
+    # a dropout module's rate carries over
+    rates = [l["rate"] for l in pcldnn_gen.from_torch(make(p=0.4), shape)[0]["layers"] if l["type"] == "dropout"]
+    assert rates == [0.4]
+
+
+def test_names_come_from_the_modules_and_sources_are_kept():
+    net, state = pcldnn_gen.from_torch(_sequential(), (3, 12, 20), name="mine")
+    assert net["name"] == "mine"
+    convs = [l for l in net["layers"] if l["type"] == "conv"]
+    assert [(l["name"], l["source"]) for l in convs] == [("layer_0_0", "0.0"), ("layer_2", "2"), ("layer_6", "6")]
+    assert all(l.get("activation") == "relu" for l in convs)  # each ReLU fused into its conv
+    assert not any(l["type"] == "relu" for l in net["layers"])
+    assert set(state) == {f"{l['name']}.{p}" for l in net["layers"] if l["type"] in ("conv", "fc")
+                          for p in ("weight", "bias")}
+    assert state["layer_0_0.weight"].shape == (8, 3, 3, 5) and state["layer_0_0.weight"].dtype == np.float32
+
+
+def test_every_unsupported_node_is_listed_in_one_error():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.GELU(), nn.Conv2d(8, 8, 3, groups=2),
+                          nn.MaxPool2d(2, ceil_mode=True), nn.Flatten(), nn.Linear(8, 5))
+    with pytest.raises(ModelImportError) as e:
+        pcldnn_gen.from_torch(model, (3, 12, 12))
+    msg = str(e.value)
+    assert "4 unsupported node(s)" in msg
+    for part in ("1 (BatchNorm2d)", "2 (GELU)", "3 (Conv2d): groups=2", "4 (MaxPool2d): ceil_mode=True"):
+        assert part in msg, part
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 6 * 6, 3)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.conv(x) + x, 1))
+
+
+@pytest.mark.parametrize("model,shape,message", [
+    (Residual(), (4, 6, 6), r"residual connections are not supported"),
+    (nn.Sequential(nn.Conv2d(3, 4, 3), nn.Linear(4, 2)), (3, 5, 5), r"without a flatten before it"),
+    (nn.Sequential(nn.Flatten(), nn.Linear(10, 2)), (3, 5, 5), r"takes 10 input features, the tensor before it has 75"),
+    (nn.Sequential(nn.Flatten(), nn.Linear(75, 2), nn.Softmax(dim=1), nn.Linear(2, 2)), (3, 5, 5),
+     r"softmax is supported only as the last node"),
+    (nn.Sequential(nn.Conv2d(3, 4, 3)), (3, 5, 5), r"must end with a linear layer"),
+    (nn.Sequential(nn.Flatten(), nn.Linear(75, 2)), (3, 5), r"input_shape must be \(C, H, W\)"),
+    (nn.Sequential(nn.Flatten(), nn.Linear(75, 2)), (3, 5, 0), r"input_shape must be"),
+    ("not a module", (3, 5, 5), r"expected a torch.nn.Module"),
+])
+def test_models_the_net_description_cannot_express(model, shape, message):
+    with pytest.raises(ModelImportError, match=message):
+        pcldnn_gen.from_torch(model, shape)
+
+
+def test_nan_weights_are_refused():
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 2))
+    with torch.no_grad():
+        model[1].weight[0, 0] = float("nan")
+    with pytest.raises(ModelImportError, match=r"1 \(Linear\) weight: holds NaN"):
+        pcldnn_gen.from_torch(model, (3, 2, 2))
