@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
+import numpy as np
 from filelock import FileLock
 
-from pcldnn_runtime.manifest import FORMAT, FORMAT_FAMILY, MANIFEST, file_sha256
+from pcldnn_runtime.manifest import FORMAT, FORMAT_FAMILY, MANIFEST, WEIGHTS_FILE, file_sha256
+from pcldnn_runtime.state_io import check_state, expected_state
 
 from . import __version__
 from .arch import Arch
@@ -57,10 +59,15 @@ def plan_net(net: NetSpec, arch: Arch, tuning: TuningDB | None = None,
 
 
 def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | None = None,
-          tuning: TuningDB | None = None, choices: Mapping[tuple[str, str], tuple[int, int]] | None = None
-          ) -> BuildResult:
-    """Plan (through `tuning` when given; see plan_net), render, compile, write the directory."""
+          tuning: TuningDB | None = None, choices: Mapping[tuple[str, str], tuple[int, int]] | None = None,
+          weights: Mapping[str, np.ndarray] | None = None, weights_origin: str = "weights") -> BuildResult:
+    """Plan (through `tuning` when given; see plan_net), render, compile, write the directory.
+    `weights` (canonical layouts, every weighted layer's `.weight` and `.bias`) are checked
+    here and recorded in the build: `pr.load` starts from them instead of random ones."""
     out_dir = Path(out_dir) if out_dir is not None else default_build_dir(net, arch)
+    initial = None
+    if weights is not None:
+        initial, _ = check_state(expected_state(net.layers), weights, weights_origin)
     plans = plan_net(net, arch, tuning, choices)
     sources: list[tuple[LayerSpec, str, Source]] = []
     for layer in net.layers:
@@ -71,14 +78,15 @@ def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | Non
     results = compile_all([s for _, _, s in sources], arch, jobs)
 
     try:
-        _write_build(net, arch, out_dir, sources, results, plans)
+        _write_build(net, arch, out_dir, sources, results, plans, initial)
     except OSError as e:
         raise BuildDirError(f"{out_dir}: cannot write the build directory: {e.strerror or e}") from None
     compiled = sum(r.compiled for r in results)
     return BuildResult(out_dir, compiled, len(results) - compiled, plans)
 
 
-def _write_build(net: NetSpec, arch: Arch, out_dir: Path, sources, results, plans) -> None:
+def _write_build(net: NetSpec, arch: Arch, out_dir: Path, sources, results, plans,
+                 initial: dict[str, np.ndarray] | None) -> None:
     """Sources, libraries and manifest into a staging folder, swapped in under a lock."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out_dir.parent / f".{out_dir.name}.lock"), timeout=900):
@@ -98,6 +106,9 @@ def _write_build(net: NetSpec, arch: Arch, out_dir: Path, sources, results, plan
                     entry["plan"] = plans[(layer.name, p)].to_json()
                 kernels.setdefault(layer.name, {})[p] = entry
             manifest = _manifest(net, arch, kernels)
+            if initial is not None:
+                np.savez(stage / WEIGHTS_FILE, **initial)  # type: ignore[arg-type]
+                manifest["weights"] = {"file": WEIGHTS_FILE, "sha256": file_sha256(stage / WEIGHTS_FILE)}
             (stage / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
             _swap_in(stage, out_dir)
         except BaseException:

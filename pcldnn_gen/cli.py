@@ -22,7 +22,12 @@ def _compile(args: argparse.Namespace) -> int:
     net = load_netspec(args.net, args.max_memory)
     arch = get_arch(args.arch)
     t0 = time.perf_counter()
-    result = build(net, arch, Path(args.output) if args.output else None, args.jobs, _tuning(args))
+    weights = None
+    if args.weights:
+        from pcldnn_runtime.state_io import read_npz
+        weights = read_npz(args.weights)
+    result = build(net, arch, Path(args.output) if args.output else None, args.jobs, _tuning(args),
+                   weights=weights, weights_origin=str(args.weights))
     elapsed = time.perf_counter() - t0
     for layer in net.layers:
         shape = "x".join(map(str, layer.out_shape))
@@ -33,6 +38,19 @@ def _compile(args: argparse.Namespace) -> int:
         print(f"  {layer.name:<12} {layer.type:<22} -> {shape:<14} {detail}")
     print(f"{result.directory}: {len(net.layers)} layers, {result.compiled} kernels compiled, "
           f"{result.cached} from cache, {elapsed:.2f} s ({arch.name})")
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from .onnx_frontend import import_onnx, write_net
+    net, state = import_onnx(args.model, args.name)
+    out = Path(args.output) if args.output else Path(args.model).with_suffix(".json")
+    if out.suffix != ".json":
+        raise PcldnnError(f"{out}: the output must be a .json file (the weights go beside it as .npz)")
+    net_path, weights = write_net(net, state, out)
+    layers = ", ".join(f"{l['name']} ({l['type']})" for l in net["layers"])
+    print(f"{net_path}: {len(net['layers'])} layers: {layers}")
+    print(f"{weights}: {len(state)} arrays; compile with `pcldnn-gen compile {net_path} --weights {weights}`")
     return 0
 
 
@@ -193,6 +211,8 @@ def parser() -> argparse.ArgumentParser:
                    "sapphirerapids, zen3, zen4, zen5), avx2, avx512, scalar, or an arch JSON file")
     c.add_argument("-o", "--output", help="build directory (default build/<net>-<isa>)")
     c.add_argument("--jobs", type=_int_in(1, 256), default=None, help="parallel compiler processes (default: cores)")
+    c.add_argument("--weights", help="initial weights (.npz with <layer>.weight and <layer>.bias in canonical "
+                   "layouts, as `pcldnn-gen import` writes): recorded in the build, loaded by pr.load")
     _no_tuning_option(c)
     _max_memory_option(c)
     c.set_defaults(func=_compile)
@@ -266,6 +286,13 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--timeline", help="write the simulated timeline of one iteration at the largest node count (PNG)")
     _max_memory_option(pl)
     pl.set_defaults(func=_plan)
+
+    im = sub.add_parser("import", help="an ONNX model as a net description (NET.json) and its weights (NET.npz)")
+    im.add_argument("model", help="ONNX model file (needs the onnx package)")
+    im.add_argument("-o", "--output", help="net description to write (default: MODEL with .json); the weights "
+                    "go beside it with .npz")
+    im.add_argument("--name", help="the net's name (default: the graph's name)")
+    im.set_defaults(func=_import)
     return ap
 
 

@@ -23,6 +23,7 @@ from .validate import LABEL_RE, NAME_RE, SHA256_RE, Fields, read_json
 FORMAT = "pcldnn-build/2"
 FORMAT_FAMILY = "pcldnn-build/"
 MANIFEST = "manifest.json"
+WEIGHTS_FILE = "weights.npz"  # initial weights recorded by `compile --weights` (canonical layouts)
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 
 PASSES = ("fwd", "bwd_data", "bwd_weights")
@@ -80,6 +81,7 @@ class Manifest:
     net_hash: str
     arch: dict          # the generator's CPU description, as recorded (validated: isa, width, flags)
     layers: tuple[LayerEntry, ...]
+    weights_sha256: str | None = None  # WEIGHTS_FILE's digest when the build carries initial weights
 
     @property
     def isa(self) -> str:
@@ -108,7 +110,7 @@ def read_manifest(build_dir: Path) -> Manifest:
 
 def parse_manifest(data: Any, origin: str) -> Manifest:
     f = Fields(origin, BuildDirError)
-    f.obj(data, "", {"format", "generator", "net", "arch", "layers"})
+    f.obj(data, "", {"format", "generator", "net", "arch", "layers"}, {"weights"})
     net = f.obj(data["net"], "net", {"name", "input", "classes", "hash"})
     name = f.string(net["name"], "net.name", NAME_RE, "a net name")
     net_input = _shape(f, net["input"], "net.input", limits.MAX_CHANNELS)
@@ -125,8 +127,13 @@ def parse_manifest(data: Any, origin: str) -> Manifest:
             f.fail(f"layers[{i}].name", f"duplicate layer name {layer.name!r}")
         layers.append(layer)
         shape = layer.out_shape
+    weights = None
+    if "weights" in data:
+        entry = f.obj(data["weights"], "weights", {"file", "sha256"})
+        f.choice(entry["file"], "weights.file", (WEIGHTS_FILE,))
+        weights = f.string(entry["sha256"], "weights.sha256", SHA256_RE, "a sha256 digest")
     return Manifest(FORMAT, f.text(data["generator"], "generator"), name, net_input, classes, net_hash, arch,
-                    tuple(layers))
+                    tuple(layers), weights)
 
 
 def _shape(f: Fields, value: Any, where: str, max_channels: int) -> tuple[int, int, int]:

@@ -7,7 +7,6 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
@@ -15,31 +14,12 @@ from . import cpu
 from .errors import BuildDirError, PcldnnError
 from .kernels import CACHE_LINE_FLOATS, empty_aligned, load_library, zeros_aligned
 from .layers import AvgPoolLayer, DropoutLayer, Layer, LossLayer, MaxPoolLayer, ReluLayer, WeightedLayer
-from .manifest import LayerEntry, Manifest, inside, read_manifest
+from .manifest import WEIGHTS_FILE, LayerEntry, Manifest, inside, read_manifest
+from .state_io import StateKeys, check_state, expected_state, read_npz
 
 _LAYER_CLASSES = {"conv": WeightedLayer, "fc": WeightedLayer, "maxpool": MaxPoolLayer,
                   "avgpool": AvgPoolLayer, "relu": ReluLayer, "dropout": DropoutLayer,
                   "softmax_cross_entropy": LossLayer}
-
-
-class StateKeys(NamedTuple):
-    """What `Net.load_state_dict` did not match (both empty under strict=True)."""
-    missing: tuple[str, ...]
-    unexpected: tuple[str, ...]
-
-
-def _as_numpy(value, key: str) -> np.ndarray:
-    """A float32 array from a numpy array, a torch tensor (no torch import) or an array-like."""
-    if hasattr(value, "detach") and hasattr(value, "cpu"):
-        value = value.detach().cpu()
-        value = value.float().numpy() if hasattr(value, "float") else value.numpy()
-    try:
-        array = np.asarray(value)
-        if array.dtype.kind not in "fiu":
-            raise TypeError(f"dtype {array.dtype}")
-        return np.ascontiguousarray(array, dtype=np.float32)
-    except (TypeError, ValueError) as e:
-        raise PcldnnError(f"load_state_dict: {key}: must be an array of numbers ({e})") from None
 
 
 class _Workspace:
@@ -183,39 +163,26 @@ class Net:
             out[f"{name}.bias"] = layer.bias
         return out
 
+    def export_onnx(self, path: str | Path) -> Path:
+        """The inference graph (image in, logits out) with the current weights as an ONNX model
+        (needs the onnx package); onnxruntime gives this net's logits."""
+        from .onnx_export import export_onnx
+        try:
+            return export_onnx(self, path)
+        except OSError as e:
+            raise PcldnnError(f"{path}: cannot write the ONNX model: {e.strerror or e}") from None
+
     def load_state_dict(self, state, strict: bool = True) -> StateKeys:
         """Set weights and biases from a mapping like `state_dict()`'s: numpy arrays, torch
         tensors (anything with .detach().cpu().numpy()) or array-likes of any float dtype. Every
         entry is checked (shape, finite values) before anything is written, so a refused call
         leaves the net as it was. strict: missing and unexpected keys are an error listing all
         of them; otherwise the matching keys load and the others come back in the result."""
-        if not hasattr(state, "items"):
-            raise PcldnnError(f"load_state_dict: expected a mapping of names to arrays, got {type(state).__name__}")
-        wanted = {}
-        for name, layer in self._weighted().items():
-            wanted[f"{name}.weight"] = (layer, "weights", layer.weight_shape)
-            wanted[f"{name}.bias"] = (layer, "bias", (layer.out_shape[0],))
-        keys = [str(k) for k in state.keys()]
-        missing = tuple(k for k in wanted if k not in state)
-        unexpected = tuple(k for k in keys if k not in wanted)
-        if strict and (missing or unexpected):
-            parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
-                [f"unexpected {', '.join(unexpected)}"] if unexpected else [])
-            raise PcldnnError(f"load_state_dict: keys do not match net {self.name}: {'; '.join(parts)}")
-        staged = []
-        for key, value in state.items():
-            if key not in wanted:
-                continue
-            layer, attr, shape = wanted[key]
-            array = _as_numpy(value, key)
-            if array.shape != shape:
-                raise PcldnnError(f"load_state_dict: {key}: shape {array.shape}, expected {shape}")
-            if not np.isfinite(array).all():
-                raise PcldnnError(f"load_state_dict: {key}: holds NaN or infinity")
-            staged.append((layer, attr, array))
-        for layer, attr, array in staged:
-            setattr(layer, attr, array)
-        return StateKeys(missing, unexpected)
+        arrays, keys = check_state(expected_state(self.manifest.layers), state, "load_state_dict", strict)
+        for key, array in arrays.items():
+            name, what = key.rsplit(".", 1)
+            setattr(self.layers[name], "weights" if what == "weight" else "bias", array)
+        return keys
 
     # -- buffers -------------------------------------------------------------------------
     def workspace(self, batch: int) -> _Workspace:
@@ -355,12 +322,23 @@ def load(build_dir: str | Path, threads: int | None = None, seed: int = 0) -> Ne
         manifest = read_manifest(build_dir)
         cpu.require(manifest.isa, f"build {build_dir}")
         try:
-            return Net(build_dir, manifest, threads, seed)
+            net = Net(build_dir, manifest, threads, seed)
+            if manifest.weights_sha256 is not None:
+                _load_initial_weights(net, build_dir, manifest.weights_sha256)
+            return net
         except BuildDirError:
             if attempts == 0 or not _manifest_changed(build_dir, manifest):
                 raise  # an unchanged manifest means the defect is real
         except MemoryError:
             raise PcldnnError(f"{build_dir}: not enough memory for the net's parameter and gradient buffers") from None
+
+
+def _load_initial_weights(net: Net, build_dir: Path, sha256: str) -> None:
+    """The weights `compile --weights` recorded, checked against their digest first."""
+    path = build_dir / WEIGHTS_FILE
+    state = read_npz(path, BuildDirError, sha256)
+    arrays, _ = check_state(expected_state(net.manifest.layers), state, str(path), error=BuildDirError)
+    net.load_state_dict(arrays)
 
 
 def _manifest_changed(build_dir: Path, manifest: Manifest) -> bool:

@@ -1,0 +1,83 @@
+"""A trained net as an ONNX model (`Net.export_onnx`): the inference graph from the image input
+to the logits (dropout is the identity there, the loss is left out), weights from
+`Net.state_dict()`. The `onnx` package is an optional extra, imported on call."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .errors import PcldnnError
+
+OPSET = 17
+
+
+def export_onnx(net, path: str | Path) -> Path:
+    """Write `net` to `path` (atomically: a temporary file renamed over it)."""
+    try:
+        import onnx
+        from onnx import TensorProto, helper, numpy_helper
+    except ImportError:
+        raise PcldnnError("export_onnx needs the onnx package (pip install 'pcldnn-gen[onnx]')") from None
+    path = Path(path)
+    state = net.state_dict()
+    nodes, inits = [], []
+    x, spatial = "input", True
+    for layer in net.chain:
+        spec = layer.spec
+        name = layer.name
+        out = name
+        if spec.type == "conv":
+            (kh, kw), (sh, sw), (ph, pw) = spec.kernel, spec.stride, spec.pad
+            inits += [numpy_helper.from_array(state[f"{name}.weight"], f"{name}.weight"),
+                      numpy_helper.from_array(state[f"{name}.bias"], f"{name}.bias")]
+            nodes.append(helper.make_node("Conv", [x, f"{name}.weight", f"{name}.bias"], [out], name=name,
+                                          kernel_shape=[kh, kw], strides=[sh, sw], pads=[ph, pw, ph, pw]))
+        elif spec.type == "fc":
+            if spatial:
+                nodes.append(helper.make_node("Flatten", [x], [f"{name}.flat"], name=f"{name}.flatten", axis=1))
+                x, spatial = f"{name}.flat", False
+            inits += [numpy_helper.from_array(state[f"{name}.weight"], f"{name}.weight"),
+                      numpy_helper.from_array(state[f"{name}.bias"], f"{name}.bias")]
+            nodes.append(helper.make_node("Gemm", [x, f"{name}.weight", f"{name}.bias"], [out], name=name, transB=1))
+        elif spec.type in ("maxpool", "avgpool"):
+            (kh, kw), (sh, sw), (ph, pw) = spec.kernel, spec.stride, spec.pad
+            node = helper.make_node("MaxPool" if spec.type == "maxpool" else "AveragePool", [x], [out],
+                                    name=name, kernel_shape=[kh, kw], strides=[sh, sw], pads=[ph, pw, ph, pw])
+            if spec.type == "avgpool":  # our average divides by the window's area, padding included
+                node.attribute.append(helper.make_attribute("count_include_pad", 1))
+            nodes.append(node)
+        elif spec.type == "relu":
+            nodes.append(helper.make_node("Relu", [x], [out], name=name))
+        elif spec.type == "dropout":  # the identity at inference; the rate kept for re-import
+            inits.append(numpy_helper.from_array(np.array(spec.rate, np.float32), f"{name}.ratio"))
+            nodes.append(helper.make_node("Dropout", [x, f"{name}.ratio"], [out], name=name))
+        else:
+            raise AssertionError(spec.type)
+        if spec.relu and spec.type != "relu":  # a fused activation
+            nodes.append(helper.make_node("Relu", [out], [f"{name}.relu"], name=f"{name}.relu"))
+            out = f"{name}.relu"
+        x = out
+    nodes.append(helper.make_node("Identity", [x], ["logits"], name="logits"))
+    c, h, w = net.manifest.net_input
+    last = net.chain[-1].out_shape
+    graph = helper.make_graph(
+        nodes, net.name, [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", c, h, w])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT,
+                                       ["batch", int(np.prod(last))] if not spatial else ["batch", *last])],
+        inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+                              producer_name="pcldnn-gen")
+    onnx.checker.check_model(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(model.SerializeToString())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

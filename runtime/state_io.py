@@ -1,0 +1,103 @@
+"""Weights by name in canonical layouts ({"<layer>.weight": ..., "<layer>.bias": ...}): checking a
+user's mapping against a net, and reading one from an .npz file. Shared by Net.load_state_dict,
+`pcldnn-gen compile --weights` and `pr.load` of a build that carries initial weights."""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import zipfile
+from pathlib import Path
+from typing import Any, Mapping, NamedTuple
+
+import numpy as np
+
+from .errors import PcldnnError
+from .validate import open_regular, show
+
+MAX_NPZ_BYTES = 1 << 36  # 64 GiB: above any net the memory bound admits
+
+
+class StateKeys(NamedTuple):
+    """What a non-strict load did not match (both empty under strict=True)."""
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+
+
+def expected_state(layers) -> dict[str, tuple[int, ...]]:
+    """{key: canonical shape} of the weighted layers, from objects with name, type, out_shape and
+    weight_shape (NetSpec layers and manifest entries alike)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for layer in layers:
+        if layer.type in ("conv", "fc"):
+            out[f"{layer.name}.weight"] = tuple(layer.weight_shape)
+            out[f"{layer.name}.bias"] = (layer.out_shape[0],)
+    return out
+
+
+def as_numpy(value: Any, what: str, error: type[PcldnnError] = PcldnnError) -> np.ndarray:
+    """A float32 array from a numpy array, a torch tensor (no torch import) or an array-like."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        value = value.detach().cpu()
+        value = value.float().numpy() if hasattr(value, "float") else value.numpy()
+    try:
+        array = np.asarray(value)
+        if array.dtype.kind not in "fiu":
+            raise TypeError(f"dtype {array.dtype}")
+        return np.ascontiguousarray(array, dtype=np.float32)
+    except (TypeError, ValueError) as e:
+        raise error(f"{what}: must be an array of numbers ({e})") from None
+
+
+def check_state(expected: Mapping[str, tuple[int, ...]], state: Any, origin: str, strict: bool = True,
+                error: type[PcldnnError] = PcldnnError) -> tuple[dict[str, np.ndarray], StateKeys]:
+    """The entries of `state` that match `expected`, as float32 arrays of the right shapes with
+    finite values, and the keys that did not match. Any problem is an error naming `origin`;
+    strict: missing and unexpected keys are one, all of them listed."""
+    if not hasattr(state, "items"):
+        raise error(f"{origin}: expected a mapping of names to arrays, got {type(state).__name__}")
+    keys = [str(k) for k in state.keys()]
+    missing = tuple(k for k in expected if k not in state)
+    unexpected = tuple(k for k in keys if k not in expected)
+    if strict and (missing or unexpected):
+        shown = (k if k.isprintable() and len(k) <= 80 else show(k, 80) for k in unexpected)
+        parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
+            [f"unexpected {', '.join(shown)}"] if unexpected else [])
+        raise error(f"{origin}: keys do not match the net: {'; '.join(parts)}")
+    out = {}
+    for key, value in state.items():
+        if key not in expected:
+            continue
+        array = as_numpy(value, f"{origin}: {key}", error)
+        if array.shape != expected[key]:
+            raise error(f"{origin}: {key}: shape {array.shape}, expected {expected[key]}")
+        if not np.isfinite(array).all():
+            raise error(f"{origin}: {key}: holds NaN or infinity")
+        out[key] = array
+    return out, StateKeys(missing, unexpected)
+
+
+def read_npz(path: str | Path, error: type[PcldnnError] = PcldnnError,
+             sha256: str | None = None) -> dict[str, np.ndarray]:
+    """The arrays of an .npz file (no pickled objects), or one error naming the file. With
+    `sha256`, the bytes read are the bytes checked against it."""
+    path = Path(path)
+    try:
+        with open_regular(path, error) as f:
+            if os.fstat(f.fileno()).st_size > MAX_NPZ_BYTES:
+                raise error(f"{path}: larger than {MAX_NPZ_BYTES >> 30} GiB")
+            data = f.read()
+    except FileNotFoundError:
+        raise error(f"{path}: no such file") from None
+    except OSError as e:
+        raise error(f"{path}: cannot read: {e.strerror or e}") from None
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise error(f"{path}: corrupt (sha256 differs from manifest.json); run `pcldnn-gen compile` again")
+    try:
+        loaded = np.load(io.BytesIO(data), allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):
+            raise error(f"{path}: a single array, not an .npz file of named arrays")
+        with loaded:
+            return {name: loaded[name] for name in loaded.files}
+    except (ValueError, OSError, zipfile.BadZipFile, EOFError) as e:  # not an npz, a pickled array, truncated
+        raise error(f"{path}: not a NumPy .npz file of arrays ({type(e).__name__}: {str(e)[:200]})") from None
