@@ -250,6 +250,23 @@ class WeightedLayer(Layer):
         self._k["wt_from_blocked"](ptr(blocked), ptr(out))
         return out
 
+    def canonical_from(self, flat: np.ndarray) -> np.ndarray:
+        """This layer's weights then bias, canonical and flattened, from a flat buffer laid out
+        like the net's params (params itself, a gradient or momentum buffer)."""
+        w0, b0 = self.param_offsets
+        blocked = flat[w0:w0 + self._wt.size].reshape(self._wt.shape)
+        return np.concatenate([self._canonical(blocked).ravel(), flat[b0:b0 + self.out_shape[0]]])
+
+    def canonical_into(self, values: np.ndarray, flat: np.ndarray) -> None:
+        """The inverse of canonical_from: `values` (weights then bias) into a params-like flat
+        buffer, padding lanes zero."""
+        w0, b0 = self.param_offsets
+        n = int(np.prod(self.weight_shape))
+        weights = np.ascontiguousarray(values[:n], dtype=np.float32).reshape(self.weight_shape)
+        self._k["wt_to_blocked"](ptr(weights), ptr(flat[w0:w0 + self._wt.size]))
+        flat[b0:b0 + self._bias.size] = 0.0
+        flat[b0:b0 + self.out_shape[0]] = values[n:]
+
     @property
     def weights(self) -> np.ndarray:
         """Canonical copy: conv (OC, IC, KH, KW), fc (OC, IC). Assign to set."""

@@ -153,6 +153,27 @@ class Net:
     def _weighted(self) -> dict[str, WeightedLayer]:
         return {name: l for name, l in self.layers.items() if isinstance(l, WeightedLayer)}
 
+    @property
+    def canonical_size(self) -> int:
+        """Floats of every weighted layer's canonical weights and bias: what checkpoints hold."""
+        return sum(int(np.prod(l.weight_shape)) + l.out_shape[0] for l in self._weighted().values())
+
+    def to_canonical(self, flat: np.ndarray) -> np.ndarray:
+        """A params-like blocked buffer (params, momentum) as one canonical vector: per weighted
+        layer in net order its weights (PyTorch's layout, C order) then its bias. The same on
+        every ISA; an exact permutation of the values."""
+        self.current()
+        return np.concatenate([l.canonical_from(flat) for l in self._weighted().values()])
+
+    def from_canonical(self, vector: np.ndarray, flat: np.ndarray) -> None:
+        """The inverse of to_canonical, into a params-like blocked buffer."""
+        self.current()
+        start = 0
+        for layer in self._weighted().values():
+            n = int(np.prod(layer.weight_shape)) + layer.out_shape[0]
+            layer.canonical_into(vector[start:start + n], flat)
+            start += n
+
     def state_dict(self) -> dict[str, np.ndarray]:
         """{"<layer>.weight": conv (OC, IC, KH, KW) / fc (OC, IC), "<layer>.bias": (OC,)}: float32
         copies in canonical layouts (PyTorch's for Conv2d and Linear), in net order, the same

@@ -24,7 +24,9 @@ from .optim import SGD
 from .partition import shard_bounds
 from .validate import NAME_RE, SHA256_RE, Fields, open_regular, show
 
-CHECKPOINT_FORMAT = "pcldnn-checkpoint/1"
+# /2: canonical layouts (Net.to_canonical), so a checkpoint moves between ISAs; /1 held the
+# blocked buffers of one ISA and no record of which.
+CHECKPOINT_FORMAT = "pcldnn-checkpoint/2"
 
 
 def softmax_metrics(logits: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
@@ -195,14 +197,17 @@ class Trainer:
             if self.rank != 0:
                 self.dist.blocking(self.comm.Barrier, "Trainer.save: waiting for rank 0 to write the file")
                 return path
-        params = self.net.params
+        params, velocity = self.net.to_canonical(self.net.params), self.net.to_canonical(velocity)
         for name, buf in (("weights", params), ("momentum", velocity)):
             if not np.isfinite(buf).all():
                 raise CheckpointError(f"{path}: refusing to save: the {name} hold NaN or infinity")
+        # isa / vector_floats / precision: where the state was trained, for the record (the
+        # layouts are canonical, so any build of the net resumes it)
         meta = {"format": CHECKPOINT_FORMAT, "net": self.net.name, "net_hash": self.net.net_hash,
                 "step": self.step_count, "seed": self.seed, "net_seed": self.net.seed,
                 "dropout_draws": self.net.dropout_draws,
-                "optimizer": self.optimizer.config(), "params": int(params.size)}
+                "optimizer": self.optimizer.config(), "params": int(params.size),
+                "isa": self.net.isa, "vector_floats": self.net.vector_floats, "precision": "fp32"}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             _remove_stale_temporaries(path)
@@ -235,8 +240,8 @@ class Trainer:
         meta, params, velocity = read_checkpoint(path, net)
         trainer = cls(net, optimizer or _optimizer_from(meta["optimizer"], path), seed=meta["seed"], comm=comm,
                       **kwargs)
-        np.copyto(net.params, params)
-        np.copyto(trainer.optimizer.bound_velocity(), velocity)
+        net.from_canonical(params, net.params)
+        net.from_canonical(velocity, trainer.optimizer.bound_velocity())
         trainer.step_count = meta["step"]
         net.seed, net.dropout_draws = meta["net_seed"], meta["dropout_draws"]  # dropout masks continue
         return trainer
@@ -261,7 +266,7 @@ def read_checkpoint(path: Path, net) -> tuple[dict, np.ndarray, np.ndarray]:
                                       f"{sorted(_MEMBERS)})")
             meta = _read_meta(path, _read_member(z, "meta.npy", path, (_MAX_META,)))
             _check_meta_against(path, meta, net)
-            n = int(net.params.size)
+            n = net.canonical_size
             params = _read_member(z, "params.npy", path, (n,), exact=True)
             velocity = _read_member(z, "velocity.npy", path, (n,), exact=True)
     except FileNotFoundError:
@@ -307,9 +312,14 @@ def _read_meta(path: Path, raw: np.ndarray) -> dict:
         meta = json.loads(raw.tobytes().decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{path}: metadata is not JSON ({e})") from None
-    keys = {"format", "net", "net_hash", "step", "seed", "net_seed", "dropout_draws", "optimizer", "params"}
+    keys = {"format", "net", "net_hash", "step", "seed", "net_seed", "dropout_draws", "optimizer", "params", "isa",
+            "vector_floats", "precision"}
     if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
         fmt = meta.get("format") if isinstance(meta, dict) else None
+        if fmt == "pcldnn-checkpoint/1":
+            raise CheckpointError(f"{path}: format pcldnn-checkpoint/1 holds one ISA's blocked layout and does not "
+                                  "say which; it cannot be read safely. Load it with the version that wrote it, "
+                                  f"then save again ({CHECKPOINT_FORMAT}, canonical layouts)")
         raise CheckpointError(f"{path}: not a pcldnn checkpoint (format {show(fmt)}, expected {CHECKPOINT_FORMAT!r})")
     f.obj(meta, "meta", keys)
     f.string(meta["net"], "meta.net", NAME_RE, "a net name")
@@ -319,6 +329,9 @@ def _read_meta(path: Path, raw: np.ndarray) -> dict:
     f.int_in(meta["net_seed"], "meta.net_seed", 0, 2 ** 63 - 1)
     f.int_in(meta["dropout_draws"], "meta.dropout_draws", 0, 2 ** 53)
     f.int_in(meta["params"], "meta.params", 1, 2 ** 40)
+    f.choice(meta["isa"], "meta.isa", ("scalar", "avx2", "avx512"))
+    f.choice(meta["vector_floats"], "meta.vector_floats", (1, 8, 16))
+    f.choice(meta["precision"], "meta.precision", ("fp32",))
     f.obj(meta["optimizer"], "meta.optimizer", set(), set(SGD(0.1).config()))
     return meta
 
@@ -327,8 +340,8 @@ def _check_meta_against(path: Path, meta: dict, net) -> None:
     if meta["net_hash"] != net.net_hash:
         raise CheckpointError(f"{path}: checkpoint of net {meta['net']!r} (description {meta['net_hash'][:12]}), "
                               f"but this net is {net.name!r} ({net.net_hash[:12]})")
-    if meta["params"] != net.params.size:
-        raise CheckpointError(f"{path}: parameter buffer has {meta['params']} floats, this net needs {net.params.size}")
+    if meta["params"] != net.canonical_size:
+        raise CheckpointError(f"{path}: holds {meta['params']} parameters, this net has {net.canonical_size}")
 
 
 def _optimizer_from(config: dict, path: Path) -> SGD:

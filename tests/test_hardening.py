@@ -302,6 +302,9 @@ def _rewrite(src: Path, dst: Path, meta_edit=None, params_edit=None) -> Path:
     (lambda m: m["optimizer"].update(lr=-1), None, "optimizer settings in the checkpoint are invalid"),
     (None, lambda p: p.__setitem__(3, np.nan), r"params hold 1 NaN or infinite values \(first at index 3\)"),
     (lambda m: m.update(format="other/1"), None, "not a pcldnn checkpoint"),
+    (lambda m: m.update(format="pcldnn-checkpoint/1"), None, "blocked layout and does not say which"),
+    (lambda m: m.update(isa="neon"), None, "meta.isa: must be one of scalar, avx2, avx512"),
+    (lambda m: m.update(precision="fp8"), None, "meta.precision: must be one of fp32"),
 ])
 def test_bad_checkpoint_metadata_and_values(built, checkpoint, tmp_path, meta_edit, params_edit, message):
     path = _rewrite(checkpoint, tmp_path / "bad.npz", meta_edit, params_edit)

@@ -1,13 +1,15 @@
 """Training: SGD against a plain numpy trainer, checkpoints, data, option errors."""
 from __future__ import annotations
 
+import io
 import json
 import math
+import zipfile
 
 import numpy as np
 import pytest
 import reference as ref
-from helpers import TRAIN_LAYERS, TRAIN_SHAPE, build_and_load
+from helpers import RUNNABLE_ISAS, TRAIN_LAYERS, TRAIN_SHAPE, build_and_load
 
 import pcldnn_runtime as pr
 
@@ -17,7 +19,6 @@ LAYERS, SHAPE = TRAIN_LAYERS, TRAIN_SHAPE
 @pytest.fixture(scope="module")
 def build_dir(tmp_path_factory):
     """One avx2-or-scalar build shared by the tests; each test loads its own Net from it."""
-    from helpers import RUNNABLE_ISAS
     tmp = tmp_path_factory.mktemp("train")
     net = build_and_load(tmp, LAYERS, SHAPE, RUNNABLE_ISAS[-1], name="tiny")
     return net.build_dir
@@ -157,6 +158,30 @@ def test_resume_is_bit_identical(tmp_path):
     assert resumed.step_count == 12
     np.testing.assert_array_equal(resumed.net.params, straight.net.params)
     np.testing.assert_array_equal(resumed.optimizer.velocity, straight.optimizer.velocity)
+
+
+@pytest.mark.skipif(len(RUNNABLE_ISAS) < 2, reason="needs two ISAs this CPU runs")
+def test_checkpoints_move_between_isas(tmp_path):
+    """Canonical layouts: a checkpoint saved by one ISA's build resumes bit for bit (weights and
+    momentum) on another's, records where it came from, and training continues alike."""
+    a, b = RUNNABLE_ISAS[0], RUNNABLE_ISAS[-1]
+    builds = {isa: build_and_load(tmp_path, LAYERS, SHAPE, isa, name="moving").build_dir for isa in (a, b)}
+    train = pr.synthetic(64, SHAPE, 5, seed=3)
+    first = pr.Trainer(_net(builds[a], seed=1), pr.SGD(0.05, momentum=0.9), seed=4)
+    first.fit(train, epochs=1, batch_size=16, progress=False)
+    ckpt = first.save(tmp_path / "a.npz")
+    with zipfile.ZipFile(ckpt) as z:
+        meta = json.loads(bytes(np.load(io.BytesIO(z.read("meta.npy")))).decode())
+    assert (meta["isa"], meta["vector_floats"], meta["precision"]) == (a, first.net.vector_floats, "fp32")
+    moved = pr.Trainer.resume(ckpt, _net(builds[b], seed=2))
+    for k, v in first.net.state_dict().items():
+        np.testing.assert_array_equal(moved.net.state_dict()[k], v)
+    np.testing.assert_array_equal(moved.net.to_canonical(moved.optimizer.bound_velocity()),
+                                  first.net.to_canonical(first.optimizer.bound_velocity()))
+    first.fit(train, epochs=1, batch_size=16, progress=False)
+    moved.fit(train, epochs=1, batch_size=16, progress=False)
+    for k, v in first.net.state_dict().items():
+        np.testing.assert_allclose(moved.net.state_dict()[k], v, rtol=1e-4, atol=1e-5)
 
 
 def test_interrupted_save_keeps_the_previous_checkpoint(build_dir, tmp_path, monkeypatch):
