@@ -10,7 +10,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,demo,onnx]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,demo,onnx,images]'
 	# the model front ends' tests: torch's CPU build, pinned exactly (see the `torch` extra)
 	$(PY) -m pip install --quiet --disable-pip-version-check 'torch==2.13.0'
 	touch $(STAMP)

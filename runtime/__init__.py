@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING
 from .errors import ArchError, BuildDirError, CheckpointError, PcldnnError
 
 _LAZY = {"load": "net", "Net": "net", "SGD": "optim", "Trainer": "trainer",
-         "ArrayDataset": "data", "digits": "data", "synthetic": "data"}
+         "ArrayDataset": "data", "MemmapDataset": "data", "ImageFolder": "data", "Augment": "data",
+         "Dataset": "data", "digits": "data", "synthetic": "data"}
 
-__all__ = ["load", "Net", "SGD", "Trainer", "ArrayDataset", "digits", "synthetic",
+__all__ = ["load", "Net", "SGD", "Trainer", "ArrayDataset", "MemmapDataset", "ImageFolder", "Augment", "Dataset",
+           "digits", "synthetic",
            "PcldnnError", "ArchError", "BuildDirError", "CheckpointError"]
 
 
@@ -27,7 +29,7 @@ def __getattr__(name: str):
 
 
 if TYPE_CHECKING:
-    from .data import ArrayDataset, digits, synthetic
+    from .data import ArrayDataset, Augment, Dataset, ImageFolder, MemmapDataset, digits, synthetic
     from .net import Net, load
     from .optim import SGD
     from .trainer import Trainer

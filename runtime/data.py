@@ -1,17 +1,136 @@
-"""Training data: minibatches over numpy arrays, the digits set that ships with scikit-learn,
-and a synthetic generator for tests and benchmarks. Nothing is downloaded."""
+"""Training data. A dataset is anything with `len()` and `read(indices, epoch=None)` returning
+(float32 images (k, C, H, W), int32 labels (k,)) for those samples: `fit` and `evaluate` read one
+minibatch at a time (this rank's rows only, under MPI), in background threads a bounded number
+of batches ahead, and never copy a whole dataset. In-memory arrays (`ArrayDataset`), .npy files
+read through memory maps (`MemmapDataset`) and class-per-folder image trees (`ImageFolder`) are
+datasets; any iterable of (x, labels) numpy batches also trains. Augmentations draw from (seed,
+epoch, sample index), so p ranks see exactly what one process would. Nothing is downloaded: the
+digits set ships with scikit-learn, `synthetic` is generated."""
 from __future__ import annotations
+
+import concurrent.futures
+import os
+import stat
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
 from .errors import PcldnnError
-from .validate import Fields
+from .validate import Fields, open_regular, show
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".ppm", ".pgm", ".gif", ".tif", ".tiff", ".webp")
+STATS_CHUNK = 512  # samples per read when computing channel statistics
 
 
-class ArrayDataset:
-    """Images (N, C, H, W) float32 and integer labels (N,), optionally normalised per channel."""
+def _hash_uniform(seed: int, epoch: int, indices: np.ndarray, stream: int) -> np.ndarray:
+    """Uniform [0, 1) numbers, one per sample index, from SplitMix64 of (seed, epoch, index,
+    stream): the same for a sample whichever process reads it, and cheap for a whole batch."""
+    with np.errstate(over="ignore"):
+        z = (np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(epoch) * np.uint64(0xBF58476D1CE4E5B9)
+             + np.uint64(stream) * np.uint64(0x94D049BB133111EB) + indices.astype(np.uint64))
+        for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+            z = (z ^ (z >> np.uint64(shift))) * np.uint64(mult)
+        z ^= z >> np.uint64(31)
+    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
-    def __init__(self, x: np.ndarray, y: np.ndarray, name: str = "data"):
+
+@dataclass(frozen=True)
+class Augment:
+    """Random crop with zero padding (`crop_padding` pixels on each side, then a window of the
+    image's size) and horizontal flip (probability 1/2), the standard CIFAR / ImageNet-style
+    training augmentations. Each sample's draws come from (seed, epoch, its index)."""
+    crop_padding: int = 4
+    flip: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        f = Fields("Augment")
+        f.int_in(self.crop_padding, "crop_padding", 0, 1 << 12)
+        f.int_in(self.seed, "seed", 0, 2 ** 63 - 1)
+        if not isinstance(self.flip, bool):
+            f.fail("flip", f"must be true or false, got {show(self.flip)}")
+
+    def apply(self, x: np.ndarray, indices: np.ndarray, epoch: int) -> np.ndarray:
+        n, _, h, w = x.shape
+        out = x
+        p = self.crop_padding
+        if p:
+            padded = np.pad(x, ((0, 0), (0, 0), (p, p), (p, p)))
+            dy = np.minimum((_hash_uniform(self.seed, epoch, indices, 1) * (2 * p + 1)).astype(np.int64), 2 * p)
+            dx = np.minimum((_hash_uniform(self.seed, epoch, indices, 2) * (2 * p + 1)).astype(np.int64), 2 * p)
+            out = np.stack([padded[i, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w] for i in range(n)])
+        if self.flip:
+            flip = _hash_uniform(self.seed, epoch, indices, 3) < 0.5
+            out = out.copy() if out is x else out
+            out[flip] = out[flip][..., ::-1]
+        return np.ascontiguousarray(out, dtype=np.float32)
+
+
+class Dataset:
+    """Samples by index. Subclasses implement `__len__` and `_load(indices)` (raw float32
+    images and int32 labels); `read` adds the augmentation (training reads: `epoch` given) and
+    the per-channel normalisation."""
+
+    name = "data"
+    augment: Augment | None = None
+    mean: np.ndarray | None = None  # per channel, applied after augmentation
+    std: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def _load(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    @property
+    def sample_shape(self) -> tuple[int, int, int]:
+        return tuple(self._load(np.arange(1))[0].shape[1:])  # type: ignore[return-value]
+
+    def read(self, indices, epoch: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        indices = np.asarray(indices, dtype=np.int64)
+        if indices.size and (indices.min() < 0 or indices.max() >= len(self)):
+            raise PcldnnError(f"{self.name}: sample index out of range [0, {len(self)})")
+        x, y = self._load(indices)
+        if epoch is not None and self.augment is not None:
+            x = self.augment.apply(x, indices, epoch)
+        if self.mean is not None and self.std is not None:
+            x = (x - self.mean.reshape(1, -1, 1, 1)) / self.std.reshape(1, -1, 1, 1)
+        return np.ascontiguousarray(x, dtype=np.float32), y
+
+    def channel_stats(self, chunk: int = STATS_CHUNK) -> tuple[np.ndarray, np.ndarray]:
+        """Per-channel mean and standard deviation of the raw samples (no augmentation, no
+        normalisation), read `chunk` samples at a time in float64."""
+        c = self.sample_shape[0]
+        count, mean, m2 = 0, np.zeros(c), np.zeros(c)  # chunks merged as in Chan et al.'s parallel variance
+        for start in range(0, len(self), chunk):
+            x, _ = self._load(np.arange(start, min(start + chunk, len(self))))
+            x = x.astype(np.float64)
+            n = x.shape[0] * x.shape[2] * x.shape[3]
+            chunk_mean = x.mean(axis=(0, 2, 3))
+            chunk_m2 = ((x - chunk_mean.reshape(1, -1, 1, 1)) ** 2).sum(axis=(0, 2, 3))
+            delta = chunk_mean - mean
+            mean = mean + delta * n / (count + n)
+            m2 = m2 + chunk_m2 + delta * delta * count * n / (count + n)
+            count += n
+        return mean, np.sqrt(m2 / count)
+
+    def with_normalization(self, mean, std) -> "Dataset":
+        """Normalise each channel as (x - mean) / std on every read (std floored at 1e-8)."""
+        c = self.sample_shape[0]
+        mean, std = (np.asarray(a, np.float32).reshape(-1) for a in (mean, std))
+        if mean.shape != (c,) or std.shape != (c,) or not (np.isfinite(mean).all() and np.isfinite(std).all()):
+            raise PcldnnError(f"{self.name}: mean and std must be {c} finite numbers each")
+        self.mean, self.std = mean, np.maximum(std, np.float32(1e-8))
+        return self
+
+
+class ArrayDataset(Dataset):
+    """Images (N, C, H, W) and integer labels (N,) in memory."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, name: str = "data", augment: Augment | None = None):
         x, y = np.asarray(x), np.asarray(y)
         if x.ndim != 4:
             raise PcldnnError(f"{name}: images must be (N, C, H, W), got shape {x.shape}")
@@ -24,18 +143,18 @@ class ArrayDataset:
         self.x = np.ascontiguousarray(x, dtype=np.float32)
         self.y = y.astype(np.int32)
         self.name = name
+        self.augment = augment
 
     def __len__(self) -> int:
         return self.x.shape[0]
 
-    def channel_stats(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per-channel mean and standard deviation (compute them on the training split)."""
-        x = self.x.astype(np.float64)
-        return x.mean(axis=(0, 2, 3)), x.std(axis=(0, 2, 3))
+    def _load(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.x[indices], self.y[indices]
 
     def normalized(self, mean, std) -> "ArrayDataset":
+        """A normalised copy (the arrays themselves rescaled)."""
         mean, std = (np.asarray(a, np.float32).reshape(1, -1, 1, 1) for a in (mean, std))
-        return ArrayDataset((self.x - mean) / np.maximum(std, 1e-8), self.y, self.name)
+        return ArrayDataset((self.x - mean) / np.maximum(std, 1e-8), self.y, self.name, self.augment)
 
     def batches(self, batch_size: int, order: np.ndarray | None = None):
         """(x, y) minibatches of exactly `batch_size` in `order` (default: as stored); a last
@@ -44,8 +163,138 @@ class ArrayDataset:
             raise PcldnnError(f"{self.name}: batch size {batch_size} is larger than the {len(self)} samples")
         order = np.arange(len(self)) if order is None else order
         for start in range(0, len(self) - batch_size + 1, batch_size):
-            idx = order[start:start + batch_size]
-            yield self.x[idx], self.y[idx]
+            yield self.read(order[start:start + batch_size])
+
+
+def _npy_header(path: Path) -> tuple[tuple[int, ...], np.dtype]:
+    """Shape and dtype from a .npy file's header, checked before the file is mapped."""
+    try:
+        f = open_regular(path, PcldnnError)
+    except OSError as e:
+        raise PcldnnError(f"{path}: cannot read: {e.strerror or e}") from None
+    with f:
+        try:
+            version = np.lib.format.read_magic(f)
+            reader = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0,
+                      (3, 0): np.lib.format.read_array_header_2_0}[version]
+            shape, fortran, dtype = reader(f, max_header_size=10000)
+        except Exception as e:  # numpy parses the header with Python's tokenizer
+            raise PcldnnError(f"{path}: not a .npy array file ({type(e).__name__})") from None
+    if fortran or dtype.hasobject or dtype.kind not in "fiub":
+        raise PcldnnError(f"{path}: must hold a C-ordered array of numbers, got {dtype}{' (Fortran order)' * fortran}")
+    return shape, dtype
+
+
+class MemmapDataset(Dataset):
+    """`MemmapDataset("images.npy", "labels.npy")`: images (N, C, H, W) or (N, H, W) of any
+    numeric dtype (uint8 is scaled by 1/255 unless `scale` says otherwise) and integer labels
+    (N,), memory-mapped: a read touches only the rows it asks for, so under MPI each rank reads
+    only its shard."""
+
+    def __init__(self, images: str | Path, labels: str | Path, augment: Augment | None = None,
+                 scale: float | None = None, name: str | None = None):
+        images, labels = Path(images), Path(labels)
+        shape, dtype = _npy_header(images)
+        lshape, ldtype = _npy_header(labels)
+        if len(shape) not in (3, 4) or 0 in shape:
+            raise PcldnnError(f"{images}: images must be (N, C, H, W) or (N, H, W), got shape {shape}")
+        if lshape != (shape[0],) or ldtype.kind not in "iu":
+            raise PcldnnError(f"{labels}: labels must be ({shape[0]},) integers to match {images.name}, "
+                              f"got {lshape} {ldtype}")
+        self.name = name or images.stem
+        self.augment = augment
+        self._x = np.load(images, mmap_mode="r")
+        if self._x.ndim == 3:
+            self._x = self._x[:, None]
+        self._y = np.load(labels, mmap_mode="r")
+        self.scale = np.float32(scale if scale is not None else (1 / 255 if dtype == np.uint8 else 1.0))
+
+    def __len__(self) -> int:
+        return self._x.shape[0]
+
+    def _load(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        order = np.argsort(indices, kind="stable")  # ascending reads through the map, then back in place
+        x = np.empty((len(indices), *self._x.shape[1:]), np.float32)
+        x[order] = self._x[indices[order]]
+        x *= self.scale
+        return x, np.asarray(self._y[indices], dtype=np.int32)
+
+
+class ImageFolder(Dataset):
+    """`ImageFolder(root, size=(H, W))`: root/<class>/<image> files (PNG, JPEG, BMP, ...), the
+    classes in sorted order as labels 0, 1, ...; each image decoded with Pillow, converted to
+    RGB (channels=3) or grey (channels=1), resized to `size` (bilinear) and scaled to [0, 1].
+    Needs Pillow (the `images` extra)."""
+
+    def __init__(self, root: str | Path, size: tuple[int, int], augment: Augment | None = None,
+                 channels: int = 3, name: str | None = None):
+        f = Fields("ImageFolder")
+        f.array(list(size) if isinstance(size, tuple) else size, "size", 2, 2)
+        self.size = (f.int_in(size[0], "size[0]", 1, 1 << 14), f.int_in(size[1], "size[1]", 1, 1 << 14))
+        self.channels = f.choice(channels, "channels", (1, 3))
+        root = Path(root)
+        try:
+            classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        except OSError as e:
+            raise PcldnnError(f"{root}: cannot list the image folder: {e.strerror or e}") from None
+        files, labels = [], []
+        try:
+            for label, cls in enumerate(classes):
+                for p in sorted((root / cls).iterdir()):
+                    if p.suffix.lower() in IMAGE_EXTENSIONS and stat.S_ISREG(os.stat(p).st_mode):
+                        files.append(p)
+                        labels.append(label)
+        except OSError as e:
+            raise PcldnnError(f"{root}: cannot list the image folder: {e.strerror or e}") from None
+        if not files:
+            raise PcldnnError(f"{root}: no images found (expected <root>/<class>/<image>.png|jpg|...)")
+        self.root, self.classes, self.files = root, classes, files
+        self.labels = np.array(labels, np.int32)
+        self.name = name or root.name
+        self.augment = augment
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def _decode(self, path: Path) -> np.ndarray:
+        try:
+            from PIL import Image
+        except ImportError:
+            raise PcldnnError("ImageFolder needs Pillow (pip install 'pcldnn-gen[images]')") from None
+        try:
+            with open_regular(path, PcldnnError) as fh, Image.open(fh) as im:
+                im = im.convert("RGB" if self.channels == 3 else "L")
+                if im.size != (self.size[1], self.size[0]):
+                    im = im.resize((self.size[1], self.size[0]), Image.Resampling.BILINEAR)
+                a = np.asarray(im, dtype=np.float32) * np.float32(1 / 255)
+        except PcldnnError:
+            raise
+        except Exception as e:  # Pillow's UnidentifiedImageError, DecompressionBombError, truncated files, ...
+            raise PcldnnError(f"{path}: cannot decode the image ({type(e).__name__}: {str(e)[:200]})") from None
+        return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
+
+    def _load(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return np.stack([self._decode(self.files[i]) for i in indices]), self.labels[indices]
+
+
+def prefetched(dataset: Dataset, batches: list[np.ndarray], epoch: int | None, workers: int = 2,
+               ahead: int = 4) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """dataset.read of each index array in turn, read by `workers` background threads at most
+    `ahead` batches before the one consumed (a bounded queue: memory stays a few batches)."""
+    if not batches:
+        return
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="pcldnn-data") as pool:
+        pending: deque = deque()
+        nxt = 0
+        try:
+            while nxt < len(batches) or pending:
+                while nxt < len(batches) and len(pending) < max(1, ahead):
+                    pending.append(pool.submit(dataset.read, batches[nxt], epoch))
+                    nxt += 1
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
 
 
 def digits(size: int = 16, test_fraction: float = 0.2, seed: int = 0) -> tuple[ArrayDataset, ArrayDataset]:

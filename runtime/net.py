@@ -299,6 +299,20 @@ class Net:
         self._pending = None
         return loss
 
+    def predict(self, x, batch_size: int = 256) -> np.ndarray:
+        """Logits of every sample of x (an (N, C, H, W) array or a dataset), in evaluation mode,
+        `batch_size` samples per forward pass: memory stays one minibatch's workspace."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= 1 << 20:
+            raise PcldnnError(f"predict: batch_size must be an int in [1, 2^20], got {batch_size!r}")
+        if hasattr(x, "read") and hasattr(x, "__len__"):
+            chunks = (x.read(np.arange(s, min(s + batch_size, len(x))))[0] for s in range(0, len(x), batch_size))
+        else:
+            x = np.asarray(x)
+            if x.ndim < 1 or x.shape[0] == 0:
+                raise PcldnnError(f"predict: expected a non-empty batch of inputs, got shape {x.shape}")
+            chunks = (x[s:s + batch_size] for s in range(0, x.shape[0], batch_size))
+        return np.concatenate([self.forward(c) for c in chunks])
+
     def loss_and_grad(self, x: np.ndarray, labels: np.ndarray) -> float:
         """Mean loss of a training-mode forward pass, with every gradient computed."""
         self.forward(x, training=True)

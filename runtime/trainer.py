@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import ArrayDataset
+from .data import ArrayDataset, prefetched
 from .errors import CheckpointError, PcldnnError
 from .optim import SGD
 from .partition import shard_bounds
@@ -92,10 +92,10 @@ class Trainer:
         if self.dist is not None:
             self.dist.sync()
 
-    def evaluate(self, x: np.ndarray | ArrayDataset, labels: np.ndarray | None = None, batch_size: int = 256) -> dict:
+    def evaluate(self, x, labels: np.ndarray | None = None, batch_size: int = 256) -> dict:
         """{'loss', 'accuracy'} over all of (x, labels), or of a dataset, in evaluation mode
-        (no dropout)."""
-        if isinstance(x, ArrayDataset):
+        (no dropout, no augmentation), read `batch_size` samples at a time."""
+        if _is_dataset(x):
             data = x
         elif labels is None:
             raise PcldnnError("evaluate: give labels with the images, or a dataset")
@@ -107,8 +107,8 @@ class Trainer:
             self.sync()
             lo, hi = shard_bounds(len(data), self.comm.size, self.rank)
         sums = np.zeros(2)
-        for start in range(lo, hi, batch_size):
-            xb, yb = data.x[start:min(start + batch_size, hi)], data.y[start:min(start + batch_size, hi)]
+        chunks = [np.arange(start, min(start + batch_size, hi)) for start in range(lo, hi, batch_size)]
+        for xb, yb in prefetched(data, chunks, None):
             loss, acc = softmax_metrics(self.net.forward(xb), yb)
             sums += (loss * len(yb), acc * len(yb))
         if self.dist is not None:
@@ -120,45 +120,93 @@ class Trainer:
     def epoch_order(self, epoch: int, n: int) -> np.ndarray:
         return np.random.default_rng(np.random.SeedSequence([self.seed, epoch])).permutation(n)
 
-    def fit(self, train: ArrayDataset, val: ArrayDataset | None = None, *, epochs: int, batch_size: int,
+    def _epoch_batches(self, train, epoch: int, batch_size: int | None, skip: int, workers: int, prefetch: int):
+        """(x, labels, global minibatch) of one epoch from `skip` on; under MPI x and labels
+        are this rank's rows only (a dataset reads nothing else)."""
+        if _is_dataset(train):
+            assert batch_size is not None
+            order = self.epoch_order(epoch, len(train))
+            picks = [order[b * batch_size:(b + 1) * batch_size] for b in range(skip, len(train) // batch_size)]
+            if self.dist is not None:  # batch_size is the global minibatch: read this rank's shard
+                lo, hi = shard_bounds(batch_size, self.comm.size, self.rank)
+                picks = [p[lo:hi] for p in picks]
+            for xb, yb in prefetched(train, picks, epoch, workers, prefetch):
+                yield xb, yb, batch_size
+            return
+        produced = 0
+        for i, item in enumerate(train):
+            produced += 1
+            if i < skip:
+                continue
+            try:
+                xb, yb = item
+            except (TypeError, ValueError):
+                raise PcldnnError(f"fit: batch {i} of epoch {epoch + 1} is not an (x, labels) pair") from None
+            xb, yb = np.asarray(xb), np.asarray(yb)
+            if xb.ndim < 2 or yb.shape != (xb.shape[0],):
+                raise PcldnnError(f"fit: batch {i} of epoch {epoch + 1}: images {xb.shape} and labels {yb.shape} "
+                                  "do not pair up")
+            global_batch = len(yb)
+            if self.dist is not None:
+                lo, hi = shard_bounds(global_batch, self.comm.size, self.rank)
+                xb, yb = xb[lo:hi], yb[lo:hi]
+            yield xb, yb, global_batch
+        if produced == 0:
+            raise PcldnnError(f"fit: the training data gave no batches in epoch {epoch + 1} (a generator is used up "
+                              "after one pass: give a list, a dataset, or an object whose __iter__ starts again)")
+
+    def fit(self, train, val=None, *, epochs: int, batch_size: int | None = None,
             metrics_file: str | Path | None = None, checkpoint: str | Path | None = None,
-            progress: bool = True) -> list[dict]:
+            progress: bool = True, workers: int = 2, prefetch: int = 4) -> list[dict]:
         """Train until `epochs` epochs are done in total (a resumed trainer continues where it
-        stopped). Per step, a JSON line {step, epoch, loss, accuracy, lr, images_per_s} is
-        appended to `metrics_file`; after each epoch the validation metrics are computed and,
-        with `checkpoint`, the trainer is saved there. Returns one dict per epoch run."""
+        stopped). `train`: a dataset (ArrayDataset, MemmapDataset, ImageFolder, or anything with
+        len() and read(indices, epoch)), shuffled per epoch from (seed, epoch) and read one
+        global minibatch of `batch_size` at a time by `workers` background threads up to
+        `prefetch` batches ahead; or an iterable of (x, labels) numpy batches (each a global
+        minibatch; under MPI every rank iterates it and keeps its shard). Per step, a JSON line
+        {step, epoch, loss, accuracy, lr, images_per_s} is appended to `metrics_file`; after
+        each epoch the validation metrics are computed and, with `checkpoint`, the trainer is
+        saved there. Returns one dict per epoch run."""
         if not isinstance(epochs, int) or epochs < 1:
             raise PcldnnError(f"fit: epochs must be a positive int, got {epochs!r}")
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise PcldnnError(f"fit: batch_size must be a positive int, got {batch_size!r}")
-        if batch_size > len(train):
-            raise PcldnnError(f"fit: batch size {batch_size} is larger than the {len(train)} training samples")
-        per_epoch = len(train) // batch_size
+        for name, value in (("workers", workers), ("prefetch", prefetch)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 256:
+                raise PcldnnError(f"fit: {name} must be an int in [1, 256], got {value!r}")
+        if _is_dataset(train):
+            if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+                raise PcldnnError(f"fit: batch_size must be a positive int, got {batch_size!r}")
+            if batch_size > len(train):
+                raise PcldnnError(f"fit: batch size {batch_size} is larger than the {len(train)} training samples")
+            per_epoch: int | None = len(train) // batch_size
+        elif hasattr(train, "__iter__"):
+            per_epoch = len(train) if hasattr(train, "__len__") else None
+            if per_epoch is None and self.step_count:
+                raise PcldnnError("fit: resuming mid-run needs the training data's length (len(train)) to find "
+                                  "the epoch; give a dataset or a list of batches")
+        else:
+            raise PcldnnError(f"fit: train must be a dataset or an iterable of (x, labels) batches, "
+                              f"got {type(train).__name__}")
         history = []
         lead = self.rank == 0  # progress, metrics and checkpoint files: rank 0 only
         progress = progress and lead
         metrics = open(metrics_file, "a") if metrics_file and lead else None
         try:
-            for epoch in range(self.step_count // per_epoch, epochs):
-                skip = self.step_count - epoch * per_epoch  # resumed mid-epoch: batches already done
-                batches = list(train.batches(batch_size, self.epoch_order(epoch, len(train))))[skip:]
-                bar = _progress(len(batches), f"epoch {epoch + 1}/{epochs}", progress)
+            for epoch in range(self.step_count // per_epoch if per_epoch else 0, epochs):
+                skip = self.step_count - epoch * per_epoch if per_epoch else 0  # resumed mid-epoch
+                bar = _progress(per_epoch - skip if per_epoch else None, f"epoch {epoch + 1}/{epochs}", progress)
                 seen, losses, accs, start = 0, [], [], time.perf_counter()
-                for xb, yb in batches:
-                    if self.dist is not None:  # batch_size is the global minibatch: take this rank's shard
-                        lo, hi = shard_bounds(len(yb), self.comm.size, self.rank)
-                        xb, yb = xb[lo:hi], yb[lo:hi]
+                for xb, yb, global_batch in self._epoch_batches(train, epoch, batch_size, skip, workers, prefetch):
                     t0 = time.perf_counter()
-                    loss = self._step(xb, yb, batch_size)
+                    loss = self._step(xb, yb, global_batch)
                     dt = time.perf_counter() - t0
-                    seen += batch_size
+                    seen += global_batch
                     losses.append(loss)
                     accs.append(self.last_accuracy)
                     rate = seen / (time.perf_counter() - start)
                     if metrics:
                         metrics.write(json.dumps({
                             "step": self.step_count, "epoch": epoch + 1, "loss": loss, "accuracy": self.last_accuracy,
-                            "lr": self.optimizer.lr_at(self.step_count - 1), "images_per_s": batch_size / dt}) + "\n")
+                            "lr": self.optimizer.lr_at(self.step_count - 1), "images_per_s": global_batch / dt}) + "\n")
                     if bar:
                         bar.set_postfix(loss=f"{loss:.4f}", acc=f"{self.last_accuracy:.3f}", img_s=f"{rate:.0f}")
                         bar.update(1)
@@ -251,6 +299,11 @@ class Trainer:
 _MEMBERS = {"meta.npy": np.uint8, "params.npy": np.float32, "velocity.npy": np.float32}
 _MAX_META = 1 << 20
 _U64 = 2 ** 64 - 1
+
+
+def _is_dataset(obj) -> bool:
+    """Random access by sample index (pcldnn_runtime.data.Dataset or the same two methods)."""
+    return hasattr(obj, "read") and hasattr(obj, "__len__")
 
 
 def read_checkpoint(path: Path, net) -> tuple[dict, np.ndarray, np.ndarray]:
@@ -376,7 +429,7 @@ def _write_checkpoint(f, meta: dict, params: np.ndarray, velocity: np.ndarray) -
     f.write(buf.getbuffer())
 
 
-def _progress(total: int, desc: str, enabled: bool):
+def _progress(total: int | None, desc: str, enabled: bool):
     if not enabled:
         return None
     from tqdm import tqdm

@@ -144,8 +144,30 @@ def faults(cfg):
         trainer.step(*shard(xb, yb))
 
 
+class RecordingMemmap(pr.MemmapDataset):
+    """A memory-mapped dataset that notes every row this rank reads."""
+
+    def _load(self, indices):
+        self.rows = np.concatenate([getattr(self, "rows", np.zeros(0, np.int64)), indices])
+        return super()._load(indices)
+
+
+def fit_data(cfg):
+    """fit on a memory-mapped, augmented dataset; every rank reports the rows it read."""
+    net = pr.load(cfg["build"], threads=1, seed=cfg["seed"] + comm.rank)
+    trainer = pr.Trainer(net, optimizer(cfg), seed=3, comm=comm)
+    data = RecordingMemmap(cfg["images"], cfg["labels"], augment=pr.Augment(crop_padding=1, flip=True, seed=5))
+    trainer.fit(data, epochs=cfg["epochs"], batch_size=cfg["batch"], progress=False)
+    trainer.sync()
+    rows = comm.gather(data.rows.tolist(), root=0)
+    if comm.rank == 0:
+        np.savez(cfg["out"], params=net.params)
+        Path(cfg["out"] + ".rows.json").write_text(json.dumps(rows))
+
+
 if __name__ == "__main__":
     mode, cfg = sys.argv[1], json.loads(sys.argv[2])
     modes = {"train": train, "collectives": collectives, "mismatch": mismatch, "read": read_after_step,
-             "faults": faults, "fail": lambda c: misbehave(c, "fail"), "stall": lambda c: misbehave(c, "stall")}
+             "faults": faults, "fit_data": fit_data, "fail": lambda c: misbehave(c, "fail"),
+             "stall": lambda c: misbehave(c, "stall")}
     modes[mode](cfg)

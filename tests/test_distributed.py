@@ -113,6 +113,31 @@ def test_dropout_masks_match_one_rank(dropout_build_dir, tmp_path, parallel):
     np.testing.assert_allclose(np.load(cfg["out"])["params"], want, rtol=0, atol=1e-4 * moved)
 
 
+def test_streamed_augmented_dataset_matches_one_rank_and_reads_only_the_shard(build_dir, tmp_path):
+    """fit on a memory-mapped dataset with random crops and flips: 3 ranks reach one process's
+    weights (each sample's augmentation is drawn from its index, not from who reads it), and
+    each rank reads exactly its rows of every global minibatch, nothing else."""
+    data = pr.synthetic(50, SHAPE, 5, seed=9)
+    np.save(tmp_path / "x.npy", data.x)
+    np.save(tmp_path / "y.npy", data.y)
+    cfg = _cfg(build_dir, tmp_path, batch=10, epochs=2, steps_total=10, images=str(tmp_path / "x.npy"),
+               labels=str(tmp_path / "y.npy"))
+    mpirun(3, "fit_data", cfg)
+    net = pr.load(build_dir, threads=1, seed=cfg["seed"])
+    single = pr.Trainer(net, pr.SGD(cfg["lr"], momentum=0.9, weight_decay=1e-3, schedule="cosine",
+                                    total_steps=cfg["steps_total"]), seed=3)
+    single.fit(pr.MemmapDataset(cfg["images"], cfg["labels"], augment=pr.Augment(crop_padding=1, flip=True, seed=5)),
+               epochs=2, batch_size=10, progress=False)
+    moved = np.abs(net.params - pr.load(build_dir, threads=1, seed=cfg["seed"]).params).max()
+    np.testing.assert_allclose(np.load(cfg["out"])["params"], net.params, rtol=0, atol=1e-4 * moved)
+    rows = json.loads(Path(cfg["out"] + ".rows.json").read_text())
+    from pcldnn_runtime.partition import shard_bounds
+    for rank, got in enumerate(rows):
+        lo, hi = shard_bounds(10, 3, rank)
+        want = [i for e in range(2) for b in single.epoch_order(e, 50).reshape(5, 10) for i in b[lo:hi]]
+        assert got == want, rank
+
+
 def test_part_reduce_and_broadcast_equal_allreduce(tmp_path):
     sizes = [1, 2, 15, 16, 17, 100, 1001, 4099]
     cfg = {"sizes": sizes, "out": str(tmp_path / "c.json")}
