@@ -126,6 +126,7 @@ def _manifest(net: NetSpec, arch: Arch, kernels: dict[str, dict]) -> dict:
             "relu": layer.relu, "rate": layer.rate,
             "weight_shape": list(layer.weight_shape) if layer.weight_shape else None,
             "kernels": kernels.get(layer.name, {}),
+            **({} if layer.bias else {"bias": False}),
         })
     return {
         "format": FORMAT, "generator": f"pcldnn-gen {__version__}",

@@ -293,6 +293,12 @@ def parser() -> argparse.ArgumentParser:
                     "go beside it with .npz")
     im.add_argument("--name", help="the net's name (default: the graph's name)")
     im.set_defaults(func=_import)
+
+    tr = sub.add_parser("train", help="compile a net and train it with SGD on digits, synthetic data, an image "
+                        "folder or .npy files (under mpiexec: over the ranks)")
+    from .train_cli import add_arguments, run
+    add_arguments(tr)
+    tr.set_defaults(func=run)
     return ap
 
 

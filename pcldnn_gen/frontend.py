@@ -141,11 +141,13 @@ def net_from_ops(ops: list[Op], input_shape: tuple[int, int, int], name: str, or
             layer["rate"] = op.attrs["rate"]
         elif op.kind != "relu":
             raise AssertionError(op.kind)
-        layer["source"] = op.source[:200]
         if op.weight is not None:
             state[f"{layer['name']}.weight"] = _finite(op.weight, f"{op.label} weight", problems)
-            bias = op.bias if op.bias is not None else np.zeros(op.weight.shape[0], np.float32)
-            state[f"{layer['name']}.bias"] = _finite(bias, f"{op.label} bias", problems)
+            if op.bias is None:
+                layer["bias"] = False  # kept at zero and not trained, as the framework's layer
+            else:
+                state[f"{layer['name']}.bias"] = _finite(op.bias, f"{op.label} bias", problems)
+        layer["source"] = op.source[:200]
         layers.append(layer)
     fail_unsupported(origin, problems)
     weighted = [layer for layer in layers if layer["type"] in ("conv", "fc")]

@@ -23,8 +23,8 @@ from .errors import NetSpecError
 # (from_torch, `pcldnn-gen import`), informational only.
 _COMMON = {"name", "type"}
 LAYER_FIELDS: dict[str, tuple[set[str], dict[str, Any]]] = {
-    "conv": ({"out_channels", "kernel"}, {"stride": 1, "pad": 0, "activation": None}),
-    "fc": ({"out_features"}, {"activation": None}),
+    "conv": ({"out_channels", "kernel"}, {"stride": 1, "pad": 0, "activation": None, "bias": True}),
+    "fc": ({"out_features"}, {"activation": None, "bias": True}),
     "maxpool": ({"kernel"}, {"stride": None, "pad": 0}),
     "avgpool": ({"kernel"}, {"stride": None, "pad": 0}),
     "relu": (set(), {}),
@@ -54,6 +54,7 @@ class LayerSpec:
     pad: tuple[int, int] = (0, 0)
     relu: bool = False
     rate: float = 0.0  # dropout probability (dropout layers only)
+    bias: bool = True  # conv / fc: false keeps the bias at zero (PyTorch's bias=False)
 
     @property
     def weighted(self) -> bool:
@@ -176,10 +177,12 @@ def parse_netspec(data: Any, origin: str = "<net>", max_memory: int | None = Non
                        f"{h + 2 * pad[0]}x{w + 2 * pad[1]}")
             oc = (p.int_in(f["out_channels"], f"{where}.out_channels", 1, limits.MAX_CHANNELS)
                   if ltype == "conv" else c)
-            spec = LayerSpec(i, lname, ltype, shape, (oc, oh, ow), kernel, stride, pad, relu)
+            spec = LayerSpec(i, lname, ltype, shape, (oc, oh, ow), kernel, stride, pad, relu,
+                             bias=p.boolean(f["bias"], f"{where}.bias") if ltype == "conv" else True)
         elif ltype == "fc":
             oc = p.int_in(f["out_features"], f"{where}.out_features", 1, limits.MAX_FEATURES)
-            spec = LayerSpec(i, lname, ltype, shape, (oc, 1, 1), (h, w), (1, 1), (0, 0), relu)
+            spec = LayerSpec(i, lname, ltype, shape, (oc, 1, 1), (h, w), (1, 1), (0, 0), relu,
+                             bias=p.boolean(f["bias"], f"{where}.bias"))
             flat = True
         elif ltype == "dropout":
             rate = p.number_in(f["rate"], f"{where}.rate", 0.0, 1.0, open_hi=True)

@@ -292,6 +292,8 @@ class WeightedLayer(Layer):
         value = as_float32(value, f"layer {self.name}: bias")
         if value.shape != (self.out_shape[0],):
             raise PcldnnError(f"layer {self.name}: bias shape {value.shape}, expected ({self.out_shape[0]},)")
+        if not self.spec.bias and value.any():
+            raise PcldnnError(f"layer {self.name}: has no bias (\"bias\": false in its description)")
         self._net.current()
         self._bias[: self.out_shape[0]] = value
 
@@ -331,6 +333,8 @@ class WeightedLayer(Layer):
         if grads is not None:
             dw, db = grads
             self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(dw), ptr(db), batch, threads, *extra)
+            if not self.spec.bias:
+                db[...] = 0.0  # a bias-free layer's bias stays zero: no gradient, no update, no decay
             mask = None  # dy is masked in place now
         if dxb is not None:
             scratch = self._net.scratch(self.scratch_floats)

@@ -69,6 +69,7 @@ class LayerEntry:
     rate: float
     weight_shape: tuple[int, ...] | None
     kernels: dict[str, KernelEntry]  # by pass name, and "layout"
+    bias: bool = True   # conv / fc: False keeps the bias at zero (not trained, not in the state)
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: i
     where = f"layers[{index}]"
     keys = {"name", "type", "in_shape", "out_shape", "kernel", "stride", "pad", "relu", "rate",
             "weight_shape", "kernels"}
-    f.obj(raw, where, keys)
+    f.obj(raw, where, keys, {"bias"})
     name = f.string(raw["name"], f"{where}.name", NAME_RE, "a layer name")
     ltype = f.choice(raw["type"], f"{where}.type", tuple(LAYER_PASSES))
     got_in = _shape(f, raw["in_shape"], f"{where}.in_shape", limits.MAX_FEATURES)
@@ -207,7 +208,10 @@ def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: i
         if size > limits.MAX_TENSOR_FLOATS:
             f.fail(f"{where}.{what}", f"a tensor of {size} floats per image, more than the {limits.MAX_TENSOR_FLOATS} allowed")
     kernels = _kernels(f, raw["kernels"], f"{where}.kernels", name, ltype)
-    return LayerEntry(index, name, ltype, in_shape, out, kernel, stride, pad, relu, rate, weight_shape, kernels)
+    bias = f.boolean(raw.get("bias", True), f"{where}.bias")
+    if not bias and ltype not in WEIGHTED:
+        f.fail(f"{where}.bias", f"a {ltype} layer has no bias")
+    return LayerEntry(index, name, ltype, in_shape, out, kernel, stride, pad, relu, rate, weight_shape, kernels, bias)
 
 
 def _kernels(f: Fields, value: Any, where: str, layer: str, ltype: str) -> dict[str, KernelEntry]:

@@ -22,6 +22,9 @@ _LAYER_CLASSES = {"conv": WeightedLayer, "fc": WeightedLayer, "maxpool": MaxPool
                   "softmax_cross_entropy": LossLayer}
 
 
+MAX_WORKSPACES = 2  # minibatch sizes whose buffers a Net keeps (see Net.workspace)
+
+
 class _Workspace:
     """Everything a forward + backward pass of one minibatch size needs, allocated once:
     every layer's blocked output (kept for the backward pass), argmax / dropout state, two
@@ -181,7 +184,8 @@ class Net:
         out: dict[str, np.ndarray] = {}
         for name, layer in self._weighted().items():
             out[f"{name}.weight"] = layer.weights
-            out[f"{name}.bias"] = layer.bias
+            if layer.spec.bias:
+                out[f"{name}.bias"] = layer.bias
         return out
 
     def export_onnx(self, path: str | Path) -> Path:
@@ -207,9 +211,17 @@ class Net:
 
     # -- buffers -------------------------------------------------------------------------
     def workspace(self, batch: int) -> _Workspace:
-        if batch not in self._workspaces:
-            self._workspaces[batch] = _Workspace(self, batch)
-        return self._workspaces[batch]
+        """The buffers of a `batch`-sized pass. At most MAX_WORKSPACES sizes are kept, the least
+        recently used dropped first (never the one a pending backward needs): a training size,
+        an evaluation size and a last partial batch do not pile up one workspace each forever."""
+        ws = self._workspaces.pop(batch, None) or _Workspace(self, batch)
+        self._workspaces[batch] = ws  # most recent last
+        for size in list(self._workspaces):
+            if len(self._workspaces) <= MAX_WORKSPACES:
+                break
+            if self._workspaces[size] is not self._pending and size != batch:
+                del self._workspaces[size]
+        return ws
 
     def bias_slices(self) -> list[tuple[int, int]]:
         """[start, stop) of every bias inside `params` (optimizers may exempt them from decay)."""

@@ -14,6 +14,13 @@ from .errors import PcldnnError
 OPSET = 17
 
 
+def _weights(state: dict, name: str, inits: list, numpy_helper) -> list[str]:
+    """The layer's weight (and bias, unless it has none) as initializers; their names."""
+    keys = [k for k in (f"{name}.weight", f"{name}.bias") if k in state]
+    inits += [numpy_helper.from_array(state[k], k) for k in keys]
+    return keys
+
+
 def export_onnx(net, path: str | Path) -> Path:
     """Write `net` to `path` (atomically: a temporary file renamed over it)."""
     try:
@@ -23,7 +30,8 @@ def export_onnx(net, path: str | Path) -> Path:
         raise PcldnnError("export_onnx needs the onnx package (pip install 'pcldnn-gen[onnx]')") from None
     path = Path(path)
     state = net.state_dict()
-    nodes, inits = [], []
+    nodes: list = []
+    inits: list = []
     x, spatial = "input", True
     for layer in net.chain:
         spec = layer.spec
@@ -31,17 +39,15 @@ def export_onnx(net, path: str | Path) -> Path:
         out = name
         if spec.type == "conv":
             (kh, kw), (sh, sw), (ph, pw) = spec.kernel, spec.stride, spec.pad
-            inits += [numpy_helper.from_array(state[f"{name}.weight"], f"{name}.weight"),
-                      numpy_helper.from_array(state[f"{name}.bias"], f"{name}.bias")]
-            nodes.append(helper.make_node("Conv", [x, f"{name}.weight", f"{name}.bias"], [out], name=name,
+            inputs = _weights(state, name, inits, numpy_helper)
+            nodes.append(helper.make_node("Conv", [x, *inputs], [out], name=name,
                                           kernel_shape=[kh, kw], strides=[sh, sw], pads=[ph, pw, ph, pw]))
         elif spec.type == "fc":
             if spatial:
                 nodes.append(helper.make_node("Flatten", [x], [f"{name}.flat"], name=f"{name}.flatten", axis=1))
                 x, spatial = f"{name}.flat", False
-            inits += [numpy_helper.from_array(state[f"{name}.weight"], f"{name}.weight"),
-                      numpy_helper.from_array(state[f"{name}.bias"], f"{name}.bias")]
-            nodes.append(helper.make_node("Gemm", [x, f"{name}.weight", f"{name}.bias"], [out], name=name, transB=1))
+            inputs = _weights(state, name, inits, numpy_helper)
+            nodes.append(helper.make_node("Gemm", [x, *inputs], [out], name=name, transB=1))
         elif spec.type in ("maxpool", "avgpool"):
             (kh, kw), (sh, sw), (ph, pw) = spec.kernel, spec.stride, spec.pad
             node = helper.make_node("MaxPool" if spec.type == "maxpool" else "AveragePool", [x], [out],

@@ -31,7 +31,8 @@ def expected_state(layers) -> dict[str, tuple[int, ...]]:
     for layer in layers:
         if layer.type in ("conv", "fc"):
             out[f"{layer.name}.weight"] = tuple(layer.weight_shape)
-            out[f"{layer.name}.bias"] = (layer.out_shape[0],)
+            if getattr(layer, "bias", True):  # a bias-free layer has no .bias entry (as in PyTorch)
+                out[f"{layer.name}.bias"] = (layer.out_shape[0],)
     return out
 
 

@@ -13,6 +13,7 @@ import math
 import os
 import tempfile
 import time
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -219,6 +220,8 @@ class Trainer:
                 if val is not None:
                     ev = self.evaluate(val)
                     record.update(val_loss=ev["loss"], val_accuracy=ev["accuracy"])
+                if lead and losses:
+                    _warn_if_stuck(record, self.net.loss_layer.out_shape[0], self.optimizer.lr)
                 if metrics:
                     metrics.write(json.dumps(record) + "\n")
                     metrics.flush()
@@ -299,6 +302,21 @@ class Trainer:
 _MEMBERS = {"meta.npy": np.uint8, "params.npy": np.float32, "velocity.npy": np.float32}
 _MAX_META = 1 << 20
 _U64 = 2 ** 64 - 1
+
+
+def _warn_if_stuck(record: dict, classes: int, lr: float) -> None:
+    """A warning naming the likely cause when an epoch's training ends far above the loss of a
+    uniform guess (ln classes) or at chance accuracy: silent divergence or dead ReLUs otherwise
+    look like a slow start."""
+    chance = math.log(classes)
+    if record["train_loss"] > 2 * chance + 1:
+        warnings.warn(f"epoch {record['epoch']}: mean training loss {record['train_loss']:.4g} is far above "
+                      f"ln({classes}) = {chance:.3g}, the loss of a uniform guess: the learning rate ({lr:g}) is "
+                      "likely too high, or the inputs are not normalised", RuntimeWarning, stacklevel=3)
+    elif classes > 1 and record["train_accuracy"] <= 1.5 / classes and record["epoch"] >= 2:
+        warnings.warn(f"epoch {record['epoch']}: training accuracy {record['train_accuracy']:.3f} is at chance "
+                      f"(1/{classes}): the weights may have diverged into dead ReLUs (a learning rate of {lr:g} "
+                      "too high?), or the labels do not match the images", RuntimeWarning, stacklevel=3)
 
 
 def _is_dataset(obj) -> bool:

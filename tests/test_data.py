@@ -205,3 +205,8 @@ def test_predict_in_chunks_equals_one_forward(build):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
     with pytest.raises(PcldnnError, match="batch_size must be an int"):
         net.predict(x, batch_size=0)
+    for size in (3, 7, 9, 11):  # any number of sizes: the workspaces stay bounded
+        net.predict(x, batch_size=size)
+    assert len(net._workspaces) <= pr.net.MAX_WORKSPACES
+    assert np.isfinite(net.loss_and_grad(x[:6], y[:6]))  # training on yet another size still works
+    assert len(net._workspaces) <= pr.net.MAX_WORKSPACES

@@ -79,6 +79,49 @@ def test_logits_and_gradients_match_pytorch(tmp_path, make, shape):
     assert rates == [0.4]
 
 
+def _strided():
+    """Padding 0 and stride 2 throughout."""
+    return nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2, bias=False),
+                         nn.ReLU(), nn.Flatten(), nn.Linear(16 * 3 * 3, 10))
+
+
+def _mlp():
+    """An fc-only net."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 40), nn.ReLU(), nn.Linear(40, 24), nn.ReLU(),
+                         nn.Linear(24, 10))
+
+
+@pytest.mark.parametrize("make,shape", [(_strided, (3, 15, 15)), (_mlp, (3, 8, 8)), (LeNetStyle, (3, 16, 16))])
+def test_five_sgd_steps_match_torch_optim_sgd(tmp_path, make, shape):
+    """Momentum and weight decay as torch.optim.SGD: the same weights after five steps."""
+    torch.manual_seed(1)
+    model = make() if make is not LeNetStyle else make(p=0.0)
+    net_dict, state = pcldnn_gen.from_torch(model, shape)
+    build(parse_netspec(net_dict), get_arch(RUNNABLE_ISAS[-1]), tmp_path / "b")
+    net = pr.load(tmp_path / "b", threads=1)
+    net.load_state_dict(state)
+    x0 = np.random.default_rng(2).standard_normal((8, *shape)).astype(np.float32)
+    np.testing.assert_allclose(net.forward(x0), model(torch.from_numpy(x0)).detach().numpy(), rtol=1e-4,
+                               atol=1e-4 * np.abs(net.forward(x0)).max())
+    trainer = pr.Trainer(net, pr.SGD(0.05, momentum=0.9, weight_decay=1e-3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        x = rng.standard_normal((8, *shape)).astype(np.float32)
+        y = rng.integers(0, 10, 8)
+        trainer.step(x, y)
+        opt.zero_grad()
+        F.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+        opt.step()
+    ours, theirs = net.state_dict(), model.state_dict()
+    sources = {l["name"]: l.get("source") for l in net_dict["layers"]}
+    assert len(ours) == len(theirs)  # bias-free layers have no bias entry on either side
+    for key, got in ours.items():
+        name, part = key.rsplit(".", 1)
+        want = theirs[f"{sources[name]}.{part}"].numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(theirs[f"{sources[name]}.weight"].numpy()).max())
+
+
 def test_names_come_from_the_modules_and_sources_are_kept():
     net, state = pcldnn_gen.from_torch(_sequential(), (3, 12, 20), name="mine")
     assert net["name"] == "mine"

@@ -39,6 +39,8 @@ def _with(path_edit):
     (lambda n: n["layers"][0].update(out_chanels=8), r"out_chanels: unknown field; did you mean 'out_channels'\?"),
     (lambda n: n.update(num_classes=10), r": num_classes: unknown field; did you mean 'classes'\?"),
     (lambda n: n["layers"][0].update(source="features.0\nrm -rf"), r"layers\[0\]\.source: must be one line of printable"),
+    (lambda n: n["layers"][0].update(bias="no"), r"layers\[0\]\.bias: must be true or false"),
+    (lambda n: n["layers"][1].update(bias=False), r"layers\[1\]\.bias: unknown field"),
     (lambda n: n["layers"][0].update(kernel=-1),
      r"layers\[0\]\.kernel: must be a positive int or \[h, w\] \(each at most 64\), got -1"),
     (lambda n: n["layers"][0].update(kernel=[3, 0]),
