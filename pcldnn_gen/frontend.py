@@ -173,3 +173,16 @@ def model_name(name: str | None, fallback: str) -> str:
             raise ModelImportError(f"name must match [A-Za-z_][A-Za-z0-9_]{{0,63}}, got {name!r}")
         return name
     return layer_name(fallback or "model", set())
+
+
+def source_state(net: dict, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A state dict keyed by the framework's names (each layer's `source`): what the original
+    model's load_state_dict takes back (`features_0.weight` -> `features.0.weight`)."""
+    sources = {layer["name"]: layer.get("source") for layer in net.get("layers", [])}
+    out = {}
+    for key, value in state.items():
+        name, part = key.rsplit(".", 1)
+        if not sources.get(name):
+            raise ModelImportError(f"source_state: layer {name!r} has no source name in the net description")
+        out[f"{sources[name]}.{part}"] = value
+    return out
