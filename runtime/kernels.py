@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
+import re
 import shutil
 import tempfile
 import threading
@@ -35,7 +36,7 @@ class KernelLibrary(dict):
         self._ffi, self._handle = ffi, handle
 
 
-def load_library(path: Path, sha256: str, symbols: dict[str, str]) -> KernelLibrary:
+def load_library(path: Path, sha256: str, symbols: dict[str, str], pin: bool = True) -> KernelLibrary:
     """dlopen `path` after checking its digest; return {symbol: callable} for `symbols`
     ({symbol: kernel kind}). A truncated or replaced library is refused, not executed: the
     digest is taken of the very file that is loaded (one descriptor, loaded through
@@ -67,7 +68,8 @@ def load_library(path: Path, sha256: str, symbols: dict[str, str]) -> KernelLibr
                 raise BuildDirError(f"{path}: cannot load kernel library: {e}") from None
             finally:
                 link.unlink(missing_ok=True)
-    _pin_openmp_runtimes()
+    if pin:  # a Net loading many libraries pins once after the last (pin_openmp_runtimes)
+        pin_openmp_runtimes()
     out = {}
     for sym in symbols:
         try:
@@ -83,19 +85,22 @@ def load_library(path: Path, sha256: str, symbols: dict[str, str]) -> KernelLibr
 # run in four of "load, forward, exit". So every OpenMP runtime mapped into the process is held
 # open for the process lifetime (a handle per runtime file: one or two entries).
 _OPENMP_RUNTIMES = ("libgomp", "libomp", "libiomp5")
+# the path field of a /proc/self/maps line (it may hold spaces) naming one of them
+_OPENMP_PATH = re.compile(r"^\S+ \S+ \S+ \S+ \S+ +(/.*/(?:" + "|".join(_OPENMP_RUNTIMES) + r")[^/\n]*\.so[^/\n]*)$",
+                          re.MULTILINE)
 _pinned: dict[str, ctypes.CDLL] = {}
 
 
-def _pin_openmp_runtimes() -> None:
+def pin_openmp_runtimes() -> None:
+    """Hold every OpenMP runtime mapped into the process open. Reading /proc/self/maps costs
+    about a millisecond once PyTorch or onnxruntime are loaded (hundreds of mappings), so the
+    scan is one regular expression, and a Net runs it once, not once per kernel library."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return
-    for line in maps.splitlines():
-        fields = line.split(None, 5)  # address, perms, offset, device, inode, path (may hold spaces)
-        path = fields[5] if len(fields) == 6 else ""
-        name = Path(path).name
-        if path.startswith("/") and path not in _pinned and name.startswith(_OPENMP_RUNTIMES) and ".so" in name:
+    for path in set(_OPENMP_PATH.findall(maps)):
+        if path not in _pinned:
             with _lock:
                 _pinned.setdefault(path, ctypes.CDLL(path))
 

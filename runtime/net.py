@@ -12,7 +12,7 @@ import numpy as np
 
 from . import cpu
 from .errors import BuildDirError, PcldnnError
-from .kernels import CACHE_LINE_FLOATS, empty_aligned, load_library, zeros_aligned
+from .kernels import CACHE_LINE_FLOATS, empty_aligned, load_library, pin_openmp_runtimes, zeros_aligned
 from .layers import AvgPoolLayer, DropoutLayer, Layer, LossLayer, MaxPoolLayer, ReluLayer, WeightedLayer
 from .manifest import WEIGHTS_FILE, LayerEntry, Manifest, inside, read_manifest
 from .state_io import StateKeys, check_state, expected_state, read_npz
@@ -119,8 +119,10 @@ class Net:
         roles = {}
         prefix = f"pcldnn_{spec.name}_"
         for pass_name, entry in spec.kernels.items():
-            fns = load_library(inside(self.build_dir, entry.library), entry.sha256, entry.symbols)
+            fns = load_library(inside(self.build_dir, entry.library), entry.sha256, entry.symbols, pin=False)
             self._libraries.append(fns)  # the handles live as long as the net
+            if len(self._libraries) == 1:  # the first brings the OpenMP runtime: held before any kernel runs
+                pin_openmp_runtimes()
             for symbol, fn in fns.items():
                 roles[pass_name if pass_name != "layout" else symbol[len(prefix):]] = fn
         return roles

@@ -180,7 +180,8 @@ class Fields:
         for key in value:
             if key not in allowed:
                 guess = suggest_field(key, allowed) if isinstance(key, str) else None
-                self.fail(join(where, show(key, 40) if not isinstance(key, str) or len(key) > 40 else key),
+                plain = isinstance(key, str) and len(key) <= 40 and key.isprintable()
+                self.fail(join(where, key if plain else show(key, 40)),
                           "unknown field" + (f"; did you mean {guess!r}?" if guess else "")
                           + f" (allowed: {', '.join(sorted(allowed))})")
         for key in sorted(required):

@@ -149,3 +149,16 @@ def test_calls_with_little_work_run_on_one_thread(tmp_path):
     assert relu.team(PARALLEL_MIN_BYTES // (2 * 4 * 8 * 8 * 8) + 1) == 2
     x = np.random.default_rng(0).standard_normal((big, 8, 8, 8)).astype(np.float32)
     np.testing.assert_array_equal(conv.forward(x[:1]), conv.forward(x)[:1])  # same results either way
+
+
+def test_openmp_runtimes_are_found_in_process_maps():
+    """The one-pass scan of /proc/self/maps: whole paths (spaces allowed), one line each, the
+    three runtimes' names only."""
+    from pcldnn_runtime.kernels import _OPENMP_PATH
+    maps = ("7f1-7f2 r-xp 00000000 fe:00 123   /usr/lib/x86_64-linux-gnu/libgomp.so.1.0.0\n"
+            "7f3-7f4 rw-p 00000000 00:00 0 \n"
+            "7f5-7f6 r-xp 00000000 fe:00 9  /opt/my libs/libiomp5.so\n"
+            "7f7-7f8 r-xp 00000000 fe:00 9  /usr/lib/libgompish/other.so\n"
+            "7f9-7fa r-xp 00000000 fe:00 9  /usr/lib/llvm/libomp.so.5\n")
+    assert _OPENMP_PATH.findall(maps) == ["/usr/lib/x86_64-linux-gnu/libgomp.so.1.0.0", "/opt/my libs/libiomp5.so",
+                                          "/usr/lib/llvm/libomp.so.5"]
