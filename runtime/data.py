@@ -9,6 +9,7 @@ digits set ships with scikit-learn, `synthetic` is generated."""
 from __future__ import annotations
 
 import concurrent.futures
+import mmap
 import os
 import stat
 from collections import deque
@@ -204,9 +205,13 @@ class MemmapDataset(Dataset):
         self.name = name or images.stem
         self.augment = augment
         self._x = np.load(images, mmap_mode="r")
+        self._y = np.load(labels, mmap_mode="r")
+        for array in (self._x, self._y):  # shuffled reads: no read-ahead, no fault-around of neighbours
+            mapping = getattr(array, "_mmap", None)
+            if mapping is not None and hasattr(mapping, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+                mapping.madvise(mmap.MADV_RANDOM)
         if self._x.ndim == 3:
             self._x = self._x[:, None]
-        self._y = np.load(labels, mmap_mode="r")
         self.scale = np.float32(scale if scale is not None else (1 / 255 if dtype == np.uint8 else 1.0))
 
     def __len__(self) -> int:
