@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from pcldnn_runtime.validate import open_regular
+from pcldnn_runtime.validate import read_bounded
 
 from .errors import ModelImportError
 from .frontend import Op, input_shape_of, model_name, net_from_ops
@@ -33,13 +33,7 @@ def import_onnx(path: str | Path, name: str | None = None) -> tuple[dict, dict[s
     except ImportError:
         raise ModelImportError("importing ONNX needs the onnx package (pip install 'pcldnn-gen[onnx]')") from None
     path = Path(path)
-    try:
-        with open_regular(path, ModelImportError) as f:
-            if os.fstat(f.fileno()).st_size > MAX_MODEL_BYTES:
-                raise ModelImportError(f"{path}: larger than {MAX_MODEL_BYTES >> 30} GiB")
-            data = f.read()
-    except OSError as e:
-        raise ModelImportError(f"{path}: cannot read: {e.strerror or e}") from None
+    data = read_bounded(path, MAX_MODEL_BYTES, ModelImportError)
     try:
         model = onnx.load_model_from_string(data)
     except Exception as e:  # protobuf's DecodeError and friends: not an ONNX file

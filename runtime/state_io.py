@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 import zipfile
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
@@ -13,7 +12,7 @@ from typing import Any, Mapping, NamedTuple
 import numpy as np
 
 from .errors import PcldnnError
-from .validate import open_regular, show
+from .validate import read_bounded, show
 
 MAX_NPZ_BYTES = 1 << 36  # 64 GiB: above any net the memory bound admits
 
@@ -83,15 +82,7 @@ def read_npz(path: str | Path, error: type[PcldnnError] = PcldnnError,
     """The arrays of an .npz file (no pickled objects), or one error naming the file. With
     `sha256`, the bytes read are the bytes checked against it."""
     path = Path(path)
-    try:
-        with open_regular(path, error) as f:
-            if os.fstat(f.fileno()).st_size > MAX_NPZ_BYTES:
-                raise error(f"{path}: larger than {MAX_NPZ_BYTES >> 30} GiB")
-            data = f.read()
-    except FileNotFoundError:
-        raise error(f"{path}: no such file") from None
-    except OSError as e:
-        raise error(f"{path}: cannot read: {e.strerror or e}") from None
+    data = read_bounded(path, MAX_NPZ_BYTES, error)
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
         raise error(f"{path}: corrupt (sha256 differs from manifest.json); run `pcldnn-gen compile` again")
     try:

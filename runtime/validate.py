@@ -68,6 +68,20 @@ def open_regular(path: str | Path, error: type[PcldnnError] = PcldnnError):
     return os.fdopen(fd, "rb")
 
 
+def read_bounded(path: str | Path, max_bytes: int, error: type[PcldnnError] = PcldnnError) -> bytes:
+    """The whole of a user's regular file (open_regular) of at most `max_bytes`, or one error
+    naming it."""
+    try:
+        with open_regular(path, error) as f:
+            if os.fstat(f.fileno()).st_size > max_bytes:
+                raise error(f"{path}: larger than {max_bytes >> 30} GiB")
+            return f.read()
+    except FileNotFoundError:
+        raise error(f"{path}: no such file") from None
+    except OSError as e:
+        raise error(f"{path}: cannot read: {e.strerror or e}") from None
+
+
 def read_text(path: str | Path, error: type[PcldnnError] = PcldnnError, max_bytes: int = MAX_JSON_BYTES,
               what: str = "file") -> str:
     """A user's text file: a regular file (`open_regular`) of at most `max_bytes`, in UTF-8."""
