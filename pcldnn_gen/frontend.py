@@ -147,7 +147,8 @@ def net_from_ops(ops: list[Op], input_shape: tuple[int, int, int], name: str, or
                 layer["bias"] = False  # kept at zero and not trained, as the framework's layer
             else:
                 state[f"{layer['name']}.bias"] = _finite(op.bias, f"{op.label} bias", problems)
-        layer["source"] = op.source[:200]
+        # informational, but checked like any net.json text: escaped when not printable
+        layer["source"] = (op.source if op.source.isprintable() else op.source.encode("unicode_escape").decode())[:200]
         layers.append(layer)
     fail_unsupported(origin, problems)
     weighted = [layer for layer in layers if layer["type"] in ("conv", "fc")]

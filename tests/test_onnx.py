@@ -179,8 +179,12 @@ def test_hostile_and_broken_files(tmp_path, capsys):
     model = _model([helper.make_node("Flatten", ["x"], ["f"]), helper.make_node("Gemm", ["f", "w"], ["y"], transB=1)],
                    {"w": np.ones((3, 144), np.float32)}, (3,))
     model.graph.name = "../x; rm -rf /"
+    model.graph.node[1].name = "gemm\n\x1b[2Jsneaky"  # a node name with a newline and an escape sequence
     onnx.save(model, tmp_path / "name.onnx")
-    assert import_onnx(tmp_path / "name.onnx")[0]["name"] == "x__rm__rf"
+    net_dict, _ = import_onnx(tmp_path / "name.onnx")
+    assert net_dict["name"] == "x__rm__rf"
+    fc = net_dict["layers"][0]
+    assert fc["name"] == "gemm___2Jsneaky" and fc["source"] == "gemm\\n\\x1b[2Jsneaky" and fc["source"].isprintable()
 
 
 def test_compile_refuses_weights_that_do_not_fit(tmp_path, capsys):
