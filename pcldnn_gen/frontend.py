@@ -35,10 +35,11 @@ class Op:
         return f"{self.source} ({self.type_name})"
 
 
-def fail_unsupported(framework: str, problems: list[str]) -> None:
-    """One error listing every node the front end could not translate."""
+def fail_unsupported(framework: str, problems: list[str], supported: str = "") -> None:
+    """One error listing every node the front end could not translate (then what it supports)."""
     if problems:
-        raise ModelImportError(f"{framework}: {len(problems)} unsupported node(s): " + "; ".join(problems))
+        raise ModelImportError(f"{framework}: {len(problems)} unsupported node(s): " + "; ".join(problems)
+                               + (f". Supported: {supported}" if supported else ""))
 
 
 def input_shape_of(shape: Any) -> tuple[int, int, int]:

@@ -17,7 +17,7 @@ import numpy as np
 from pcldnn_runtime.validate import read_bounded
 
 from .errors import ModelImportError
-from .frontend import Op, input_shape_of, model_name, net_from_ops
+from .frontend import Op, fail_unsupported, input_shape_of, model_name, net_from_ops
 
 SUPPORTED = ("Conv (group 1, dilation 1, symmetric pads), Gemm (transA 0), MatMul (+ Add), MaxPool / AveragePool "
              "(floor, symmetric pads; AveragePool counting pads), GlobalAveragePool, Relu, Dropout, Flatten "
@@ -129,9 +129,7 @@ def _ops(graph, constants: dict[str, np.ndarray], image: str, origin: str, onnx)
     outputs = [o.name for o in graph.output]
     if outputs != [prev] and not problems:
         problems.append(f"outputs {outputs}: the model's output must be the last node of the chain ({prev!r})")
-    if problems:
-        raise ModelImportError(f"{origin}: {len(problems)} unsupported node(s): " + "; ".join(problems)
-                               + f". Supported: {SUPPORTED}")
+    fail_unsupported(origin, problems, SUPPORTED)
     return ops
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ModelImportError
-from .frontend import Op, input_shape_of, model_name, net_from_ops
+from .frontend import Op, fail_unsupported, input_shape_of, model_name, net_from_ops
 
 SUPPORTED = ("Conv2d (groups=1, dilation=1, zero padding), Linear, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d "
              "(to a size that divides the input), ReLU, Dropout, Flatten, Identity, a final Softmax / LogSoftmax, "
@@ -95,9 +95,7 @@ def _ops(traced, torch) -> list[Op]:
             problems.append(f"{label} ({e.args[0]})" + (f": {e.args[1]}" if len(e.args) > 1 else ""))
             continue
         ops.append(op)
-    if problems:
-        raise ModelImportError(f"from_torch: {len(problems)} unsupported node(s): " + "; ".join(problems)
-                               + f". Supported: {SUPPORTED}")
+    fail_unsupported("from_torch", problems, SUPPORTED)
     return ops
 
 
