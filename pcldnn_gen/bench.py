@@ -18,13 +18,13 @@ import numpy as np
 
 import pcldnn_runtime as pr
 from pcldnn_runtime.abi import REPEATED_KINDS, SIGNATURES
-from pcldnn_runtime.kernels import empty_aligned, load_library, ptr
+from pcldnn_runtime.kernels import empty_aligned, fma_peak_gflops, load_library, ptr
 from pcldnn_runtime.manifest import PASSES, file_sha256
 
 from . import __version__
 from .arch import PRESETS, Arch
 from .build import build
-from .codegen import VECTOR_ISAS, template_env
+from .codegen import PEAK_SYMBOL, peak_flops_per_iteration, render_peak, template_env
 from .compiler import Source, compile_source
 from .errors import PcldnnError
 from .netspec import NetSpec
@@ -46,29 +46,13 @@ def median_seconds(fn, repeats: int) -> float:
 
 
 def measure_peak(arch: Arch, threads: int, repeats: int = 5) -> float:
-    """FMA peak in GFLOP/s with `threads` threads, from a generated kernel of independent
+    """FMA peak in GFLOP/s with `threads` threads, from the generated kernel of independent
     FMA chains (no memory traffic)."""
     pr.cpu.require(arch.isa, "measuring the peak")
-    accumulators = max(2 * arch.fma_latency * arch.fma_units, 1)
-    accumulators = min(accumulators, arch.vector_registers - 2)
-    symbol = "pcldnn_peak"
-    text = template_env().get_template("peak.c.j2").render(
-        arch=arch, vec=VECTOR_ISAS[arch.isa], symbol=symbol, version=__version__,
-        params=SIGNATURES["peak"], accumulators=accumulators)
-    lib = compile_source(Source("peak.c", text, {symbol: "peak"}), arch).library
-    library = load_library(lib, file_sha256(lib), {symbol: "peak"})  # kept while fn is called
-    fn = library[symbol]
-    sink = np.zeros(1, dtype=np.float32)
-    flops_per_iter = 2 * arch.vector_floats * accumulators * threads
-    iters = 1 << 16
-    while True:  # calibrate to ~0.1 s per call
-        start = time.perf_counter()
-        fn(iters, threads, ptr(sink))
-        if time.perf_counter() - start > 0.05 or iters > 1 << 34:
-            break
-        iters *= 4
-    seconds = median_seconds(lambda: fn(iters, threads, ptr(sink)), repeats)
-    return flops_per_iter * iters / seconds / 1e9
+    source = render_peak(arch)
+    lib = compile_source(source, arch).library
+    library = load_library(lib, file_sha256(lib), source.symbols)  # kept while fn is called
+    return fma_peak_gflops(library[PEAK_SYMBOL], peak_flops_per_iteration(arch), threads, repeats)
 
 
 # A timing call repeats a kernel until about this long (one call at least, at most MAX_REPEATS).

@@ -23,7 +23,7 @@ from pcldnn_runtime.state_io import check_state, expected_state
 
 from . import __version__
 from .arch import Arch
-from .codegen import render_kernel, render_layout
+from .codegen import peak_flops_per_iteration, render_kernel, render_layout, render_peak
 from .compiler import Source, compile_all
 from .errors import BuildDirError
 from .netspec import LayerSpec, NetSpec
@@ -74,6 +74,7 @@ def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | Non
         for p in LAYER_PASSES[layer.type]:
             sources.append((layer, p, render_kernel(layer, plans[(layer.name, p)], arch)))
         sources.append((layer, "layout", render_layout(layer, arch)))
+    sources.append((None, "peak", render_peak(arch)))
     _check_replaceable(out_dir)
     results = compile_all([s for _, _, s in sources], arch, jobs)
 
@@ -102,10 +103,13 @@ def _write_build(net: NetSpec, arch: Arch, out_dir: Path, sources, results, plan
                 shutil.copyfile(res.library, stage / lib_name)
                 entry = {"library": lib_name, "sha256": file_sha256(stage / lib_name),
                          "source": f"src/{src.filename}", "symbols": src.symbols}
+                if layer is None:  # the FMA peak kernel, for PCLDNN_VERBOSE's % of peak
+                    kernels[""] = {p: entry | {"flops_per_iteration": peak_flops_per_iteration(arch)}}
+                    continue
                 if p != "layout":
                     entry["plan"] = plans[(layer.name, p)].to_json()
                 kernels.setdefault(layer.name, {})[p] = entry
-            manifest = _manifest(net, arch, kernels)
+            manifest = _manifest(net, arch, kernels) | {"peak": kernels[""]["peak"]}
             if initial is not None:
                 np.savez(stage / WEIGHTS_FILE, **initial)  # type: ignore[arg-type]
                 manifest["weights"] = {"file": WEIGHTS_FILE, "sha256": file_sha256(stage / WEIGHTS_FILE)}

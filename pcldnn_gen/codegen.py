@@ -16,6 +16,7 @@ import jinja2
 
 from pcldnn_runtime.abi import SIGNATURES
 from pcldnn_runtime.limits import blocks, input_pixel_floats
+from pcldnn_runtime.manifest import PEAK_SYMBOL
 from pcldnn_runtime.validate import NAME_RE, full_match, show
 
 from . import __version__
@@ -276,3 +277,23 @@ def render_layout(layer: LayerSpec, arch: Arch) -> Source:
         roles = {r: s for r, s in roles.items() if not r.startswith("wt_")}
     kinds = {s: ("weight_layout" if r.startswith("wt_") else "act_layout") for r, s in roles.items()}
     return Source(f"{layer.name}_layout.c", text, kinds)
+
+
+
+def peak_accumulators(arch: Arch) -> int:
+    """Independent FMA chains of the peak kernel: latency x units keeps every unit busy."""
+    return min(max(2 * arch.fma_latency * arch.fma_units, 1), arch.vector_registers - 2)
+
+
+def render_peak(arch: Arch) -> Source:
+    """C source of the FMA peak micro-kernel (the denominator of every efficiency figure):
+    `bench` and `peak` time it, and every build carries it for PCLDNN_VERBOSE's % of peak."""
+    text = template_env().get_template("peak.c.j2").render(
+        arch=arch, vec=VECTOR_ISAS[arch.isa], symbol=PEAK_SYMBOL, version=__version__,
+        params=SIGNATURES["peak"], accumulators=peak_accumulators(arch))
+    return Source("peak.c", text, {PEAK_SYMBOL: "peak"})
+
+
+def peak_flops_per_iteration(arch: Arch) -> int:
+    """FLOPs of one thread's loop iteration of the peak kernel."""
+    return 2 * arch.vector_floats * peak_accumulators(arch)

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from . import observe
 from .errors import PcldnnError
 from .layer_modes import layer_modes
 from .model_parallel import ModelParallelFC
@@ -52,6 +53,9 @@ class CommBlock:
     reduce: Any = None
     gather: Any = None
     reduce_started: float | None = None  # when the part-reduce was posted, for the trace
+    gather_started: float = 0.0          # when the part-broadcast was posted
+    reduce_done: float | None = None     # when a progress test first found it complete
+    gather_done: float | None = None
 
 
 class SyncSGD:
@@ -77,6 +81,7 @@ class SyncSGD:
         timeout = comm_timeout() if timeout is None else timeout
         self.watchdog = Watchdog(comm, timeout)
         self.trace = trace
+        self.watch = observe.observer()  # PCLDNN_TIMELINE / PCLDNN_VERBOSE
         self._t0 = time.perf_counter()
         self._lock = threading.Lock()
         self.comm_wait = 0.0  # seconds blocked in MPI this step (exposed communication and rank skew)
@@ -85,7 +90,10 @@ class SyncSGD:
         # the program itself runs on comm; at exit this rank announces that it leaves.
         self.ctl = self.blocking(comm.Dup, "start-up: duplicating the communicator")
         atexit.register(exit_agreement, self.ctl)
-        self.agree("start-up (Trainer with comm)", {})
+        self.agree("start-up (Trainer with comm)", {"PCLDNN_TIMELINE set": self.watch is not None
+                                                    and self.watch.timeline is not None})
+        if self.watch is not None and self.watch.timeline is not None:
+            self.blocking(lambda: self.watch.join(self.ctl), "start-up: aligning the ranks' timeline clocks")
         self.blocking(lambda: check_same_net(net, comm), "start-up: comparing the ranks' builds")
         layer_modes(net, parallel, self.p, self.p)  # refuse a bad mapping or machine before the first step
         self.blocking(lambda: comm.Bcast(net.params, root=0), "start-up: broadcast of rank 0's initial weights")
@@ -132,9 +140,16 @@ class SyncSGD:
 
     # -- events --------------------------------------------------------------------------
     def _event(self, name: str, cat: str, start: float, end: float) -> None:
+        """A step's span into `trace` (examples/train.py --trace) and PCLDNN_TIMELINE's timeline:
+        communication in flight as an async slice, waits and compute on their tracks."""
         if self.trace is not None:
             self.trace.append({"name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": cat,
                                "ts": (start - self._t0) * 1e6, "dur": (end - start) * 1e6})
+        if self.watch is not None:
+            if cat == "comm":
+                self.watch.overlapping(name, start, end)
+            else:
+                self.watch.span(name, "MPI waits" if cat == "wait" else "steps", start, end)
 
     def blocking(self, call, what: str):
         """A blocking collective under the watchdog, counted as communication wait."""
@@ -173,10 +188,11 @@ class SyncSGD:
     def _progress(self) -> None:
         """Explicit progress: test every pending request (cheap when nothing is pending)."""
         with self._lock:
-            for b in self.blocks:
-                for req in (b.reduce, b.gather):
-                    if req is not None:
-                        req.Test()  # a finished request becomes REQUEST_NULL: waiting on it is free
+            for b in self.blocks:  # a finished request becomes REQUEST_NULL: waiting on it is free
+                if b.reduce is not None and b.reduce_done is None and b.reduce.Test():
+                    b.reduce_done = time.perf_counter()
+                if b.gather is not None and b.gather_done is None and b.gather.Test():
+                    b.gather_done = time.perf_counter()
 
     def _progress_loop(self) -> None:
         while True:
@@ -186,10 +202,16 @@ class SyncSGD:
     # -- hooks called by Net between layers ---------------------------------------------------
     def _before_forward(self, layer) -> None:
         for b in self.by_name.get(layer.name, ()):
-            if b.gather is not None:
-                self._wait(b.gather, f"part-broadcast {layer.name}")
-                b.gather = None
+            self._await_broadcast(b)
         self._progress()
+
+    def _await_broadcast(self, b: CommBlock) -> None:
+        """Wait for a block's part-broadcast, if one is pending (its span into the timeline)."""
+        if b.gather is not None:
+            self._wait(b.gather, f"part-broadcast {b.name}")
+            b.gather = None
+            done, b.gather_done = b.gather_done or time.perf_counter(), None
+            self._event(f"part-broadcast {b.name}", "comm", b.gather_started, done)
 
     def _after_backward(self, layer) -> None:
         for b in self.by_name.get(layer.name, ()):
@@ -235,8 +257,9 @@ class SyncSGD:
             self._wait(b.reduce, f"step {step_index}: part-reduce of layer {b.name}")
             b.reduce = None
             started = b.reduce_started if b.reduce_started is not None else t3
-            b.reduce_started = None
-            self._event(f"part-reduce {b.name}", "comm", started, time.perf_counter())
+            done = b.reduce_done or time.perf_counter()
+            b.reduce_started = b.reduce_done = None
+            self._event(f"part-reduce {b.name}", "comm", started, done)
             s = time.perf_counter()
             np.copyto(self.net.grads[b.own], b.recv)
             self.opt.apply(self.net.params, self.net.grads, step_index, b.own)
@@ -244,6 +267,7 @@ class SyncSGD:
             with self._lock:
                 b.gather = b.comm.Iallgatherv(
                     self.MPI.IN_PLACE, [self.net.params[start:stop], (b.counts, b.displs), self.MPI.FLOAT])
+            b.gather_started = time.perf_counter()
             self._event(f"sgd {b.name}", "compute", s, time.perf_counter())
         self._event("step", "step", t, time.perf_counter())
         self._stale = True
@@ -257,9 +281,7 @@ class SyncSGD:
         every rank must then read, save or evaluate alike."""
         self.net.complete_on_access(None)
         for b in self.blocks:
-            if b.gather is not None:
-                self._wait(b.gather, f"part-broadcast {b.name}")
-                b.gather = None
+            self._await_broadcast(b)
         if self.model and self._stale:
             self.agree("reading the weights after a step (model-parallel layers gather their slices)", {})
             for runner in self.model.values():

@@ -13,6 +13,7 @@ import re
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -111,6 +112,26 @@ def _link_dir() -> Path:
     folder = Path(tempfile.mkdtemp(prefix="pcldnn-libs-"))
     atexit.register(shutil.rmtree, folder, True)
     return folder
+
+
+def fma_peak_gflops(fn: Callable, flops_per_iteration: int, threads: int, repeats: int = 5) -> float:
+    """GFLOP/s of a peak kernel (templates/peak.c.j2: `flops_per_iteration` per thread and loop
+    iteration) on `threads` threads: the loop count calibrated to ~50 ms a call, then the median
+    of `repeats` calls."""
+    sink = np.zeros(1, dtype=np.float32)
+    iters = 1 << 16
+    while True:
+        start = time.perf_counter()
+        fn(iters, threads, ptr(sink))
+        if time.perf_counter() - start > 0.05 or iters > 1 << 34:
+            break
+        iters *= 4
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(iters, threads, ptr(sink))
+        times.append(time.perf_counter() - start)
+    return flops_per_iteration * threads * iters / float(np.median(times)) / 1e9
 
 
 _C_TYPES = {np.dtype(np.float32): "float[]", np.dtype(np.int32): "int[]", np.dtype(np.float64): "double[]"}

@@ -116,7 +116,7 @@ class Layer:
             self._k[pass_name] = real
         if len(seen) != 1:
             raise PcldnnError(f"layer {self.name}: {pass_name} made {len(seen)} kernel calls, expected 1")
-        return real, seen[0]
+        return getattr(real, "__wrapped__", real), seen[0]  # the C function, also under PCLDNN_VERBOSE
 
     # -- canonical API ------------------------------------------------------------------
     def _check(self, x: np.ndarray, shape: tuple[int, int, int], flat: bool, what: str) -> np.ndarray:

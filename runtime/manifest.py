@@ -40,6 +40,7 @@ WINDOWED = ("conv", "maxpool", "avgpool")
 ACT_LAYOUTS = ("in_to_blocked", "in_from_blocked", "out_to_blocked", "out_from_blocked")
 WEIGHT_LAYOUTS = ("wt_to_blocked", "wt_from_blocked")
 
+PEAK_SYMBOL = "pcldnn_peak"  # the build's FMA peak kernel (pcldnn_gen.codegen.render_peak)
 _REL_PATH = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_./-]{0,250}")
 
 
@@ -83,6 +84,8 @@ class Manifest:
     arch: dict          # the generator's CPU description, as recorded (validated: isa, width, flags)
     layers: tuple[LayerEntry, ...]
     weights_sha256: str | None = None  # WEIGHTS_FILE's digest when the build carries initial weights
+    peak: KernelEntry | None = None  # the FMA peak kernel (PCLDNN_VERBOSE's % of peak); None in older builds
+    peak_flops_per_iteration: int = 0  # its FLOPs per thread and loop iteration
 
     @property
     def isa(self) -> str:
@@ -111,7 +114,7 @@ def read_manifest(build_dir: Path) -> Manifest:
 
 def parse_manifest(data: Any, origin: str) -> Manifest:
     f = Fields(origin, BuildDirError)
-    f.obj(data, "", {"format", "generator", "net", "arch", "layers"}, {"weights"})
+    f.obj(data, "", {"format", "generator", "net", "arch", "layers"}, {"weights", "peak"})
     net = f.obj(data["net"], "net", {"name", "input", "classes", "hash"})
     name = f.string(net["name"], "net.name", NAME_RE, "a net name")
     net_input = _shape(f, net["input"], "net.input", limits.MAX_CHANNELS)
@@ -133,8 +136,13 @@ def parse_manifest(data: Any, origin: str) -> Manifest:
         entry = f.obj(data["weights"], "weights", {"file", "sha256"})
         f.choice(entry["file"], "weights.file", (WEIGHTS_FILE,))
         weights = f.string(entry["sha256"], "weights.sha256", SHA256_RE, "a sha256 digest")
+    peak, peak_flops = None, 0
+    if "peak" in data:
+        raw = f.obj(data["peak"], "peak", {"library", "sha256", "source", "symbols", "flops_per_iteration"})
+        peak = _entry(f, raw, "peak", {PEAK_SYMBOL: "peak"})
+        peak_flops = f.int_in(raw["flops_per_iteration"], "peak.flops_per_iteration", 1, 1 << 16)
     return Manifest(FORMAT, f.text(data["generator"], "generator"), name, net_input, classes, net_hash, arch,
-                    tuple(layers), weights)
+                    tuple(layers), weights, peak, peak_flops)
 
 
 def _shape(f: Fields, value: Any, where: str, max_channels: int) -> tuple[int, int, int]:
@@ -226,18 +234,23 @@ def _kernels(f: Fields, value: Any, where: str, layer: str, ltype: str) -> dict[
             want = {f"pcldnn_{layer}_{r}": ("weight_layout" if r.startswith("wt_") else "act_layout") for r in roles}
         else:
             want = {f"pcldnn_{layer}_{p}": f"{ltype}_{p}"}
-        symbols = f.obj(raw["symbols"], f"{at}.symbols", set(want))
-        for sym, kind in want.items():
-            if symbols[sym] != kind:
-                f.fail(f"{at}.symbols.{sym}", f"must be {kind!r}, got {symbols[sym]!r:.60}")
-        plan = raw.get("plan")
-        if plan is not None and not isinstance(plan, dict):
-            f.fail(f"{at}.plan", "must be an object")
-        out[p] = KernelEntry(f.string(raw["library"], f"{at}.library", _REL_PATH, "a relative path"),
-                             f.string(raw["sha256"], f"{at}.sha256", SHA256_RE, "a sha256 digest"),
-                             f.string(raw["source"], f"{at}.source", _REL_PATH, "a relative path"),
-                             dict(want), plan)
+        out[p] = _entry(f, raw, at, want)
     return out
+
+
+def _entry(f: Fields, raw: dict, at: str, want: dict[str, str]) -> KernelEntry:
+    """One compiled file's entry, which must define exactly the symbols (and kinds) of `want`."""
+    symbols = f.obj(raw["symbols"], f"{at}.symbols", set(want))
+    for sym, kind in want.items():
+        if symbols[sym] != kind:
+            f.fail(f"{at}.symbols.{sym}", f"must be {kind!r}, got {symbols[sym]!r:.60}")
+    plan = raw.get("plan")
+    if plan is not None and not isinstance(plan, dict):
+        f.fail(f"{at}.plan", "must be an object")
+    return KernelEntry(f.string(raw["library"], f"{at}.library", _REL_PATH, "a relative path"),
+                       f.string(raw["sha256"], f"{at}.sha256", SHA256_RE, "a sha256 digest"),
+                       f.string(raw["source"], f"{at}.source", _REL_PATH, "a relative path"),
+                       dict(want), plan)
 
 
 def file_sha256(path: Path) -> str:

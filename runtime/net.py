@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
-from . import cpu
+from . import cpu, observe
 from .errors import BuildDirError, PcldnnError
-from .kernels import CACHE_LINE_FLOATS, empty_aligned, load_library, pin_openmp_runtimes, zeros_aligned
+from .kernels import CACHE_LINE_FLOATS, empty_aligned, fma_peak_gflops, load_library, pin_openmp_runtimes, zeros_aligned
 from .layers import AvgPoolLayer, DropoutLayer, Layer, LossLayer, MaxPoolLayer, ReluLayer, WeightedLayer
-from .manifest import WEIGHTS_FILE, LayerEntry, Manifest, inside, read_manifest
+from .manifest import PEAK_SYMBOL, WEIGHTS_FILE, LayerEntry, Manifest, inside, read_manifest
 from .state_io import StateKeys, check_state, expected_state, read_npz
 
 _LAYER_CLASSES = {"conv": WeightedLayer, "fc": WeightedLayer, "maxpool": MaxPoolLayer,
@@ -67,6 +67,9 @@ class Net:
         self._scratch = empty_aligned((0,))
         self._libraries: list = []  # loaded kernel libraries (KernelLibrary): their functions stay callable
         self._workspaces: dict[int, _Workspace] = {}
+        self._peaks: dict[int, float] = {}  # FMA peak GFLOP/s by thread count (peak_gflops)
+        if manifest.peak is not None:  # loaded on first use only, but its path is checked now
+            inside(build_dir, manifest.peak.library)
         self._pending: _Workspace | None = None  # set by a training-mode forward, used by backward
         specs = manifest.layers
         v = self.vector_floats
@@ -124,8 +127,27 @@ class Net:
             if len(self._libraries) == 1:  # the first brings the OpenMP runtime: held before any kernel runs
                 pin_openmp_runtimes()
             for symbol, fn in fns.items():
-                roles[pass_name if pass_name != "layout" else symbol[len(prefix):]] = fn
+                role = pass_name if pass_name != "layout" else symbol[len(prefix):]
+                kind = entry.symbols[symbol]
+                watch = observe.observer()
+                if watch is not None and kind != "weight_layout":  # PCLDNN_VERBOSE / PCLDNN_TIMELINE
+                    fn = watch.wrap(fn, observe.KernelCall(spec, role, kind, self.isa, self.vector_floats),
+                                    self.peak_gflops)
+                roles[role] = fn
         return roles
+
+    def peak_gflops(self, threads: int | None = None) -> float | None:
+        """This machine's FMA peak in GFLOP/s on `threads` threads (default: the net's), from the
+        build's peak kernel, measured on first use (~0.3 s) per thread count; None for a build
+        without one (made before the kernel was part of builds)."""
+        threads = self.threads if threads is None else threads
+        entry = self.manifest.peak
+        if entry is None:
+            return None
+        if threads not in self._peaks:
+            fns = load_library(inside(self.build_dir, entry.library), entry.sha256, entry.symbols)
+            self._peaks[threads] = fma_peak_gflops(fns[PEAK_SYMBOL], self.manifest.peak_flops_per_iteration, threads)
+        return self._peaks[threads]
 
     @property
     def params(self) -> np.ndarray:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import observe
 from .data import ArrayDataset, prefetched
 from .errors import CheckpointError, PcldnnError
 from .optim import SGD
@@ -79,10 +80,17 @@ class Trainer:
             shared = {"seed": self.seed, "global_batch": global_batch}
             loss, self.last_accuracy = self.dist.step(x, labels, self.step_count, shared)
         else:
+            start = time.perf_counter()
             logits = self.net.forward(x, training=True)
             loss = self.net.backward(labels)
+            update = time.perf_counter()
             self.optimizer.apply(self.net.params, self.net.grads, self.step_count)
             self.last_accuracy = float((logits.argmax(axis=1) == labels).mean())
+            watch = observe.observer()
+            if watch is not None:  # PCLDNN_TIMELINE
+                end = time.perf_counter()
+                watch.span(f"step {self.step_count}", "steps", start, end, {"minibatch": len(labels)})
+                watch.span("sgd", "steps", update, end)
         if not math.isfinite(loss):
             raise PcldnnError(f"step {self.step_count}: the loss is {loss} (diverged: lower the learning rate)")
         self.step_count += 1

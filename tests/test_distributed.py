@@ -38,10 +38,10 @@ def dropout_build_dir(tmp_path_factory):
 
 
 def mpirun(p: int, mode: str, cfg: dict, timeout: float = 120, check: bool = True,
-           progress_thread: bool = False, comm_timeout: float = 60) -> subprocess.CompletedProcess:
+           progress_thread: bool = False, comm_timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PCLDNN_COMM_TIMEOUT=str(comm_timeout),
                PCLDNN_PROGRESS_THREAD="1" if progress_thread else "0",
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]), **(env or {}))
     proc = subprocess.run([MPIEXEC, "-n", str(p), sys.executable, str(WORKER), mode, json.dumps(cfg)],
                           env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode:
@@ -100,6 +100,41 @@ def test_p_ranks_match_one_rank(build_dir, tmp_path, p, batch, thread, parallel)
     if parallel == "auto":
         assert model == {"fc1"}  # the model splits fc1 (96 x 12 weights) over 3 ranks at minibatch 10
     assert {n.split()[1].rstrip(":") for n in names if n.startswith("model-parallel")} == model
+
+
+def test_timeline_and_verbose_of_a_two_rank_run(build_dir, tmp_path):
+    """PCLDNN_TIMELINE merges both ranks' events into one Chrome trace on rank 0 (clocks aligned,
+    every part-reduce an async slice that starts after its layer's backward kernels), and
+    PCLDNN_VERBOSE prints a line per kernel call per rank; watching changes no result."""
+    cfg = _cfg(build_dir, tmp_path, batch=12, steps=4, parallel={"fc2": "model"})
+    timeline = tmp_path / "timeline.json"
+    proc = mpirun(2, "train", cfg, env={"PCLDNN_TIMELINE": str(timeline), "PCLDNN_VERBOSE": "1"})
+    got = np.load(cfg["out"])
+    want_params, _ = single_rank_reference(build_dir, cfg)
+    np.testing.assert_allclose(got["params"], want_params, rtol=0, atol=1e-5)
+    lines = [l.split(",") for l in proc.stderr.splitlines() if l.startswith("pcldnn_verbose,")]
+    execs = [l for l in lines if l[2] == "exec"]
+    assert {l[1] for l in execs} == {"0", "1"}
+    for rank in "01":
+        assert sum(1 for l in execs if l[1] == rank and l[3:5] == ["conv1", "bwd_weights"]) == cfg["steps"]
+    events = json.loads(timeline.read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1}
+    for rank in (0, 1):
+        mine = [e for e in events if e["pid"] == rank]
+        kernels = [e for e in mine if e["ph"] == "X" and e["tid"] == 1]
+        assert sum(e["name"] == "fc1 bwd_weights" for e in kernels) == cfg["steps"]
+        begins = {e["id"]: e for e in mine if e["ph"] == "b"}
+        ends = {e["id"]: e for e in mine if e["ph"] == "e"}
+        assert begins.keys() == ends.keys() and all(begins[i]["ts"] <= ends[i]["ts"] for i in begins)
+        reduces = [e for e in begins.values() if e["name"] == "part-reduce fc1"]
+        assert len(reduces) == cfg["steps"]
+        for r in reduces:  # posted after that step's fc1 backward kernels, before the step ends
+            done = [k["ts"] + k["dur"] for k in kernels if k["name"] == "fc1 bwd_weights" and k["ts"] <= r["ts"]]
+            assert done and r["ts"] >= max(done) - 1
+        assert any(e["name"].startswith("model-parallel") for e in mine if e["ph"] in "Xb")
+    starts = [min(e["ts"] for e in events if e["pid"] == r and e["ph"] == "X" and e["tid"] == 2
+                  and e["name"] == "step") for r in (0, 1)]
+    assert abs(starts[0] - starts[1]) < 50_000  # the first step begins at the same time (to 50 ms) on both
 
 
 @pytest.mark.parametrize("parallel", ["data", {"fc1": "model"}])

@@ -116,6 +116,9 @@ def test_mutated_manifests_are_refused_with_the_field_named(built, data):
     (lambda m: m["layers"][0]["kernels"]["fwd"]["symbols"].update(pcldnn_conv1_fwd="fc_fwd"), "must be 'conv_fwd'"),
     (lambda m: m["arch"].update(isa="scalar", cflags=["-mavx512f"]), r"arch\.cflags: scalar builds are compiled"),
     (lambda m: m["net"].update(name="x\n"), r"net\.name: must match"),
+    (lambda m: m["peak"]["symbols"].update(pcldnn_peak="conv_fwd"), r"peak\.symbols\.pcldnn_peak: must be 'peak'"),
+    (lambda m: m["peak"].update(flops_per_iteration=0), r"peak\.flops_per_iteration: must be"),
+    (lambda m: m["peak"].update(library="../../x.so"), "path '../../x.so' escapes the build directory"),
 ])
 def test_tampered_manifest_fields_are_named(built, tmp_path, edit, message):
     m = json.loads((built / "manifest.json").read_text())
