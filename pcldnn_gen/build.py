@@ -69,26 +69,27 @@ def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | Non
     if weights is not None:
         initial, _ = check_state(expected_state(net.layers), weights, weights_origin)
     plans = plan_net(net, arch, tuning, choices)
-    sources: list[tuple[LayerSpec, str, Source]] = []
+    sources: list[tuple[LayerSpec | None, str, Source]] = []
     for layer in net.layers:
         for p in LAYER_PASSES[layer.type]:
             sources.append((layer, p, render_kernel(layer, plans[(layer.name, p)], arch)))
         sources.append((layer, "layout", render_layout(layer, arch)))
-    sources.append((None, "peak", render_peak(arch)))
+    peak = render_peak(arch)  # for PCLDNN_VERBOSE's % of peak
     _check_replaceable(out_dir)
-    results = compile_all([s for _, _, s in sources], arch, jobs)
+    results = compile_all([s for _, _, s in sources] + [peak], arch, jobs)
 
     try:
-        _write_build(net, arch, out_dir, sources, results, plans, initial)
+        _write_build(net, arch, out_dir, sources + [(None, "peak", peak)], results, plans, initial)
     except OSError as e:
         raise BuildDirError(f"{out_dir}: cannot write the build directory: {e.strerror or e}") from None
     compiled = sum(r.compiled for r in results)
     return BuildResult(out_dir, compiled, len(results) - compiled, plans)
 
 
-def _write_build(net: NetSpec, arch: Arch, out_dir: Path, sources, results, plans,
-                 initial: dict[str, np.ndarray] | None) -> None:
-    """Sources, libraries and manifest into a staging folder, swapped in under a lock."""
+def _write_build(net: NetSpec, arch: Arch, out_dir: Path, sources: list[tuple[LayerSpec | None, str, Source]],
+                 results, plans, initial: dict[str, np.ndarray] | None) -> None:
+    """Sources, libraries and manifest into a staging folder, swapped in under a lock. A source
+    of no layer is the build's FMA peak kernel."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out_dir.parent / f".{out_dir.name}.lock"), timeout=900):
         _check_replaceable(out_dir)

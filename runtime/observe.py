@@ -190,21 +190,21 @@ class Observer:
     def write_at_exit(self) -> None:
         """The timeline file: merged on rank 0 when the MPI runtime joined, else this process's
         (with `.rank<r>` added when a launcher started several processes that did not join)."""
-        try:
+        path, comm = self.timeline, self.comm
+        if path is None:
+            return
+        if comm is not None:
             from mpi4py import MPI
-            joined = self.comm is not None and not MPI.Is_finalized()
-        except ImportError:
-            joined = False
+            comm = None if MPI.Is_finalized() else comm
         mine = (self.rank, self.zero, self.events, self.dropped)
-        if joined:
-            parts = self.comm.gather(mine, root=0)
-            if self.comm.rank != 0:
+        if comm is not None:
+            parts = comm.gather(mine, root=0)
+            if comm.rank != 0:
                 return
-            path = self.timeline
         else:
             parts = [mine]
-            path = self.timeline if self.launched_ranks == 1 else self.timeline.with_name(
-                f"{self.timeline.name}.rank{self.rank}")
+            if self.launched_ranks > 1:
+                path = path.with_name(f"{path.name}.rank{self.rank}")
         events = [e for part in parts for e in self.trace_events(*part)]
         write_atomic(path, {"traceEvents": events, "displayTimeUnit": "ms",
                             "otherData": {"producer": "pcldnn_runtime", "ranks": len(parts)}})
