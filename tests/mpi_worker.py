@@ -47,7 +47,7 @@ def train(cfg):
         trainer.save(cfg["save"])
     trainer.sync()
     if comm.rank == 0:
-        np.savez(cfg["out"], params=net.params, losses=np.array(losses))
+        np.savez(cfg["out"], params=net.params, losses=np.array(losses), library=MPI.Get_library_version())
         Path(cfg["out"] + ".trace.json").write_text(json.dumps({"traceEvents": trace}))
 
 

