@@ -13,6 +13,7 @@ import argparse
 from pathlib import Path
 
 from pcldnn_gen.netspec import load_netspec
+from pcldnn_gen.scaling_report import layer_loads
 from pcldnn_runtime import scaling
 
 NETS = Path(__file__).resolve().parent.parent / "examples" / "nets"
@@ -29,10 +30,10 @@ PUBLISHED = [
 def compare() -> list[dict]:
     rows = []
     for net, machine_name, nodes, batch, published, where in PUBLISHED:
-        loads = scaling.loads_of(load_netspec(NETS / f"{net}.json").layers)
         machine = scaling.PRESETS[machine_name]
+        loads = layer_loads(load_netspec(NETS / f"{net}.json"), machine)
         plan = scaling.best_strategy(loads, nodes, batch, machine)
-        simulated = plan.single / scaling.simulate(plan.costs, nodes, machine.overlap)["time"]
+        simulated = plan.single / scaling.simulate_stragglers(plan.costs, nodes, machine)
         rows.append({"net": net, "machine": machine_name, "nodes": nodes, "batch": batch, "published": published,
                      "predicted": plan.speedup, "simulated": simulated,
                      "error": plan.speedup / published - 1, "simulated_error": simulated / published - 1,

@@ -138,6 +138,7 @@ class PassResult:
     family: str = ""                       # zoo rows: the architecture the shape comes from
     useful_gflops: float = 0.0             # GFLOP/s counting only taps that read inside the input (no padding)
     tuned: bool = False                    # the kernel's tile came from the tuning database
+    batch: int = 0                         # the minibatch it ran at
 
 
 def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASSES,
@@ -187,8 +188,36 @@ def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASSES
             results.append(PassResult(ls.name, p, t * 1e3, flops / t / 1e9, flops / t / 1e9 / best_peak,
                                       r.get("numpy"), r.get("onednn"), r.get("onednn_wall"), r.get("onednn_impl"),
                                       r.get("onednn_isa"), ls.type, useful_gflops=useful / t / 1e9,
-                                      tuned=plans[(ls.name, p)].measured is not None))
+                                      tuned=plans[(ls.name, p)].measured is not None, batch=batch))
     return best_peak, results
+
+
+def bench_curve(spec: NetSpec, arch: Arch, batches: list[int], threads: int, passes=PASSES,
+                layers: list[str] | None = None, repeats: int = 5, tuning=None) -> tuple[float, dict[int, list[PassResult]]]:
+    """Every (weighted layer, pass) at each minibatch of `batches`, in one run (one build): the
+    efficiency against the per-node minibatch that `plan --machine local` uses. The FMA peak
+    is measured before each minibatch and after the last; all rows use the highest."""
+    peaks, curve = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for batch in batches:
+            peaks.append(measure_peak(arch, threads))
+            _, curve[batch] = bench_net(spec, arch, batch, threads, passes, layers, repeats, peak=peaks[-1],
+                                        build_dir=Path(tmp) / "build", tuning=tuning)
+    peaks.append(measure_peak(arch, threads))
+    best = max(peaks)
+    return best, {b: [replace(r, peak_fraction=r.gflops / best) for r in rows] for b, rows in curve.items()}
+
+
+def format_curve(title: str, arch: Arch, threads: int, peak: float, curve: dict[int, list[PassResult]]) -> str:
+    """% of the peak per layer and pass (rows) at each minibatch (columns)."""
+    batches = sorted(curve)
+    lines = [f"{title} on {arch.name}, {threads} thread(s): % of the measured FMA peak ({peak:.1f} GFLOP/s, highest "
+             f"of the run) against the minibatch",
+             f"{'layer':<10} {'pass':<12}" + "".join(f" {'mb' + str(b):>7}" for b in batches)]
+    for i, first in enumerate(curve[batches[0]]):
+        cells = "".join(f" {curve[b][i].peak_fraction:7.0%}" for b in batches)
+        lines.append(f"{first.layer:<10} {first.pass_name:<12}{cells}")
+    return "\n".join(lines)
 
 
 def bench_zoo(shapes, arch: Arch, batch: int, threads: int, passes=PASSES, repeats: int = 5, compare=(),
@@ -260,7 +289,7 @@ def format_table(title: str, arch: Arch, batch: int, threads: int, peak: float, 
     return "\n".join(lines)
 
 
-def results_json(title: str, arch: Arch, batch: int, threads: int, peak: float, results: list[PassResult],
+def results_json(title: str, arch: Arch, batch: int | list[int], threads: int, peak: float, results: list[PassResult],
                  zoo: bool = False) -> dict:
     """The run as JSON; `zoo`: the rows are independent shapes, not the layers of one net."""
     return {"net": title, "zoo": zoo, "arch": arch.to_json(), "batch": batch, "threads": threads, "peak_gflops": peak,

@@ -145,6 +145,20 @@ def _bench(args: argparse.Namespace) -> int:
     if bad:
         raise PcldnnError(f"--passes: unknown pass {', '.join(bad)}; known: {', '.join(PASSES)}")
     compare = tuple(c for c in args.compare.split(",") if c) if args.compare else ()
+    if len(args.batch) > 1:
+        if args.zoo or compare or args.plot:
+            raise PcldnnError("bench: several --batch values (the efficiency curve) go with a net file, without "
+                              "--zoo, --compare or --plot")
+        net = load_netspec(args.net, args.max_memory)
+        layers = args.layers.split(",") if args.layers else None
+        peak, curve = bench.bench_curve(net, arch, args.batch, threads, passes, layers, args.repeats, _tuning(args))
+        print(bench.format_curve(net.name, arch, threads, peak, curve))
+        if args.json:
+            Path(args.json).write_text(json.dumps(bench.results_json(net.name, arch, args.batch, threads, peak,
+                                                                     [r for rows in curve.values() for r in rows]),
+                                                  indent=1))
+        return 0
+    args.batch = args.batch[0]
     if args.zoo:
         from .zoo import load_zoo
         shapes = load_zoo(args.zoo, args.max_memory)
@@ -178,8 +192,9 @@ def _plan(args: argparse.Namespace) -> int:
     from . import scaling_report as report
     net = load_netspec(args.net, args.max_memory)
     nodes = report.parse_nodes(args.nodes)
-    machine = (report.local_machine(net, args.arch, args.bench_json, args.threads) if args.machine == "local"
-               else scaling.get_machine(args.machine))
+    per_node = sorted({-(-args.batch // p) for p in nodes})  # the per-node minibatches the plans need
+    machine = (report.local_machine(net, args.arch, per_node, args.bench_json, args.threads)
+               if args.machine == "local" else scaling.get_machine(args.machine))
     strategies, simulated, minima, sims = report.run(net, machine, nodes, args.batch, args.threshold)
     print(report.format_table(net, machine, strategies, simulated, minima, args.threshold))
     if args.json:
@@ -238,7 +253,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--zoo", help="a shape zoo file (benchmarks/zoo/zoo.json): every shape as a one-layer net")
     b.add_argument("--arch", default="native")
     b.add_argument("--threads", type=_int_in(1, 4096), default=None, help="OpenMP threads (default: all cores)")
-    b.add_argument("--batch", type=_int_in(1, 1 << 20), default=16)
+    b.add_argument("--batch", type=_int_list(1, 1 << 20), default=[16],
+                   help="minibatch, or several (1,2,4,...,64: each layer and pass at each, and the efficiency "
+                        "curve `plan --machine local --bench-json` uses); default 16")
     b.add_argument("--passes", default=",".join(PASSES), help="comma-separated, default all")
     b.add_argument("--layers", default=None, help="comma-separated conv/fc layers, or zoo shapes (default all)")
     b.add_argument("--repeats", type=_int_in(1, 1000), default=5)
@@ -331,6 +348,18 @@ def _int_in(lo: int, hi: int):
         if not lo <= value <= hi:
             raise argparse.ArgumentTypeError(f"must be an int in [{lo}, {hi}], got {text[:40]!r}")
         return value
+    return parse
+
+
+def _int_list(lo: int, hi: int):
+    """argparse type: comma-separated distinct ints in [lo, hi], at most 16, ascending."""
+    one = _int_in(lo, hi)
+
+    def parse(text: str) -> list[int]:
+        parts = text.split(",")
+        if not 1 <= len(parts) <= 16:
+            raise argparse.ArgumentTypeError(f"give 1 to 16 comma-separated values, got {text[:40]!r}")
+        return sorted({one(part.strip()) for part in parts})
     return parse
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from pcldnn_runtime import mpi_safety, scaling
@@ -15,12 +15,8 @@ from pcldnn_runtime.validate import read_json
 from .arch import get_arch
 from .errors import PcldnnError
 from .netspec import NetSpec
-
-# Kernel efficiencies of `local` when no bench JSON is given: this project's measured medians
-# over the VGG-A and OverFeat-FAST layers, one thread (benchmarks/RESULTS.md).
-LOCAL_EFFICIENCY = {"conv_fwd": 0.75, "conv_bwd_data": 0.72, "conv_bwd_weights": 0.72,
-                    "fc_fwd": 0.70, "fc_bwd_data": 0.60, "fc_bwd_weights": 0.78}
-
+from .planner import PASSES, plan_layer
+from .planner.parallel import parallel_loop
 
 MAX_NODES = 16384  # the event simulation replays every node
 
@@ -36,22 +32,28 @@ def parse_nodes(text: str) -> list[int]:
     return sorted(set(nodes))
 
 
-def local_machine(spec: NetSpec, arch_name: str, bench_json: str | None = None, threads: int = 1) -> scaling.Machine:
+def local_machine(spec: NetSpec, arch_name: str, batches: list[int], bench_json: str | None = None,
+                  threads: int = 1) -> scaling.Machine:
     """This machine as nodes of one MPI rank with `threads` threads each: the FMA peak of that
-    many threads (generated kernel), kernel efficiencies from a
-    `pcldnn-gen bench --json` file (median per layer type and pass) or LOCAL_EFFICIENCY, and
-    alpha / beta / gamma / memory bandwidth from an MPI probe between two ranks."""
+    many threads (generated kernel); the kernels' efficiency against the per-node minibatch,
+    measured now on this net at `batches` (or read from a `pcldnn-gen bench NET --batch ...
+    --json` file of it); alpha / beta / gamma / memory bandwidth from an MPI probe between two
+    ranks. The measured curve holds the thread division already: no loop model on top."""
     from pcldnn_runtime import cpu
 
-    from .bench import measure_peak
+    from .bench import bench_curve, measure_peak
     arch = get_arch(arch_name)
     cores = cpu.usable_cores()
     if threads > cores:
         raise PcldnnError(f"--threads {threads}: this machine has {cores} usable core(s)")
-    peak = measure_peak(arch, threads)
-    efficiency = dict(LOCAL_EFFICIENCY)
     if bench_json:
-        efficiency.update(_bench_efficiency(Path(bench_json), spec))
+        curve = _bench_curve(Path(bench_json), spec)
+        peak = measure_peak(arch, threads)
+        where = f"efficiencies from {bench_json}"
+    else:
+        peak, rows = bench_curve(spec, arch, batches, threads, repeats=3)
+        curve = efficiency_curve([r for batch_rows in rows.values() for r in batch_rows], spec, peak)
+        where = f"efficiencies measured now at minibatch {', '.join(map(str, batches))}"
     mpiexec = mpi_safety.mpiexec()
     if mpiexec is None:
         raise PcldnnError("--machine local needs mpiexec (the mpich wheel provides one) for the network probe")
@@ -60,27 +62,68 @@ def local_machine(spec: NetSpec, arch_name: str, bench_json: str | None = None, 
     if proc.returncode:
         raise PcldnnError(f"network probe failed (mpiexec -n 2 python -m pcldnn_gen.network_probe): {proc.stderr.strip()}")
     net = json.loads(proc.stdout.strip().splitlines()[-1])
+    flat = {kind: points[-1][1] for kind, points in curve.items()}
     return scaling.Machine(
         "local", f"one rank x {threads} thread(s) of this {cores}-core machine ({arch.name}), ranks over shared memory",
-        peak, efficiency,
+        peak, {kind: flat.get(kind, 0.5) for kind in scaling.KINDS},
         net["memory_gbs"], net["latency_us"], net["bandwidth_gbs"], net["reduce_gbs"], "rhd", True,
-        "measured: pcldnn-gen peak, MPI ping-pong and array sums" + (f", efficiencies from {bench_json}" if bench_json else ""))
+        f"measured: pcldnn-gen peak, MPI ping-pong and array sums, {where}",
+        cores=threads, arch="", step_cv=scaling.STEP_CV, efficiency_curve=curve)
 
 
-def _bench_efficiency(path: Path, spec: NetSpec) -> dict:
-    """Median fraction of peak per kernel kind in a bench JSON of the net being planned."""
+def efficiency_curve(rows, spec: NetSpec, peak: float) -> dict[str, tuple[tuple[int, float], ...]]:
+    """Per kernel kind, ((minibatch, efficiency), ...): the net's FLOPs of that kind over the
+    time its kernels took, against `peak` (FLOP-weighted, so the model's per-kind figure
+    reproduces the net's measured time of that kind)."""
     types = {layer.name: layer.type for layer in spec.layers}
+    flops: dict[tuple[str, int], float] = {}
+    seconds: dict[tuple[str, int], float] = {}
+    for r in rows:
+        key = (f"{types[r.layer]}_{r.pass_name}", r.batch)
+        flops[key] = flops.get(key, 0.0) + r.gflops * r.ms * 1e6
+        seconds[key] = seconds.get(key, 0.0) + r.ms * 1e-3
+    curve: dict[str, list[tuple[int, float]]] = {}
+    for (kind, batch), f in sorted(flops.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        if kind in scaling.KINDS:
+            curve.setdefault(kind, []).append((batch, min(1.0, f / seconds[(kind, batch)] / (peak * 1e9))))
+    return {kind: tuple(points) for kind, points in curve.items()}
+
+
+def _bench_curve(path: Path, spec: NetSpec) -> dict[str, tuple[tuple[int, float], ...]]:
+    """efficiency_curve of a `pcldnn-gen bench --json` file of the net being planned (one
+    minibatch or several)."""
+    from .bench import PassResult
     data = read_json(path)
     try:
         if data["net"] != spec.name:
             raise PcldnnError(f"{path}: bench results of net {data['net']!r}, not {spec.name!r}")
-        kinds: dict[str, list[float]] = {}
-        for r in data["results"]:
-            kinds.setdefault(f"{types[r['layer']]}_{r['pass_name']}", []).append(min(1.0, r["peak_fraction"]))
+        batch = data["batch"] if isinstance(data["batch"], int) else 0
+        known = {layer.name for layer in spec.layers}
+        rows = [PassResult(r["layer"], r["pass_name"], float(r["ms"]), float(r["gflops"]), float(r["peak_fraction"]),
+                           batch=int(r.get("batch") or batch)) for r in data["results"]]
+        if not rows or any(r.layer not in known or r.ms <= 0 or r.gflops <= 0 or r.batch < 1 for r in rows):
+            raise ValueError("rows of other layers, or without times or minibatch")
+        peak = float(data["peak_gflops"])
+        if not peak > 0:
+            raise ValueError("peak_gflops must be positive")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise PcldnnError(f"{path}: not a `pcldnn-gen bench --json` file of {spec.name} "
                           f"({type(e).__name__}: {e})") from None
-    return {k: statistics.median(v) for k, v in kinds.items() if k in scaling.KINDS}
+    return efficiency_curve(rows, spec, peak)
+
+
+def layer_loads(spec: NetSpec, machine: scaling.Machine) -> list[scaling.LayerLoad]:
+    """The net's conv and fc layers as the model sees them, with each pass's parallel loop from
+    the plans for the machine's CPU preset (how a node's cores share the work: the thread
+    division at small per-node minibatches)."""
+    loads = scaling.loads_of(spec.layers)
+    if not machine.arch:
+        return loads
+    arch = get_arch(machine.arch)
+    layers = {layer.name: layer for layer in spec.layers}
+    return [replace(load, loops={p: parallel_loop(layers[load.name], plan_layer(layers[load.name], p, arch))
+                                 for p in PASSES})
+            for load in loads]
 
 
 def format_table(spec: NetSpec, machine: scaling.Machine, strategies: list[scaling.Strategy], simulated: list[float],
@@ -174,12 +217,14 @@ def run(spec: NetSpec, machine: scaling.Machine, nodes: list[int], batch: int, t
         raise PcldnnError(f"--batch {batch} is smaller than {max(nodes)} nodes: a node would get no images")
     if not 0 < threshold <= 1:
         raise PcldnnError(f"--threshold must be in (0, 1], got {threshold}")
-    loads = scaling.loads_of(spec.layers)
+    loads = layer_loads(spec, machine)
     if not loads:
         raise PcldnnError(f"net {spec.name} has no conv or fc layer to plan")
     strategies = [scaling.best_strategy(loads, p, batch, machine) for p in nodes]
-    sims = [scaling.simulate(pl.costs, pl.nodes, machine.overlap) for pl in strategies]
+    sims = [scaling.simulate(pl.costs, pl.nodes, machine.overlap) for pl in strategies]  # node 0's events
+    times = [scaling.simulate_stragglers(pl.costs, pl.nodes, machine, draws=16 if pl.nodes <= 1024 else 4)
+             for pl in strategies]
     minima = [scaling.min_batch_per_node(loads, p, machine, threshold) for p in nodes]
-    return strategies, [s["time"] for s in sims], minima, sims
+    return strategies, times, minima, sims
 
 

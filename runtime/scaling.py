@@ -31,9 +31,11 @@ exchanges also wait for the link), as the closed form's check and for timelines.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+import random
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -57,14 +59,85 @@ class Machine:
     algorithm: str = "rhd"   # ring | rhd (recursive halving / doubling)
     overlap: bool = True     # data-parallel communication runs behind the backward pass
     source: str = ""
+    cores: int = 1           # threads one node's kernels share their parallel loops among
+    arch: str = ""           # the generator's CPU preset whose plans give those loops ("": not modelled)
+    step_cv: float = 0.0     # coefficient of variation of a node's compute time per step (stragglers)
+    # Measured efficiency against the per-node minibatch, per kind: ((minibatch, fraction), ...)
+    # ascending; where given it replaces `efficiency` (interpolated in log minibatch, clamped).
+    efficiency_curve: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    def efficiency_at(self, kind: str, rows: float) -> float:
+        """Fraction of the peak a `kind` kernel reaches at a per-node minibatch of `rows`."""
+        curve = self.efficiency_curve.get(kind)
+        if not curve:
+            return self.efficiency[kind]
+        if rows <= curve[0][0]:
+            return curve[0][1]
+        for (b0, e0), (b1, e1) in zip(curve, curve[1:]):
+            if rows <= b1:
+                t = math.log(rows / b0) / math.log(b1 / b0)
+                return e0 + t * (e1 - e0)
+        return curve[-1][1]
+
+
+@dataclass(frozen=True)
+class ParallelLoop:
+    """The work items a kernel's parallel loop shares among a node's threads at minibatch
+    rows: per_rows x ceil(rows / rows_per_item) when per_rows > 0, else `fixed` (loops over
+    weight tiles or K blocks do not depend on the minibatch). From the generator's plans
+    (pcldnn_gen.planner.parallel)."""
+    per_rows: int
+    rows_per_item: int
+    fixed: int
+
+    def items(self, rows: float) -> int:
+        return self.per_rows * math.ceil(rows / self.rows_per_item) if self.per_rows else self.fixed
+
+
+def division_efficiency(items: int, threads: int) -> float:
+    """Share of the threads' time spent working when `items` equal items go round-robin to
+    `threads` threads (a static schedule): the last round leaves threads idle."""
+    if items <= 0 or threads <= 1:
+        return 1.0
+    return items / (threads * math.ceil(items / threads))
+
+
+@functools.lru_cache(maxsize=4096)
+def expected_max_normal(p: int) -> float:
+    """E[max of p independent standard normal variables] (0 for p = 1), by quadrature of
+    p x phi(x) Phi(x)^(p-1) x over [-12, 12] (error below 1e-6 for any p up to 1e6)."""
+    if p <= 1:
+        return 0.0
+    n, lo, hi = 6000, -12.0, 12.0
+    h = (hi - lo) / n
+    total = 0.0
+    for i in range(n + 1):
+        x = lo + i * h
+        cdf = 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+        density = math.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+        w = 0.5 if i in (0, n) else 1.0
+        total += w * x * p * density * cdf ** (p - 1)
+    return total * h
+
+
+def straggler_factor(p: int, cv: float) -> float:
+    """Expected slowest-of-p compute time over the mean, per-node times normal with deviation
+    cv x mean: a synchronous iteration waits for the slowest node."""
+    return 1.0 + cv * expected_max_normal(p)
 
 
 def _eff(conv: tuple[float, float, float], fc: tuple[float, float, float]) -> dict:
     return dict(zip(KINDS, conv + fc))
 
+
+# Per-node compute time of a step varies (other processes, memory and frequency effects); a
+# synchronous iteration waits for the slowest node. The presets assume the coefficient of
+# variation measured by benchmarks/scaling.py on this project's machine (docs/scaling.md,
+# "Stragglers"): no published per-node figure exists for the paper's clusters.
+STEP_CV = 0.0
 
 PRESETS: dict[str, Machine] = {
     # NERSC Cori phase 1 (the paper's cluster): 2x Xeon E5-2698 v3, 16 Haswell cores each at
@@ -75,14 +148,16 @@ PRESETS: dict[str, Machine] = {
     # peak on convolutions, ~70% on fc), taken a little lower for the backward passes.
     "cori-haswell": Machine("cori-haswell", "2x Xeon E5-2698 v3 (32 Haswell cores, 2.3 GHz), Cray Aries",
                             2355.2, _eff((0.85, 0.80, 0.80), (0.70, 0.65, 0.65)), 110.0, 2.0, 8.0, 35.0,
-                            "rhd", True, "Das et al. 2016 section 5; NERSC Cori phase 1 configuration"),
+                            "rhd", True, "Das et al. 2016 section 5; NERSC Cori phase 1 configuration",
+                            cores=32, arch="haswell", step_cv=STEP_CV),
     # AWS c4.8xlarge: 36 vCPUs = 18 Haswell cores (Xeon E5-2666 v3) at 2.9 GHz:
     # 18 x 2.9 GHz x 32 = 1670 GFLOP/s; ~80 GB/s memory; 10 Gigabit Ethernet (1.25 GB/s line
     # rate, ~1.1 GB/s through TCP) with ~50 us MPI latency in a placement group; ring
     # collectives (Open MPI over TCP for large messages). Same kernel efficiencies as Cori.
     "aws-c4": Machine("aws-c4", "c4.8xlarge (18 Haswell cores, 2.9 GHz), 10 GbE",
                       1670.4, _eff((0.85, 0.80, 0.80), (0.70, 0.65, 0.65)), 80.0, 50.0, 1.1, 25.0,
-                      "ring", True, "Das et al. 2016 section 6; AWS c4 instance specifications"),
+                      "ring", True, "Das et al. 2016 section 6; AWS c4 instance specifications",
+                      cores=18, arch="haswell", step_cv=STEP_CV),
 }
 
 # The machine parallel="auto" plans for when PCLDNN_MACHINE names none: Ethernet-class links,
@@ -111,7 +186,7 @@ MACHINE_RANGES = {"peak_gflops": (1e-3, 1e7), "memory_gbs": (1e-3, 1e5), "latenc
 
 def machine_from_dict(data, origin: str) -> Machine:
     f = Fields(origin)
-    optional = {"algorithm", "overlap", "source", "nodes_note"}
+    optional = {"algorithm", "overlap", "source", "nodes_note", "cores", "arch", "step_cv", "efficiency_curve"}
     f.obj(data, "", {fld.name for fld in fields(Machine)} - optional, optional)
     values: dict[str, Any] = {name: f.number_in(data[name], name, lo, hi) for name, (lo, hi) in MACHINE_RANGES.items()}
     eff = f.obj(data["efficiency"], "efficiency", KINDS)
@@ -121,6 +196,22 @@ def machine_from_dict(data, origin: str) -> Machine:
     values["overlap"] = f.boolean(data.get("overlap", True), "overlap")
     values["source"] = f.text(data.get("source", ""), "source")
     values["nodes_note"] = f.text(data.get("nodes_note", origin[-200:]), "nodes_note")
+    values["cores"] = f.int_in(data.get("cores", 1), "cores", 1, 1 << 16)
+    values["arch"] = f.string(data["arch"], "arch", LABEL_RE, "an arch preset name") if data.get("arch", "") else ""
+    values["step_cv"] = f.number_in(data.get("step_cv", 0.0), "step_cv", 0, 1)
+    curves = f.obj(data.get("efficiency_curve", {}), "efficiency_curve", set(), KINDS)
+    values["efficiency_curve"] = {}
+    for kind, raw in curves.items():
+        points = f.array(raw, f"efficiency_curve.{kind}", 1, 64)
+        curve = []
+        for i, point in enumerate(points):
+            where = f"efficiency_curve.{kind}[{i}]"
+            pair = f.array(point, where, 2, 2)
+            curve.append((f.int_in(pair[0], f"{where}[0]", 1, 1 << 20),
+                          f.number_in(pair[1], f"{where}[1]", 0, 1, open_lo=True)))
+        if [b for b, _ in curve] != sorted({b for b, _ in curve}):
+            f.fail(f"efficiency_curve.{kind}", "minibatches must be distinct and ascending")
+        values["efficiency_curve"][kind] = tuple(curve)
     return Machine(**values)
 
 
@@ -160,6 +251,8 @@ class LayerLoad:
     in_bytes: float
     out_bytes: float
     first: bool          # the first layer: no backward-data pass (nothing below needs it)
+    # Per pass, how its kernel's parallel loop divides among a node's threads (absent: evenly).
+    loops: dict = field(default_factory=dict, compare=False)
 
     @staticmethod
     def from_shapes(name: str, type_: str, in_shape, out_shape, kernel, first: bool) -> "LayerLoad":
@@ -198,9 +291,25 @@ class LayerCost:
 
 
 def _compute(load: LayerLoad, kind: str, rows: float, share: float, m: Machine) -> float:
+    """One pass on one node: the larger of its FLOPs at the kernel's efficiency for `rows`
+    images (thread division included) and its bytes at the memory bandwidth."""
     flops = load.flops * rows * share
     nbytes = load.weight_bytes * share + rows * (load.in_bytes + load.out_bytes * share)
-    return max(flops / (m.peak_gflops * 1e9 * m.efficiency[f"{load.type}_{kind}"]), nbytes / (m.memory_gbs * 1e9))
+    efficiency = m.efficiency_at(f"{load.type}_{kind}", rows) * division(load, kind, rows, share, m.cores)
+    return max(flops / (m.peak_gflops * 1e9 * efficiency), nbytes / (m.memory_gbs * 1e9))
+
+
+def division(load: LayerLoad, kind: str, rows: float, share: float, threads: int) -> float:
+    """division_efficiency of the pass's parallel loop at `rows` images (the largest shard: a
+    node of an uneven split computes ceil(rows)); a model-parallel share of an fc layer's
+    outputs has that share of the output groups."""
+    loop = load.loops.get(kind)
+    if loop is None:
+        return 1.0
+    items = loop.items(math.ceil(rows - 1e-9))
+    if load.type == "fc" and kind != "bwd_data" and share < 1:
+        items = max(1, math.ceil(items * share))
+    return division_efficiency(items, threads)
 
 
 def layer_cost(load: LayerLoad, group: int, p: int, batch: int, m: Machine) -> LayerCost:
@@ -224,10 +333,11 @@ def layer_cost(load: LayerLoad, group: int, p: int, batch: int, m: Machine) -> L
     return LayerCost(load.name, group, fwd, bwd, mp_fwd, mp_bwd, dp)
 
 
-def iteration_time(costs: list[LayerCost], overlap: bool) -> float:
-    """The closed form of the module docstring; costs bottom to top."""
-    forward = sum(c.fwd + c.mp_fwd for c in costs)
-    back = [c.bwd + c.mp_bwd for c in costs]
+def iteration_time(costs: list[LayerCost], overlap: bool, compute_scale: float = 1.0) -> float:
+    """The closed form of the module docstring; costs bottom to top. compute_scale: the
+    straggler factor on the compute (the slowest node's over the mean)."""
+    forward = sum(c.fwd * compute_scale + c.mp_fwd for c in costs)
+    back = [c.bwd * compute_scale + c.mp_bwd for c in costs]
     if not overlap:
         return forward + sum(back) + sum(c.dp for c in costs)
     above = finish = 0.0
@@ -286,13 +396,14 @@ def best_strategy(loads: list[LayerLoad], p: int, batch: int, m: Machine) -> Str
         raise PcldnnError(f"global minibatch {batch} is smaller than {p} nodes: a node would get no images")
     options = [{g: layer_cost(load, g, p, batch, m) for g in group_sizes(load, p)} for load in loads]
     chosen = [opts[1] for opts in options]
-    best = iteration_time(chosen, m.overlap)
+    slowest = straggler_factor(p, m.step_cv)
+    best = iteration_time(chosen, m.overlap, slowest)
     for _ in range(10):
         changed = False
         for i, opts in enumerate(options):
             for cost in opts.values():
                 trial = chosen[:i] + [cost] + chosen[i + 1:]
-                t = iteration_time(trial, m.overlap)
+                t = iteration_time(trial, m.overlap, slowest)
                 if t < best * (1 - 1e-9):
                     chosen, best, changed = trial, t, True
         if not changed:
@@ -372,3 +483,17 @@ def simulate(costs: list[LayerCost], p: int, overlap: bool, jitter: list[float] 
     for c, across in pending:
         collective(f"part-reduce+broadcast {c.layer}", c.dp, across, False)
     return {"time": max(max(busy), max(link)), "events": events}
+
+
+def simulate_stragglers(costs: list[LayerCost], p: int, m: Machine, draws: int = 16, seed: int = 0) -> float:
+    """Mean iteration time of `simulate` over `draws` draws of per-node compute scales
+    1 + step_cv x z (z standard normal, floored at 0.05): the stragglers of the closed form's
+    straggler_factor, replayed event by event."""
+    if m.step_cv == 0 or p == 1:
+        return simulate(costs, p, m.overlap)["time"]
+    rng = random.Random(seed)
+    total = 0.0
+    for _ in range(draws):
+        jitter = [max(0.05, 1.0 + m.step_cv * rng.gauss(0.0, 1.0)) for _ in range(p)]
+        total += simulate(costs, p, m.overlap, jitter)["time"]
+    return total / draws

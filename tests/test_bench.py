@@ -137,6 +137,34 @@ def test_cli_bench_json_and_errors(tmp_path, capsys):
     assert "no conv/fc layer named nope" in capsys.readouterr().err
 
 
+def test_cli_bench_efficiency_curve_feeds_plan_local(tmp_path, capsys):
+    """`bench --batch 1,4,2` times each pass at each minibatch in one run (ascending); its JSON
+    is the curve `plan --machine local --bench-json` reads."""
+    from pcldnn_gen.netspec import load_netspec
+    from pcldnn_gen.scaling_report import _bench_curve
+    net = tmp_path / "tiny.json"
+    net.write_text(json.dumps({"name": "tiny", "input": {"channels": 8, "height": 8, "width": 8}, "layers": [
+        {"name": "c1", "type": "conv", "out_channels": 16, "kernel": 3, "pad": 1},
+        {"name": "f1", "type": "fc", "out_features": 10}]}))
+    out = tmp_path / "curve.json"
+    assert main(["bench", str(net), "--arch", RUNNABLE_ISAS[-1], "--batch", "1,4,2", "--threads", "1",
+                 "--repeats", "1", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "mb1     mb2     mb4" in table and table.count("\n") >= 7   # header lines + 6 layer-pass rows
+    data = json.loads(out.read_text())
+    assert data["batch"] == [1, 2, 4]
+    assert sorted({(r["layer"], r["pass_name"], r["batch"]) for r in data["results"]}) == sorted(
+        (l, p, b) for l in ("c1", "f1") for p in ("fwd", "bwd_data", "bwd_weights") for b in (1, 2, 4))
+    curve = _bench_curve(out, load_netspec(net))
+    assert set(curve) == {"conv_fwd", "conv_bwd_data", "conv_bwd_weights", "fc_fwd", "fc_bwd_data", "fc_bwd_weights"}
+    assert all([b for b, _ in points] == [1, 2, 4] and all(0 < e <= 1 for _, e in points) for points in curve.values())
+    assert main(["bench", str(net), "--batch", "1,2", "--compare", "numpy"]) == 2
+    assert "several --batch values" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", str(net), "--batch", "0,2"])
+    assert exit_.value.code == 2 and "--batch: must be an int in [1, 1048576], got '0'" in capsys.readouterr().err
+
+
 def _summarize():
     import importlib.util
 

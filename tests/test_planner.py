@@ -225,3 +225,46 @@ def test_any_conv_plan_is_consistent(isa, c, oc, h, w, k, s, p):
         assert col * s - p < 0 or col * s - p + k > w
     assert 1 <= plan.ifm_chunk <= blocks(c, arch.vector_floats)
     _check_conv_fwd_blocks(layer, plan, arch)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_parallel_loop_items_match_the_rendered_kernels(isa):
+    """The scaling model's thread-division term counts the work items of each kernel's `omp
+    for`: checked against the block sizes #defined in the C the kernels are compiled from."""
+    import re
+
+    from pcldnn_gen.codegen import render_kernel
+    from pcldnn_gen.planner.parallel import parallel_loop
+    arch = PRESETS[isa]
+    net = load_netspec(NETS / "vgg_a.json")
+    v = arch.vector_floats
+
+    def define(text, name):
+        return int(re.search(rf"#define {name} +(\d+)", text)[1])
+
+    for layer in [l for l in net.layers if l.weighted][::3]:
+        for p in LAYER_PASSES[layer.type]:
+            plan = plan_layer(layer, p, arch)
+            text = render_kernel(layer, plan, arch).text
+            loop = parallel_loop(layer, plan)
+            ic, ih, iw = layer.in_shape
+            oc, oh, _ = layer.out_shape
+            icb, ocb = blocks(ic, v), blocks(oc, v)
+            if (layer.type, p) == ("conv", "fwd"):
+                want = 5 * ocb // define(text, "RB_OC") * -(-oh // define(text, "RB_OH"))
+            elif (layer.type, p) == ("conv", "bwd_data") and "RB_IC" in text:
+                want = 5 * icb // define(text, "RB_IC") * -(-ih // define(text, "RB_IH"))
+            elif (layer.type, p) == ("conv", "bwd_data"):
+                want = 5 * ih
+            elif (layer.type, p) == ("conv", "bwd_weights"):
+                kh, kw = layer.kernel
+                kt = define(text, "KT")
+                want = -(-ocb // define(text, "RB_OC")) * icb * kh * -(-kw // kt) * (define(text, "LANES_USED")
+                                                                                     // define(text, "RB_VI"))
+            elif p == "fwd":
+                want = -(-ocb // define(text, "RB_N")) * -(-5 // define(text, "RB_M"))
+            elif p == "bwd_data":
+                want = -(-define(text, "K") // define(text, "KB"))
+            else:
+                want = -(-ocb // define(text, "RB_N")) * -(-min(define(text, "KC"), define(text, "K")) // define(text, "RB_K"))
+            assert loop.items(5) == want, (layer.name, p)

@@ -3,6 +3,7 @@ simulation against its closed form, and `pcldnn-gen plan`."""
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import replace
 
@@ -176,16 +177,96 @@ def test_plan_local_machine_is_measured(tmp_path, capsys):
     assert 0 < m["latency_us"] < 1e4 and m["bandwidth_gbs"] > 0.01 and m["memory_gbs"] > 0.1
 
 
-def test_local_efficiencies_from_a_bench_file(tmp_path):
-    from pcldnn_gen.scaling_report import _bench_efficiency
+def _bench_rows(batch, rows):
+    return [{"layer": l, "pass_name": p, "ms": ms, "gflops": g, "peak_fraction": g / 100, "batch": batch}
+            for l, p, ms, g in rows]
+
+
+def test_local_efficiency_curve_from_a_bench_file(tmp_path):
+    """FLOP-weighted per kind and minibatch: total FLOPs over total time, against the file's
+    peak; capped at 1 (noise above the peak)."""
+    from pcldnn_gen.scaling_report import _bench_curve
     spec = load_netspec(NETS / "cifar_small.json")
-    results = [{"layer": "conv1", "pass_name": "fwd", "peak_fraction": 0.5},
-               {"layer": "conv2", "pass_name": "fwd", "peak_fraction": 0.7},
-               {"layer": "conv3", "pass_name": "fwd", "peak_fraction": 0.9},
-               {"layer": "fc1", "pass_name": "bwd_data", "peak_fraction": 1.3}]  # noise above peak: capped
+    results = (_bench_rows(4, [("conv1", "fwd", 1.0, 50.0), ("conv2", "fwd", 3.0, 70.0), ("fc1", "bwd_data", 1.0, 130.0)])
+               + _bench_rows(16, [("conv1", "fwd", 2.0, 80.0), ("conv2", "fwd", 2.0, 60.0)]))
     path = tmp_path / "b.json"
-    path.write_text(json.dumps({"net": "cifar_small", "results": results}))
-    assert _bench_efficiency(path, spec) == {"conv_fwd": 0.7, "fc_bwd_data": 1.0}
-    path.write_text(json.dumps({"net": "vgg_a", "results": results}))
+    path.write_text(json.dumps({"net": "cifar_small", "batch": [4, 16], "peak_gflops": 100.0, "results": results}))
+    curve = _bench_curve(path, spec)
+    # conv_fwd at 4: (50 x 1 + 70 x 3) MFLOP-ms over 4 ms = 65 GFLOP/s: 0.65 of the peak
+    assert [b for b, _ in curve["conv_fwd"]] == [4, 16]
+    assert [e for _, e in curve["conv_fwd"]] == pytest.approx([0.65, 0.70])
+    assert curve["fc_bwd_data"] == ((4, 1.0),)
+    path.write_text(json.dumps({"net": "vgg_a", "batch": 4, "peak_gflops": 100.0, "results": results}))
     with pytest.raises(PcldnnError, match="bench results of net 'vgg_a', not 'cifar_small'"):
-        _bench_efficiency(path, spec)
+        _bench_curve(path, spec)
+    path.write_text(json.dumps({"net": "cifar_small", "batch": 4, "peak_gflops": 100.0,
+                                "results": _bench_rows(4, [("conv9", "fwd", 1.0, 50.0)])}))
+    with pytest.raises(PcldnnError, match="not a `pcldnn-gen bench --json` file of cifar_small"):
+        _bench_curve(path, spec)
+
+
+def test_efficiency_curve_and_thread_division_by_hand_on_a_two_layer_net():
+    """A conv and an fc layer, one node of 4 threads at 3 images: efficiencies interpolated in
+    log minibatch between the measured 2 and 4, times the static schedule's share of busy
+    threads from each pass's loop."""
+    conv = LayerLoad.from_shapes("conv", "conv", (8, 6, 6), (16, 6, 6), (3, 3), first=True)
+    fc = LayerLoad.from_shapes("fc", "fc", (16, 6, 6), (10, 1, 1), (6, 6), first=False)
+    loops = {"fwd": scaling.ParallelLoop(2, 1, 0), "bwd_weights": scaling.ParallelLoop(0, 1, 6),
+             "bwd_data": scaling.ParallelLoop(0, 1, 8)}
+    conv, fc = replace(conv, loops=loops), replace(fc, loops={"fwd": scaling.ParallelLoop(1, 2, 0)})
+    curve = {"conv_fwd": ((2, 0.4), (4, 0.6)), "conv_bwd_weights": ((2, 0.5), (4, 0.5))}
+    m = replace(TOY, cores=4, efficiency_curve=curve, memory_gbs=1e9)
+    t = math.log(3 / 2) / math.log(2)              # 3 images: between 2 and 4 in log minibatch
+    eff_fwd = 0.4 + t * 0.2
+    assert m.efficiency_at("conv_fwd", 3) == pytest.approx(eff_fwd)
+    assert m.efficiency_at("conv_fwd", 1) == 0.4 and m.efficiency_at("conv_fwd", 64) == 0.6  # clamped
+    assert m.efficiency_at("fc_fwd", 3) == 0.5        # no curve: the machine's constant
+    c = layer_cost(conv, 1, 1, 3, m)
+    # forward: 2 x 3 = 6 items on 4 threads -> 2 rounds, 6 / 8 busy; bwd_weights: 6 fixed items, same
+    assert c.fwd == pytest.approx(3 * conv.flops / (1e9 * eff_fwd * 6 / 8))
+    assert c.bwd == pytest.approx(3 * conv.flops / (1e9 * 0.5 * 6 / 8))   # first layer: no bwd_data
+    f = layer_cost(fc, 1, 1, 3, m)
+    # fc forward: ceil(3 / 2) = 2 row tiles, 2 items on 4 threads: half busy; backward passes: no loop model
+    assert f.fwd == pytest.approx(3 * fc.flops / (1e9 * 0.5 * 0.5))
+    assert f.bwd == pytest.approx(2 * 3 * fc.flops / (1e9 * 0.5))
+    assert iteration_time([c, f], overlap=True) == pytest.approx(c.fwd + f.fwd + c.bwd + f.bwd)
+    assert scaling.division_efficiency(18, 32) == pytest.approx(18 / 32)
+    assert scaling.division_efficiency(33, 32) == pytest.approx(33 / 64) and scaling.division_efficiency(5, 1) == 1
+
+
+@pytest.mark.parametrize("p", [2, 7, 128, 1000])
+def test_expected_maximum_of_p_normals_against_monte_carlo(p):
+    import numpy as np
+    draws = np.random.default_rng(p).standard_normal((20000, p)).max(axis=1)
+    stderr = draws.std() / math.sqrt(len(draws))
+    assert abs(scaling.expected_max_normal(p) - draws.mean()) < 4 * stderr
+    assert scaling.expected_max_normal(1) == 0.0 and scaling.straggler_factor(1, 0.05) == 1.0
+    assert scaling.expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), abs=1e-9)
+
+
+def test_simulated_stragglers_match_the_closed_form():
+    """One data-parallel layer, communication negligible: the simulation's mean over draws of
+    per-node times equals the closed form's E[slowest of p] factor."""
+    load = LayerLoad.from_shapes("conv", "conv", (8, 16, 16), (8, 16, 16), (3, 3), first=True)
+    m = replace(TOY, bandwidth_gbs=1e6, reduce_gbs=1e6, latency_us=1e-6, step_cv=0.05)
+    plan = scaling.best_strategy([load], 16, 64, m)
+    closed = plan.time
+    compute = layer_cost(load, 1, 16, 64, m)
+    assert closed == pytest.approx((compute.fwd + compute.bwd) * scaling.straggler_factor(16, 0.05), rel=1e-6)
+    simulated = scaling.simulate_stragglers(plan.costs, 16, m, draws=400)
+    assert simulated == pytest.approx(closed, rel=0.01)   # 400 draws: MC error ~0.1% of the time
+    assert scaling.simulate_stragglers(plan.costs, 16, replace(m, step_cv=0.0)) == pytest.approx(
+        compute.fwd + compute.bwd, rel=1e-6)   # only the (negligible) part-reduce added
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"step_cv": 2}, "step_cv: must be"),
+    ({"cores": 0}, "cores: must be"),
+    ({"efficiency_curve": {"conv_fwd": [[4, 0.5], [2, 0.6]]}}, "minibatches must be distinct and ascending"),
+    ({"efficiency_curve": {"conv_fwd": [[4, 1.5]]}}, r"efficiency_curve\.conv_fwd\[0\]\[1\]: must be"),
+    ({"efficiency_curve": {"conv_sideways": []}}, "efficiency_curve"),
+])
+def test_machine_file_new_fields_are_checked(edit, message):
+    data = scaling.PRESETS["aws-c4"].to_json() | edit
+    with pytest.raises(PcldnnError, match=message):
+        scaling.machine_from_dict(data, "m.json")
