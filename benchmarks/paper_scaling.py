@@ -24,6 +24,10 @@ PUBLISHED = [
     ("vgg_a", "cori-haswell", 64, 256, 53.0, "abstract, section 5"),
     ("overfeat_fast", "cori-haswell", 64, 256, 42.0, "abstract, section 5"),
     ("vgg_a", "aws-c4", 16, 256, 14.0, "abstract, section 6 (about 14x; minibatch assumed 256)"),
+    # The 7-layer speech DNN (examples/nets/dnn7.json: CD-DNN-HMM, Seide et al. 2011, 7 hidden
+    # layers of 2,048, 9,304 senones): cluster and minibatch are not given here, so the paper's
+    # own cluster (Cori) and the 1,024-frame minibatch of CD-DNN-HMM SGD training are assumed.
+    ("dnn7", "cori-haswell", 16, 1024, 6.5, "abstract (minibatch 1024 frames and Cori assumed)"),
 ]
 
 

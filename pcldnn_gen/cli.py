@@ -196,10 +196,10 @@ def _plan(args: argparse.Namespace) -> int:
     machine = (report.local_machine(net, args.arch, per_node, args.bench_json, args.threads)
                if args.machine == "local" else scaling.get_machine(args.machine))
     strategies, simulated, minima, sims = report.run(net, machine, nodes, args.batch, args.threshold)
-    print(report.format_table(net, machine, strategies, simulated, minima, args.threshold))
+    print(report.format_table(net, machine, strategies, simulated, minima, args.threshold, args.epoch_images))
     if args.json:
         Path(args.json).write_text(json.dumps(
-            report.report_json(net, machine, strategies, simulated, minima, args.threshold), indent=1))
+            report.report_json(net, machine, strategies, simulated, minima, args.threshold, args.epoch_images), indent=1))
     if args.plot:
         report.plot_speedup(Path(args.plot), net, machine, strategies, simulated)
     if args.timeline:
@@ -298,6 +298,8 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--threads", type=_int_in(1, 4096), default=1, help="--machine local: threads per rank (a node)")
     pl.add_argument("--bench-json", default=None,
                     help="--machine local: kernel efficiencies from `pcldnn-gen bench NET --json` of this net")
+    pl.add_argument("--epoch-images", type=_int_in(1, 10 ** 12), default=None, metavar="N",
+                    help="also print the time of one epoch of N images (ImageNet-1K: 1281167)")
     pl.add_argument("--json", help="write the plans as JSON")
     pl.add_argument("--plot", help="write predicted speedup against nodes (PNG)")
     pl.add_argument("--timeline", help="write the simulated timeline of one iteration at the largest node count (PNG)")
@@ -395,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     except PcldnnError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `pcldnn-gen inspect ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except MemoryError:
         print("error: out of memory (the net or its minibatch is too large for this machine)", file=sys.stderr)
         return 2
@@ -404,9 +409,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: internal error ({type(e).__name__}: {e}); please report it "
               "(PCLDNN_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 1
-    except BrokenPipeError:  # e.g. `pcldnn-gen inspect ... | head`
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

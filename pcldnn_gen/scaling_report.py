@@ -126,23 +126,39 @@ def layer_loads(spec: NetSpec, machine: scaling.Machine) -> list[scaling.LayerLo
             for load in loads]
 
 
+def epoch_text(seconds: float) -> str:
+    """An epoch's duration as h:mm:ss (d h:mm:ss past a day)."""
+    whole = round(seconds)
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    text = f"{hours:d}:{rest // 60:02d}:{rest % 60:02d}"
+    return f"{days}d {text}" if days else text
+
+
 def format_table(spec: NetSpec, machine: scaling.Machine, strategies: list[scaling.Strategy], simulated: list[float],
-                 min_batches: list[int | None], threshold: float) -> str:
+                 min_batches: list[int | None], threshold: float, epoch_images: int | None = None) -> str:
     m = machine
     lines = [f"{spec.name} on {m.name} ({m.nodes_note}): peak {m.peak_gflops:.0f} GFLOP/s per node, "
              f"link {m.bandwidth_gbs:.3g} GB/s, latency {m.latency_us:.3g} us, {m.algorithm} collectives, "
              f"{'overlapped' if m.overlap else 'no overlap'}; global minibatch {strategies[0].batch}",
              "",
              f"{'nodes':>6} {'img/node':>8} {'iter ms':>9} {'simulated':>9} {'images/s':>9} {'speedup':>8} "
-             f"{'eff':>5} {'min img/node':>12}  model/hybrid layers (others data parallel)"]
+             f"{'eff':>5} {'min img/node':>12}" + (f" {'epoch':>11}" if epoch_images else "")
+             + "  model/hybrid layers (others data parallel)"]
     for pl, sim, mb in zip(strategies, simulated, min_batches):
         split = ", ".join(f"{c.layer} {c.mode}" for c in pl.costs if c.group > 1) or "-"
+        epoch = f" {epoch_text(epoch_images / pl.images_per_s):>11}" if epoch_images else ""
         lines.append(f"{pl.nodes:>6} {pl.batch / pl.nodes:>8.1f} {pl.time * 1e3:>9.1f} {sim * 1e3:>9.1f} "
                      f"{pl.images_per_s:>9.1f} {pl.speedup:>8.1f} {pl.efficiency:>5.0%} "
-                     f"{(str(mb) if mb else 'none'):>12}  {split}")
+                     f"{(str(mb) if mb else 'none'):>12}{epoch}  {split}")
     lines.append("")
     lines.append(f"min img/node: the smallest per-node minibatch at which that many nodes still reach "
                  f"{threshold:.0%} parallel efficiency (against one node with the same global minibatch)")
+    if epoch_images:
+        lines.append(f"epoch: {epoch_images} images at the closed form's images/s (h:mm:ss)")
+    if machine.step_cv:
+        lines.append(f"stragglers: per-node compute time varies by {machine.step_cv:.1%} (coefficient of variation); "
+                     "an iteration waits for the slowest node")
     last = strategies[-1]
     lines.append(f"per layer at {last.nodes} nodes (ms: forward, backward, model-parallel exchanges, "
                  f"part-reduce + part-broadcast):")
@@ -152,9 +168,11 @@ def format_table(spec: NetSpec, machine: scaling.Machine, strategies: list[scali
     return "\n".join(lines)
 
 
-def report_json(spec: NetSpec, machine: scaling.Machine, strategies, simulated, min_batches, threshold) -> dict:
-    return {"net": spec.name, "machine": machine.to_json(), "threshold": threshold,
+def report_json(spec: NetSpec, machine: scaling.Machine, strategies, simulated, min_batches, threshold,
+                epoch_images: int | None = None) -> dict:
+    return {"net": spec.name, "machine": machine.to_json(), "threshold": threshold, "epoch_images": epoch_images,
             "plans": [pl.to_json() | {"simulated_time_s": sim, "min_batch_per_node": mb}
+                      | ({"epoch_s": epoch_images / pl.images_per_s} if epoch_images else {})
                       for pl, sim, mb in zip(strategies, simulated, min_batches)]}
 
 

@@ -322,9 +322,16 @@ def _warn_if_stuck(record: dict, classes: int, lr: float) -> None:
                       f"ln({classes}) = {chance:.3g}, the loss of a uniform guess: the learning rate ({lr:g}) is "
                       "likely too high, or the inputs are not normalised", RuntimeWarning, stacklevel=3)
     elif classes > 1 and record["train_accuracy"] <= 1.5 / classes and record["epoch"] >= 2:
+        # A loss at ln(classes) is the uniform guess: the output ignores the input. Deep plain
+        # nets (no normalisation layers) sit there for epochs, in PyTorch alike, before they learn.
+        uniform = abs(record["train_loss"] - chance) < 0.05 * chance
+        cause = ("the net's output is a uniform guess that ignores the input: a deep net without "
+                 "normalisation layers can sit there for several epochs (train longer, with a longer warm-up "
+                 f"or a lower learning rate than {lr:g}), or the labels do not match the images" if uniform else
+                 f"the weights may have diverged into dead ReLUs (a learning rate of {lr:g} too high?), or the labels "
+                 "do not match the images")
         warnings.warn(f"epoch {record['epoch']}: training accuracy {record['train_accuracy']:.3f} is at chance "
-                      f"(1/{classes}): the weights may have diverged into dead ReLUs (a learning rate of {lr:g} "
-                      "too high?), or the labels do not match the images", RuntimeWarning, stacklevel=3)
+                      f"(1/{classes}): {cause}", RuntimeWarning, stacklevel=3)
 
 
 def _is_dataset(obj) -> bool:

@@ -250,3 +250,46 @@ def test_train_script_runs_and_rejects_bad_options(tmp_path, monkeypatch, capsys
     assert "after 96 steps" in capsys.readouterr().out
     assert script.main(args + ["--lr", "-1"]) == 2
     assert "train.py: error: SGD: lr must be a positive number" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_papers_speech_dnn_compiles_and_trains(tmp_path):
+    """examples/nets/dnn7.json (429 inputs, 7 hidden fc layers of 2,048, 9,304 outputs: 45.1 M
+    weights): compiled for the widest ISA here, a few SGD steps on one minibatch of synthetic
+    frames lower its loss on that minibatch, which starts near ln(9304)."""
+    from helpers import NETS
+
+    from pcldnn_gen.arch import get_arch
+    from pcldnn_gen.build import build
+    from pcldnn_gen.netspec import load_netspec
+    spec = load_netspec(NETS / "dnn7.json")
+    assert sum(int(np.prod(l.weight_shape)) for l in spec.layers if l.weighted) == (
+        429 * 2048 + 6 * 2048 * 2048 + 2048 * 9304)
+    build(spec, get_arch(RUNNABLE_ISAS[-1]), tmp_path / "dnn7")
+    net = pr.load(tmp_path / "dnn7", threads=2)
+    trainer = pr.Trainer(net, pr.SGD(0.01, momentum=0.9))
+    x, y = next(pr.synthetic(32, (429, 1, 1), 9304, seed=2).batches(32))
+    losses = [trainer.step(x, y) for _ in range(4)]
+    assert abs(losses[0] - math.log(9304)) < 2.0 and losses[-1] < losses[0] - 0.1, losses
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"epoch": 1, "train_loss": 1168.0, "train_accuracy": 0.1}, r"far above ln\(10\) = 2.3.*learning rate \(0.02\)"),
+    ({"epoch": 2, "train_loss": 2.31, "train_accuracy": 0.1}, "uniform guess that ignores the input"),
+    ({"epoch": 2, "train_loss": 3.9, "train_accuracy": 0.1}, "diverged into dead ReLUs"),
+    ({"epoch": 1, "train_loss": 2.31, "train_accuracy": 0.1}, None),   # one epoch at chance: a slow start
+    ({"epoch": 3, "train_loss": 0.9, "train_accuracy": 0.7}, None),
+])
+def test_a_stuck_or_diverged_epoch_warns_with_its_likely_cause(record, message):
+    import warnings
+
+    from pcldnn_runtime.trainer import _warn_if_stuck
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _warn_if_stuck(record, 10, 0.02)
+    if message is None:
+        assert not seen
+    else:
+        assert len(seen) == 1 and seen[0].category is RuntimeWarning
+        import re
+        assert re.search(message, str(seen[0].message)), str(seen[0].message)
