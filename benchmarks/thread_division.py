@@ -59,10 +59,13 @@ def main() -> None:
               f"{r['division_2t']:6.0%} {r['predicted_2t']:8.0%} {r['measured_2t']:8.0%} {r['error']:+6.0%}")
     uneven = [r for r in rows if r["division_2t"] < 0.999]
     errors = [abs(r["error"]) for r in rows]
-    print(f"median |error| {statistics.median(errors):.0%} over {len(rows)} rows; rows with an idle thread in the "
-          f"model: {len(uneven)}" + (f", median |error| {statistics.median(abs(r['error']) for r in uneven):.0%}, "
-                                     f"model without the division term {statistics.median(abs(r['eff_1t'] / r['measured_2t'] - 1) for r in uneven):.0%}"
-                                     if uneven else ""))
+    summary = f"median |error| {statistics.median(errors):.0%} over {len(rows)} rows; rows with an idle thread in " \
+              f"the model: {len(uneven)}"
+    if uneven:
+        with_term = statistics.median(abs(r["error"]) for r in uneven)
+        without = statistics.median(abs(r["eff_1t"] / r["measured_2t"] - 1) for r in uneven)
+        summary += f", median |error| {with_term:.0%} (without the division term: {without:.0%})"
+    print(summary)
     if args.json:
         Path(args.json).write_text(json.dumps({"net": spec.name, "arch": arch.name, "peaks": peaks, "rows": rows},
                                               indent=1))
