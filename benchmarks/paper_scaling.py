@@ -54,7 +54,7 @@ def main() -> None:
         print("| net | machine | nodes | minibatch | published | predicted (error) | simulated (error) | fc layers |")
         print("|---|---|---:|---:|---:|---:|---:|---|")
         for r in rows:
-            print(f"| {r['net']} | {r['machine']} | {r['nodes']} | {r['batch']} | {r['published']:.0f}x | "
+            print(f"| {r['net']} | {r['machine']} | {r['nodes']} | {r['batch']} | {r['published']:g}x | "
                   f"{r['predicted']:.1f}x ({r['error']:+.0%}) | {r['simulated']:.1f}x ({r['simulated_error']:+.0%}) | "
                   f"{r['modes']} |")
         return
