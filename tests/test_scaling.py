@@ -114,10 +114,15 @@ def test_plan_speedup_and_minimum_minibatch():
     one, sixteen = scaling.best_strategy(vgg, 1, 256, aws), scaling.best_strategy(vgg, 16, 256, aws)
     assert one.speedup == 1 and sixteen.time < one.time and 1 < sixteen.speedup <= 16
     assert sixteen.images_per_s == pytest.approx(256 / sixteen.time)
-    b = scaling.min_batch_per_node(vgg, 16, aws, 0.95)
+    b = scaling.min_batch_per_node(vgg, 16, aws, 0.90)
     assert b is not None and b > 1
     enough, short = scaling.best_strategy(vgg, 16, b * 16, aws), scaling.best_strategy(vgg, 16, (b - 1) * 16, aws)
-    assert enough.efficiency >= 0.95 > short.efficiency
+    assert enough.efficiency >= 0.90 > short.efficiency
+    # Waiting for the slowest of 16 nodes caps the efficiency at 1 / straggler_factor (0.935 at
+    # the presets' 3.9%): no per-node minibatch reaches 95%; without stragglers one does.
+    assert 0.90 < 1 / scaling.straggler_factor(16, aws.step_cv) < 0.95
+    assert scaling.min_batch_per_node(vgg, 16, aws, 0.95) is None
+    assert scaling.min_batch_per_node(vgg, 16, replace(aws, step_cv=0.0), 0.95) is not None
     with pytest.raises(PcldnnError, match="global minibatch 8 is smaller than 16 nodes"):
         scaling.best_strategy(vgg, 16, 8, aws)
 
