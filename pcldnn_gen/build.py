@@ -98,6 +98,7 @@ def _write_build(net: NetSpec, arch: Arch, out_dir: Path, sources: list[tuple[La
             (stage / "src").mkdir()
             (stage / "lib").mkdir()
             kernels: dict[str, dict] = {}
+            peak: dict = {}
             for (layer, p, src), res in zip(sources, results):
                 (stage / "src" / src.filename).write_text(src.text)
                 lib_name = f"lib/{Path(src.filename).stem}.so"
@@ -105,12 +106,12 @@ def _write_build(net: NetSpec, arch: Arch, out_dir: Path, sources: list[tuple[La
                 entry = {"library": lib_name, "sha256": file_sha256(stage / lib_name),
                          "source": f"src/{src.filename}", "symbols": src.symbols}
                 if layer is None:  # the FMA peak kernel, for PCLDNN_VERBOSE's % of peak
-                    kernels[""] = {p: entry | {"flops_per_iteration": peak_flops_per_iteration(arch)}}
+                    peak = entry | {"flops_per_iteration": peak_flops_per_iteration(arch)}
                     continue
                 if p != "layout":
                     entry["plan"] = plans[(layer.name, p)].to_json()
                 kernels.setdefault(layer.name, {})[p] = entry
-            manifest = _manifest(net, arch, kernels) | {"peak": kernels[""]["peak"]}
+            manifest = _manifest(net, arch, kernels) | {"peak": peak}
             if initial is not None:
                 np.savez(stage / WEIGHTS_FILE, **initial)  # type: ignore[arg-type]
                 manifest["weights"] = {"file": WEIGHTS_FILE, "sha256": file_sha256(stage / WEIGHTS_FILE)}

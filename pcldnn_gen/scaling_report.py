@@ -62,6 +62,8 @@ def local_machine(spec: NetSpec, arch_name: str, batches: list[int], bench_json:
     if proc.returncode:
         raise PcldnnError(f"network probe failed (mpiexec -n 2 python -m pcldnn_gen.network_probe): {proc.stderr.strip()}")
     net = json.loads(proc.stdout.strip().splitlines()[-1])
+    # The constant figure per kind (outside the curve: its largest minibatch); kinds the net has
+    # no layer of are never used, any value in range will do.
     flat = {kind: points[-1][1] for kind, points in curve.items()}
     return scaling.Machine(
         "local", f"one rank x {threads} thread(s) of this {cores}-core machine ({arch.name}), ranks over shared memory",

@@ -68,6 +68,7 @@ class Net:
         self._libraries: list = []  # loaded kernel libraries (KernelLibrary): their functions stay callable
         self._workspaces: dict[int, _Workspace] = {}
         self._peaks: dict[int, float] = {}  # FMA peak GFLOP/s by thread count (peak_gflops)
+        self._peak_library = None
         if manifest.peak is not None:  # loaded on first use only, but its path is checked now
             inside(build_dir, manifest.peak.library)
         self._pending: _Workspace | None = None  # set by a training-mode forward, used by backward
@@ -145,8 +146,10 @@ class Net:
         if entry is None:
             return None
         if threads not in self._peaks:
-            fns = load_library(inside(self.build_dir, entry.library), entry.sha256, entry.symbols)
-            self._peaks[threads] = fma_peak_gflops(fns[PEAK_SYMBOL], self.manifest.peak_flops_per_iteration, threads)
+            if self._peak_library is None:  # held like the kernels' libraries
+                self._peak_library = load_library(inside(self.build_dir, entry.library), entry.sha256, entry.symbols)
+            self._peaks[threads] = fma_peak_gflops(self._peak_library[PEAK_SYMBOL],
+                                                   self.manifest.peak_flops_per_iteration, threads)
         return self._peaks[threads]
 
     @property
