@@ -12,7 +12,8 @@ import numpy as np
 
 from . import cpu, observe
 from .errors import BuildDirError, PcldnnError
-from .kernels import CACHE_LINE_FLOATS, empty_aligned, fma_peak_gflops, load_library, pin_openmp_runtimes, zeros_aligned
+from .kernels import (CACHE_LINE_FLOATS, KernelLibrary, empty_aligned, fma_peak_gflops, load_library,
+                      pin_openmp_runtimes, zeros_aligned)
 from .layers import AvgPoolLayer, DropoutLayer, Layer, LossLayer, MaxPoolLayer, ReluLayer, WeightedLayer
 from .manifest import PEAK_SYMBOL, WEIGHTS_FILE, LayerEntry, Manifest, inside, read_manifest
 from .state_io import StateKeys, check_state, expected_state, read_npz
@@ -68,7 +69,7 @@ class Net:
         self._libraries: list = []  # loaded kernel libraries (KernelLibrary): their functions stay callable
         self._workspaces: dict[int, _Workspace] = {}
         self._peaks: dict[int, float] = {}  # FMA peak GFLOP/s by thread count (peak_gflops)
-        self._peak_library = None
+        self._peak_library: KernelLibrary | None = None
         if manifest.peak is not None:  # loaded on first use only, but its path is checked now
             inside(build_dir, manifest.peak.library)
         self._pending: _Workspace | None = None  # set by a training-mode forward, used by backward
