@@ -12,8 +12,15 @@ import numpy as np
 
 from . import cpu, observe
 from .errors import BuildDirError, PcldnnError
-from .kernels import (CACHE_LINE_FLOATS, KernelLibrary, empty_aligned, fma_peak_gflops, load_library,
-                      pin_openmp_runtimes, zeros_aligned)
+from .kernels import (
+    CACHE_LINE_FLOATS,
+    KernelLibrary,
+    empty_aligned,
+    fma_peak_gflops,
+    load_library,
+    pin_openmp_runtimes,
+    zeros_aligned,
+)
 from .layers import AvgPoolLayer, DropoutLayer, Layer, LossLayer, MaxPoolLayer, ReluLayer, WeightedLayer
 from .manifest import PEAK_SYMBOL, WEIGHTS_FILE, LayerEntry, Manifest, inside, read_manifest
 from .state_io import StateKeys, check_state, expected_state, read_npz
