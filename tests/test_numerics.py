@@ -37,6 +37,8 @@ CONV_SHAPES = [
     (1, 2, 9, 9, 70, 3, 1, 0, False),
     (1, 64, 9, 9, 64, 2, 2, 0, True),
     (2, 3, 1, 1, 8, 1, 2, 1, False),  # every output reads only padding: the bias alone
+    (3, 24, 22, 18, 40, 1, 2, 1, True),  # 1x1, plane >= 64 px: backward-weights prefetches the next
+                                          # pixel block, across images, through the padding
     (1, 16, 5, 40, 16, 3, 1, 1, True),  # wide enough for an edge tile at both ends
     # few channels: backward-weights tiles over several kernel columns, with a narrower last
     # tap group and a narrower last oc-vector group together (AVX-512 / AVX2 respectively)

@@ -59,6 +59,10 @@ class ConvFwdBlocking:
         return self.weight_bytes + self.input_bytes + self.partial_bytes
 
 
+# Planes of fewer output pixels (7x7, 6x6) change which loop order and which prefetch pay.
+SMALL_PLANE = 64
+
+
 def images_inner(weight_bytes: int, groups: int, image_bytes: int, plane_pixels: int, arch: Arch) -> bool:
     """Loop order of a conv kernel over (image, channel group). Images outermost reads every
     group's weight slice once per image, 4 bytes per 2 x plane_pixels FLOPs; groups outermost
@@ -70,7 +74,7 @@ def images_inner(weight_bytes: int, groups: int, image_bytes: int, plane_pixels:
     are 2-4x L2 (AlexNet conv3-5, ResNet-18 layer3, ResNet-50 and MobileNet 7x7 1x1 layers)
     the swap measured 0.80-1.05x, mostly below 1."""
     group = weight_bytes // groups
-    return (weight_bytes > 4 * arch.l2_bytes and plane_pixels < 64 and group > image_bytes
+    return (weight_bytes > 4 * arch.l2_bytes and plane_pixels < SMALL_PLANE and group > image_bytes
             and group + image_bytes <= 3 * arch.l2_bytes // 4)
 
 
@@ -399,4 +403,9 @@ def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch, choice: tuple[int, int] 
         l2_bytes_per_flop=(tile.vectors * v + tile.width) * 4 / flops_px, rejected=tuple(s[3] for s in scored[1:6]),
         block_rows=rows, block_cols=cols, lanes=lanes, rem_vectors=rem_n, kw_taps=taps, rem_taps=kw % taps,
         oh_range=tuple(_valid_range(oh, ih, k, sh, ph) for k in range(kh)),
-        ow_range=tuple(_valid_range(ow, iw, k, sw, pw) for k in range(kw)))
+        ow_range=tuple(_valid_range(ow, iw, k, sw, pw) for k in range(kw)),
+        # A 1x1 kernel does one FMA per weight and pixel of a block: too little work to hide the
+        # block's stream from L3 / memory (ResNet-18 layer2 projection, AVX2: 84% of peak at
+        # minibatch 2, 46% at 16): the next block is prefetched. On 7x7 planes a block is a
+        # whole image and the prefetch measured 0.96-0.98x (ab, AVX2): not there.
+        prefetch_block=(kh, kw) == (1, 1) and oh * ow >= SMALL_PLANE)

@@ -145,6 +145,7 @@ class ConvBwdWeightsPlan(KernelPlan):
     rem_taps: int                   # kernel columns of the last, narrower tap group (0: none)
     oh_range: tuple[tuple[int, int], ...]   # per kernel row: output rows [lo, hi) that read inside the input
     ow_range: tuple[tuple[int, int], ...]   # per kernel column: the same for output columns
+    prefetch_block: bool = False    # 1x1: the next pixel block's inputs and gradients prefetched into L2
 
     @property
     def vector_counts(self) -> tuple[int, ...]:
