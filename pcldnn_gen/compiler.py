@@ -27,6 +27,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from pcldnn_runtime.manifest import file_sha256
+from pcldnn_runtime.validate import write_atomic
 
 from .arch import Arch
 from .errors import CompileError
@@ -153,7 +154,7 @@ def _compile_cached(source: Source, arch: Arch, cache: Path) -> CompileResult:
             return CompileResult(lib, compiled=False)
         for entry in (lib, digest_file, c_file):
             _clear(entry)
-        _atomic_write(c_file, source.text.encode())
+        write_atomic(c_file, source.text.encode())
         fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".so.tmp", dir=folder)
         os.close(fd)
         cmd = [cc, *flags, "-o", tmp, str(c_file)]
@@ -170,7 +171,7 @@ def _compile_cached(source: Source, arch: Arch, cache: Path) -> CompileResult:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        _atomic_write(digest_file, digest.encode())
+        write_atomic(digest_file, digest.encode())
     return CompileResult(lib, compiled=True)
 
 
@@ -184,13 +185,3 @@ def compile_all(sources: list[Source], arch: Arch, jobs: int | None = None,
         return list(pool.map(lambda s: compile_source(s, arch, cache), sources))
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

@@ -15,9 +15,20 @@ from .errors import PcldnnError
 
 # Environment variables through which MPI launchers announce the job's size (MPICH / Intel
 # MPI hydra, Open MPI, MVAPICH) and the number of ranks on this node.
-_WORLD_SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+# What launchers (hydra / PMI, Open MPI, MVAPICH) tell each process before MPI is initialised.
+WORLD_SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+WORLD_RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PMIX_RANK")
 _LOCAL_SIZE_ENV = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
 _guarded: set[int] = set()
+
+
+def launcher_value(names: tuple[str, ...], default: int) -> int:
+    """The first of the launcher's variables `names` that holds a plain number, else `default`."""
+    for name in names:
+        text = os.environ.get(name, "")
+        if text.isdigit() and len(text) < 9:
+            return int(text)
+    return default
 
 
 def mpiexec() -> str | None:
@@ -29,7 +40,7 @@ def world():
     """MPI.COMM_WORLD when this process is one of several MPI ranks, else None. mpi4py is
     imported only when a launcher announced a job of more than one rank (or the program
     already imported it)."""
-    launched = any(os.environ.get(k, "").isdigit() and int(os.environ[k]) > 1 for k in _WORLD_SIZE_ENV)
+    launched = any(os.environ.get(k, "").isdigit() and int(os.environ[k]) > 1 for k in WORLD_SIZE_ENV)
     if not launched and "mpi4py.MPI" not in sys.modules:
         return None
     try:

@@ -23,7 +23,6 @@ import itertools
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -32,22 +31,14 @@ from .abi import SIGNATURES
 from .errors import PcldnnError
 from .limits import blocks
 from .manifest import LayerEntry
+from .mpi_safety import WORLD_RANK_ENV, WORLD_SIZE_ENV, launcher_value
+from .validate import write_atomic
 
 VERBOSE_ENV = "PCLDNN_VERBOSE"
 TIMELINE_ENV = "PCLDNN_TIMELINE"
 MAX_EVENTS = 2_000_000  # per rank (~200 MB of JSON); later events are counted, not kept
 # Thread ids of the timeline's tracks within a rank's process, and their names.
 TRACKS = {"kernels": 1, "steps": 2, "MPI waits": 3}
-_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
-_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
-
-
-def _launcher_value(names: tuple[str, ...], default: int) -> int:
-    for name in names:
-        text = os.environ.get(name, "")
-        if text.isdigit() and len(text) < 9:
-            return int(text)
-    return default
 
 
 class KernelCall:
@@ -91,8 +82,8 @@ class Observer:
 
     def __init__(self, verbose: bool, timeline: Path | None):
         self.verbose, self.timeline = verbose, timeline
-        self.rank = _launcher_value(_RANK_VARIABLES, 0)
-        self.launched_ranks = _launcher_value(_SIZE_VARIABLES, 1)
+        self.rank = launcher_value(WORLD_RANK_ENV, 0)
+        self.launched_ranks = launcher_value(WORLD_SIZE_ENV, 1)
         self.zero = time.perf_counter()  # this rank's clock at the common origin (MPI: after a barrier)
         self.comm = None                  # set by the MPI runtime: the events merge on its rank 0
         self.events: list[tuple] = []     # (phase, name, track, start, end, args)
@@ -206,8 +197,9 @@ class Observer:
             if self.launched_ranks > 1:
                 path = path.with_name(f"{path.name}.rank{self.rank}")
         events = [e for part in parts for e in self.trace_events(*part)]
-        write_atomic(path, {"traceEvents": events, "displayTimeUnit": "ms",
-                            "otherData": {"producer": "pcldnn_runtime", "ranks": len(parts)}})
+        document = {"traceEvents": events, "displayTimeUnit": "ms",
+                    "otherData": {"producer": "pcldnn_runtime", "ranks": len(parts)}}
+        write_atomic(path, json.dumps(document, separators=(",", ":")).encode())
 
 
 def _line(text: str) -> None:
@@ -215,18 +207,6 @@ def _line(text: str) -> None:
     then gets whole lines."""
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
-
-
-def write_atomic(path: Path, data: dict) -> None:
-    """The JSON into a temporary file beside `path`, then renamed over it: no half file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, separators=(",", ":"))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @functools.lru_cache(maxsize=1)

@@ -3,13 +3,12 @@ to the logits (dropout is the identity there, the loss is left out), weights fro
 `Net.state_dict()`. The `onnx` package is an optional extra, imported on call."""
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from .errors import PcldnnError
+from .validate import write_atomic
 
 OPSET = 17
 
@@ -78,12 +77,5 @@ def export_onnx(net, path: str | Path) -> Path:
                               producer_name="pcldnn-gen")
     onnx.checker.check_model(model)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(model.SerializeToString())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, model.SerializeToString())
     return path

@@ -15,6 +15,7 @@ import math
 import os
 import re
 import stat
+import tempfile
 from pathlib import Path
 from typing import Any, Iterable, NoReturn
 
@@ -257,3 +258,16 @@ class Fields:
 
 def _int_kind(lo: int) -> str:
     return {0: "a non-negative int", 1: "a positive int"}.get(lo, f"an int >= {lo}")
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """`data` into a temporary file beside `path`, then renamed over it: readers see the old
+    file or the new one, never half of it, and a failed write leaves no temporary behind."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
