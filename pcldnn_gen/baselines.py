@@ -79,7 +79,8 @@ def onednn_runs(req) -> dict:
     torch.set_num_threads(req["threads"])
     batch, wall = req["batch"], {}
     for p in req["problems"]:
-        fwd, bwd = (_conv_runs if p["type"] == "conv" else _inner_product_runs)(torch, p, batch)
+        dtype = torch.bfloat16 if req.get("precision") == "bf16" else torch.float32
+        fwd, bwd = (_conv_runs if p["type"] == "conv" else _inner_product_runs)(torch, p, batch, dtype)
 
         for label, fn in (("fwd", fwd), ("bwd", bwd)):
             fn()  # warm-up: primitive creation
@@ -94,10 +95,10 @@ def onednn_runs(req) -> dict:
     return wall
 
 
-def _conv_runs(torch, p, batch):
+def _conv_runs(torch, p, batch, dtype):
     """(fwd, bwd) calls of PyTorch's convolution (oneDNN) for a conv problem; bwd is autograd's."""
     c, h, w = p["in_shape"]
-    x, wt = torch.randn(batch, c, h, w), torch.randn(p["out_channels"], c, *p["kernel"])
+    x, wt = torch.randn(batch, c, h, w, dtype=dtype), torch.randn(p["out_channels"], c, *p["kernel"], dtype=dtype)
     conv = lambda inp, wgt: torch.nn.functional.conv2d(inp, wgt, stride=p["stride"], padding=p["pad"])  # noqa: E731
     dy = torch.randn_like(conv(x, wt))
     xg, wg = x.clone().requires_grad_(), wt.clone().requires_grad_()
@@ -113,10 +114,11 @@ def _conv_runs(torch, p, batch):
     return fwd, bwd
 
 
-def _inner_product_runs(torch, p, batch):
+def _inner_product_runs(torch, p, batch, dtype):
     """(fwd, bwd) calls of oneDNN's inner product for an fc problem, on oneDNN tensors."""
     k = int(np.prod(p["in_shape"]))
-    x, wt, dy = torch.randn(batch, k), torch.randn(p["out_channels"], k), torch.randn(batch, p["out_channels"])
+    x, wt, dy = (torch.randn(batch, k, dtype=dtype), torch.randn(p["out_channels"], k, dtype=dtype),
+                 torch.randn(batch, p["out_channels"], dtype=dtype))
     xm, wm, dym = x.to_mkldnn(), wt.to_mkldnn(), dy.to_mkldnn()
     aten = torch.ops.aten
 

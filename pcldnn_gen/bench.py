@@ -113,7 +113,7 @@ def kernel_timers(layer, batch: int) -> dict[str, KernelTimer]:
             "bwd_data": lambda: layer.backward_blocked(xb, None, None, dyb, dxb),
             "bwd_weights": lambda: layer.backward_blocked(xb, None, None, dyb, None, grads)}
     # the traced arguments hold the buffers (ptr keeps an array alive)
-    return {p: KernelTimer(f"{layer.type}_{p}", *layer.traced_kernel_call(p, run)) for p, run in runs.items()}
+    return {p: KernelTimer(layer.kernel_kind(p), *layer.traced_kernel_call(p, run)) for p, run in runs.items()}
 
 
 def median_kernel_seconds(timer: KernelTimer, repeats: int) -> float:
@@ -143,8 +143,11 @@ class PassResult:
 
 def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASSES,
               layers: list[str] | None = None, repeats: int = 5, compare=(), peak: float | None = None,
-              build_dir: Path | None = None, rounds: int = 1, tuning=None) -> tuple[float, list[PassResult]]:
-    """Time every (weighted layer, pass). Returns (peak GFLOP/s, results).
+              build_dir: Path | None = None, rounds: int = 1, tuning=None,
+              precision: str = "fp32") -> tuple[float, list[PassResult]]:
+    """Time every (weighted layer, pass). Returns (peak GFLOP/s, results). `precision` bf16: a
+    bf16 build (its bf16 kernels timed alone, without the conversions that feed them), against
+    oneDNN on bf16 tensors; the peak stays the fp32 FMA peak.
 
     Layer by layer, `rounds` times: our kernels then the baselines, back to back. Our time is
     the median over rounds, and each ratio the median of the per-round ratios, so a slow
@@ -160,14 +163,14 @@ def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASSES
     ours, ratios = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         out = build_dir or Path(tmp) / "build"
-        plans = build(spec, arch, out, tuning=tuning).plans
+        plans = build(spec, arch, out, tuning=tuning, precision=precision).plans
         net = pr.load(out, threads=threads)
         for ls in chosen:
             timers = kernel_timers(net.layers[ls.name], batch)
             per_round = []  # [({pass: our seconds}, {"layer/pass": {baseline: seconds}})]
             for _ in range(rounds):
                 mine = {p: median_kernel_seconds(timers[p], repeats) for p in passes}
-                per_round.append((mine, run_baselines([ls], arch, batch, threads, passes, repeats, compare)
+                per_round.append((mine, run_baselines([ls], arch, batch, threads, passes, repeats, compare, precision)
                                   if compare else {}))
             for p in passes:
                 ours[(ls.name, p)] = float(np.median([mine[p] for mine, _ in per_round]))
@@ -221,23 +224,25 @@ def format_curve(title: str, arch: Arch, threads: int, peak: float, curve: dict[
 
 
 def bench_zoo(shapes, arch: Arch, batch: int, threads: int, passes=PASSES, repeats: int = 5, compare=(),
-              rounds: int = 1, tuning=None) -> tuple[float, list[PassResult]]:
+              rounds: int = 1, tuning=None, precision: str = "fp32") -> tuple[float, list[PassResult]]:
     """Every shape of a zoo (pcldnn_gen.zoo) as a one-layer net, like bench_net. The FMA peak is
     measured before and after the whole zoo; the efficiencies use the higher of the two."""
     peaks = [measure_peak(arch, threads)]
     rows: list[PassResult] = []
     for shape in shapes:
         _, results = bench_net(shape.net, arch, batch, threads, passes, None, repeats, compare, peak=peaks[0],
-                               rounds=rounds, tuning=tuning)
+                               rounds=rounds, tuning=tuning, precision=precision)
         rows += [replace(r, family=shape.family) for r in results]
     peaks.append(measure_peak(arch, threads))
     best = max(peaks)
     return best, [replace(r, peak_fraction=r.gflops / best) for r in rows]
 
 
-def run_baselines(layers, arch: Arch, batch: int, threads: int, passes, repeats: int, compare) -> dict:
+def run_baselines(layers, arch: Arch, batch: int, threads: int, passes, repeats: int, compare,
+                  precision: str = "fp32") -> dict:
     """Run pcldnn_gen.baselines in a subprocess whose environment pins the ISA and the thread
-    count of the libraries (OpenBLAS, oneDNN) to what our kernels get."""
+    count of the libraries (OpenBLAS, oneDNN) to what our kernels get; bf16: oneDNN on bf16
+    tensors with its AVX512_BF16 kernels (no AMX: ours do not use it yet)."""
     unknown = set(compare) - set(BASELINES)
     if unknown:
         raise PcldnnError(f"unknown baseline {', '.join(sorted(unknown))}; known: {', '.join(BASELINES)}")
@@ -247,14 +252,14 @@ def run_baselines(layers, arch: Arch, batch: int, threads: int, passes, repeats:
     if arch.isa == "avx2":
         env.update(ONEDNN_MAX_CPU_ISA="AVX2", OPENBLAS_CORETYPE="Haswell")
     elif arch.isa == "avx512":  # fp32 kernels: no AMX or bf16 paths
-        env.update(ONEDNN_MAX_CPU_ISA="AVX512_CORE")
+        env.update(ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16" if precision == "bf16" else "AVX512_CORE")
     env.pop("OPENBLAS_L2_SIZE", None)
     with tempfile.TemporaryDirectory() as tmp:
         request = Path(tmp) / "request.json"
         result = Path(tmp) / "result.json"
         request.write_text(json.dumps({"problems": problems, "batch": batch, "threads": threads,
                                        "passes": list(passes), "repeats": repeats, "compare": list(compare),
-                                       "isa": arch.isa}))
+                                       "isa": arch.isa, "precision": precision}))
         proc = subprocess.run([sys.executable, "-m", "pcldnn_gen.baselines", str(request), str(result)],
                               env=env, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:

@@ -18,14 +18,15 @@ from typing import TYPE_CHECKING, Mapping
 import numpy as np
 from filelock import FileLock
 
+from pcldnn_runtime import cpu
 from pcldnn_runtime.manifest import FORMAT, FORMAT_FAMILY, MANIFEST, WEIGHTS_FILE, file_sha256
 from pcldnn_runtime.state_io import check_state, expected_state
 
 from . import __version__
 from .arch import Arch
-from .codegen import peak_flops_per_iteration, render_kernel, render_layout, render_peak
+from .codegen import layer_bf16, peak_flops_per_iteration, render_kernel, render_layout, render_peak
 from .compiler import Source, compile_all
-from .errors import BuildDirError
+from .errors import ArchError, BuildDirError
 from .netspec import LayerSpec, NetSpec
 from .planner import LAYER_PASSES, KernelPlan, plan_layer
 
@@ -41,45 +42,60 @@ class BuildResult:
     plans: dict[tuple[str, str], KernelPlan]
 
 
-def default_build_dir(net: NetSpec, arch: Arch) -> Path:
-    return Path("build") / f"{net.name}-{arch.isa}"
+def default_build_dir(net: NetSpec, arch: Arch, precision: str = "fp32") -> Path:
+    return Path("build") / (f"{net.name}-{arch.isa}" + ("" if precision == "fp32" else f"-{precision}"))
+
+
+def check_precision(precision: str, arch: Arch) -> None:
+    """A precision the generator has kernels for on `arch`'s ISA, or an ArchError."""
+    if precision not in cpu.PRECISIONS:
+        raise ArchError(f"unknown precision {precision[:40]!r}: use one of {', '.join(cpu.PRECISIONS)}")
+    if arch.isa not in cpu.PRECISION_ISAS[precision]:
+        raise ArchError(f"--precision {precision} needs an AVX-512 arch ({precision} kernels use AVX512_BF16), "
+                         f"got {arch.name} ({arch.isa})")
 
 
 def plan_net(net: NetSpec, arch: Arch, tuning: TuningDB | None = None,
-             choices: Mapping[tuple[str, str], tuple[int, int]] | None = None) -> dict[tuple[str, str], KernelPlan]:
+             choices: Mapping[tuple[str, str], tuple[int, int]] | None = None,
+             precision: str = "fp32") -> dict[tuple[str, str], KernelPlan]:
     """Every (layer, pass) plan: the model's, the tuning database's measured tile where an
-    entry matches, or a forced candidate tile from `choices` (the tuner's trial builds)."""
+    entry matches, or a forced candidate tile from `choices` (the tuner's trial builds). The
+    database holds fp32 measurements: bf16 kernels take the model's plan."""
     plans = {}
     for layer in net.layers:
+        bf16 = layer_bf16(layer, arch, precision)
         for p in LAYER_PASSES[layer.type]:
             choice = (choices or {}).get((layer.name, p))
-            plans[(layer.name, p)] = (plan_layer(layer, p, arch, choice) if choice or tuning is None
+            plans[(layer.name, p)] = (plan_layer(layer, p, arch, choice) if choice or tuning is None or p in bf16
                                       else tuning.plan(layer, p, arch))
     return plans
 
 
 def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | None = None,
           tuning: TuningDB | None = None, choices: Mapping[tuple[str, str], tuple[int, int]] | None = None,
-          weights: Mapping[str, np.ndarray] | None = None, weights_origin: str = "weights") -> BuildResult:
+          weights: Mapping[str, np.ndarray] | None = None, weights_origin: str = "weights",
+          precision: str = "fp32") -> BuildResult:
     """Plan (through `tuning` when given; see plan_net), render, compile, write the directory.
     `weights` (canonical layouts, every weighted layer's `.weight` and `.bias`) are checked
-    here and recorded in the build: `pr.load` starts from them instead of random ones."""
-    out_dir = Path(out_dir) if out_dir is not None else default_build_dir(net, arch)
+    here and recorded in the build: `pr.load` starts from them instead of random ones.
+    `precision` bf16: the kernels of limits.bf16_kernels read bf16 copies (DESIGN §11)."""
+    check_precision(precision, arch)
+    out_dir = Path(out_dir) if out_dir is not None else default_build_dir(net, arch, precision)
     initial = None
     if weights is not None:
         initial, _ = check_state(expected_state(net.layers), weights, weights_origin)
-    plans = plan_net(net, arch, tuning, choices)
+    plans = plan_net(net, arch, tuning, choices, precision)
     sources: list[tuple[LayerSpec | None, str, Source]] = []
     for layer in net.layers:
         for p in LAYER_PASSES[layer.type]:
-            sources.append((layer, p, render_kernel(layer, plans[(layer.name, p)], arch)))
-        sources.append((layer, "layout", render_layout(layer, arch)))
+            sources.append((layer, p, render_kernel(layer, plans[(layer.name, p)], arch, precision)))
+        sources.append((layer, "layout", render_layout(layer, arch, precision)))
     peak = render_peak(arch)  # for PCLDNN_VERBOSE's % of peak
     _check_replaceable(out_dir)
     results = compile_all([s for _, _, s in sources] + [peak], arch, jobs)
 
     try:
-        _write_build(net, arch, out_dir, sources + [(None, "peak", peak)], results, plans, initial)
+        _write_build(net, arch, out_dir, sources + [(None, "peak", peak)], results, plans, initial, precision)
     except OSError as e:
         raise BuildDirError(f"{out_dir}: cannot write the build directory: {e.strerror or e}") from None
     compiled = sum(r.compiled for r in results)
@@ -87,7 +103,7 @@ def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | Non
 
 
 def _write_build(net: NetSpec, arch: Arch, out_dir: Path, sources: list[tuple[LayerSpec | None, str, Source]],
-                 results, plans, initial: dict[str, np.ndarray] | None) -> None:
+                 results, plans, initial: dict[str, np.ndarray] | None, precision: str) -> None:
     """Sources, libraries and manifest into a staging folder, swapped in under a lock. A source
     of no layer is the build's FMA peak kernel."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -111,7 +127,7 @@ def _write_build(net: NetSpec, arch: Arch, out_dir: Path, sources: list[tuple[La
                 if p != "layout":
                     entry["plan"] = plans[(layer.name, p)].to_json()
                 kernels.setdefault(layer.name, {})[p] = entry
-            manifest = _manifest(net, arch, kernels) | {"peak": peak}
+            manifest = _manifest(net, arch, kernels) | {"peak": peak, "precision": precision}
             if initial is not None:
                 np.savez(stage / WEIGHTS_FILE, **initial)  # type: ignore[arg-type]
                 manifest["weights"] = {"file": WEIGHTS_FILE, "sha256": file_sha256(stage / WEIGHTS_FILE)}

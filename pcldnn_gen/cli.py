@@ -9,6 +9,8 @@ import time
 import warnings
 from pathlib import Path
 
+from pcldnn_runtime.cpu import PRECISIONS
+
 from . import __version__
 from .arch import get_arch
 from .build import build
@@ -27,7 +29,7 @@ def _compile(args: argparse.Namespace) -> int:
         from pcldnn_runtime.state_io import read_npz
         weights = read_npz(args.weights)
     result = build(net, arch, Path(args.output) if args.output else None, args.jobs, _tuning(args),
-                   weights=weights, weights_origin=str(args.weights))
+                   weights=weights, weights_origin=str(args.weights), precision=args.precision)
     elapsed = time.perf_counter() - t0
     for layer in net.layers:
         shape = "x".join(map(str, layer.out_shape))
@@ -37,7 +39,7 @@ def _compile(args: argparse.Namespace) -> int:
             for (name, p), plan in result.plans.items() if name == layer.name and plan.tile is not None)
         print(f"  {layer.name:<12} {layer.type:<22} -> {shape:<14} {detail}")
     print(f"{result.directory}: {len(net.layers)} layers, {result.compiled} kernels compiled, "
-          f"{result.cached} from cache, {elapsed:.2f} s ({arch.name})")
+          f"{result.cached} from cache, {elapsed:.2f} s ({arch.name}, {args.precision})")
     return 0
 
 
@@ -149,6 +151,8 @@ def _bench(args: argparse.Namespace) -> int:
         if args.zoo or compare or args.plot:
             raise PcldnnError("bench: several --batch values (the efficiency curve) go with a net file, without "
                               "--zoo, --compare or --plot")
+        if args.precision != "fp32":
+            raise PcldnnError("bench: the efficiency curve (several --batch values) is measured in fp32 only")
         net = load_netspec(args.net, args.max_memory)
         layers = args.layers.split(",") if args.layers else None
         peak, curve = bench.bench_curve(net, arch, args.batch, threads, passes, layers, args.repeats, _tuning(args))
@@ -170,13 +174,15 @@ def _bench(args: argparse.Namespace) -> int:
             shapes = [s for s in shapes if s.name in wanted]
         title = f"zoo {Path(args.zoo).name}"
         peak, results = bench.bench_zoo(shapes, arch, args.batch, threads, passes, args.repeats, compare, args.rounds,
-                                        _tuning(args))
+                                        _tuning(args), args.precision)
     else:
         net = load_netspec(args.net, args.max_memory)
         title = net.name
         layers = args.layers.split(",") if args.layers else None
         peak, results = bench.bench_net(net, arch, args.batch, threads, passes, layers, args.repeats, compare,
-                                        rounds=args.rounds, tuning=_tuning(args))
+                                        rounds=args.rounds, tuning=_tuning(args), precision=args.precision)
+    if args.precision != "fp32":
+        title += f" ({args.precision} build: %peak against the fp32 FMA peak)"
     print(bench.format_table(title, arch, args.batch, threads, peak, results))
     if args.json:
         Path(args.json).write_text(json.dumps(bench.results_json(title, arch, args.batch, threads, peak, results,
@@ -224,7 +230,10 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("net", help="network description (net.json)")
     c.add_argument("--arch", default="native", help="native (default), a CPU family (haswell, skylake-x, icelake, "
                    "sapphirerapids, zen3, zen4, zen5), avx2, avx512, scalar, or an arch JSON file")
-    c.add_argument("-o", "--output", help="build directory (default build/<net>-<isa>)")
+    c.add_argument("-o", "--output", help="build directory (default build/<net>-<isa>, bf16: build/<net>-<isa>-bf16)")
+    c.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="kernel number format: fp32 (default) or bf16 (bf16 activations and weight copy, fp32 "
+                        "accumulation and master weights; AVX-512 builds, run on CPUs with AVX512_BF16)")
     c.add_argument("--jobs", type=_int_in(1, 256), default=None, help="parallel compiler processes (default: cores)")
     c.add_argument("--weights", help="initial weights (.npz with <layer>.weight and <layer>.bias in canonical "
                    "layouts, as `pcldnn-gen import` writes): recorded in the build, loaded by pr.load")
@@ -264,6 +273,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--compare", default="", help="comma-separated baselines: numpy, onednn (needs torch)")
     b.add_argument("--json", help="write the results as JSON")
     b.add_argument("--plot", help="write a bar chart (PNG; needs matplotlib)")
+    b.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="bf16: time a bf16 build's kernels (against oneDNN on bf16 tensors with --compare onednn)")
     _no_tuning_option(b)
     _max_memory_option(b)
     b.set_defaults(func=_bench)

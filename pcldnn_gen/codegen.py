@@ -6,6 +6,7 @@ template serves scalar C, AVX2 and AVX-512 and never assumes a vector width.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import textwrap
@@ -14,9 +15,10 @@ from importlib import resources
 
 import jinja2
 
+from pcldnn_runtime import cpu
 from pcldnn_runtime.abi import SIGNATURES
-from pcldnn_runtime.limits import blocks, input_pixel_floats
-from pcldnn_runtime.manifest import PEAK_SYMBOL
+from pcldnn_runtime.limits import bf16_kernels, blocks, input_pixel_floats
+from pcldnn_runtime.manifest import PEAK_SYMBOL, kernel_kinds
 from pcldnn_runtime.validate import NAME_RE, full_match, show
 
 from . import __version__
@@ -51,6 +53,20 @@ class VectorISA:
     # Body of transpose_vxv(s, ss, d, ds): d[j * ds + i] = s[i * ss + j] for one V x V block, in
     # registers (fc backward-data panels, layout conversions); empty: _common's scalar loop.
     transpose: str = ""
+    # The reduction operands (weights, broadcast inputs) where they differ from the accumulators:
+    # bf16 kernels hold bf16 pairs (operand_type) and accumulate them with a dot product (_fma).
+    operand_type: str = ""
+    _operand_load: str = ""
+    _operand_broadcast: str = ""
+
+    def operand(self) -> str:
+        return self.operand_type or self.type
+
+    def operand_load(self, addr: str) -> str:
+        return (self._operand_load or self._load).format(a=addr)
+
+    def operand_broadcast(self, addr: str) -> str:
+        return (self._operand_broadcast or self._broadcast).format(a=addr)
 
     def pin(self, var: str) -> str:
         return self._pin.format(v=var)
@@ -165,6 +181,16 @@ VECTOR_ISAS: dict[str, VectorISA] = {
                         "if ({v} > {b}) {{ {b} = {v}; {w} = {p}; }}", "*({a}) = {v}"),
 }
 
+# bf16 kernels: the AVX-512 spellings, except for the reduction. A weight vector is 16 oc lanes
+# x a pair of input channels (32 bf16), an input operand is one pixel's pair broadcast to every
+# lane (32 bits), and vdpbf16ps adds both products of each lane's pair to its fp32 accumulator.
+BF16_ISA = dataclasses.replace(
+    VECTOR_ISAS["avx512"], operand_type="__m512bh",
+    _operand_load="(__m512bh)_mm512_loadu_si512((const void *)({a}))",
+    _operand_broadcast="(__m512bh)_mm512_set1_epi32(bf16_pair({a}))",
+    _fma="_mm512_dpbf16_ps({c}, {a}, {b})")
+
+
 def c_comment(text: object) -> str:
     """Text made inert inside a C block comment: printable ASCII only (no newline, no
     backslash that could splice lines), and no sequence that ends or opens a comment or
@@ -238,32 +264,43 @@ def _comment_lines(plan: KernelPlan) -> list[str]:
     return lines
 
 
-def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
+def layer_bf16(layer: LayerSpec, arch: Arch, precision: str) -> tuple[str, ...]:
+    """The passes of `layer` with bf16 kernels in a build of `precision` (limits.bf16_kernels)."""
+    return bf16_kernels(precision, layer.index, layer.type, layer.in_shape[0], arch.vector_floats)
+
+
+def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch, precision: str = "fp32") -> Source:
     """C source of one (layer, pass) kernel: the plan's template with the plan, the ISA's
-    spellings and the layer's blocked sizes."""
+    spellings and the layer's blocked sizes. In a bf16 build, the passes of layer_bf16 read
+    bf16 operands in pairs of input channels (lane_step 2) with the BF16_ISA spellings."""
     v = arch.vector_floats
     symbol = kernel_symbol(layer.name, plan.pass_name)
     c, h, w = layer.in_shape
     icb = blocks(c, v)
-    text = template_env().get_template(plan.template).render(
-        layer=layer, arch=arch, plan=plan, V=v, vec=VECTOR_ISAS[arch.isa], symbol=symbol,
-        params=SIGNATURES[plan.kind], version=__version__, plan_lines=_comment_lines(plan),
+    bf16 = plan.pass_name in layer_bf16(layer, arch, precision)
+    kind = kernel_kinds(layer.type, layer_bf16(layer, arch, precision))[plan.pass_name][plan.pass_name]
+    lines = _comment_lines(plan)
+    if bf16:
+        pairs = "neighbouring output pixels" if plan.pass_name == "bwd_weights" else (
+            "output channels" if plan.pass_name == "bwd_data" else "input channels")
+        lines.append(f"precision: bf16 operands, a pair of {pairs} per 32-bit lane (vdpbf16ps), fp32 "
+                     "accumulation and results; blocks of the fp32 plan")
+    template = plan.template
+    if bf16 and plan.pass_name == "bwd_weights":  # pairs of pixels, not of channels: its own loops
+        template = "conv_bwd_weights_bf16.c.j2"
+    text = template_env().get_template(template).render(
+        layer=layer, arch=arch, plan=plan, V=v, vec=BF16_ISA if bf16 else VECTOR_ISAS[arch.isa], symbol=symbol,
+        params=SIGNATURES[kind], version=__version__, plan_lines=lines,
+        elem="unsigned short" if bf16 else "float", lane_step=2 if bf16 else 1,
         R=plan.tile.vectors if plan.tile else 0, icb=icb, ocb=blocks(layer.out_shape[0], v),
         xv=input_pixel_floats(layer.index, layer.type, c, v),
         ic_tail=c - (icb - 1) * v, k=icb * v * h * w, size=icb * v * h * w, classes=c, ld=icb * v)
-    return Source(f"{layer.name}_{plan.pass_name}.c", text, {symbol: plan.kind})
+    return Source(f"{layer.name}_{plan.pass_name}.c", text, {symbol: kind}, cpu.PRECISION_CFLAGS["bf16"] if bf16 else ())
 
 
-def layout_symbols(layer: str) -> dict[str, str]:
-    """{role: symbol} of a layer's layout conversions."""
-    p = f"pcldnn_{c_identifier(layer)}"
-    return {"in_to_blocked": f"{p}_in_to_blocked", "in_from_blocked": f"{p}_in_from_blocked",
-            "out_to_blocked": f"{p}_out_to_blocked", "out_from_blocked": f"{p}_out_from_blocked",
-            "wt_to_blocked": f"{p}_wt_to_blocked", "wt_from_blocked": f"{p}_wt_from_blocked"}
-
-
-def render_layout(layer: LayerSpec, arch: Arch) -> Source:
-    """C source of a layer's canonical <-> blocked conversions (activations and weights)."""
+def render_layout(layer: LayerSpec, arch: Arch, precision: str = "fp32") -> Source:
+    """C source of a layer's canonical <-> blocked conversions (activations and weights), and
+    in a bf16 build the bf16 copies its bf16 kernels read."""
     wshape = None
     if layer.weighted:
         oc, ic = layer.out_shape[0], layer.in_shape[0]
@@ -271,12 +308,12 @@ def render_layout(layer: LayerSpec, arch: Arch) -> Source:
     text = template_env().get_template("layout.c.j2").render(
         layer=layer, arch=arch, V=arch.vector_floats, vec=VECTOR_ISAS[arch.isa], version=__version__,
         prefix=f"pcldnn_{c_identifier(layer.name)}", wshape=wshape, params=SIGNATURES,
-        packed_input=input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats)
-    roles = layout_symbols(layer.name)
-    if not layer.weighted:
-        roles = {r: s for r, s in roles.items() if not r.startswith("wt_")}
-    kinds = {s: ("weight_layout" if r.startswith("wt_") else "act_layout") for r, s in roles.items()}
-    return Source(f"{layer.name}_layout.c", text, kinds)
+        packed_input=input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats,
+        bf16=bool(layer_bf16(layer, arch, precision)))
+    prefix = f"pcldnn_{c_identifier(layer.name)}_"
+    roles = kernel_kinds(layer.type, layer_bf16(layer, arch, precision))["layout"]
+    flags = cpu.PRECISION_CFLAGS["bf16"] if layer_bf16(layer, arch, precision) else ()
+    return Source(f"{layer.name}_layout.c", text, {prefix + r: kind for r, kind in roles.items()}, flags)
 
 
 

@@ -40,6 +40,9 @@ class Source:
     filename: str
     text: str
     symbols: dict[str, str]
+    # flags beyond the ISA's that this file's instructions need (a precision's: -mavx512bf16),
+    # from the allow-list cpu.PRECISION_CFLAGS
+    cflags: tuple[str, ...] = ()
 
 
 CACHE_FORMAT = "pcldnn-cache/1"
@@ -71,8 +74,8 @@ def compiler_identity(cc: str) -> str:
     return f"{os.path.realpath(path)} {out.stdout.splitlines()[0] if out.stdout else ''}"
 
 
-def compile_flags(arch: Arch) -> list[str]:
-    return [*BASE_FLAGS, *arch.cflags]
+def compile_flags(arch: Arch, extra: tuple[str, ...] = ()) -> list[str]:
+    return [*BASE_FLAGS, *arch.cflags, *extra]
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,7 @@ def compile_source(source: Source, arch: Arch, cache: Path | None = None) -> Com
 
 def _compile_cached(source: Source, arch: Arch, cache: Path) -> CompileResult:
     cc = c_compiler()
-    flags = compile_flags(arch)
+    flags = compile_flags(arch, source.cflags)
     key = cache_key(source.text, cc, flags)
     folder = cache / key[:2]
     if folder.is_symlink() or (folder.exists() and not folder.is_dir()):

@@ -31,13 +31,26 @@ SIGNATURES: dict[str, str] = {
     "softmax_cross_entropy_bwd_data":
         "const float *probs, const int *labels, float *dx, int batch, int nthreads",
     "act_layout": "const float *src, float *dst, int batch, int nthreads",
+    # bf16 builds: a conv forward kernel on bf16 input and weights (round-to-nearest-even copies
+    # made by the two conversions below), fp32 bias and output.
+    "conv_fwd_bf16": "const unsigned short *in, const unsigned short *wt, const float *bias, float *out, "
+                     "int batch, int nthreads",
+    # bwd_data converts dy (after the ReLU mask) and the transposed weights into bf16 scratch.
+    "conv_bwd_data_bf16": "float *dy, const float *out, const float *wt, unsigned short *scratch, float *dx, "
+                          "int batch, int nthreads",
+    # bwd_weights pairs neighbouring output pixels: bf16 pair copies of x and dy in scratch
+    # (limits.bf16_weight_scratch), the bias gradient from the fp32 dy.
+    "conv_bwd_weights_bf16": "const float *in, float *dy, const float *out, unsigned short *scratch, float *dwt, "
+                             "float *dbias, int batch, int nthreads",
+    "act_to_bf16": "const float *src, unsigned short *dst, int batch, int nthreads",
+    "weight_to_bf16": "const float *src, unsigned short *dst",
     "peak": "long long iters, int nthreads, float *sink",
     "weight_layout": "const float *src, float *dst",
 }
 
 # Timing loops of `bench` (templates/repeat.c.j2): a weighted kernel's own arguments after the
 # kernel, the call count and where the seconds per call go.
-REPEATED_KINDS = ("conv_fwd", "conv_bwd_data", "conv_bwd_weights", "fc_fwd", "fc_bwd_data", "fc_bwd_weights")
+REPEATED_KINDS = ("conv_fwd", "conv_fwd_bf16", "conv_bwd_data_bf16", "conv_bwd_weights_bf16", "conv_bwd_data", "conv_bwd_weights", "fc_fwd", "fc_bwd_data", "fc_bwd_weights")
 SIGNATURES |= {f"repeat_{kind}": "void *fn, long long reps, double *seconds, " + SIGNATURES[kind]
                for kind in REPEATED_KINDS}
 

@@ -28,6 +28,13 @@ ISA_CFLAGS: dict[str, tuple[str, ...]] = {
     "avx2": ("-mavx2", "-mfma"),
     "avx512": ("-mavx512f", "-mavx2", "-mfma"),
 }
+# Number formats of a build's kernels (`compile --precision`). bf16: bf16 activations and weight
+# copy, fp32 accumulation (AVX512_BF16's vdpbf16ps: two bf16 products per fp32 lane, twice the
+# fp32 FMA rate), on AVX-512 builds only; each adds its CPU flags and compiler flags to the ISA's.
+PRECISIONS = ("fp32", "bf16")
+PRECISION_ISAS: dict[str, tuple[str, ...]] = {"fp32": ("scalar", "avx2", "avx512"), "bf16": ("avx512",)}
+PRECISION_FLAGS: dict[str, tuple[str, ...]] = {"fp32": (), "bf16": ("avx512_bf16",)}
+PRECISION_CFLAGS: dict[str, tuple[str, ...]] = {"fp32": (), "bf16": ("-mavx512bf16",)}
 # SIMD width of each ISA's kernels.
 ISA_VECTOR_BITS: dict[str, int] = {"scalar": 32, "avx2": 256, "avx512": 512}
 
@@ -90,6 +97,15 @@ def require(isa: str, what: str) -> None:
             f"{what} needs ISA {isa!r} but this CPU lacks {', '.join(missing)}; "
             f"compile with --arch scalar or --arch native instead"
         )
+
+
+def require_precision(precision: str, what: str) -> None:
+    """Raise ArchError, before anything is executed, if this CPU lacks the instructions of
+    `precision` kernels (bf16 without AVX512_BF16 would die by SIGILL)."""
+    missing = [f for f in PRECISION_FLAGS[precision] if f not in cpu_flags()]
+    if missing:
+        raise ArchError(f"{what} is a {precision} build but this CPU lacks {', '.join(missing)}; "
+                        f"compile it with --precision fp32 instead")
 
 
 def best_isa() -> str:

@@ -134,7 +134,8 @@ def fma_peak_gflops(fn: Callable, flops_per_iteration: int, threads: int, repeat
     return flops_per_iteration * threads * iters / float(np.median(times)) / 1e9
 
 
-_C_TYPES = {np.dtype(np.float32): "float[]", np.dtype(np.int32): "int[]", np.dtype(np.float64): "double[]"}
+_C_TYPES = {np.dtype(np.float32): "float[]", np.dtype(np.int32): "int[]", np.dtype(np.float64): "double[]",
+            np.dtype(np.uint16): "unsigned short[]"}  # uint16: bf16 values
 
 
 def ptr(arr: np.ndarray | None):
@@ -154,12 +155,12 @@ _ffi = cffi.FFI()
 CACHE_LINE_FLOATS = 16  # floats in a 64-byte cache line: parameter blocks and MPI parts start on one
 
 
-def empty_aligned(shape: tuple[int, ...], align: int = 64) -> np.ndarray:
-    """An uninitialised float32 array whose data starts on an `align`-byte boundary
-    (cache line), so vector loads never split lines at the start of a buffer."""
-    count = int(np.prod(shape))
-    raw = np.empty(count + align // 4, dtype=np.float32)
-    offset = (-raw.ctypes.data % align) // 4
+def empty_aligned(shape: tuple[int, ...], align: int = 64, dtype=np.float32) -> np.ndarray:
+    """An uninitialised array (float32 unless said) whose data starts on an `align`-byte
+    boundary (cache line), so vector loads never split lines at the start of a buffer."""
+    count, size = int(np.prod(shape)), np.dtype(dtype).itemsize
+    raw = np.empty(count + align // size, dtype=dtype)
+    offset = (-raw.ctypes.data % align) // size
     return raw[offset:offset + count].reshape(shape)
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from .abi import DROPOUT_HASH_STEP
 from .errors import PcldnnError
 from .kernels import empty_aligned, ptr
-from .limits import blocks, input_pixel_floats
+from .limits import bf16_weight_scratch, blocks, input_pixel_floats
 from .manifest import LayerEntry
 
 
@@ -105,6 +105,11 @@ class Layer:
         (dw, db) into `grads` when given. dyb may be modified in place (ReLU mask)."""
         raise NotImplementedError
 
+    def kernel_kind(self, pass_name: str) -> str:
+        """The ABI kind (abi.SIGNATURES) of this layer's `pass_name` kernel: conv_fwd_bf16 in a
+        bf16 build, else <type>_<pass>."""
+        return next(iter(self.spec.kernels[pass_name].symbols.values()))
+
     def traced_kernel_call(self, pass_name: str, run: Callable[[], None]) -> tuple[Callable, tuple]:
         """(kernel, arguments) of the one call that run() makes to this layer's `pass_name`
         kernel, which is not executed: what `pcldnn-gen bench` repeats in a C loop."""
@@ -142,13 +147,13 @@ class Layer:
         """The blocked output yb in canonical layout: (N, C, H, W), or (N, F) for fc outputs."""
         return self._from_blocked("out", yb, self.out_shape, self.flat_output)
 
-    def _buffer(self, use: str, shape: tuple[int, ...]) -> np.ndarray:
-        """The blocked buffer the canonical API uses for `use`, kept from call to call while the
-        shape stays: fresh buffers cost a page fault per 4 KiB on every call (VGG-A conv4
-        forward at minibatch 16: 51 MB of output, ~8% of the kernel's time)."""
+    def _buffer(self, use: str, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+        """The blocked buffer the canonical API (or a bf16 copy) uses for `use`, kept from call
+        to call while the shape stays: fresh buffers cost a page fault per 4 KiB on every call
+        (VGG-A conv4 forward at minibatch 16: 51 MB of output, ~8% of the kernel's time)."""
         buf = self._buffers.get(use)
         if buf is None or buf.shape != shape:
-            buf = self._buffers[use] = empty_aligned(shape)
+            buf = self._buffers[use] = empty_aligned(shape, dtype=dtype)
         return buf
 
     def _to_blocked(self, role: str, x: np.ndarray, shape: tuple[int, int, int], use: str) -> np.ndarray:
@@ -218,6 +223,13 @@ class WeightedLayer(Layer):
         self.runner = None
         # where the blocked weights and the bias start in the net's flat params / grads buffers
         self.param_offsets: tuple[int, int] = offsets
+        # bf16 builds: the forward kernel reads bf16 copies of the input and of the weights
+        # (limits.bf16_kernels), made by the layer's conversion kernels before each call; the
+        # fp32 weights stay the master copy that optimizers and the API see.
+        self.bf16_forward = "wt_to_bf16" in kernels
+        self.bf16_backward_data = self.kernel_kind("bwd_data") == "conv_bwd_data_bf16"
+        self.bf16_backward_weights = self.kernel_kind("bwd_weights") == "conv_bwd_weights_bf16"
+        self._wt16 = empty_aligned(self._wt.shape, dtype=np.uint16) if self.bf16_forward else None
 
     @property
     def blocked_weight_shape(self) -> tuple[int, ...]:
@@ -322,7 +334,14 @@ class WeightedLayer(Layer):
     def run_forward(self, xb, yb, part: tuple[int, int] | None) -> None:
         """The forward kernel on this process's data; fc: output blocks `part` only."""
         extra = part if part is not None else ()
-        self._k["fwd"](ptr(xb), self._wt_ptr, self._bias_ptr, ptr(yb), xb.shape[0], self.team(xb.shape[0]), *extra)
+        batch, team = xb.shape[0], self.team(xb.shape[0])
+        if self.bf16_forward:
+            xb16 = self._buffer("bf16.x", xb.shape, np.uint16)
+            self._k["in_to_bf16"](ptr(xb), ptr(xb16), batch, team)
+            self._k["wt_to_bf16"](self._wt_ptr, ptr(self._wt16))
+            self._k["fwd"](ptr(xb16), ptr(self._wt16), self._bias_ptr, ptr(yb), batch, team)
+            return
+        self._k["fwd"](ptr(xb), self._wt_ptr, self._bias_ptr, ptr(yb), batch, team, *extra)
 
     def run_backward(self, xb, yb, dyb, dxb, grads, part: tuple[int, int] | None) -> None:
         """The backward kernels on this process's data (dxb / grads None: skip that pass)."""
@@ -332,13 +351,24 @@ class WeightedLayer(Layer):
         mask = yb if self.relu else None
         if grads is not None:
             dw, db = grads
-            self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(dw), ptr(db), batch, threads, *extra)
+            if self.bf16_backward_weights:
+                scratch = self._net.scratch(-(-self._weight_scratch(batch) // 2)).view(np.uint16)
+                self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(scratch), ptr(dw), ptr(db), batch, threads)
+            else:
+                self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(dw), ptr(db), batch, threads, *extra)
             if not self.spec.bias:
                 db[...] = 0.0  # a bias-free layer's bias stays zero: no gradient, no update, no decay
             mask = None  # dy is masked in place now
         if dxb is not None:
-            scratch = self._net.scratch(self.scratch_floats)
+            if self.bf16_backward_data:  # bf16 transposed weights, then bf16 dy from a cache line on
+                scratch = self._net.scratch(-(-self._wt.size // 32) * 16 + (dyb.size + 1) // 2).view(np.uint16)
+            else:
+                scratch = self._net.scratch(self.scratch_floats)
             self._k["bwd_data"](ptr(dyb), ptr(mask), self._wt_ptr, ptr(scratch), ptr(dxb), batch, threads, *extra)
+
+    def _weight_scratch(self, batch: int) -> int:
+        """bf16 values of scratch the bf16 backward-weights kernel needs at `batch`."""
+        return bf16_weight_scratch(self.in_shape, self.out_shape, self.kernel, self.spec.stride, self._v, batch)
 
     def backward_weights(self, x: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(dw, db) in canonical layouts for input x and output gradient dy (does not touch

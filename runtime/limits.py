@@ -47,6 +47,28 @@ def input_pixel_floats(index: int, layer_type: str, channels: int, v: int) -> in
     return channels if index == 0 and layer_type == "conv" and channels < v else v
 
 
+def bf16_kernels(precision: str, index: int, layer_type: str, channels: int, v: int) -> tuple[str, ...]:
+    """The passes of a layer that run bf16 kernels in a build of `precision`: a convolution's
+    three passes, unless its input is the packed few-channel image (its
+    pixels are not whole channel pairs). The rest run fp32 kernels on fp32 buffers (the
+    issue-18 increments widen this set; generator and runtime both ask here)."""
+    if precision != "bf16" or layer_type != "conv" or input_pixel_floats(index, layer_type, channels, v) != v:
+        return ()
+    return ("fwd", "bwd_data", "bwd_weights")
+
+
+def bf16_weight_scratch(in_shape: tuple[int, int, int], out_shape: tuple[int, int, int], kernel: tuple[int, int],
+                        stride: tuple[int, int], v: int, batch: int) -> int:
+    """bf16 values of scratch a bf16 conv backward-weights kernel needs (its template's XP_CB and
+    GP_CB): x in pairs (IH rows of (2 ceil(OW/2) - 2) SW + KW columns) from a cache line, then
+    dy in pairs (OH rows of ceil(OW/2))."""
+    c, ih, _ = in_shape
+    oc, oh, ow = out_shape
+    pairs = -(-ow // 2)
+    x_pairs = batch * blocks(c, v) * ih * ((2 * pairs - 2) * stride[1] + kernel[1]) * v * 2
+    return -(-x_pairs // 32) * 32 + batch * blocks(oc, v) * oh * pairs * v * 2
+
+
 def padded(channels: int, v: int = 16) -> int:
     """Channels rounded up to whole vectors (the widest, 16 floats, when the ISA is not known)."""
     return blocks(channels, v) * v

@@ -39,6 +39,20 @@ WINDOWED = ("conv", "maxpool", "avgpool")
 # Layout conversions (symbol suffix -> kernel kind); weighted layers also convert weights.
 ACT_LAYOUTS = ("in_to_blocked", "in_from_blocked", "out_to_blocked", "out_from_blocked")
 WEIGHT_LAYOUTS = ("wt_to_blocked", "wt_from_blocked")
+# bf16 builds: a layer with bf16 kernels (limits.bf16_kernels) also converts its blocked input
+# and weights to the bf16 copies those kernels read.
+BF16_LAYOUTS = {"in_to_bf16": "act_to_bf16", "wt_to_bf16": "weight_to_bf16"}
+
+
+def kernel_kinds(ltype: str, bf16_passes: tuple[str, ...]) -> dict[str, dict[str, str]]:
+    """{pass or "layout": {symbol suffix: kernel kind}} of one layer: the one list generator
+    and manifest reader share."""
+    out = {p: {p: f"{ltype}_{p}" + ("_bf16" if p in bf16_passes else "")} for p in LAYER_PASSES[ltype]}
+    roles = ACT_LAYOUTS + (WEIGHT_LAYOUTS if ltype in WEIGHTED else ())
+    out["layout"] = {r: ("weight_layout" if r.startswith("wt_") else "act_layout") for r in roles}
+    if bf16_passes:
+        out["layout"] |= BF16_LAYOUTS
+    return out
 
 PEAK_SYMBOL = "pcldnn_peak"  # the build's FMA peak kernel (pcldnn_gen.codegen.render_peak)
 _REL_PATH = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_./-]{0,250}")
@@ -86,6 +100,7 @@ class Manifest:
     weights_sha256: str | None = None  # WEIGHTS_FILE's digest when the build carries initial weights
     peak: KernelEntry | None = None  # the FMA peak kernel (PCLDNN_VERBOSE's % of peak); None in older builds
     peak_flops_per_iteration: int = 0  # its FLOPs per thread and loop iteration
+    precision: str = "fp32"  # cpu.PRECISIONS: the number format of its bf16-capable kernels
 
     @property
     def isa(self) -> str:
@@ -114,7 +129,7 @@ def read_manifest(build_dir: Path) -> Manifest:
 
 def parse_manifest(data: Any, origin: str) -> Manifest:
     f = Fields(origin, BuildDirError)
-    f.obj(data, "", {"format", "generator", "net", "arch", "layers"}, {"weights", "peak"})
+    f.obj(data, "", {"format", "generator", "net", "arch", "layers"}, {"weights", "peak", "precision"})
     net = f.obj(data["net"], "net", {"name", "input", "classes", "hash"})
     name = f.string(net["name"], "net.name", NAME_RE, "a net name")
     net_input = _shape(f, net["input"], "net.input", limits.MAX_CHANNELS)
@@ -122,11 +137,15 @@ def parse_manifest(data: Any, origin: str) -> Manifest:
     net_hash = f.string(net["hash"], "net.hash", SHA256_RE, "a sha256 digest")
     arch = _arch(f, data["arch"])
     v = arch["vector_bits"] // 32
+    precision = f.choice(data.get("precision", "fp32"), "precision", cpu.PRECISIONS)
+    if arch["isa"] not in cpu.PRECISION_ISAS[precision]:
+        f.fail("precision", f"{precision} kernels exist for {', '.join(cpu.PRECISION_ISAS[precision])} builds, "
+               f"not {arch['isa']}")
     raw_layers = f.array(data["layers"], "layers", 1, limits.MAX_LAYERS)
     layers: list[LayerEntry] = []
     shape = net_input
     for i, raw in enumerate(raw_layers):
-        layer = _layer(f, raw, i, shape, v)
+        layer = _layer(f, raw, i, shape, v, precision)
         if any(l.name == layer.name for l in layers):
             f.fail(f"layers[{i}].name", f"duplicate layer name {layer.name!r}")
         layers.append(layer)
@@ -142,7 +161,7 @@ def parse_manifest(data: Any, origin: str) -> Manifest:
         peak = _entry(f, raw, "peak", {PEAK_SYMBOL: "peak"})
         peak_flops = f.int_in(raw["flops_per_iteration"], "peak.flops_per_iteration", 1, 1 << 16)
     return Manifest(FORMAT, f.text(data["generator"], "generator"), name, net_input, classes, net_hash, arch,
-                    tuple(layers), weights, peak, peak_flops)
+                    tuple(layers), weights, peak, peak_flops, precision)
 
 
 def _shape(f: Fields, value: Any, where: str, max_channels: int) -> tuple[int, int, int]:
@@ -173,7 +192,7 @@ def _arch(f: Fields, value: Any) -> dict:
     return dict(arch)
 
 
-def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: int) -> LayerEntry:
+def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: int, precision: str) -> LayerEntry:
     where = f"layers[{index}]"
     keys = {"name", "type", "in_shape", "out_shape", "kernel", "stride", "pad", "relu", "rate",
             "weight_shape", "kernels"}
@@ -215,26 +234,21 @@ def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: i
                        (limits.padded(out[0], v) * limits.padded(c, v) * kernel[0] * kernel[1], "weight_shape")):
         if size > limits.MAX_TENSOR_FLOATS:
             f.fail(f"{where}.{what}", f"a tensor of {size} floats per image, more than the {limits.MAX_TENSOR_FLOATS} allowed")
-    kernels = _kernels(f, raw["kernels"], f"{where}.kernels", name, ltype)
+    bf16 = limits.bf16_kernels(precision, index, ltype, c, v)
+    kernels = _kernels(f, raw["kernels"], f"{where}.kernels", name, kernel_kinds(ltype, bf16))
     bias = f.boolean(raw.get("bias", True), f"{where}.bias")
     if not bias and ltype not in WEIGHTED:
         f.fail(f"{where}.bias", f"a {ltype} layer has no bias")
     return LayerEntry(index, name, ltype, in_shape, out, kernel, stride, pad, relu, rate, weight_shape, kernels, bias)
 
 
-def _kernels(f: Fields, value: Any, where: str, layer: str, ltype: str) -> dict[str, KernelEntry]:
-    passes = LAYER_PASSES[ltype]
-    f.obj(value, where, {*passes, "layout"})
+def _kernels(f: Fields, value: Any, where: str, layer: str, kinds: dict[str, dict[str, str]]) -> dict[str, KernelEntry]:
+    f.obj(value, where, set(kinds))
     out = {}
-    for p in (*passes, "layout"):
+    for p, roles in kinds.items():
         at = f"{where}.{p}"
         raw = f.obj(value[p], at, {"library", "sha256", "source", "symbols"}, {"plan"})
-        if p == "layout":
-            roles = ACT_LAYOUTS + (WEIGHT_LAYOUTS if ltype in WEIGHTED else ())
-            want = {f"pcldnn_{layer}_{r}": ("weight_layout" if r.startswith("wt_") else "act_layout") for r in roles}
-        else:
-            want = {f"pcldnn_{layer}_{p}": f"{ltype}_{p}"}
-        out[p] = _entry(f, raw, at, want)
+        out[p] = _entry(f, raw, at, {f"pcldnn_{layer}_{r}": kind for r, kind in roles.items()})
     return out
 
 

@@ -67,6 +67,7 @@ class Net:
         self.manifest = manifest
         self.name: str = manifest.net_name
         self.isa: str = manifest.isa
+        self.precision: str = manifest.precision
         self.vector_floats: int = manifest.vector_floats
         self.threads = threads
         self.seed = seed
@@ -140,7 +141,8 @@ class Net:
                 kind = entry.symbols[symbol]
                 watch = observe.observer()
                 if watch is not None and kind != "weight_layout":  # PCLDNN_VERBOSE / PCLDNN_TIMELINE
-                    fn = watch.wrap(fn, observe.KernelCall(spec, role, kind, self.isa, self.vector_floats),
+                    isa = self.isa + ("_bf16" if kind.endswith("_bf16") else "")
+                    fn = watch.wrap(fn, observe.KernelCall(spec, role, kind, isa, self.vector_floats),
                                     self.peak_gflops)
                 roles[role] = fn
         return roles
@@ -403,6 +405,7 @@ def load(build_dir: str | Path, threads: int | None = None, seed: int = 0) -> Ne
         attempts -= 1
         manifest = read_manifest(build_dir)
         cpu.require(manifest.isa, f"build {build_dir}")
+        cpu.require_precision(manifest.precision, f"build {build_dir}")
         try:
             net = Net(build_dir, manifest, threads, seed)
             if manifest.weights_sha256 is not None:

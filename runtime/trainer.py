@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import observe
+from . import cpu, observe
 from .data import ArrayDataset, prefetched
 from .errors import CheckpointError, PcldnnError
 from .optim import SGD
@@ -266,7 +266,7 @@ class Trainer:
                 "step": self.step_count, "seed": self.seed, "net_seed": self.net.seed,
                 "dropout_draws": self.net.dropout_draws,
                 "optimizer": self.optimizer.config(), "params": int(params.size),
-                "isa": self.net.isa, "vector_floats": self.net.vector_floats, "precision": "fp32"}
+                "isa": self.net.isa, "vector_floats": self.net.vector_floats, "precision": self.net.precision}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             _remove_stale_temporaries(path)
@@ -417,7 +417,7 @@ def _read_meta(path: Path, raw: np.ndarray) -> dict:
     f.int_in(meta["params"], "meta.params", 1, 2 ** 40)
     f.choice(meta["isa"], "meta.isa", ("scalar", "avx2", "avx512"))
     f.choice(meta["vector_floats"], "meta.vector_floats", (1, 8, 16))
-    f.choice(meta["precision"], "meta.precision", ("fp32",))
+    f.choice(meta["precision"], "meta.precision", cpu.PRECISIONS)  # the state is fp32 whatever the build's kernels
     f.obj(meta["optimizer"], "meta.optimizer", set(), set(SGD(0.1).config()))
     return meta
 

@@ -307,7 +307,7 @@ def _rewrite(src: Path, dst: Path, meta_edit=None, params_edit=None) -> Path:
     (lambda m: m.update(format="other/1"), None, "not a pcldnn checkpoint"),
     (lambda m: m.update(format="pcldnn-checkpoint/1"), None, "blocked layout and does not say which"),
     (lambda m: m.update(isa="neon"), None, "meta.isa: must be one of scalar, avx2, avx512"),
-    (lambda m: m.update(precision="fp8"), None, "meta.precision: must be one of fp32"),
+    (lambda m: m.update(precision="fp8"), None, "meta.precision: must be one of fp32, bf16"),
 ])
 def test_bad_checkpoint_metadata_and_values(built, checkpoint, tmp_path, meta_edit, params_edit, message):
     path = _rewrite(checkpoint, tmp_path / "bad.npz", meta_edit, params_edit)

@@ -1,0 +1,323 @@
+"""bf16 builds (DESIGN §11): the rounding and the bf16 copies in portable C on every machine, the
+bf16 kernels against float64 on CPUs with AVX512_BF16, and what a bf16 build promises (manifest,
+refusal on CPUs without the instructions, fp32 state, training)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import cffi
+import numpy as np
+import pytest
+from helpers import U32, build_and_load
+from reference import conv2d, conv2d_bwd_data, conv2d_bwd_weights
+
+import pcldnn_runtime as pr
+from pcldnn_gen.arch import get_arch
+from pcldnn_gen.build import build
+from pcldnn_gen.codegen import template_env
+from pcldnn_gen.compiler import Source, compile_source
+from pcldnn_gen.netspec import parse_netspec
+from pcldnn_runtime import cpu
+from pcldnn_runtime.abi import SIGNATURES
+from pcldnn_runtime.errors import ArchError, BuildDirError
+from pcldnn_runtime.manifest import parse_manifest
+
+HAS_BF16 = cpu.supports("avx512") and "avx512_bf16" in cpu.cpu_flags()
+needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="this CPU lacks AVX512_BF16: bf16 kernels cannot run here")
+
+
+def bf16_reference(x: np.ndarray) -> np.ndarray:
+    """bf16 bits of float32 x by comparing distances in float64 (not by the C code's bit trick):
+    the nearer of the two bf16 values around x, the even one on a tie; inputs below the normal
+    range give a signed zero and NaN a quiet NaN, as AVX512_BF16's vcvtneps2bf16 does."""
+    with np.errstate(invalid="ignore"):  # NaN inputs: their result is set below
+        return _bf16_reference(x)
+
+
+def _bf16_reference(x: np.ndarray) -> np.ndarray:
+    bits = x.view(np.uint32)
+    sign = (bits >> 16) & 0x8000
+    low = (bits >> 16).astype(np.uint32)  # truncated toward zero
+    down = (low << 16).view(np.float32).astype(np.float64)
+    up_bits = ((low + 1) << 16).astype(np.uint32)
+    up = np.where((up_bits & 0x7FFFFFFF) == 0x7F800000, np.copysign(2.0 ** 128, x.astype(np.float64)),
+                  up_bits.view(np.float32).astype(np.float64))  # past the largest bf16: 2^128, i.e. inf
+    value = x.astype(np.float64)
+    d_down, d_up = np.abs(value - down), np.abs(up - value)
+    take_up = (d_up < d_down) | ((d_up == d_down) & (low % 2 == 1))
+    out = np.where(take_up, low + 1, low).astype(np.uint32)
+    exponent, mantissa = bits & 0x7F800000, bits & 0x7FFFFF
+    out = np.where(exponent == 0, sign, out)
+    out = np.where((exponent == 0x7F800000) & (mantissa == 0), bits >> 16, out)  # infinities stay
+    out = np.where((exponent == 0x7F800000) & (mantissa != 0), (bits >> 16) | 0x40, out)
+    return out.astype(np.uint16)
+
+
+def as_float(bits: np.ndarray) -> np.ndarray:
+    """float32 values of bf16 bits."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+SPECIAL = np.array([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x7F7F7FFF, 0x7F7F8000, 0x00000001, 0x80000001,
+                    0x007FFFFF, 0x00800000, 0x7F800000, 0xFF800000, 0x7F800001, 0xFFC00000, 0x7FBFFFFF, 0x80000000,
+                    0x00000000, 0xBF7FFFFF], dtype=np.uint32)
+
+
+def test_the_reference_rounds_the_documented_cases():
+    """Ties go to even, the largest floats overflow to inf, subnormals flush, NaN stays NaN."""
+    got = bf16_reference(SPECIAL.view(np.float32))
+    want = [0x3F80, 0x3F82, 0x3F81, 0x7F80, 0x7F7F, 0x7F80, 0x0000, 0x8000, 0x0000, 0x0080, 0x7F80, 0xFF80, 0x7FC0,
+            0xFFC0, 0x7FFF, 0x8000, 0x0000, 0xBF80]
+    assert [hex(v) for v in got] == [hex(v) for v in want]
+
+
+_CONVERT = """{% import "_bf16.c.j2" as b with context %}#define V {{ V }}
+{{ b.round_fn() }}
+void round_all(const float *src, unsigned short *dst, long n)
+{
+    for (long i = 0; i < n; ++i)
+        dst[i] = bf16_round(src[i]);
+}
+{{ b.act_to_bf16("act_to_bf16", params.act_to_bf16, c, h, w) }}
+{{ b.wt_to_bf16("wt_to_bf16", params.weight_to_bf16, rows) }}
+"""
+C, H, W, ROWS = 21, 3, 5, 7  # 21 channels: two blocks of 16, the second with 5 real lanes
+
+
+def _conversions(flags: str):
+    """The templates' conversions (V = 16) compiled with `flags`: "scalar" (no ISA flags: the
+    portable C path every machine checks) or "bf16" (AVX-512 + AVX512_BF16: the vector path)."""
+    text = template_env().from_string(_CONVERT).render(V=16, params=SIGNATURES, c=C, h=H, w=W, rows=ROWS)
+    source = Source(f"bf16_convert_{flags}.c", text, {}, cpu.PRECISION_CFLAGS["bf16"] if flags == "bf16" else ())
+    library = compile_source(source, get_arch("avx512" if flags == "bf16" else "scalar")).library
+    ffi = cffi.FFI()
+    ffi.cdef(f"void round_all(const float *src, unsigned short *dst, long n);"
+             f"void act_to_bf16({SIGNATURES['act_to_bf16']}); void wt_to_bf16({SIGNATURES['weight_to_bf16']});")
+    return ffi, ffi.dlopen(str(library))
+
+
+def _buffers(ffi, *arrays):
+    return [ffi.from_buffer("float[]" if a.dtype == np.float32 else "unsigned short[]", a) for a in arrays]
+
+
+@pytest.mark.parametrize("flags", ["scalar", pytest.param("bf16", marks=needs_bf16)])
+def test_rounding_matches_the_reference_bit_for_bit(flags):
+    ffi, lib = _conversions(flags)
+    rng = np.random.default_rng(1)
+    bits = np.concatenate([SPECIAL, rng.integers(0, 2 ** 32, 200_000, dtype=np.uint64).astype(np.uint32),
+                           (rng.integers(0, 2 ** 16, 20_000, dtype=np.uint32) << 16) | 0x8000])  # exact ties
+    x = bits.view(np.float32)
+    out = np.zeros(x.size, dtype=np.uint16)
+    lib.round_all(*_buffers(ffi, x, out), x.size)
+    np.testing.assert_array_equal(out, bf16_reference(x))
+    # the activation conversion, whose vector path (bf16 flags) must round the same way
+    blocked = x[: 2 * 2 * H * W * 16].reshape(2, 2, H, W, 16).copy()
+    act = np.full(blocked.shape, 0xFFFF, dtype=np.uint16)
+    lib.act_to_bf16(*_buffers(ffi, blocked, act), 2, 1)
+    want = bf16_reference(blocked.ravel()).reshape(blocked.shape)
+    want[:, 1, :, :, C - 16:] = 0  # lanes past the 21 real channels: zero, whatever the fp32 buffer holds
+    np.testing.assert_array_equal(act, want)
+
+
+@pytest.mark.parametrize("flags", ["scalar", pytest.param("bf16", marks=needs_bf16)])
+def test_weight_copy_pairs_input_channels(flags):
+    """(rows, V ic, V oc) -> (rows, V/2, V oc, 2): lane oc of pair k holds ic 2k and 2k + 1."""
+    ffi, lib = _conversions(flags)
+    w = np.random.default_rng(2).standard_normal((ROWS, 16, 16)).astype(np.float32)
+    out = np.zeros(w.size, dtype=np.uint16)
+    lib.wt_to_bf16(*_buffers(ffi, w, out))
+    want = bf16_reference(w.ravel()).reshape(ROWS, 8, 2, 16).transpose(0, 1, 3, 2)
+    np.testing.assert_array_equal(out.reshape(ROWS, 8, 16, 2), want)
+
+
+# Convolutions of the bf16 forward kernel: stride, padding edges, odd last input block, 1x1,
+# and a first layer of few channels (packed input: stays fp32).
+CONV_CASES = [
+    ({"channels": 20, "height": 9, "width": 11}, {"out_channels": 16, "kernel": 3, "stride": 1, "pad": 1, "activation": "relu"}),
+    ({"channels": 16, "height": 10, "width": 7}, {"out_channels": 35, "kernel": 3, "stride": 2, "pad": 1}),
+    ({"channels": 19, "height": 6, "width": 6}, {"out_channels": 24, "kernel": 5, "stride": 1, "pad": 2}),
+    ({"channels": 48, "height": 7, "width": 7}, {"out_channels": 24, "kernel": 1, "stride": 1, "pad": 0}),
+]
+
+
+def _conv_net(tmp_path, source, layer, precision, name="b"):
+    spec = parse_netspec({"name": name, "input": source, "layers": [{"name": "conv", "type": "conv", **layer}]})
+    out = tmp_path / f"{name}-{precision}"
+    build(spec, get_arch("avx512"), out, precision=precision)
+    return out
+
+
+@needs_bf16
+@pytest.mark.parametrize("source,layer", CONV_CASES)
+def test_bf16_conv_forward_against_float64(tmp_path, source, layer):
+    """y = b + sum of bf16(x) bf16(w), each product exact in fp32 and n of them summed in fp32:
+    |y - float64 reference on the rounded inputs| <= (n + 2) u (|b| + sum |x w|), the bound of
+    recursive summation (u = 2^-24, n the taps of a padded window). And the kernel really reads
+    bf16: against the unrounded inputs it is off by more than that bound."""
+    net = pr.load(_conv_net(tmp_path, source, layer, "bf16"), threads=2)
+    conv = net.layers["conv"]
+    assert conv.kernel_kind("fwd") == "conv_fwd_bf16" and net.precision == "bf16"
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, *conv.in_shape)).astype(np.float32)
+    conv.bias = rng.standard_normal(conv.out_shape[0]).astype(np.float32)
+    y = conv.forward(x)
+    xr, wr = as_float(bf16_reference(x)), as_float(bf16_reference(conv.weights))
+    stride, pad = (layer["stride"],) * 2, (layer["pad"],) * 2
+    relu = layer.get("activation") == "relu"
+    ref = conv2d(xr, wr, conv.bias, stride, pad, relu)
+    magnitude = conv2d(np.abs(xr), np.abs(wr), np.abs(conv.bias), stride, pad)
+    n = -(-source["channels"] // 16) * 16 * layer["kernel"] ** 2
+    bound = (n + 2) * U32 * magnitude
+    assert np.all(np.abs(y - ref) <= bound)
+    unrounded = conv2d(x, conv.weights, conv.bias, stride, pad, relu)
+    assert np.any(np.abs(y - unrounded) > bound)
+
+
+@needs_bf16
+@pytest.mark.parametrize("source,layer", CONV_CASES)
+def test_bf16_conv_backward_data_against_float64(tmp_path, source, layer):
+    """dx = sum of bf16(dy masked by the ReLU) bf16(w) over oc, kh, kw: the same bound, n the
+    output channels (padded) times the taps, and again off by more against unrounded inputs."""
+    net = pr.load(_conv_net(tmp_path, source, layer, "bf16"), threads=2)
+    conv = net.layers["conv"]
+    assert conv.kernel_kind("bwd_data") == "conv_bwd_data_bf16"
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, *conv.in_shape)).astype(np.float32)
+    y = conv.forward(x)
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    if layer.get("activation") == "relu":
+        dy = np.where(y > 0, dy, np.float32(0))  # what the kernel masks (y's sign is its own)
+    dx = conv.backward_data(dy)
+    stride, pad = (layer["stride"],) * 2, (layer["pad"],) * 2
+    dyr, wr = as_float(bf16_reference(dy)), as_float(bf16_reference(conv.weights))
+    ref = conv2d_bwd_data(dyr, wr, stride, pad, x.shape)
+    magnitude = conv2d_bwd_data(np.abs(dyr), np.abs(wr), stride, pad, x.shape)
+    n = -(-layer["out_channels"] // 16) * 16 * layer["kernel"] ** 2
+    bound = (n + 2) * U32 * magnitude
+    assert np.all(np.abs(dx - ref) <= bound)
+    assert np.any(np.abs(dx - conv2d_bwd_data(dy, conv.weights, stride, pad, x.shape)) > bound)
+
+
+def test_few_channel_first_layer_stays_fp32(tmp_path):
+    out = _conv_net(tmp_path, {"channels": 3, "height": 8, "width": 8},
+                    {"out_channels": 16, "kernel": 3, "stride": 1, "pad": 1}, "bf16")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["precision"] == "bf16"
+    layer = manifest["layers"][0]
+    assert layer["kernels"]["fwd"]["symbols"] == {"pcldnn_conv_fwd": "conv_fwd"}
+    assert "pcldnn_conv_in_to_bf16" not in layer["kernels"]["layout"]["symbols"]
+
+
+def test_bf16_build_is_refused_on_a_cpu_without_the_instructions(tmp_path, monkeypatch):
+    out = _conv_net(tmp_path, *CONV_CASES[0], "bf16")
+    flags = cpu.cpu_flags() | {"avx512f", "avx2", "fma"}
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: flags - {"avx512_bf16"})
+    with pytest.raises(ArchError, match=r"is a bf16 build but this CPU lacks avx512_bf16; compile it with "
+                                        r"--precision fp32 instead$"):
+        pr.load(out)
+
+
+def test_manifest_precision_is_validated(tmp_path):
+    out = _conv_net(tmp_path, *CONV_CASES[0], "bf16")
+    doc = json.loads((out / "manifest.json").read_text())
+    for change, message in ((lambda m: m.update(precision="fp8"), "precision: must be one of fp32, bf16"),
+                            (lambda m: m.update(precision="fp32"), r"kernels\.fwd\.symbols\.pcldnn_conv_fwd: must be "
+                                                                    "'conv_fwd'"),
+                            (lambda m: m.pop("precision"), r"kernels\.fwd\.symbols")):
+        bad = json.loads(json.dumps(doc))
+        change(bad)
+        with pytest.raises(BuildDirError, match=message):
+            parse_manifest(bad, "manifest.json")
+    bad = json.loads(json.dumps(doc))
+    bad["arch"] |= {"isa": "avx2", "vector_bits": 256, "cflags": list(cpu.ISA_CFLAGS["avx2"])}
+    with pytest.raises(BuildDirError, match="precision: bf16 kernels exist for avx512 builds, not avx2"):
+        parse_manifest(bad, "manifest.json")
+
+
+@pytest.mark.parametrize("arch", ["avx2", "scalar"])
+def test_compile_refuses_bf16_without_avx512(tmp_path, arch):
+    net = tmp_path / "n.json"
+    net.write_text(json.dumps({"name": "n", "input": {"channels": 16, "height": 4, "width": 4},
+                               "layers": [{"name": "c", "type": "conv", "out_channels": 16, "kernel": 3, "pad": 1}]}))
+    proc = subprocess.run([sys.executable, "-m", "pcldnn_gen.cli", "compile", str(net), "--arch", arch,
+                           "--precision", "bf16", "-o", str(tmp_path / "out")], capture_output=True, text=True)
+    assert proc.returncode == 2 and not (tmp_path / "out").exists()
+    assert proc.stderr.strip().count("\n") == 0
+    assert f"--precision bf16 needs an AVX-512 arch (bf16 kernels use AVX512_BF16), got {arch} ({arch})" in proc.stderr
+
+
+# A net whose second convolution runs bf16 (the first reads the packed 3-channel image: fp32).
+TRAIN_NET = [
+    {"name": "conv1", "type": "conv", "out_channels": 16, "kernel": 3, "pad": 1, "activation": "relu"},
+    {"name": "conv2", "type": "conv", "out_channels": 20, "kernel": 3, "pad": 1, "activation": "relu"},
+    {"name": "pool", "type": "maxpool", "kernel": 2, "stride": 2},
+    {"name": "fc", "type": "fc", "out_features": 5},
+    {"name": "loss", "type": "softmax_cross_entropy"},
+]
+
+
+@needs_bf16
+def test_bf16_build_trains_like_fp32_and_shares_checkpoints(tmp_path):
+    """Same start, same data: the bf16 build's losses follow the fp32 build's (bf16 rounding of
+    conv2's inputs: well under 1% of the first loss at any step), both fall, and a bf16 build's
+    checkpoint resumes in an fp32 build with the same fp32 weights and momentum."""
+    spec = parse_netspec({"name": "mix", "input": {"channels": 3, "height": 8, "width": 8}, "layers": TRAIN_NET})
+    nets = {}
+    for precision in ("fp32", "bf16"):
+        build(spec, get_arch("avx512"), tmp_path / precision, precision=precision)
+        nets[precision] = pr.load(tmp_path / precision, threads=2, seed=4)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((32, 3, 8, 8)).astype(np.float32)
+    labels = (x[:, 0, :4].mean(axis=(1, 2)) > 0).astype(np.int32) + 2 * (x[:, 1, 4:].mean(axis=(1, 2)) > 0)
+    losses = {}
+    for precision, net in nets.items():
+        trainer = pr.Trainer(net, optimizer=pr.SGD(lr=0.05, momentum=0.9))
+        losses[precision] = [trainer.step(x, labels) for _ in range(30)]
+        trainer.save(tmp_path / f"{precision}.ckpt")
+    fp32, bf16 = np.array(losses["fp32"]), np.array(losses["bf16"])
+    assert bf16[-1] < 0.5 * bf16[0] and fp32[-1] < 0.5 * fp32[0]
+    assert np.max(np.abs(bf16 - fp32)) < 0.01 * fp32[0]
+    assert not np.array_equal(bf16, fp32)  # the bf16 kernel did run
+    resumed = pr.Trainer.resume(tmp_path / "bf16.ckpt", nets["fp32"])
+    assert resumed.step_count == 30
+    for name in ("conv1", "conv2", "fc"):
+        np.testing.assert_array_equal(nets["fp32"].layers[name].weights, nets["bf16"].layers[name].weights)
+
+
+def test_scalar_and_avx2_builds_still_say_fp32(tmp_path):
+    net = build_and_load(tmp_path, TRAIN_NET, (3, 8, 8), cpu.best_isa())
+    assert net.precision == "fp32"
+    assert json.loads((net.build_dir / "manifest.json").read_text())["precision"] == "fp32"
+
+
+@needs_bf16
+@pytest.mark.parametrize("source,layer", CONV_CASES + [
+    ({"channels": 22, "height": 5, "width": 9}, {"out_channels": 20, "kernel": 3, "stride": 2, "pad": 0})])
+def test_bf16_conv_backward_weights_against_float64(tmp_path, source, layer):
+    """dw = sum over images and output pixels of bf16(x) bf16(dy), pixels taken in pairs (odd
+    rows end on a zero partner): the bound with n = minibatch x output pixels (+1 for the pair
+    padding); db sums the fp32 dy (fp32 bound). The extra shape: stride 2 without padding and
+    4 output columns from 9 (a pair copy column past the input on the right)."""
+    net = pr.load(_conv_net(tmp_path, source, layer, "bf16", name="w"), threads=2)
+    conv = net.layers["conv"]
+    assert conv.kernel_kind("bwd_weights") == "conv_bwd_weights_bf16"
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, *conv.in_shape)).astype(np.float32)
+    y = conv.forward(x)
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    if layer.get("activation") == "relu":
+        dy = np.where(y > 0, dy, np.float32(0))
+    dw, db = conv.backward_weights(x, dy)
+    kernel, stride, pad = (layer["kernel"],) * 2, (layer["stride"],) * 2, (layer["pad"],) * 2
+    xr, dyr = as_float(bf16_reference(x)), as_float(bf16_reference(dy))
+    ref, ref_db = conv2d_bwd_weights(xr, dyr, kernel, stride, pad)
+    magnitude, _ = conv2d_bwd_weights(np.abs(xr), np.abs(dyr), kernel, stride, pad)
+    n = x.shape[0] * y.shape[2] * (y.shape[3] + 1)
+    bound = (n + 2) * U32 * magnitude
+    assert np.all(np.abs(dw - ref) <= bound)
+    unrounded, exact_db = conv2d_bwd_weights(x, dy, kernel, stride, pad)
+    assert np.any(np.abs(dw - unrounded) > bound)
+    _, db_scale = conv2d_bwd_weights(np.abs(x), np.abs(dy), kernel, stride, pad)
+    assert np.all(np.abs(db - exact_db) <= (n + 2) * U32 * db_scale)
