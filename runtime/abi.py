@@ -50,7 +50,8 @@ SIGNATURES: dict[str, str] = {
 
 # Timing loops of `bench` (templates/repeat.c.j2): a weighted kernel's own arguments after the
 # kernel, the call count and where the seconds per call go.
-REPEATED_KINDS = ("conv_fwd", "conv_fwd_bf16", "conv_bwd_data_bf16", "conv_bwd_weights_bf16", "conv_bwd_data", "conv_bwd_weights", "fc_fwd", "fc_bwd_data", "fc_bwd_weights")
+REPEATED_KINDS = ("conv_fwd", "conv_bwd_data", "conv_bwd_weights", "fc_fwd", "fc_bwd_data", "fc_bwd_weights",
+                  "conv_fwd_bf16", "conv_bwd_data_bf16", "conv_bwd_weights_bf16")
 SIGNATURES |= {f"repeat_{kind}": "void *fn, long long reps, double *seconds, " + SIGNATURES[kind]
                for kind in REPEATED_KINDS}
 
