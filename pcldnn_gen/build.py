@@ -66,7 +66,7 @@ def plan_net(net: NetSpec, arch: Arch, tuning: TuningDB | None = None,
         bf16 = layer_bf16(layer, arch, precision)
         for p in LAYER_PASSES[layer.type]:
             choice = (choices or {}).get((layer.name, p))
-            plans[(layer.name, p)] = (plan_layer(layer, p, arch, choice) if choice or tuning is None or p in bf16
+            plans[(layer.name, p)] = (plan_layer(layer, p, arch, choice, p in bf16) if choice or tuning is None or p in bf16
                                       else tuning.plan(layer, p, arch))
     return plans
 

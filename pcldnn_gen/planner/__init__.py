@@ -31,14 +31,20 @@ _PLANNERS: dict[tuple[str, str], Callable[[LayerSpec, Arch, tuple[int, int] | No
 }
 
 
-def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, int] | None = None) -> KernelPlan:
+def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, int] | None = None,
+               bf16: bool = False) -> KernelPlan:
     """The model's plan; with `choice` = (width, vectors), the plan built around that register
-    tile instead (a measured choice: it must be one of the planner's own candidates)."""
+    tile instead (a measured choice: it must be one of the planner's own candidates). bf16: a
+    conv kernel on bf16 operands (2-byte values, two multiply-adds per dot-product lane)."""
     passes = LAYER_PASSES.get(layer.type, ())
     if pass_name not in passes:
         raise PlanError(f"{layer.name}: a {layer.type} layer has no {pass_name!r} pass "
                         f"(it has: {', '.join(passes) or 'none'})")
     planner = _PLANNERS.get((layer.type, pass_name))
+    if bf16:
+        if layer.type != "conv":
+            raise PlanError(f"{layer.name}: no bf16 kernels for a {layer.type} layer")
+        return _PLANNERS[("conv", pass_name)](layer, arch, choice, 2)  # type: ignore[call-arg]
     if planner:
         return planner(layer, arch, choice)
     if choice is not None:

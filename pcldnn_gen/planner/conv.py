@@ -90,12 +90,15 @@ def streams_inputs(layer: LayerSpec, arch: Arch) -> bool:
 
 
 def _conv_fwd_blocking(layer: LayerSpec, tile: RegisterTile, slice_bytes: int, lanes: int,
-                       arch: Arch) -> ConvFwdBlocking:
+                       arch: Arch, value_bytes: int = 4) -> ConvFwdBlocking:
     """Reduction chunk and output-row block for conv forward: the pair whose working set fits
     L1_BUDGET of L1 and costs the fewest cycles per FLOP, counting the L2 -> L1 refills
     (the weight slice once per row block, each input row once per row block, the partial sums
-    once) and the accumulator loads and stores every chunk adds to every tile."""
+    once) and the accumulator loads and stores every chunk adds to every tile. value_bytes 2
+    (bf16 operands): inputs and weights take half the bytes, a dot-product instruction does two
+    multiply-adds per lane, and the partial sums stay fp32."""
     v = arch.vector_floats
+    pair = 4 // value_bytes
     ic, ih, iw = layer.in_shape
     oc, oh, ow = layer.out_shape
     kh, kw = layer.kernel
@@ -106,15 +109,15 @@ def _conv_fwd_blocking(layer: LayerSpec, tile: RegisterTile, slice_bytes: int, l
     for chunk in range(1, icb + 1):
         for rows in range(1, oh + 1):
             rows_in = min(ih, (rows - 1) * layer.stride[0] + kh)
-            weights, inputs = chunk * slice_bytes, chunk * rows_in * iw * xv * 4
+            weights, inputs = chunk * slice_bytes, chunk * rows_in * iw * xv * value_bytes
             partials = rows * ow * tile.vectors * v * 4
             if weights + inputs + partials > L1_BUDGET * arch.l1d_bytes and (chunk, rows) != (1, 1):
                 break  # more rows only grow the working set
-            traffic = icb * slice_bytes + icb * rows_in * iw * xv * 4 + 2 * partials
+            traffic = icb * slice_bytes + icb * rows_in * iw * xv * value_bytes + 2 * partials
             bpf = traffic / (rows * row_flops)
-            overhead = 1 + 2 / (chunk * lanes * kh * kw)
+            overhead = 1 + 2 * pair / (chunk * lanes * kh * kw)
             refill = bpf / 64 * arch.l1_refill_cycles
-            cost = overhead / (2 * v * arch.fma_units) + refill
+            cost = overhead / (2 * v * arch.fma_units * pair) + refill
             if best is None or cost < best[0] - 1e-12:
                 best = (cost, ConvFwdBlocking(chunk, rows, weights, inputs, partials, bpf, overhead, refill))
     if best is None:
@@ -122,7 +125,8 @@ def _conv_fwd_blocking(layer: LayerSpec, tile: RegisterTile, slice_bytes: int, l
     return best[1]
 
 
-def plan_conv_fwd(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | None = None) -> ConvFwdPlan:
+def plan_conv_fwd(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | None = None,
+                  value_bytes: int = 4) -> ConvFwdPlan:
     v = arch.vector_floats
     ic, ih, iw = layer.in_shape
     oc, oh, ow = layer.out_shape
@@ -136,13 +140,13 @@ def plan_conv_fwd(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | None =
     # Weights of one input-channel block for one oc-vector group; with a single, partly filled
     # block (3-channel images) the kernel reads only the real lanes.
     lanes = ic if icb == 1 else v
-    peak_flops_per_cycle = 2 * v * arch.fma_units
+    peak_flops_per_cycle = 2 * v * arch.fma_units * (4 // value_bytes)
     scored = []
     for tile in candidates(max(1, min(ow, arch.vector_registers)), divisors(ocb, WEIGHT_STREAMS), arch):
         cover = cover_row(ow, ow_lo, ow_hi, tile.width, functools.partial(_fwd_edge, layer))
         row_eff = pieces_efficiency(cover_pieces(cover, kw), tile.vectors, arch)
-        slice_bytes = tile.vectors * v * lanes * kh * kw * 4
-        blocking = _conv_fwd_blocking(layer, tile, slice_bytes, lanes, arch)
+        slice_bytes = tile.vectors * v * lanes * kh * kw * value_bytes
+        blocking = _conv_fwd_blocking(layer, tile, slice_bytes, lanes, arch, value_bytes)
         eff = row_eff / (blocking.overhead + row_eff * blocking.refill_cycles_per_flop * peak_flops_per_cycle)
         # Roofline: the rows cannot run faster than L2 delivers their bytes.
         eff = min(eff, arch.l2_bytes_per_cycle / (blocking.l2_bytes_per_flop * peak_flops_per_cycle))
@@ -163,9 +167,9 @@ def plan_conv_fwd(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | None =
                        l2_bytes_per_flop=blocking.l2_bytes_per_flop, rejected=tuple(s[3] for s in scored[1:6]),
                        ifm_chunk=blocking.chunk, rows=blocking.rows, ow_lo=ow_lo, ow_hi=ow_hi, cover=cover,
                        prefetch_inputs=streams_inputs(layer, arch),
-                       images_inner=images_inner(ocb * v * icb * lanes * kh * kw * 4, ocb // tile.vectors,
-                                                 icb * ih * iw * input_pixel_floats(layer.index, layer.type, ic, v) * 4,
-                                                 oh * ow, arch))
+                       images_inner=images_inner(ocb * v * icb * lanes * kh * kw * value_bytes, ocb // tile.vectors,
+                                                 icb * ih * iw * input_pixel_floats(layer.index, layer.type, ic, v)
+                                                 * value_bytes, oh * ow, arch))
 
 
 def _bwd_data_phases(layer: LayerSpec) -> list[BwdDataPhase]:
@@ -206,7 +210,8 @@ def _covered(layer: LayerSpec, phase: BwdDataPhase, width: int) -> BwdDataPhase:
                         q_lo=phase.q_lo, q_hi=phase.q_hi, cover=cover)
 
 
-def plan_conv_bwd_data(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | None = None) -> ConvBwdDataPlan:
+def plan_conv_bwd_data(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | None = None,
+                       value_bytes: int = 4) -> ConvBwdDataPlan:
     v = arch.vector_floats
     icb, ocb = blocks(layer.in_shape[0], v), blocks(layer.out_shape[0], v)
     kh, kw = layer.kernel
@@ -225,8 +230,9 @@ def plan_conv_bwd_data(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | N
     scored.sort(key=lambda s: s[:3], reverse=True)  # ties: more chains, then fewer loads per FMA
     scored = put_first(scored, choice, lambda s: s[3])
     row_eff, _, _, tile, covered = scored[0]
-    blocking = _conv_bwd_data_blocking(layer, tile, arch)
-    eff = row_eff / (blocking.overhead + row_eff * blocking.refill_cycles_per_flop * 2 * v * arch.fma_units)
+    blocking = _conv_bwd_data_blocking(layer, tile, arch, value_bytes)
+    eff = row_eff / (blocking.overhead + row_eff * blocking.refill_cycles_per_flop * 2 * v * arch.fma_units
+                     * (4 // value_bytes))
     remainders = tuple(sorted({p.cover.rem for p in covered if p.cover and p.cover.rem}, reverse=True))
     return ConvBwdDataPlan(
         layer=layer.name, pass_name="bwd_data", kind="conv_bwd_data", template="conv_bwd_data.c.j2", isa=arch.isa,
@@ -236,8 +242,8 @@ def plan_conv_bwd_data(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | N
         l2_bytes_per_flop=blocking.l2_bytes_per_flop,
         scratch_floats=icb * ocb * kh * kw * v * v, rejected=tuple(s[3] for s in scored[1:6]),
         ofm_chunk=blocking.chunk, rows=blocking.rows, few_channels=False, phases=tuple(covered),
-        images_inner=images_inner(icb * ocb * kh * kw * v * v * 4, icb // tile.vectors,
-                                  ocb * v * layer.out_shape[1] * layer.out_shape[2] * 4,
+        images_inner=images_inner(icb * ocb * kh * kw * v * v * value_bytes, icb // tile.vectors,
+                                  ocb * v * layer.out_shape[1] * layer.out_shape[2] * value_bytes,
                                   layer.out_shape[1] * layer.out_shape[2], arch))
 
 
@@ -253,7 +259,7 @@ class ConvBwdDataBlocking:
     refill_cycles_per_flop: float
 
 
-def _conv_bwd_data_blocking(layer: LayerSpec, tile: RegisterTile, arch: Arch) -> ConvBwdDataBlocking:
+def _conv_bwd_data_blocking(layer: LayerSpec, tile: RegisterTile, arch: Arch, value_bytes: int = 4) -> ConvBwdDataBlocking:
     """Reduction chunk and input-row block for conv backward-data. The chunk is as many
     output-channel blocks as keep the weight slice within half of L1; the row block is the
     one that costs the fewest cycles per FLOP, counting the L2 -> L1 refills per row block
@@ -263,15 +269,16 @@ def _conv_bwd_data_blocking(layer: LayerSpec, tile: RegisterTile, arch: Arch) ->
     (ResNet-18 layer4 stride-2 conv, AVX2: 49% of peak, 0.77x oneDNN). Choosing the chunk by
     the same cost as well picked 1-2 blocks on 1x1 layers (partial sums kept in L1) and ran
     0.80-0.94x the widest chunk (AVX-512, ab.py): the model undercounts what a chunk's
-    accumulator reloads cost."""
+    accumulator reloads cost. value_bytes 2: bf16 weights and dy, as in _conv_fwd_blocking."""
     v = arch.vector_floats
+    pair = 4 // value_bytes
     _, ih, iw = layer.in_shape
     ocb = blocks(layer.out_shape[0], v)
     ow = layer.out_shape[2]
     kh, kw = layer.kernel
     sh, sw = layer.stride
     taps = kh * kw / (sh * sw)  # kernel taps per input pixel, on average
-    slice_bytes = tile.vectors * v * v * kh * kw * 4  # transposed weights of one output-channel block
+    slice_bytes = tile.vectors * v * v * kh * kw * value_bytes  # transposed weights of one output-channel block
     row_flops = 2 * iw * tile.vectors * v * ocb * v * taps
     best = None
     chunk = max(1, min(ocb, (arch.l1d_bytes // 2) // slice_bytes))
@@ -280,15 +287,15 @@ def _conv_bwd_data_blocking(layer: LayerSpec, tile: RegisterTile, arch: Arch) ->
         partials = rows * iw * tile.vectors * v * 4
         # the output-gradient rows the block reads stream through L1 past the slice
         dy_rows = min(layer.out_shape[1], -(-rows // sh) + kh // sh)
-        streamed = chunk * dy_rows * ow * v * 4
+        streamed = chunk * dy_rows * ow * v * value_bytes
         if rows > 1 and (partials > arch.l2_bytes // 4 or weights + streamed > L1_BUDGET * arch.l1d_bytes):
             break
         stay = weights + streamed + partials <= L1_BUDGET * arch.l1d_bytes
-        traffic = ocb * slice_bytes + ocb * dy_rows * ow * v * 4 + (0 if stay else 2 * partials * chunks)
+        traffic = ocb * slice_bytes + ocb * dy_rows * ow * v * value_bytes + (0 if stay else 2 * partials * chunks)
         bpf = traffic / (rows * row_flops)
-        overhead = 1 + 2 / (chunk * v * taps)
+        overhead = 1 + 2 * pair / (chunk * v * taps)
         refill = bpf / 64 * arch.l1_refill_cycles
-        cost = overhead / (2 * v * arch.fma_units) + refill
+        cost = overhead / (2 * v * arch.fma_units * pair) + refill
         if best is None or cost < best[0] - 1e-12:
             best = (cost, ConvBwdDataBlocking(chunk, rows, weights, partials, stay, bpf, overhead, refill))
     assert best is not None
@@ -336,7 +343,8 @@ def _valid_range(out_size: int, in_size: int, k: int, stride: int, pad: int) -> 
     return lo, hi
 
 
-def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | None = None) -> ConvBwdWeightsPlan:
+def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | None = None,
+                          value_bytes: int = 4) -> ConvBwdWeightsPlan:
     v = arch.vector_floats
     ic, ih, iw = layer.in_shape
     oc, oh, ow = layer.out_shape
@@ -382,8 +390,13 @@ def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch, choice: tuple[int, int] 
     # tile streams (its oc vectors of dy, one input channel block) stays in half of L1, where
     # the next tiles (other kernel taps and lanes of the same oc vectors) find it again.
     xv = input_pixel_floats(layer.index, layer.type, ic, v)
-    per_row = (ocb * ow * v + icb * sh * iw * xv) * 4
-    per_row_tile = (tile.vectors * ow * v + sh * iw * xv) * 4
+    if value_bytes == 4:
+        per_row = (ocb * ow * v + icb * sh * iw * xv) * 4
+        per_row_tile = (tile.vectors * ow * v + sh * iw * xv) * 4
+    else:  # bf16 pair copies (conv_bwd_weights_bf16.c.j2): dy in pixel pairs, x rows of XPW column pairs
+        pairs = -(-ow // 2)
+        dy_row, x_row = 2 * pairs * v * value_bytes, ((2 * pairs - 2) * sw + kw) * v * 2 * value_bytes
+        per_row, per_row_tile = ocb * dy_row + icb * sh * x_row, tile.vectors * dy_row + sh * x_row
     rows = max(1, min(oh, (arch.l2_bytes // 2) // per_row, (arch.l1d_bytes // 2) // per_row_tile))
     # A single row still too big for L1 (wide early layers) is cut into column blocks; the
     # tile then reads the input rows of all its kernel taps (kh) from L1 as well.
