@@ -1,14 +1,16 @@
 """Training throughput (images/s) of a whole SGD step: ours against PyTorch CPU, one run.
 
     python benchmarks/train_throughput.py [--net examples/nets/cifar_small.json] [--batch 64]
-        [--threads 1,2] [--steps 20] [--arch native] [--no-tuning] [--json out.json]
+        [--threads 1,2] [--steps 20] [--arch native] [--precision bf16] [--no-tuning] [--json out.json]
 
 Ours: Trainer-equivalent steps (forward, loss, backward, SGD with momentum on the flat
 buffers), median step time after warm-up, and where the step's time goes (the kernels of
 every layer forward and backward, the optimizer, the rest: input layout, loss, Python).
 PyTorch: the same net as nn.Sequential with the same SGD, run in a subprocess per setting so
 that ONEDNN_MAX_CPU_ISA and the thread count are fixed before torch loads: AVX2 and the
-default ISA (AVX-512 here), NCHW and channels_last. Needs the `bench` extra (torch 2.13.0 CPU).
+default ISA (AVX-512 here), NCHW and channels_last. With --precision bf16, ours is a bf16 build
+and PyTorch runs at its default ISA in bf16 two ways, autocast (fp32 model) and a bf16 model,
+each NCHW and channels_last; the ratio is against the best of the four. Needs torch 2.13.0 CPU.
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 
 
-def ours(net_file: str, arch_name: str, batch: int, threads: int, steps: int, tuned: bool) -> dict:
+def ours(net_file: str, arch_name: str, batch: int, threads: int, steps: int, tuned: bool,
+         precision: str = "fp32") -> dict:
     import pcldnn_runtime as pr
     from pcldnn_gen.arch import get_arch
     from pcldnn_gen.build import build
@@ -36,7 +39,8 @@ def ours(net_file: str, arch_name: str, batch: int, threads: int, steps: int, tu
     spec = load_netspec(net_file)
     with tempfile.TemporaryDirectory() as tmp:
         # as `pcldnn-gen compile` builds it: through the tuning database unless --no-tuning
-        result = build(spec, get_arch(arch_name), Path(tmp) / "b", tuning=TuningDB.load() if tuned else None)
+        result = build(spec, get_arch(arch_name), Path(tmp) / "b", tuning=TuningDB.load() if tuned else None,
+                       precision=precision)
         tuned_kernels = sum(plan.measured is not None for plan in result.plans.values())
         net = pr.load(Path(tmp) / "b", threads=threads)
         classes = net.loss_layer.out_shape[0]
@@ -91,17 +95,19 @@ def torch_child(req: dict) -> dict:
             mods.append(nn.ReLU())
     model = nn.Sequential(*mods)
     fmt = torch.channels_last if req["layout"] == "channels_last" else torch.contiguous_format
-    model = model.to(memory_format=fmt)
+    dtype = torch.bfloat16 if req.get("dtype") == "bf16" else torch.float32  # "autocast": fp32 model
+    model = model.to(memory_format=fmt, dtype=dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
     loss_fn = nn.CrossEntropyLoss()
     b = req["batch"]
-    x = torch.randn(b, *spec.input).contiguous(memory_format=fmt)
+    x = torch.randn(b, *spec.input, dtype=dtype).contiguous(memory_format=fmt)
     y = torch.randint(0, spec.layers[-2].out_shape[0], (b,))
     times = []
     for i in range(req["steps"] + 3):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=req.get("dtype") == "autocast"):
+            loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
         if i >= 3:
@@ -110,16 +116,17 @@ def torch_child(req: dict) -> dict:
     return {"images_per_s": b / step, "step_ms": step * 1e3}
 
 
-def pytorch(net_file: str, batch: int, threads: int, steps: int, isa: str | None, layout: str) -> dict | None:
+def pytorch(net_file: str, batch: int, threads: int, steps: int, isa: str | None, layout: str,
+            dtype: str = "fp32") -> dict | None:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     env.pop("ONEDNN_MAX_CPU_ISA", None)
     if isa:
         env["ONEDNN_MAX_CPU_ISA"] = isa
-    req = {"net": net_file, "batch": batch, "threads": threads, "steps": steps, "layout": layout}
+    req = {"net": net_file, "batch": batch, "threads": threads, "steps": steps, "layout": layout, "dtype": dtype}
     proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(req)], env=env,
                           capture_output=True, text=True)
     if proc.returncode:
-        print(f"pytorch ({isa or 'default'}, {layout}) failed: {proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        print(f"pytorch ({isa or 'default'}, {layout}, {dtype}) failed: {proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
         return None
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -129,6 +136,7 @@ def main() -> None:
     ap.add_argument("--net", default=str(REPO / "examples" / "nets" / "cifar_small.json"))
     ap.add_argument("--arch", default="native")
     ap.add_argument("--no-tuning", action="store_true", help="the model's tiles only (ignore the tuning database)")
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--steps", type=int, default=20)
@@ -140,16 +148,20 @@ def main() -> None:
         return
     rows = []
     for threads in [int(t) for t in args.threads.split(",")]:
-        mine = ours(args.net, args.arch, args.batch, threads, args.steps, not args.no_tuning)
+        mine = ours(args.net, args.arch, args.batch, threads, args.steps, not args.no_tuning, args.precision)
         row = {"threads": threads, "ours": mine}
-        for isa, label in (("AVX2", "avx2"), (None, "default")):
-            best = None
+        settings = ([("AVX2", "avx2", "fp32"), (None, "default", "fp32")] if args.precision == "fp32" else
+                    [(None, "default", "autocast"), (None, "default", "bf16")])
+        best: dict[str, float] = {}  # by label: the fastest PyTorch setting
+        for isa, label, dtype in settings:
             for layout in ("nchw", "channels_last"):
-                r = pytorch(args.net, args.batch, threads, args.steps, isa, layout)
+                r = pytorch(args.net, args.batch, threads, args.steps, isa, layout, dtype)
                 if r:
-                    row[f"torch_{label}_{layout}"] = r
-                    best = max(best or 0, r["images_per_s"])
-            row[f"ratio_vs_torch_{label}"] = mine["images_per_s"] / best if best else None
+                    row[f"torch_{label}_{dtype}_{layout}" if args.precision == "bf16" else f"torch_{label}_{layout}"] = r
+                    best[label] = max(best.get(label, 0.0), r["images_per_s"])
+        labels = sorted({label for _, label, _ in settings})
+        for label in labels:
+            row[f"ratio_vs_torch_{label}"] = mine["images_per_s"] / best[label] if label in best else None
         rows.append(row)
         rest = mine["step_ms"] - mine["kernels_ms"] - mine["optimizer_ms"]
         print(f"{threads} thread(s): ours ({args.arch}, {mine['tuned_kernels']} tuned kernels) "
@@ -157,12 +169,13 @@ def main() -> None:
               f"kernels {mine['kernels_ms']:.1f} + optimizer {mine['optimizer_ms']:.1f} + rest {rest:.1f})")
         for key in sorted(k for k in row if k.startswith("torch_")):
             print(f"    {key:28s} {row[key]['images_per_s']:7.0f} images/s")
-        for label in ("avx2", "default"):
+        for label in labels:
             ratio = row[f"ratio_vs_torch_{label}"]
             print(f"    x PyTorch {label:8s} (better layout): {ratio:.2f}" if ratio else f"    x PyTorch {label}: n/a")
     if args.json:
         net = os.path.relpath(args.net, REPO)
-        Path(args.json).write_text(json.dumps({"net": net, "batch": args.batch, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"net": net, "batch": args.batch, "precision": args.precision,
+                                               "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ from pcldnn_runtime.cpu import PRECISIONS
 
 from . import __version__
 from .arch import get_arch
-from .build import build
-from .codegen import render_kernel
+from .build import build, check_precision
+from .codegen import layer_bf16, render_kernel
 from .errors import PcldnnError
 from .netspec import load_netspec
 from .planner import PASSES, plan_layer
@@ -66,8 +66,10 @@ def _inspect(args: argparse.Namespace) -> int:
     net = load_netspec(args.net, args.max_memory)
     arch = get_arch(args.arch)
     layer = net.layer(args.layer)
-    tuning = _tuning(args)
-    plan = tuning.plan(layer, args.pass_name, arch) if tuning else plan_layer(layer, args.pass_name, arch)
+    check_precision(args.precision, arch)
+    bf16 = args.pass_name in layer_bf16(layer, arch, args.precision)
+    tuning = None if bf16 else _tuning(args)  # the database holds fp32 measurements
+    plan = tuning.plan(layer, args.pass_name, arch) if tuning else plan_layer(layer, args.pass_name, arch, None, bf16)
     if args.explain:
         print(f"{layer.name} {plan.pass_name} on {arch.name}: {plan.reason}")
         if plan.tile is not None:
@@ -78,7 +80,7 @@ def _inspect(args: argparse.Namespace) -> int:
             print(_measured_lines(plan) if plan.measured else
                   f"measured : none (`pcldnn-gen tune {args.net} --arch {args.arch}` times the candidates)")
         return 0
-    sys.stdout.write(render_kernel(layer, plan, arch).text)
+    sys.stdout.write(render_kernel(layer, plan, arch, args.precision).text)
     return 0
 
 
@@ -246,6 +248,7 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--layer", required=True)
     i.add_argument("--pass", dest="pass_name", default="fwd", choices=PASSES)
     i.add_argument("--arch", default="native")
+    i.add_argument("--precision", choices=PRECISIONS, default="fp32", help="bf16: the kernel a bf16 build holds")
     i.add_argument("--explain", action="store_true",
                    help="print the plan, the rejected tiles and the tuner's measurements instead of C")
     _no_tuning_option(i)

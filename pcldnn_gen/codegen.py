@@ -283,8 +283,9 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch, precision: str
     if bf16:
         pairs = "neighbouring output pixels" if plan.pass_name == "bwd_weights" else (
             "output channels" if plan.pass_name == "bwd_data" else "input channels")
-        lines.append(f"precision: bf16 operands, a pair of {pairs} per 32-bit lane (vdpbf16ps), fp32 "
-                     "accumulation and results; blocks of the fp32 plan")
+        text = (f"bf16 operands, a pair of {pairs} per 32-bit lane (vdpbf16ps), fp32 accumulation and results; "
+                "blocks planned for 2-byte operands")
+        lines += [("precision: " if i == 0 else "           ") + w for i, w in enumerate(textwrap.wrap(text, 87))]
     template = plan.template
     if bf16 and plan.pass_name == "bwd_weights":  # pairs of pixels, not of channels: its own loops
         template = "conv_bwd_weights_bf16.c.j2"

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pcldnn_runtime as pr
+from pcldnn_runtime.cpu import PRECISIONS
 
 from .arch import get_arch
 from .build import build
@@ -50,6 +51,8 @@ def add_arguments(ap: argparse.ArgumentParser, net_default: str | None = None, d
     ap.add_argument("--weights", help="initial weights (.npz of <layer>.weight / <layer>.bias, e.g. from "
                     "`pcldnn-gen import` or from_torch)")
     ap.add_argument("--arch", default="native")
+    ap.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                    help="kernel number format: fp32 (default) or bf16 (AVX-512 builds; fp32 weights and gradients)")
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--lr", type=float, default=None, help="default: by net depth (0.05 up to 3 weighted layers, "
@@ -143,8 +146,8 @@ def run(args: argparse.Namespace, prog: str = "pcldnn-gen train") -> int:
         if args.weights:
             from pcldnn_runtime.state_io import read_npz
             weights = read_npz(args.weights)
-        directory = build(spec, get_arch(args.arch), weights=weights, weights_origin=str(args.weights)).directory \
-            if lead else None
+        directory = build(spec, get_arch(args.arch), weights=weights, weights_origin=str(args.weights),
+                          precision=args.precision).directory if lead else None
         if comm is not None:  # rank 0 compiles (or finds the cache), the others load its build
             directory = comm.bcast(directory, root=0)
         net = pr.load(directory, threads=args.threads, seed=args.seed)
