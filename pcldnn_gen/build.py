@@ -24,7 +24,7 @@ from pcldnn_runtime.state_io import check_state, expected_state
 
 from . import __version__
 from .arch import Arch
-from .codegen import layer_bf16, peak_flops_per_iteration, render_kernel, render_layout, render_peak
+from .codegen import layer_bf16, peak_flops_per_iteration, render_kernel, render_layout, render_peak, render_sgd
 from .compiler import Source, compile_all
 from .errors import ArchError, BuildDirError
 from .netspec import LayerSpec, NetSpec
@@ -90,12 +90,13 @@ def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | Non
         for p in LAYER_PASSES[layer.type]:
             sources.append((layer, p, render_kernel(layer, plans[(layer.name, p)], arch, precision)))
         sources.append((layer, "layout", render_layout(layer, arch, precision)))
-    peak = render_peak(arch)  # for PCLDNN_VERBOSE's % of peak
+    # the build's own kernels of no layer: the FMA peak (PCLDNN_VERBOSE's % of peak), the SGD update
+    sources += [(None, "peak", render_peak(arch)), (None, "sgd", render_sgd())]
     _check_replaceable(out_dir)
-    results = compile_all([s for _, _, s in sources] + [peak], arch, jobs)
+    results = compile_all([s for _, _, s in sources], arch, jobs)
 
     try:
-        _write_build(net, arch, out_dir, sources + [(None, "peak", peak)], results, plans, initial, precision)
+        _write_build(net, arch, out_dir, sources, results, plans, initial, precision)
     except OSError as e:
         raise BuildDirError(f"{out_dir}: cannot write the build directory: {e.strerror or e}") from None
     compiled = sum(r.compiled for r in results)
@@ -105,7 +106,7 @@ def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | Non
 def _write_build(net: NetSpec, arch: Arch, out_dir: Path, sources: list[tuple[LayerSpec | None, str, Source]],
                  results, plans, initial: dict[str, np.ndarray] | None, precision: str) -> None:
     """Sources, libraries and manifest into a staging folder, swapped in under a lock. A source
-    of no layer is the build's FMA peak kernel."""
+    of no layer is one of the build's own kernels ("peak", "sgd")."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out_dir.parent / f".{out_dir.name}.lock"), timeout=900):
         _check_replaceable(out_dir)
@@ -114,20 +115,20 @@ def _write_build(net: NetSpec, arch: Arch, out_dir: Path, sources: list[tuple[La
             (stage / "src").mkdir()
             (stage / "lib").mkdir()
             kernels: dict[str, dict] = {}
-            peak: dict = {}
+            own: dict[str, dict] = {}
             for (layer, p, src), res in zip(sources, results):
                 (stage / "src" / src.filename).write_text(src.text)
                 lib_name = f"lib/{Path(src.filename).stem}.so"
                 shutil.copyfile(res.library, stage / lib_name)
                 entry = {"library": lib_name, "sha256": file_sha256(stage / lib_name),
                          "source": f"src/{src.filename}", "symbols": src.symbols}
-                if layer is None:  # the FMA peak kernel, for PCLDNN_VERBOSE's % of peak
-                    peak = entry | {"flops_per_iteration": peak_flops_per_iteration(arch)}
+                if layer is None:  # the peak's entry also says its FLOPs per loop iteration
+                    own[p] = entry | ({"flops_per_iteration": peak_flops_per_iteration(arch)} if p == "peak" else {})
                     continue
                 if p != "layout":
                     entry["plan"] = plans[(layer.name, p)].to_json()
                 kernels.setdefault(layer.name, {})[p] = entry
-            manifest = _manifest(net, arch, kernels) | {"peak": peak, "precision": precision}
+            manifest = _manifest(net, arch, kernels) | own | {"precision": precision}
             if initial is not None:
                 np.savez(stage / WEIGHTS_FILE, **initial)  # type: ignore[arg-type]
                 manifest["weights"] = {"file": WEIGHTS_FILE, "sha256": file_sha256(stage / WEIGHTS_FILE)}

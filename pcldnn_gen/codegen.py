@@ -18,7 +18,7 @@ import jinja2
 from pcldnn_runtime import cpu
 from pcldnn_runtime.abi import SIGNATURES
 from pcldnn_runtime.limits import bf16_kernels, blocks, input_pixel_floats
-from pcldnn_runtime.manifest import PEAK_SYMBOL, kernel_kinds
+from pcldnn_runtime.manifest import PEAK_SYMBOL, SGD_SYMBOL, kernel_kinds
 from pcldnn_runtime.validate import NAME_RE, full_match, show
 
 from . import __version__
@@ -330,6 +330,13 @@ def render_peak(arch: Arch) -> Source:
         arch=arch, vec=VECTOR_ISAS[arch.isa], symbol=PEAK_SYMBOL, version=__version__,
         params=SIGNATURES["peak"], accumulators=peak_accumulators(arch))
     return Source("peak.c", text, {PEAK_SYMBOL: "peak"})
+
+
+def render_sgd() -> Source:
+    """C source of the optimizer's update over the flat parameter buffer (pcldnn_runtime.optim)."""
+    text = template_env().get_template("sgd.c.j2").render(version=__version__, symbol=SGD_SYMBOL,
+                                                          params=SIGNATURES["sgd"])
+    return Source("sgd.c", text, {SGD_SYMBOL: "sgd"})
 
 
 def peak_flops_per_iteration(arch: Arch) -> int:

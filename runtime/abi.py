@@ -45,6 +45,9 @@ SIGNATURES: dict[str, str] = {
     "act_to_bf16": "const float *src, unsigned short *dst, int batch, int nthreads",
     "weight_to_bf16": "const float *src, unsigned short *dst",
     "peak": "long long iters, int nthreads, float *sink",
+    # one SGD update of n parameters (templates/sgd.c.j2); decay NULL: decay_all for every one
+    "sgd": "float *p, float *v, const float *g, const float *decay, float decay_all, float lr, float momentum, "
+           "long long n, int nthreads",
     "weight_layout": "const float *src, float *dst",
 }
 

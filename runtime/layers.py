@@ -16,7 +16,7 @@ import numpy as np
 from .abi import DROPOUT_HASH_STEP
 from .errors import PcldnnError
 from .kernels import empty_aligned, ptr
-from .limits import bf16_weight_scratch, blocks, input_pixel_floats
+from .limits import bf16_data_scratch, bf16_weight_scratch, blocks, input_pixel_floats
 from .manifest import LayerEntry
 
 
@@ -352,7 +352,8 @@ class WeightedLayer(Layer):
         if grads is not None:
             dw, db = grads
             if self.bf16_backward_weights:
-                scratch = self._net.scratch(-(-self._weight_scratch(batch) // 2)).view(np.uint16)
+                values = bf16_weight_scratch(self.in_shape, self.out_shape, self.kernel, self.spec.stride, self._v, batch)
+                scratch = self._net.scratch(-(-values // 2)).view(np.uint16)
                 self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(scratch), ptr(dw), ptr(db), batch, threads)
             else:
                 self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(dw), ptr(db), batch, threads, *extra)
@@ -360,15 +361,11 @@ class WeightedLayer(Layer):
                 db[...] = 0.0  # a bias-free layer's bias stays zero: no gradient, no update, no decay
             mask = None  # dy is masked in place now
         if dxb is not None:
-            if self.bf16_backward_data:  # bf16 transposed weights, then bf16 dy from a cache line on
-                scratch = self._net.scratch(-(-self._wt.size // 32) * 16 + (dyb.size + 1) // 2).view(np.uint16)
+            if self.bf16_backward_data:
+                scratch = self._net.scratch(-(-bf16_data_scratch(self._wt.size, dyb.size) // 2)).view(np.uint16)
             else:
                 scratch = self._net.scratch(self.scratch_floats)
             self._k["bwd_data"](ptr(dyb), ptr(mask), self._wt_ptr, ptr(scratch), ptr(dxb), batch, threads, *extra)
-
-    def _weight_scratch(self, batch: int) -> int:
-        """bf16 values of scratch the bf16 backward-weights kernel needs at `batch`."""
-        return bf16_weight_scratch(self.in_shape, self.out_shape, self.kernel, self.spec.stride, self._v, batch)
 
     def backward_weights(self, x: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(dw, db) in canonical layouts for input x and output gradient dy (does not touch

@@ -55,6 +55,7 @@ def kernel_kinds(ltype: str, bf16_passes: tuple[str, ...]) -> dict[str, dict[str
     return out
 
 PEAK_SYMBOL = "pcldnn_peak"  # the build's FMA peak kernel (pcldnn_gen.codegen.render_peak)
+SGD_SYMBOL = "pcldnn_sgd"    # the build's SGD update (pcldnn_gen.codegen.render_sgd)
 _REL_PATH = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_./-]{0,250}")
 
 
@@ -101,6 +102,7 @@ class Manifest:
     peak: KernelEntry | None = None  # the FMA peak kernel (PCLDNN_VERBOSE's % of peak); None in older builds
     peak_flops_per_iteration: int = 0  # its FLOPs per thread and loop iteration
     precision: str = "fp32"  # cpu.PRECISIONS: the number format of its bf16-capable kernels
+    sgd: KernelEntry | None = None  # the optimizer's update kernel; None in older builds (numpy then)
 
     @property
     def isa(self) -> str:
@@ -129,7 +131,7 @@ def read_manifest(build_dir: Path) -> Manifest:
 
 def parse_manifest(data: Any, origin: str) -> Manifest:
     f = Fields(origin, BuildDirError)
-    f.obj(data, "", {"format", "generator", "net", "arch", "layers"}, {"weights", "peak", "precision"})
+    f.obj(data, "", {"format", "generator", "net", "arch", "layers"}, {"weights", "peak", "precision", "sgd"})
     net = f.obj(data["net"], "net", {"name", "input", "classes", "hash"})
     name = f.string(net["name"], "net.name", NAME_RE, "a net name")
     net_input = _shape(f, net["input"], "net.input", limits.MAX_CHANNELS)
@@ -160,8 +162,12 @@ def parse_manifest(data: Any, origin: str) -> Manifest:
         raw = f.obj(data["peak"], "peak", {"library", "sha256", "source", "symbols", "flops_per_iteration"})
         peak = _entry(f, raw, "peak", {PEAK_SYMBOL: "peak"})
         peak_flops = f.int_in(raw["flops_per_iteration"], "peak.flops_per_iteration", 1, 1 << 16)
+    sgd = None
+    if "sgd" in data:
+        raw = f.obj(data["sgd"], "sgd", {"library", "sha256", "source", "symbols"})
+        sgd = _entry(f, raw, "sgd", {SGD_SYMBOL: "sgd"})
     return Manifest(FORMAT, f.text(data["generator"], "generator"), name, net_input, classes, net_hash, arch,
-                    tuple(layers), weights, peak, peak_flops, precision)
+                    tuple(layers), weights, peak, peak_flops, precision, sgd)
 
 
 def _shape(f: Fields, value: Any, where: str, max_channels: int) -> tuple[int, int, int]:

@@ -22,7 +22,7 @@ from .kernels import (
     zeros_aligned,
 )
 from .layers import AvgPoolLayer, DropoutLayer, Layer, LossLayer, MaxPoolLayer, ReluLayer, WeightedLayer
-from .manifest import PEAK_SYMBOL, WEIGHTS_FILE, LayerEntry, Manifest, inside, read_manifest
+from .manifest import PEAK_SYMBOL, SGD_SYMBOL, WEIGHTS_FILE, LayerEntry, Manifest, inside, read_manifest
 from .state_io import StateKeys, check_state, expected_state, read_npz
 
 _LAYER_CLASSES = {"conv": WeightedLayer, "fc": WeightedLayer, "maxpool": MaxPoolLayer,
@@ -78,8 +78,10 @@ class Net:
         self._workspaces: dict[int, _Workspace] = {}
         self._peaks: dict[int, float] = {}  # FMA peak GFLOP/s by thread count (peak_gflops)
         self._peak_library: KernelLibrary | None = None
-        if manifest.peak is not None:  # loaded on first use only, but its path is checked now
-            inside(build_dir, manifest.peak.library)
+        self._sgd_library: KernelLibrary | None = None
+        for entry in (manifest.peak, manifest.sgd):  # loaded on first use only, but their paths are checked now
+            if entry is not None:
+                inside(build_dir, entry.library)
         self._pending: _Workspace | None = None  # set by a training-mode forward, used by backward
         specs = manifest.layers
         v = self.vector_floats
@@ -161,6 +163,16 @@ class Net:
             self._peaks[threads] = fma_peak_gflops(self._peak_library[PEAK_SYMBOL],
                                                    self.manifest.peak_flops_per_iteration, threads)
         return self._peaks[threads]
+
+    def sgd_kernel(self):
+        """The build's SGD update (templates/sgd.c.j2, abi "sgd"), loaded on first use; None for a
+        build made before it was part of builds (the optimizer then updates with numpy)."""
+        entry = self.manifest.sgd
+        if entry is None:
+            return None
+        if self._sgd_library is None:
+            self._sgd_library = load_library(inside(self.build_dir, entry.library), entry.sha256, entry.symbols)
+        return self._sgd_library[SGD_SYMBOL]
 
     @property
     def params(self) -> np.ndarray:

@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from .errors import PcldnnError
+from .kernels import ptr
 
 SCHEDULES = ("constant", "step", "cosine")
 
@@ -52,6 +53,8 @@ class SGD:
         self.velocity: np.ndarray | None = None
         self._decay: np.ndarray | float | None = None
         self._scratch: np.ndarray | None = None
+        self._kernel = None  # the build's SGD update (Net.sgd_kernel), when bound to a net that has one
+        self._threads = 1
 
     def config(self) -> dict:
         """Hyperparameters, for checkpoints and logs."""
@@ -75,7 +78,8 @@ class SGD:
         """Allocate the state for `net`'s flat buffers (zero velocity), and the per-element
         weight decay when biases are exempt."""
         self.velocity = np.zeros_like(net.params)
-        self._scratch = np.empty_like(net.params)
+        self._kernel, self._threads = net.sgd_kernel(), net.threads
+        self._scratch = None if self._kernel is not None else np.empty_like(net.params)
         if self.decay_bias or self.weight_decay == 0:
             self._decay = self.weight_decay
         else:
@@ -87,12 +91,22 @@ class SGD:
     def apply(self, params: np.ndarray, grads: np.ndarray, step: int,
               sl: slice = slice(None)) -> None:
         """One update of params[sl] from grads[sl] (in place). The slice is what the MPI
-        runtime updates on each rank; a single process updates everything."""
-        if self.velocity is None or self._scratch is None:
+        runtime updates on each rank; a single process updates everything. Through the build's
+        update kernel (one threaded pass) where the net has one, else numpy (the same float
+        operations, so the same bits: tests/test_training.py checks it)."""
+        if self.velocity is None:
             raise PcldnnError("SGD: bind(net) before the first update")
         lr = self.lr_at(step)
-        p, v, g, tmp = params[sl], self.velocity[sl], grads[sl], self._scratch[sl]
+        p, v, g = params[sl], self.velocity[sl], grads[sl]
         decay = self._decay[sl] if isinstance(self._decay, np.ndarray) else self._decay
+        if self._kernel is not None:
+            per_element = isinstance(decay, np.ndarray)
+            self._kernel(ptr(p), ptr(v), ptr(g), ptr(decay if per_element else None),
+                         0.0 if per_element or decay is None else decay, lr, self.momentum, p.size, self._threads)
+            return
+        if self._scratch is None:
+            self._scratch = np.empty_like(self.velocity)
+        tmp = self._scratch[sl]
         if decay is not None and (isinstance(decay, np.ndarray) or decay != 0.0):
             np.multiply(p, decay, out=tmp)
             tmp += g

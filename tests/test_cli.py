@@ -28,7 +28,7 @@ def test_compile_writes_the_build_directory(tmp_path, capsys):
     assert fwd["plan"]["template"] == "conv_fwd.c.j2" and fwd["plan"]["blocks"]["ifm_chunk"] >= 1
     assert fwd["plan"]["reduction_chunk"] == f"{fwd['plan']['blocks']['ifm_chunk']} input-channel blocks"
     assert sorted(p.name for p in (out / "src").iterdir()) == sorted(
-        [f"{l['name']}_{p}.c" for l in manifest["layers"] for p in l["kernels"]] + ["peak.c"])
+        [f"{l['name']}_{p}.c" for l in manifest["layers"] for p in l["kernels"]] + ["peak.c", "sgd.c"])
     assert manifest["peak"]["symbols"] == {"pcldnn_peak": "peak"} and (out / manifest["peak"]["library"]).is_file()
     from pcldnn_gen.planner import LAYER_PASSES
     for layer in manifest["layers"]:  # every pass of every layer, plus its layout conversions

@@ -119,6 +119,9 @@ def test_mutated_manifests_are_refused_with_the_field_named(built, data):
     (lambda m: m["peak"]["symbols"].update(pcldnn_peak="conv_fwd"), r"peak\.symbols\.pcldnn_peak: must be 'peak'"),
     (lambda m: m["peak"].update(flops_per_iteration=0), r"peak\.flops_per_iteration: must be"),
     (lambda m: m["peak"].update(library="../../x.so"), "path '../../x.so' escapes the build directory"),
+    (lambda m: m["sgd"]["symbols"].update(pcldnn_sgd="peak"), r"sgd\.symbols\.pcldnn_sgd: must be 'sgd'"),
+    (lambda m: m["sgd"].update(library="../x.so"), "path '../x.so' escapes the build directory"),
+    (lambda m: m.update(precision="fp16"), r"precision: must be one of fp32, bf16"),
 ])
 def test_tampered_manifest_fields_are_named(built, tmp_path, edit, message):
     m = json.loads((built / "manifest.json").read_text())

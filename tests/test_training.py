@@ -88,6 +88,33 @@ def test_sgd_steps_match_a_numpy_trainer(build_dir):
         np.testing.assert_allclose(layer.bias, b_ref, rtol=0, atol=1e-3 * np.abs(b_ref).max() + 1e-6)
 
 
+@pytest.mark.parametrize("kwargs", [{"momentum": 0.9, "weight_decay": 1e-3, "decay_bias": False},
+                                    {"momentum": 0.9, "weight_decay": 5e-4}, {"momentum": 0.0, "weight_decay": 0.0},
+                                    {"momentum": 0.5, "weight_decay": 0.0}])
+def test_the_builds_sgd_kernel_gives_numpys_bits(build_dir, kwargs):
+    """The build's one-pass update (templates/sgd.c.j2) against the optimizer's numpy form, on
+    the whole buffer and on a slice (an MPI rank's part), three steps: the same bits."""
+    rng = np.random.default_rng(3)
+    nets = [_net(build_dir), _net(build_dir)]
+    opts = [pr.SGD(0.05, **kwargs), pr.SGD(0.05, **kwargs)]
+    for net, opt in zip(nets, opts):
+        opt.bind(net)
+    assert opts[0]._kernel is not None
+    opts[1]._kernel = None  # the numpy form
+    start = rng.standard_normal(nets[0].params.size).astype(np.float32)
+    part = slice(16, nets[0].params.size - 16)
+    for step in range(3):
+        grads = rng.standard_normal(start.size).astype(np.float32)
+        for net, opt in zip(nets, opts):
+            if step == 0:
+                net.params[...] = start
+            net.grads[...] = grads
+            opt.apply(net.params, net.grads, step, part if step == 2 else slice(None))
+    np.testing.assert_array_equal(nets[0].params, nets[1].params)
+    np.testing.assert_array_equal(opts[0].velocity, opts[1].velocity)
+    assert not np.array_equal(nets[0].params, start)
+
+
 def test_schedules_and_bias_decay(build_dir):
     opt = pr.SGD(1.0, schedule="step", step_size=10, gamma=0.5, warmup_steps=4)
     assert [opt.lr_at(s) for s in (0, 3, 9, 10, 25)] == [0.25, 1.0, 1.0, 0.5, 0.25]
