@@ -142,7 +142,7 @@ class Net:
                 role = pass_name if pass_name != "layout" else symbol[len(prefix):]
                 kind = entry.symbols[symbol]
                 watch = observe.observer()
-                if watch is not None and kind != "weight_layout":  # PCLDNN_VERBOSE / PCLDNN_TIMELINE
+                if watch is not None and observe.per_minibatch(kind):  # PCLDNN_VERBOSE / PCLDNN_TIMELINE
                     isa = self.isa + ("_bf16" if kind.endswith("_bf16") else "")
                     fn = watch.wrap(fn, observe.KernelCall(spec, role, kind, isa, self.vector_floats),
                                     self.peak_gflops)

@@ -41,6 +41,12 @@ MAX_EVENTS = 2_000_000  # per rank (~200 MB of JSON); later events are counted, 
 TRACKS = {"kernels": 1, "steps": 2, "MPI waits": 3}
 
 
+def per_minibatch(kind: str) -> bool:
+    """Kernels that run on a minibatch (a `batch` parameter) are observed; weight conversions,
+    which a layer runs once per call whatever the minibatch, are not."""
+    return " batch" in SIGNATURES[kind]
+
+
 class KernelCall:
     """What a kernel's verbose line and timeline slice say, fixed when the net is loaded: layer,
     pass, shape text, nominal FLOPs per image, and where batch, nthreads and a model-parallel

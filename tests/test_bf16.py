@@ -4,6 +4,7 @@ refusal on CPUs without the instructions, fp32 state, training)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -175,20 +176,28 @@ def test_bf16_conv_forward_against_float64(tmp_path, source, layer):
     assert np.any(np.abs(y - unrounded) > bound)
 
 
+def _forward_and_gradient(tmp_path, source, layer, pass_name, images, seed):
+    """A one-conv bf16 net's layer (its `pass_name` kernel a bf16 one), a random input, its
+    forward output and a random output gradient, zero where a fused ReLU's output is not
+    positive (what the kernels mask)."""
+    net = pr.load(_conv_net(tmp_path, source, layer, "bf16", name=pass_name), threads=2)
+    conv = net.layers["conv"]
+    assert conv.kernel_kind(pass_name) == f"conv_{pass_name}_bf16"
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((images, *conv.in_shape)).astype(np.float32)
+    y = conv.forward(x)
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    if layer.get("activation") == "relu":
+        dy = np.where(y > 0, dy, np.float32(0))
+    return conv, x, y, dy
+
+
 @needs_bf16
 @pytest.mark.parametrize("source,layer", CONV_CASES)
 def test_bf16_conv_backward_data_against_float64(tmp_path, source, layer):
     """dx = sum of bf16(dy masked by the ReLU) bf16(w) over oc, kh, kw: the same bound, n the
     output channels (padded) times the taps, and again off by more against unrounded inputs."""
-    net = pr.load(_conv_net(tmp_path, source, layer, "bf16"), threads=2)
-    conv = net.layers["conv"]
-    assert conv.kernel_kind("bwd_data") == "conv_bwd_data_bf16"
-    rng = np.random.default_rng(6)
-    x = rng.standard_normal((2, *conv.in_shape)).astype(np.float32)
-    y = conv.forward(x)
-    dy = rng.standard_normal(y.shape).astype(np.float32)
-    if layer.get("activation") == "relu":
-        dy = np.where(y > 0, dy, np.float32(0))  # what the kernel masks (y's sign is its own)
+    conv, x, y, dy = _forward_and_gradient(tmp_path, source, layer, "bwd_data", images=2, seed=6)
     dx = conv.backward_data(dy)
     stride, pad = (layer["stride"],) * 2, (layer["pad"],) * 2
     dyr, wr = as_float(bf16_reference(dy)), as_float(bf16_reference(conv.weights))
@@ -300,15 +309,7 @@ def test_bf16_conv_backward_weights_against_float64(tmp_path, source, layer):
     rows end on a zero partner): the bound with n = minibatch x output pixels (+1 for the pair
     padding); db sums the fp32 dy (fp32 bound). The extra shape: stride 2 without padding and
     4 output columns from 9 (a pair copy column past the input on the right)."""
-    net = pr.load(_conv_net(tmp_path, source, layer, "bf16", name="w"), threads=2)
-    conv = net.layers["conv"]
-    assert conv.kernel_kind("bwd_weights") == "conv_bwd_weights_bf16"
-    rng = np.random.default_rng(7)
-    x = rng.standard_normal((3, *conv.in_shape)).astype(np.float32)
-    y = conv.forward(x)
-    dy = rng.standard_normal(y.shape).astype(np.float32)
-    if layer.get("activation") == "relu":
-        dy = np.where(y > 0, dy, np.float32(0))
+    conv, x, y, dy = _forward_and_gradient(tmp_path, source, layer, "bwd_weights", images=3, seed=7)
     dw, db = conv.backward_weights(x, dy)
     kernel, stride, pad = (layer["kernel"],) * 2, (layer["stride"],) * 2, (layer["pad"],) * 2
     xr, dyr = as_float(bf16_reference(x)), as_float(bf16_reference(dy))
@@ -374,3 +375,18 @@ def test_inspect_shows_the_bf16_kernel(capsys):
     text = capsys.readouterr().out
     assert "precision: bf16 operands, a pair of output channels per 32-bit lane" in text
     assert "_mm512_dpbf16_ps(" in text and "_mm512_fmadd_ps(" not in text
+
+
+@needs_bf16
+def test_verbose_lines_of_a_bf16_build(tmp_path):
+    """PCLDNN_VERBOSE names the ISA of the bf16 kernels and copies (avx512_bf16) and leaves out weight copies."""
+    out = _conv_net(tmp_path, *CONV_CASES[0], "bf16")
+    script = ("import numpy as np, pcldnn_runtime as pr; net = pr.load(%r, threads=1); "
+              "net.layers['conv'].forward(np.ones((2, 20, 9, 11), np.float32))" % str(out))
+    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PCLDNN_VERBOSE": "1"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line.split(",") for line in proc.stderr.splitlines() if line.startswith("pcldnn_verbose,0,exec,")]
+    assert [(fields[3], fields[4], fields[5]) for fields in lines] == [
+        ("conv", "in_to_blocked", "avx512"), ("conv", "in_to_bf16", "avx512_bf16"), ("conv", "fwd", "avx512_bf16"),
+        ("conv", "out_from_blocked", "avx512")]
