@@ -66,12 +66,13 @@ def bf16_data_scratch(weight_values: int, dy_values: int) -> int:
 def bf16_weight_scratch(in_shape: tuple[int, int, int], out_shape: tuple[int, int, int], kernel: tuple[int, int],
                         stride: tuple[int, int], v: int, batch: int) -> int:
     """bf16 values of scratch a bf16 conv backward-weights kernel needs (its template's XP_CB and
-    GP_CB): x in pairs (IH rows of (2 ceil(OW/2) - 2) SW + KW columns) from a cache line, then
-    dy in pairs (OH rows of ceil(OW/2))."""
+    GP_CB): x in pairs (IH rows of (2 ceil(OW/2) - 2) SW + KW columns, stored in 2 SW phases of
+    equal length) from a cache line, then dy in pairs (OH rows of ceil(OW/2))."""
     c, ih, _ = in_shape
     oc, oh, ow = out_shape
-    pairs = -(-ow // 2)
-    x_pairs = batch * blocks(c, v) * ih * ((2 * pairs - 2) * stride[1] + kernel[1]) * v * 2
+    pairs, phases = -(-ow // 2), 2 * stride[1]
+    columns = -(-((2 * pairs - 2) * stride[1] + kernel[1]) // phases) * phases
+    x_pairs = batch * blocks(c, v) * ih * columns * v * 2
     return -(-x_pairs // 32) * 32 + batch * blocks(oc, v) * oh * pairs * v * 2
 
 

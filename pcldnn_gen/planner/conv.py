@@ -393,10 +393,13 @@ def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch, choice: tuple[int, int] 
     if value_bytes == 4:
         per_row = (ocb * ow * v + icb * sh * iw * xv) * 4
         per_row_tile = (tile.vectors * ow * v + sh * iw * xv) * 4
-    else:  # bf16 pair copies (conv_bwd_weights_bf16.c.j2): dy in pixel pairs, x rows of XPW column pairs
+    else:  # bf16 pair copies (conv_bwd_weights_bf16.c.j2): dy in pixel pairs, x rows of column pairs
+        # stored in 2 SW phases, of which a tile reads one per kernel column
         pairs = -(-ow // 2)
-        dy_row, x_row = 2 * pairs * v * value_bytes, ((2 * pairs - 2) * sw + kw) * v * 2 * value_bytes
-        per_row, per_row_tile = ocb * dy_row + icb * sh * x_row, tile.vectors * dy_row + sh * x_row
+        phase = -(-((2 * pairs - 2) * sw + kw) // (2 * sw)) * v * 2 * value_bytes
+        dy_row = 2 * pairs * v * value_bytes
+        per_row = ocb * dy_row + icb * sh * 2 * sw * phase
+        per_row_tile = tile.vectors * dy_row + sh * min(taps, 2 * sw) * phase
     rows = max(1, min(oh, (arch.l2_bytes // 2) // per_row, (arch.l1d_bytes // 2) // per_row_tile))
     # A single row still too big for L1 (wide early layers) is cut into column blocks; the
     # tile then reads the input rows of all its kernel taps (kh) from L1 as well.
