@@ -180,7 +180,7 @@ def _forward_and_gradient(tmp_path, source, layer, pass_name, images, seed):
     """A one-conv bf16 net's layer (its `pass_name` kernel a bf16 one), a random input, its
     forward output and a random output gradient, zero where a fused ReLU's output is not
     positive (what the kernels mask)."""
-    net = pr.load(_conv_net(tmp_path, source, layer, "bf16", name=pass_name), threads=2)
+    net = pr.load(_conv_net(tmp_path, source, layer, "bf16"), threads=2)
     conv = net.layers["conv"]
     assert conv.kernel_kind(pass_name) == f"conv_{pass_name}_bf16"
     rng = np.random.default_rng(seed)
