@@ -88,7 +88,7 @@ def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | Non
     sources: list[tuple[LayerSpec | None, str, Source]] = []
     for layer in net.layers:
         for p in LAYER_PASSES[layer.type]:
-            sources.append((layer, p, render_kernel(layer, plans[(layer.name, p)], arch, precision)))
+            sources.append((layer, p, render_kernel(layer, plans[(layer.name, p)], arch)))
         sources.append((layer, "layout", render_layout(layer, arch, precision)))
     # the build's own kernels of no layer: the FMA peak (PCLDNN_VERBOSE's % of peak), the SGD update
     sources += [(None, "peak", render_peak(arch)), (None, "sgd", render_sgd())]

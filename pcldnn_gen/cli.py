@@ -80,7 +80,7 @@ def _inspect(args: argparse.Namespace) -> int:
             print(_measured_lines(plan) if plan.measured else
                   f"measured : none (`pcldnn-gen tune {args.net} --arch {args.arch}` times the candidates)")
         return 0
-    sys.stdout.write(render_kernel(layer, plan, arch, args.precision).text)
+    sys.stdout.write(render_kernel(layer, plan, arch).text)
     return 0
 
 

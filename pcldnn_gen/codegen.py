@@ -269,16 +269,16 @@ def layer_bf16(layer: LayerSpec, arch: Arch, precision: str) -> tuple[str, ...]:
     return bf16_kernels(precision, layer.index, layer.type, layer.in_shape[0], arch.vector_floats)
 
 
-def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch, precision: str = "fp32") -> Source:
+def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
     """C source of one (layer, pass) kernel: the plan's template with the plan, the ISA's
-    spellings and the layer's blocked sizes. In a bf16 build, the passes of layer_bf16 read
-    bf16 operands in pairs of input channels (lane_step 2) with the BF16_ISA spellings."""
+    spellings and the layer's blocked sizes. A bf16 plan (kind *_bf16: plan_layer with bf16)
+    reads bf16 operands in pairs (lane_step 2) with the BF16_ISA spellings."""
     v = arch.vector_floats
     symbol = kernel_symbol(layer.name, plan.pass_name)
     c, h, w = layer.in_shape
     icb = blocks(c, v)
-    bf16 = plan.pass_name in layer_bf16(layer, arch, precision)
-    kind = kernel_kinds(layer.type, layer_bf16(layer, arch, precision))[plan.pass_name][plan.pass_name]
+    kind = plan.kind
+    bf16 = kind.endswith("_bf16")
     lines = _comment_lines(plan)
     if bf16:
         pairs = "neighbouring output pixels" if plan.pass_name == "bwd_weights" else (
@@ -286,10 +286,7 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch, precision: str
         text = (f"bf16 operands, a pair of {pairs} per 32-bit lane (vdpbf16ps), fp32 accumulation and results; "
                 "blocks planned for 2-byte operands")
         lines += [("precision: " if i == 0 else "           ") + w for i, w in enumerate(textwrap.wrap(text, 87))]
-    template = plan.template
-    if bf16 and plan.pass_name == "bwd_weights":  # pairs of pixels, not of channels: its own loops
-        template = "conv_bwd_weights_bf16.c.j2"
-    text = template_env().get_template(template).render(
+    text = template_env().get_template(plan.template).render(
         layer=layer, arch=arch, plan=plan, V=v, vec=BF16_ISA if bf16 else VECTOR_ISAS[arch.isa], symbol=symbol,
         params=SIGNATURES[kind], version=__version__, plan_lines=lines,
         elem="unsigned short" if bf16 else "float", lane_step=2 if bf16 else 1,

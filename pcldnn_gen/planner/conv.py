@@ -89,6 +89,10 @@ def streams_inputs(layer: LayerSpec, arch: Arch) -> bool:
                                                          arch.vector_floats) == arch.vector_floats
 
 
+# Kernel kind suffix by operand bytes: 2-byte operands are bf16 kernels (abi.SIGNATURES).
+_BF16_KIND = {4: "", 2: "_bf16"}
+
+
 def _conv_fwd_blocking(layer: LayerSpec, tile: RegisterTile, slice_bytes: int, lanes: int,
                        arch: Arch, value_bytes: int = 4) -> ConvFwdBlocking:
     """Reduction chunk and output-row block for conv forward: the pair whose working set fits
@@ -161,7 +165,8 @@ def plan_conv_fwd(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | None =
                               streams_inputs(layer, arch))
     # Border pixels without an edge tile are computed by 1-pixel tiles.
     widths = {tile.width, *remainders} | ({1} if cover.border else set())
-    return ConvFwdPlan(layer=layer.name, pass_name="fwd", kind="conv_fwd", template="conv_fwd.c.j2", isa=arch.isa,
+    return ConvFwdPlan(layer=layer.name, pass_name="fwd", kind="conv_fwd" + _BF16_KIND[value_bytes],
+                       template="conv_fwd.c.j2", isa=arch.isa,
                        vector_floats=v, reason=reason, tile=tile, tile_widths=tuple(sorted(widths, reverse=True)),
                        remainders=remainders, predicted_efficiency=eff, l1_working_set=blocking.working_set,
                        l2_bytes_per_flop=blocking.l2_bytes_per_flop, rejected=tuple(s[3] for s in scored[1:6]),
@@ -235,7 +240,8 @@ def plan_conv_bwd_data(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | N
                      * (4 // value_bytes))
     remainders = tuple(sorted({p.cover.rem for p in covered if p.cover and p.cover.rem}, reverse=True))
     return ConvBwdDataPlan(
-        layer=layer.name, pass_name="bwd_data", kind="conv_bwd_data", template="conv_bwd_data.c.j2", isa=arch.isa,
+        layer=layer.name, pass_name="bwd_data", kind="conv_bwd_data" + _BF16_KIND[value_bytes],
+        template="conv_bwd_data.c.j2", isa=arch.isa,
         vector_floats=v, reason=explain.conv_bwd_data(tile, arch, sw, len(phases), row_eff, eff, ocb, blocking),
         tile=tile, tile_widths=tuple(sorted({tile.width, *remainders}, reverse=True)), remainders=remainders,
         predicted_efficiency=eff, l1_working_set=blocking.weight_bytes + blocking.partial_bytes,
@@ -410,7 +416,9 @@ def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch, choice: tuple[int, int] 
         cols = -(-ow // max(1, ow // widest))  # equal blocks, none narrower than `widest`
     flops_px = 2 * tile.width * tile.vectors * v
     return ConvBwdWeightsPlan(
-        layer=layer.name, pass_name="bwd_weights", kind="conv_bwd_weights", template="conv_bwd_weights.c.j2",
+        # bf16 pairs neighbouring pixels, not channels: loops of their own
+        layer=layer.name, pass_name="bwd_weights", kind="conv_bwd_weights" + _BF16_KIND[value_bytes],
+        template="conv_bwd_weights_bf16.c.j2" if value_bytes == 2 else "conv_bwd_weights.c.j2",
         isa=arch.isa, vector_floats=v,
         reason=explain.conv_bwd_weights(tile, arch, eff, lanes, rem_n, taps, kw, rows, oh, per_row, per_row_tile,
                                         cols, ow),
