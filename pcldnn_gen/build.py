@@ -61,14 +61,18 @@ def plan_net(net: NetSpec, arch: Arch, tuning: TuningDB | None = None,
     """Every (layer, pass) plan: the model's, the tuning database's measured tile where an
     entry matches, or a forced candidate tile from `choices` (the tuner's trial builds). The
     database holds fp32 measurements: bf16 kernels take the model's plan."""
-    plans = {}
-    for layer in net.layers:
-        bf16 = layer_bf16(layer, arch, precision)
-        for p in LAYER_PASSES[layer.type]:
-            choice = (choices or {}).get((layer.name, p))
-            plans[(layer.name, p)] = (plan_layer(layer, p, arch, choice, p in bf16) if choice or tuning is None or p in bf16
-                                      else tuning.plan(layer, p, arch))
-    return plans
+    return {(layer.name, p): plan_kernel(layer, p, arch, tuning, (choices or {}).get((layer.name, p)), precision)
+            for layer in net.layers for p in LAYER_PASSES[layer.type]}
+
+
+def plan_kernel(layer: LayerSpec, pass_name: str, arch: Arch, tuning: TuningDB | None = None,
+                choice: tuple[int, int] | None = None, precision: str = "fp32") -> KernelPlan:
+    """One kernel's plan by plan_net's rule (compile and `inspect` alike): a forced tile, else
+    the database's measured one, else the model's; bf16 kernels always the model's."""
+    bf16 = pass_name in layer_bf16(layer, arch, precision)
+    if choice or tuning is None or bf16:
+        return plan_layer(layer, pass_name, arch, choice, bf16)
+    return tuning.plan(layer, pass_name, arch)
 
 
 def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | None = None,

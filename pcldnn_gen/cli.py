@@ -13,11 +13,11 @@ from pcldnn_runtime.cpu import PRECISIONS
 
 from . import __version__
 from .arch import get_arch
-from .build import build, check_precision
-from .codegen import layer_bf16, render_kernel
+from .build import build, check_precision, plan_kernel
+from .codegen import render_kernel
 from .errors import PcldnnError
 from .netspec import load_netspec
-from .planner import PASSES, plan_layer
+from .planner import PASSES
 
 
 def _compile(args: argparse.Namespace) -> int:
@@ -67,9 +67,7 @@ def _inspect(args: argparse.Namespace) -> int:
     arch = get_arch(args.arch)
     layer = net.layer(args.layer)
     check_precision(args.precision, arch)
-    bf16 = args.pass_name in layer_bf16(layer, arch, args.precision)
-    tuning = None if bf16 else _tuning(args)  # the database holds fp32 measurements
-    plan = tuning.plan(layer, args.pass_name, arch) if tuning else plan_layer(layer, args.pass_name, arch, None, bf16)
+    plan = plan_kernel(layer, args.pass_name, arch, _tuning(args), None, args.precision)
     if args.explain:
         print(f"{layer.name} {plan.pass_name} on {arch.name}: {plan.reason}")
         if plan.tile is not None:

@@ -299,6 +299,7 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
 def render_layout(layer: LayerSpec, arch: Arch, precision: str = "fp32") -> Source:
     """C source of a layer's canonical <-> blocked conversions (activations and weights), and
     in a bf16 build the bf16 copies its bf16 kernels read."""
+    bf16 = layer_bf16(layer, arch, precision)
     wshape = None
     if layer.weighted:
         oc, ic = layer.out_shape[0], layer.in_shape[0]
@@ -307,11 +308,11 @@ def render_layout(layer: LayerSpec, arch: Arch, precision: str = "fp32") -> Sour
         layer=layer, arch=arch, V=arch.vector_floats, vec=VECTOR_ISAS[arch.isa], version=__version__,
         prefix=f"pcldnn_{c_identifier(layer.name)}", wshape=wshape, params=SIGNATURES,
         packed_input=input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats,
-        bf16=bool(layer_bf16(layer, arch, precision)))
+        bf16=bool(bf16))
     prefix = f"pcldnn_{c_identifier(layer.name)}_"
-    roles = kernel_kinds(layer.type, layer_bf16(layer, arch, precision))["layout"]
-    flags = cpu.PRECISION_CFLAGS["bf16"] if layer_bf16(layer, arch, precision) else ()
-    return Source(f"{layer.name}_layout.c", text, {prefix + r: kind for r, kind in roles.items()}, flags)
+    roles = kernel_kinds(layer.type, bf16)["layout"]
+    return Source(f"{layer.name}_layout.c", text, {prefix + r: kind for r, kind in roles.items()},
+                  cpu.PRECISION_CFLAGS["bf16"] if bf16 else ())
 
 
 

@@ -226,7 +226,7 @@ class WeightedLayer(Layer):
         # bf16 builds: the forward kernel reads bf16 copies of the input and of the weights
         # (limits.bf16_kernels), made by the layer's conversion kernels before each call; the
         # fp32 weights stay the master copy that optimizers and the API see.
-        self.bf16_forward = "wt_to_bf16" in kernels
+        self.bf16_forward = self.kernel_kind("fwd") == "conv_fwd_bf16"
         self.bf16_backward_data = self.kernel_kind("bwd_data") == "conv_bwd_data_bf16"
         self.bf16_backward_weights = self.kernel_kind("bwd_weights") == "conv_bwd_weights_bf16"
         self._wt16 = empty_aligned(self._wt.shape, dtype=np.uint16) if self.bf16_forward else None

@@ -77,8 +77,7 @@ class Net:
         self._libraries: list = []  # loaded kernel libraries (KernelLibrary): their functions stay callable
         self._workspaces: dict[int, _Workspace] = {}
         self._peaks: dict[int, float] = {}  # FMA peak GFLOP/s by thread count (peak_gflops)
-        self._peak_library: KernelLibrary | None = None
-        self._sgd_library: KernelLibrary | None = None
+        self._own_libraries: dict[str, KernelLibrary] = {}  # the build's kernels of no layer, by symbol (_own)
         for entry in (manifest.peak, manifest.sgd):  # loaded on first use only, but their paths are checked now
             if entry is not None:
                 inside(build_dir, entry.library)
@@ -158,21 +157,23 @@ class Net:
         if entry is None:
             return None
         if threads not in self._peaks:
-            if self._peak_library is None:  # held like the kernels' libraries
-                self._peak_library = load_library(inside(self.build_dir, entry.library), entry.sha256, entry.symbols)
-            self._peaks[threads] = fma_peak_gflops(self._peak_library[PEAK_SYMBOL],
+            self._peaks[threads] = fma_peak_gflops(self._own(entry, PEAK_SYMBOL),
                                                    self.manifest.peak_flops_per_iteration, threads)
         return self._peaks[threads]
+
+    def _own(self, entry, symbol: str):
+        """`symbol` of one of the build's kernels of no layer (peak, sgd), its library loaded on
+        first use and held like the layers' libraries."""
+        if symbol not in self._own_libraries:
+            self._own_libraries[symbol] = load_library(inside(self.build_dir, entry.library), entry.sha256,
+                                                       entry.symbols)
+        return self._own_libraries[symbol][symbol]
 
     def sgd_kernel(self):
         """The build's SGD update (templates/sgd.c.j2, abi "sgd"), loaded on first use; None for a
         build made before it was part of builds (the optimizer then updates with numpy)."""
         entry = self.manifest.sgd
-        if entry is None:
-            return None
-        if self._sgd_library is None:
-            self._sgd_library = load_library(inside(self.build_dir, entry.library), entry.sha256, entry.symbols)
-        return self._sgd_library[SGD_SYMBOL]
+        return None if entry is None else self._own(entry, SGD_SYMBOL)
 
     @property
     def params(self) -> np.ndarray:

@@ -295,7 +295,7 @@ def test_bf16_build_trains_like_fp32_and_shares_checkpoints(tmp_path):
         np.testing.assert_array_equal(nets["fp32"].layers[name].weights, nets["bf16"].layers[name].weights)
 
 
-def test_scalar_and_avx2_builds_still_say_fp32(tmp_path):
+def test_builds_without_precision_say_fp32(tmp_path):
     net = build_and_load(tmp_path, TRAIN_NET, (3, 8, 8), cpu.best_isa())
     assert net.precision == "fp32"
     assert json.loads((net.build_dir / "manifest.json").read_text())["precision"] == "fp32"
