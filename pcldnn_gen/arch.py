@@ -51,6 +51,11 @@ class Arch:
     # peak, it ran at 76% with 29 simulated L1 misses per 1000 FMAs (`benchmarks/kernel_profile.py`),
     # i.e. ~4 cycles per refill. It prices L2 -> L1 traffic where bandwidth alone would not.
     l1_refill_cycles: float = 4.0
+    # AMX bf16 tiles (Sapphire Rapids and later): a bf16 build's stride-1 convolution forward runs
+    # on tdpbf16ps (1024 FLOP per cycle and core, 16x the AVX-512 fp32 FMA rate: 3.4-3.6 TFLOP/s
+    # measured on one core of the project's Xeon VM); `native` sets it where the CPU has the flags
+    # and Linux grants the tile state. fp32 builds ignore it.
+    amx: bool = False
 
     @property
     def vector_floats(self) -> int:
@@ -85,7 +90,7 @@ PRESETS: dict[str, Arch] = {
     "icelake": Arch("icelake", "avx512", 512, 32, 2, 48 * KIB, 1280 * KIB, 48 * MIB, 2, cpu.ISA_CFLAGS["avx512"]),
     # Sapphire Rapids / Emerald Rapids: 48 KiB L1d, 2 MiB L2.
     "sapphirerapids": Arch("sapphirerapids", "avx512", 512, 32, 2, 48 * KIB, 2 * MIB, 96 * MIB, 2,
-                           cpu.ISA_CFLAGS["avx512"]),
+                           cpu.ISA_CFLAGS["avx512"], amx=True),
     # Zen 3: AVX2 only, 2 FMA-256 of latency 4, 512 KiB L2, 32 MiB L3 per CCD.
     "zen3": Arch("zen3", "avx2", 256, 16, 2, 32 * KIB, 512 * KIB, 32 * MIB, 2, cpu.ISA_CFLAGS["avx2"]),
     # Zen 4: AVX-512 on two 256-bit pipes: a 512-bit FMA takes both, one per cycle (the AVX2
@@ -150,7 +155,7 @@ def native_arch() -> Arch:
     l2 = clamp("l2_bytes", caches.get(2, base.l2_bytes), l1)
     l3 = clamp("l3_bytes", caches.get(3, base.l3_bytes), l2)
     return replace(base, name=f"native-{family or isa}", l1d_bytes=l1, l2_bytes=l2, l3_bytes=l3,
-                   cores=clamp("cores", cpu.usable_cores()))
+                   cores=clamp("cores", cpu.usable_cores()), amx=isa == "avx512" and cpu.request_amx() is None)
 
 
 def arch_from_file(path: Path) -> Arch:
@@ -193,6 +198,10 @@ def arch_from_dict(data: Any, origin: str) -> Arch:
             values[name] = f.number_in(data[name], name, lo, hi)
         else:
             values[name] = f.int_in(data[name], name, int(lo), int(hi))
+    if "amx" in data:
+        values["amx"] = f.boolean(data["amx"], "amx")
+        if values["amx"] and isa != "avx512":
+            f.fail("amx", f"AMX tiles come with AVX-512 cores; this arch's isa is {isa}")
     if not values["l1d_bytes"] <= values["l2_bytes"] <= values["l3_bytes"]:
         f.fail("l2_bytes", f"cache sizes must grow with the level: L1d {values['l1d_bytes']}, "
                f"L2 {values['l2_bytes']}, L3 {values['l3_bytes']}")

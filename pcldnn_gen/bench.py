@@ -146,7 +146,8 @@ def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASSES
               build_dir: Path | None = None, rounds: int = 1, tuning=None,
               precision: str = "fp32") -> tuple[float, list[PassResult]]:
     """Time every (weighted layer, pass). Returns (peak GFLOP/s, results). `precision` bf16: a
-    bf16 build (its bf16 kernels timed alone, without the conversions that feed them), against
+    bf16 build (its vdpbf16ps forward kernels timed without the conversions that feed them; the
+    AMX ones and the backward kernels convert their operands themselves, timed with it), against
     oneDNN on bf16 tensors; the peak stays the fp32 FMA peak.
 
     Layer by layer, `rounds` times: our kernels then the baselines, back to back. Our time is
@@ -242,7 +243,8 @@ def run_baselines(layers, arch: Arch, batch: int, threads: int, passes, repeats:
                   precision: str = "fp32") -> dict:
     """Run pcldnn_gen.baselines in a subprocess whose environment pins the ISA and the thread
     count of the libraries (OpenBLAS, oneDNN) to what our kernels get; bf16: oneDNN on bf16
-    tensors with its AVX512_BF16 kernels (no AMX: ours do not use it yet)."""
+    tensors with its AVX512_BF16 kernels, or its AMX kernels for an arch with AMX (the library a
+    user of that CPU would otherwise pick)."""
     unknown = set(compare) - set(BASELINES)
     if unknown:
         raise PcldnnError(f"unknown baseline {', '.join(sorted(unknown))}; known: {', '.join(BASELINES)}")
@@ -256,15 +258,17 @@ def run_baselines(layers, arch: Arch, batch: int, threads: int, passes, repeats:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads))
     if arch.isa == "avx2":
         env.update(ONEDNN_MAX_CPU_ISA="AVX2", OPENBLAS_CORETYPE="Haswell")
-    elif arch.isa == "avx512":  # fp32 kernels: no AMX or bf16 paths
-        env.update(ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16" if precision == "bf16" else "AVX512_CORE")
+    elif arch.isa == "avx512":  # fp32: no AMX or bf16 paths; bf16: AMX where our build has AMX kernels
+        env.update(ONEDNN_MAX_CPU_ISA="AVX512_CORE" if precision == "fp32" else
+                   "AVX512_CORE_AMX" if arch.amx else "AVX512_CORE_BF16")
     env.pop("OPENBLAS_L2_SIZE", None)
     with tempfile.TemporaryDirectory() as tmp:
         request = Path(tmp) / "request.json"
         result = Path(tmp) / "result.json"
         request.write_text(json.dumps({"problems": problems, "batch": batch, "threads": threads,
                                        "passes": list(passes), "repeats": repeats, "compare": list(compare),
-                                       "isa": arch.isa, "precision": precision}))
+                                       "isa": "amx" if precision == "bf16" and arch.amx else arch.isa,
+                                       "precision": precision}))
         proc = subprocess.run([sys.executable, "-m", "pcldnn_gen.baselines", str(request), str(result)],
                               env=env, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:

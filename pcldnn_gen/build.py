@@ -24,7 +24,7 @@ from pcldnn_runtime.state_io import check_state, expected_state
 
 from . import __version__
 from .arch import Arch
-from .codegen import layer_bf16, peak_flops_per_iteration, render_kernel, render_layout, render_peak, render_sgd
+from .codegen import layer_amx, layer_bf16, peak_flops_per_iteration, render_kernel, render_layout, render_peak, render_sgd
 from .compiler import Source, compile_all
 from .errors import ArchError, BuildDirError
 from .netspec import LayerSpec, NetSpec
@@ -71,7 +71,7 @@ def plan_kernel(layer: LayerSpec, pass_name: str, arch: Arch, tuning: TuningDB |
     the database's measured one, else the model's; bf16 kernels always the model's."""
     bf16 = pass_name in layer_bf16(layer, arch, precision)
     if choice or tuning is None or bf16:
-        return plan_layer(layer, pass_name, arch, choice, bf16)
+        return plan_layer(layer, pass_name, arch, choice, bf16, pass_name in layer_amx(layer, arch, precision))
     return tuning.plan(layer, pass_name, arch)
 
 

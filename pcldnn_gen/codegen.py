@@ -17,7 +17,7 @@ import jinja2
 
 from pcldnn_runtime import cpu
 from pcldnn_runtime.abi import SIGNATURES
-from pcldnn_runtime.limits import bf16_kernels, blocks, input_pixel_floats
+from pcldnn_runtime.limits import amx_conv_geometry, amx_kernels, bf16_kernels, blocks, input_pixel_floats
 from pcldnn_runtime.manifest import PEAK_SYMBOL, SGD_SYMBOL, kernel_kinds
 from pcldnn_runtime.validate import NAME_RE, full_match, show
 
@@ -253,6 +253,9 @@ def _comment_lines(plan: KernelPlan) -> list[str]:
         if plan.remainders:
             blocks_line += f", remainder tiles {list(plan.remainders)}"
         lines.append(blocks_line)
+    elif plan.blocks_summary():
+        lines += [("blocks  : " if i == 0 else "          ") + w
+                  for i, w in enumerate(textwrap.wrap(c_comment(plan.blocks_summary()), 88))]
     wrapped = textwrap.wrap(c_comment(plan.reason), 88)
     lines += [("why     : " if i == 0 else "          ") + w for i, w in enumerate(wrapped)]
     if plan.measured is not None:
@@ -269,6 +272,12 @@ def layer_bf16(layer: LayerSpec, arch: Arch, precision: str) -> tuple[str, ...]:
     return bf16_kernels(precision, layer.index, layer.type, layer.in_shape[0], arch.vector_floats)
 
 
+def layer_amx(layer: LayerSpec, arch: Arch, precision: str) -> tuple[str, ...]:
+    """The passes of `layer` with AMX tile kernels in a build of `precision` (limits.amx_kernels)."""
+    return amx_kernels(precision, arch.amx, layer.index, layer.type, layer.in_shape[0], arch.vector_floats,
+                       layer.stride, layer.kernel, layer.pad)
+
+
 def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
     """C source of one (layer, pass) kernel: the plan's template with the plan, the ISA's
     spellings and the layer's blocked sizes. A bf16 plan (kind *_bf16: plan_layer with bf16)
@@ -280,6 +289,8 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
     kind = plan.kind
     bf16 = kind.endswith("_bf16")
     lines = _comment_lines(plan)
+    if kind.endswith("_amx"):
+        return _render_amx(layer, plan, arch, symbol, lines)
     if bf16:
         pairs = "neighbouring output pixels" if plan.pass_name == "bwd_weights" else (
             "output channels" if plan.pass_name == "bwd_data" else "input channels")
@@ -296,10 +307,27 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
     return Source(f"{layer.name}_{plan.pass_name}.c", text, {symbol: kind}, cpu.PRECISION_CFLAGS["bf16"] if bf16 else ())
 
 
+def _render_amx(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, lines: list[str]) -> Source:
+    """An AMX tile kernel: bf16 operands it converts itself, fp32 tiles of results."""
+    source = "input" if plan.pass_name == "fwd" else "output gradient, masked by the ReLU,"
+    text = (f"bf16 operands converted by the kernel (the {source} with its zero padding, the weights as B tiles), "
+            "AMX tdpbf16ps into fp32 tiles; fp32 results")
+    lines += [("precision: " if i == 0 else "           ") + w for i, w in enumerate(textwrap.wrap(text, 87))]
+    text = template_env().get_template(plan.template).render(
+        layer=layer, arch=arch, plan=plan, V=arch.vector_floats, symbol=symbol, params=SIGNATURES[plan.kind],
+        version=__version__, plan_lines=lines, vec=VECTOR_ISAS[arch.isa],
+        icb=blocks(layer.in_shape[0], arch.vector_floats), ocb=blocks(layer.out_shape[0], arch.vector_floats),
+        xv=arch.vector_floats, ic_tail=arch.vector_floats,
+        geo=amx_conv_geometry(plan.pass_name, layer.in_shape, layer.out_shape, layer.kernel, layer.pad))
+    return Source(f"{layer.name}_{plan.pass_name}.c", text, {symbol: plan.kind},
+                  cpu.PRECISION_CFLAGS["bf16"] + cpu.AMX_CFLAGS)
+
+
 def render_layout(layer: LayerSpec, arch: Arch, precision: str = "fp32") -> Source:
     """C source of a layer's canonical <-> blocked conversions (activations and weights), and
-    in a bf16 build the bf16 copies its bf16 kernels read."""
+    in a bf16 build the bf16 copies its vdpbf16ps forward kernel reads."""
     bf16 = layer_bf16(layer, arch, precision)
+    roles = kernel_kinds(layer.type, bf16, layer_amx(layer, arch, precision))["layout"]
     wshape = None
     if layer.weighted:
         oc, ic = layer.out_shape[0], layer.in_shape[0]
@@ -308,11 +336,10 @@ def render_layout(layer: LayerSpec, arch: Arch, precision: str = "fp32") -> Sour
         layer=layer, arch=arch, V=arch.vector_floats, vec=VECTOR_ISAS[arch.isa], version=__version__,
         prefix=f"pcldnn_{c_identifier(layer.name)}", wshape=wshape, params=SIGNATURES,
         packed_input=input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats,
-        bf16=bool(bf16))
+        bf16="in_to_bf16" in roles)
     prefix = f"pcldnn_{c_identifier(layer.name)}_"
-    roles = kernel_kinds(layer.type, bf16)["layout"]
     return Source(f"{layer.name}_layout.c", text, {prefix + r: kind for r, kind in roles.items()},
-                  cpu.PRECISION_CFLAGS["bf16"] if bf16 else ())
+                  cpu.PRECISION_CFLAGS["bf16"] if "in_to_bf16" in roles else ())
 
 
 

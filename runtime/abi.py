@@ -42,6 +42,13 @@ SIGNATURES: dict[str, str] = {
     # (limits.bf16_weight_scratch), the bias gradient from the fp32 dy.
     "conv_bwd_weights_bf16": "const float *in, float *dy, const float *out, unsigned short *scratch, float *dwt, "
                              "float *dbias, int batch, int nthreads",
+    # AMX builds: a stride-1 conv forward on tiles, converting input and weights into its bf16
+    # scratch itself (limits.AmxConvGeometry).
+    "conv_fwd_amx": "const float *in, const float *wt, const float *bias, float *out, unsigned short *scratch, "
+                    "int batch, int nthreads",
+    # and backward-data (stride 1, padding below the window): dy masked by the ReLU as it is copied
+    "conv_bwd_data_amx": "float *dy, const float *out, const float *wt, unsigned short *scratch, float *dx, "
+                         "int batch, int nthreads",
     "act_to_bf16": "const float *src, unsigned short *dst, int batch, int nthreads",
     "weight_to_bf16": "const float *src, unsigned short *dst",
     "peak": "long long iters, int nthreads, float *sink",
@@ -54,7 +61,8 @@ SIGNATURES: dict[str, str] = {
 # Timing loops of `bench` (templates/repeat.c.j2): a weighted kernel's own arguments after the
 # kernel, the call count and where the seconds per call go.
 REPEATED_KINDS = ("conv_fwd", "conv_bwd_data", "conv_bwd_weights", "fc_fwd", "fc_bwd_data", "fc_bwd_weights",
-                  "conv_fwd_bf16", "conv_bwd_data_bf16", "conv_bwd_weights_bf16")
+                  "conv_fwd_bf16", "conv_bwd_data_bf16", "conv_bwd_weights_bf16", "conv_fwd_amx",
+                  "conv_bwd_data_amx")
 SIGNATURES |= {f"repeat_{kind}": "void *fn, long long reps, double *seconds, " + SIGNATURES[kind]
                for kind in REPEATED_KINDS}
 

@@ -5,8 +5,10 @@ build directory can still refuse kernels its CPU cannot execute, instead of dyin
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +37,13 @@ PRECISIONS = ("fp32", "bf16")
 PRECISION_ISAS: dict[str, tuple[str, ...]] = {"fp32": ("scalar", "avx2", "avx512"), "bf16": ("avx512",)}
 PRECISION_FLAGS: dict[str, tuple[str, ...]] = {"fp32": (), "bf16": ("avx512_bf16",)}
 PRECISION_CFLAGS: dict[str, tuple[str, ...]] = {"fp32": (), "bf16": ("-mavx512bf16",)}
+# AMX (Sapphire Rapids on): bf16 builds for an arch with `amx` run their stride-1 convolution
+# forward on tile registers (tdpbf16ps: a 16x32 by 32x16 bf16 product into 16x16 fp32 per
+# instruction). Linux hands a process the 8 KiB tile state only after it asks (arch_prctl
+# ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); without that the first tile instruction faults.
+AMX_FLAGS = ("amx_tile", "amx_bf16")
+AMX_CFLAGS = ("-mamx-tile", "-mamx-bf16")
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
 # SIMD width of each ISA's kernels.
 ISA_VECTOR_BITS: dict[str, int] = {"scalar": 32, "avx2": 256, "avx512": 512}
 
@@ -106,6 +115,36 @@ def require_precision(precision: str, what: str) -> None:
     if missing:
         raise ArchError(f"{what} is a {precision} build but this CPU lacks {', '.join(missing)}; "
                         f"compile it with --precision fp32 instead")
+
+
+def amx_flags_missing() -> list[str]:
+    """The AMX flags this CPU lacks (a VM may hide them from a Sapphire Rapids guest)."""
+    return [f for f in AMX_FLAGS if f not in cpu_flags()]
+
+
+@functools.lru_cache(maxsize=1)
+def request_amx() -> str | None:
+    """Ask Linux for the AMX tile state (once per process; every thread then may use it).
+    None when granted, else why not (what `require_amx` reports)."""
+    missing = amx_flags_missing()
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return "AMX tiles are requested through Linux's arch_prctl on x86-64 only"
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
+        err = ctypes.get_errno()
+        return f"Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: {os.strerror(err)})"
+    return None
+
+
+def require_amx(what: str) -> None:
+    """Raise ArchError, before anything is executed, if `what` (a build with AMX kernels) cannot
+    use AMX tiles here: the CPU lacks them or the kernel does not grant their state."""
+    reason = request_amx()
+    if reason is not None:
+        raise ArchError(f"{what} runs AMX tile kernels but {reason}; compile it for an arch without AMX "
+                        f"(e.g. --arch avx512) instead")
 
 
 def best_isa() -> str:

@@ -16,7 +16,7 @@ import numpy as np
 from .abi import DROPOUT_HASH_STEP
 from .errors import PcldnnError
 from .kernels import empty_aligned, ptr
-from .limits import bf16_data_scratch, bf16_weight_scratch, blocks, input_pixel_floats
+from .limits import amx_conv_geometry, bf16_data_scratch, bf16_weight_scratch, blocks, input_pixel_floats
 from .manifest import LayerEntry
 
 
@@ -230,6 +230,9 @@ class WeightedLayer(Layer):
         self.bf16_backward_data = self.kernel_kind("bwd_data") == "conv_bwd_data_bf16"
         self.bf16_backward_weights = self.kernel_kind("bwd_weights") == "conv_bwd_weights_bf16"
         self._wt16 = empty_aligned(self._wt.shape, dtype=np.uint16) if self.bf16_forward else None
+        # AMX builds: the stride-1 passes on tiles convert their operands into their own scratch
+        self._amx = {p: amx_conv_geometry(p, self.in_shape, self.out_shape, self.kernel, self.spec.pad)
+                     for p in ("fwd", "bwd_data") if self.kernel_kind(p) == f"conv_{p}_amx"}
 
     @property
     def blocked_weight_shape(self) -> tuple[int, ...]:
@@ -335,6 +338,10 @@ class WeightedLayer(Layer):
         """The forward kernel on this process's data; fc: output blocks `part` only."""
         extra = part if part is not None else ()
         batch, team = xb.shape[0], self.team(xb.shape[0])
+        if "fwd" in self._amx:
+            scratch = self._net.scratch(-(-self._amx["fwd"].scratch_values(batch) // 2)).view(np.uint16)
+            self._k["fwd"](ptr(xb), self._wt_ptr, self._bias_ptr, ptr(yb), ptr(scratch), batch, team)
+            return
         if self.bf16_forward:
             xb16 = self._buffer("bf16.x", xb.shape, np.uint16)
             self._k["in_to_bf16"](ptr(xb), ptr(xb16), batch, team)
@@ -361,7 +368,10 @@ class WeightedLayer(Layer):
                 db[...] = 0.0  # a bias-free layer's bias stays zero: no gradient, no update, no decay
             mask = None  # dy is masked in place now
         if dxb is not None:
-            if self.bf16_backward_data:
+            if "bwd_data" in self._amx:
+                values = self._amx["bwd_data"].scratch_values(batch)
+                scratch = self._net.scratch(-(-values // 2)).view(np.uint16)
+            elif self.bf16_backward_data:
                 scratch = self._net.scratch(-(-bf16_data_scratch(self._wt.size, dyb.size) // 2)).view(np.uint16)
             else:
                 scratch = self._net.scratch(self.scratch_floats)

@@ -8,6 +8,7 @@ manifest against the same ranges, so a tampered manifest cannot ask for absurd b
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Iterable
 
 from .errors import PcldnnError
@@ -55,6 +56,63 @@ def bf16_kernels(precision: str, index: int, layer_type: str, channels: int, v: 
     if precision != "bf16" or layer_type != "conv" or input_pixel_floats(index, layer_type, channels, v) != v:
         return ()
     return ("fwd", "bwd_data", "bwd_weights")
+
+
+def amx_kernels(precision: str, amx: bool, index: int, layer_type: str, channels: int, v: int,
+                stride: tuple[int, int], kernel: tuple[int, int], pad: tuple[int, int]) -> tuple[str, ...]:
+    """The passes of a layer that run AMX tile kernels (kind *_amx) in a bf16 build for an arch
+    with `amx`: a stride-1 convolution's forward pass, and its backward-data pass (the forward
+    convolution of dy with the flipped, transposed weights) where the padding is at most the
+    window side - 1; the other passes keep their vdpbf16ps kernels. The flat-pixel tiling
+    (AmxConvGeometry) needs unit stride."""
+    if not amx or stride != (1, 1) or "fwd" not in bf16_kernels(precision, index, layer_type, channels, v):
+        return ()
+    return ("fwd", "bwd_data") if pad[0] < kernel[0] and pad[1] < kernel[1] else ("fwd",)
+
+
+AMX_ROWS = 16        # tile rows: output pixels per A and C tile
+AMX_PAIRS = 16       # tile rows of B: input-channel pairs (a 64-byte row is 32 bf16 channels)
+AMX_PIXEL_BLOCK = 2 * AMX_ROWS  # output pixels per work item: two A tiles share each B tile
+
+
+@dataclass(frozen=True)
+class AmxConvGeometry:
+    """The buffers of an AMX conv kernel (templates/conv_amx.c.j2), one rule for the template and
+    the runtime's scratch. The kernel computes a stride-1 convolution of `source` into `result`
+    with padding `pad`: the layer's forward pass, or its backward-data pass (dy into dx, the
+    window flipped and the weights transposed, padding KH - 1 - PH). Its source is copied to bf16
+    with the padding written out, (N, C/32, plane, 32): result pixel (oh, ow) reads the flat pixel
+    oh*WP + ow + kh*WP + kw, so 16 consecutive flat results are one tile of 16 rows 64 bytes
+    apart, across row ends (the KW - 1 flat columns past the row are computed and dropped)."""
+    source: tuple[int, int, int]   # (C, H, W) read: the layer's input, or its output gradient
+    result: tuple[int, int, int]   # (C, H, W) written: the layer's output, or its input gradient
+    pad: tuple[int, int]
+    icb: int             # 32-channel blocks of the source (a tile row's 16 channel pairs)
+    hp: int              # padded source rows
+    wp: int              # padded source columns: the flat row length
+    pixel_blocks: int    # AMX_PIXEL_BLOCK-pixel blocks covering the result's rows of WP flat pixels
+    plane: int           # pixels of one (image, icb) plane: every row a block's taps may read
+    weight_values: int   # bf16 values of the B tiles (result C/16, source C/32, KH, KW, 16 pairs, 16, 2)
+
+    def scratch_values(self, batch: int) -> int:
+        """bf16 values of the kernel's scratch: the weights, then the padded source copy."""
+        return self.weight_values + batch * self.icb * self.plane * 32
+
+
+def amx_conv_geometry(pass_name: str, in_shape: tuple[int, int, int], out_shape: tuple[int, int, int],
+                      kernel: tuple[int, int], pad: tuple[int, int]) -> AmxConvGeometry:
+    """The geometry of a conv layer's `pass_name` ("fwd" or "bwd_data") AMX kernel."""
+    if pass_name == "fwd":
+        source, result = in_shape, out_shape
+    else:
+        source, result, pad = out_shape, in_shape, (kernel[0] - 1 - pad[0], kernel[1] - 1 - pad[1])
+    c, h, w = source
+    hp, wp = h + 2 * pad[0], w + 2 * pad[1]
+    pixel_blocks = -(-result[1] * wp // AMX_PIXEL_BLOCK)
+    reach = pixel_blocks * AMX_PIXEL_BLOCK + (kernel[0] - 1) * wp + kernel[1] - 1
+    icb = blocks(c, 2 * AMX_PAIRS)
+    weight_values = blocks(result[0], 16) * icb * kernel[0] * kernel[1] * AMX_PAIRS * 16 * 2
+    return AmxConvGeometry(source, result, pad, icb, hp, wp, pixel_blocks, max(hp * wp, reach), weight_values)
 
 
 def bf16_data_scratch(weight_values: int, dy_values: int) -> int:

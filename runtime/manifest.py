@@ -44,13 +44,16 @@ WEIGHT_LAYOUTS = ("wt_to_blocked", "wt_from_blocked")
 BF16_LAYOUTS = {"in_to_bf16": "act_to_bf16", "wt_to_bf16": "weight_to_bf16"}
 
 
-def kernel_kinds(ltype: str, bf16_passes: tuple[str, ...]) -> dict[str, dict[str, str]]:
+def kernel_kinds(ltype: str, bf16_passes: tuple[str, ...], amx_passes: tuple[str, ...] = ()) -> dict[str, dict[str, str]]:
     """{pass or "layout": {symbol suffix: kernel kind}} of one layer: the one list generator
-    and manifest reader share."""
-    out = {p: {p: f"{ltype}_{p}" + ("_bf16" if p in bf16_passes else "")} for p in LAYER_PASSES[ltype]}
+    and manifest reader share. A pass in `amx_passes` (limits.amx_kernels) is *_amx, else one
+    in `bf16_passes` *_bf16; the bf16 copies are converted by the layout library only for a
+    vdpbf16ps forward kernel (the others convert their own operands)."""
+    out = {p: {p: f"{ltype}_{p}" + ("_amx" if p in amx_passes else "_bf16" if p in bf16_passes else "")}
+           for p in LAYER_PASSES[ltype]}
     roles = ACT_LAYOUTS + (WEIGHT_LAYOUTS if ltype in WEIGHTED else ())
     out["layout"] = {r: ("weight_layout" if r.startswith("wt_") else "act_layout") for r in roles}
-    if bf16_passes:
+    if "fwd" in bf16_passes and "fwd" not in amx_passes:
         out["layout"] |= BF16_LAYOUTS
     return out
 
@@ -112,6 +115,12 @@ class Manifest:
     def vector_floats(self) -> int:
         return self.arch["vector_bits"] // 32
 
+    @property
+    def uses_amx(self) -> bool:
+        """Whether any kernel runs on AMX tiles (the process must be granted their state)."""
+        return any(kind.endswith("_amx") for layer in self.layers for entry in layer.kernels.values()
+                   for kind in entry.symbols.values())
+
 
 def read_manifest(build_dir: Path) -> Manifest:
     """Parse and validate `build_dir/manifest.json`."""
@@ -147,7 +156,7 @@ def parse_manifest(data: Any, origin: str) -> Manifest:
     layers: list[LayerEntry] = []
     shape = net_input
     for i, raw in enumerate(raw_layers):
-        layer = _layer(f, raw, i, shape, v, precision)
+        layer = _layer(f, raw, i, shape, v, precision, arch.get("amx") is True)
         if any(l.name == layer.name for l in layers):
             f.fail(f"layers[{i}].name", f"duplicate layer name {layer.name!r}")
         layers.append(layer)
@@ -193,12 +202,15 @@ def _arch(f: Fields, value: Any) -> dict:
         f.fail("arch.cflags", f"{isa} builds are compiled with exactly {list(cpu.ISA_CFLAGS[isa])}, "
                f"got {arch['cflags']!r:.80}")
     for key, item in arch.items():
-        if key not in ("name", "isa", "vector_bits", "cflags"):
+        if key == "amx":
+            f.boolean(item, "arch.amx")
+        elif key not in ("name", "isa", "vector_bits", "cflags"):
             f.number_in(item, f"arch.{key}", 0, 1 << 40)
     return dict(arch)
 
 
-def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: int, precision: str) -> LayerEntry:
+def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: int, precision: str,
+           amx: bool) -> LayerEntry:
     where = f"layers[{index}]"
     keys = {"name", "type", "in_shape", "out_shape", "kernel", "stride", "pad", "relu", "rate",
             "weight_shape", "kernels"}
@@ -241,7 +253,8 @@ def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: i
         if size > limits.MAX_TENSOR_FLOATS:
             f.fail(f"{where}.{what}", f"a tensor of {size} floats per image, more than the {limits.MAX_TENSOR_FLOATS} allowed")
     bf16 = limits.bf16_kernels(precision, index, ltype, c, v)
-    kernels = _kernels(f, raw["kernels"], f"{where}.kernels", name, kernel_kinds(ltype, bf16))
+    amx_passes = limits.amx_kernels(precision, amx, index, ltype, c, v, stride, kernel, pad)
+    kernels = _kernels(f, raw["kernels"], f"{where}.kernels", name, kernel_kinds(ltype, bf16, amx_passes))
     bias = f.boolean(raw.get("bias", True), f"{where}.bias")
     if not bias and ltype not in WEIGHTED:
         f.fail(f"{where}.bias", f"a {ltype} layer has no bias")

@@ -142,7 +142,7 @@ class Net:
                 kind = entry.symbols[symbol]
                 watch = observe.observer()
                 if watch is not None and observe.per_minibatch(kind):  # PCLDNN_VERBOSE / PCLDNN_TIMELINE
-                    isa = self.isa + ("_bf16" if kind.endswith("_bf16") else "")
+                    isa = self.isa + next((f"_{k}" for k in ("bf16", "amx") if kind.endswith(f"_{k}")), "")
                     fn = watch.wrap(fn, observe.KernelCall(spec, role, kind, isa, self.vector_floats),
                                     self.peak_gflops)
                 roles[role] = fn
@@ -419,6 +419,8 @@ def load(build_dir: str | Path, threads: int | None = None, seed: int = 0) -> Ne
         manifest = read_manifest(build_dir)
         cpu.require(manifest.isa, f"build {build_dir}")
         cpu.require_precision(manifest.precision, f"build {build_dir}")
+        if manifest.uses_amx:
+            cpu.require_amx(f"build {build_dir}")
         try:
             net = Net(build_dir, manifest, threads, seed)
             if manifest.weights_sha256 is not None:

@@ -100,6 +100,8 @@ def test_arch_from_json_file(tmp_path):
     ({"name": "x */ int evil; /*"}, "name: must match"),
     ({"name": "avx2\n"}, "name: must match"),
     ({"colour": "red"}, "colour: unknown field"),
+    ({"amx": 1}, "amx: must be true or false, got 1"),
+    ({"amx": True}, "amx: AMX tiles come with AVX-512 cores; this arch's isa is avx2"),
 ])
 def test_bad_arch_files(tmp_path, patch, message):
     path = tmp_path / "bad.json"
@@ -117,6 +119,19 @@ def test_cflags_follow_from_the_isa(tmp_path):
     assert get_arch(str(tmp_path / "a.json")).cflags == cpu.ISA_CFLAGS["avx512"]
     (tmp_path / "b.json").write_text(json.dumps(dict(data, cflags=["-mfma", "-mavx512f", "-mavx2"])))
     assert get_arch(str(tmp_path / "b.json")).cflags == cpu.ISA_CFLAGS["avx512"]
+
+
+def test_amx_is_a_capability_of_avx512_archs(tmp_path, monkeypatch):
+    """`amx` defaults off, Sapphire Rapids has it, an arch file may say so, and `native` sets it
+    exactly where the CPU has the AMX flags and Linux grants the tile state."""
+    assert not PRESETS["avx512"].amx and PRESETS["sapphirerapids"].amx
+    path = tmp_path / "amx.json"
+    path.write_text(json.dumps({**PRESETS["avx512"].to_json(), "amx": True}))
+    assert get_arch(str(path)).amx
+    assert native_arch().amx == (cpu.best_isa() == "avx512" and cpu.request_amx() is None)
+    if cpu.best_isa() == "avx512":
+        monkeypatch.setattr(cpu, "request_amx", lambda: "this CPU lacks amx_tile")
+        assert not native_arch().amx
 
 
 def test_unknown_arch_name():

@@ -3,6 +3,7 @@ bf16 kernels against float64 on CPUs with AVX512_BF16, and what a bf16 build pro
 refusal on CPUs without the instructions, fp32 state, training)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -27,6 +28,10 @@ from pcldnn_runtime.manifest import parse_manifest
 
 HAS_BF16 = cpu.supports("avx512") and "avx512_bf16" in cpu.cpu_flags()
 needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="this CPU lacks AVX512_BF16: bf16 kernels cannot run here")
+HAS_AMX = HAS_BF16 and cpu.request_amx() is None
+needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU lacks AMX bf16 tiles (or Linux does not grant "
+                                                  "their state): AMX kernels cannot run here")
+AMX_ARCH = dataclasses.replace(get_arch("avx512"), name="avx512-amx", amx=True)
 
 
 def bf16_reference(x: np.ndarray) -> np.ndarray:
@@ -143,24 +148,20 @@ CONV_CASES = [
 ]
 
 
-def _conv_net(tmp_path, source, layer, precision, name="b"):
+def _conv_net(tmp_path, source, layer, precision, name="b", arch=None):
     spec = parse_netspec({"name": name, "input": source, "layers": [{"name": "conv", "type": "conv", **layer}]})
     out = tmp_path / f"{name}-{precision}"
-    build(spec, get_arch("avx512"), out, precision=precision)
+    build(spec, arch or get_arch("avx512"), out, precision=precision)
     return out
 
 
-@needs_bf16
-@pytest.mark.parametrize("source,layer", CONV_CASES)
-def test_bf16_conv_forward_against_float64(tmp_path, source, layer):
+def _check_conv_forward(conv, source, layer, pairs_per_row, seed=3):
     """y = b + sum of bf16(x) bf16(w), each product exact in fp32 and n of them summed in fp32:
     |y - float64 reference on the rounded inputs| <= (n + 2) u (|b| + sum |x w|), the bound of
-    recursive summation (u = 2^-24, n the taps of a padded window). And the kernel really reads
-    bf16: against the unrounded inputs it is off by more than that bound."""
-    net = pr.load(_conv_net(tmp_path, source, layer, "bf16"), threads=2)
-    conv = net.layers["conv"]
-    assert conv.kernel_kind("fwd") == "conv_fwd_bf16" and net.precision == "bf16"
-    rng = np.random.default_rng(3)
+    recursive summation (u = 2^-24, n the terms: taps of a padded window times the input
+    channels padded to a whole `pairs_per_row` x 2). And the kernel really reads bf16: against
+    the unrounded inputs it is off by more than that bound."""
+    rng = np.random.default_rng(seed)
     x = rng.standard_normal((3, *conv.in_shape)).astype(np.float32)
     conv.bias = rng.standard_normal(conv.out_shape[0]).astype(np.float32)
     y = conv.forward(x)
@@ -169,11 +170,116 @@ def test_bf16_conv_forward_against_float64(tmp_path, source, layer):
     relu = layer.get("activation") == "relu"
     ref = conv2d(xr, wr, conv.bias, stride, pad, relu)
     magnitude = conv2d(np.abs(xr), np.abs(wr), np.abs(conv.bias), stride, pad)
-    n = -(-source["channels"] // 16) * 16 * layer["kernel"] ** 2
+    n = -(-source["channels"] // (2 * pairs_per_row)) * 2 * pairs_per_row * layer["kernel"] ** 2
     bound = (n + 2) * U32 * magnitude
     assert np.all(np.abs(y - ref) <= bound)
     unrounded = conv2d(x, conv.weights, conv.bias, stride, pad, relu)
     assert np.any(np.abs(y - unrounded) > bound)
+
+
+@needs_bf16
+@pytest.mark.parametrize("source,layer", CONV_CASES)
+def test_bf16_conv_forward_against_float64(tmp_path, source, layer):
+    """The vdpbf16ps kernel: input channels in blocks of 8 pairs (see _check_conv_forward)."""
+    net = pr.load(_conv_net(tmp_path, source, layer, "bf16"), threads=2)
+    conv = net.layers["conv"]
+    assert conv.kernel_kind("fwd") == "conv_fwd_bf16" and net.precision == "bf16"
+    _check_conv_forward(conv, source, layer, pairs_per_row=8)
+
+
+# Stride-1 convolutions of the AMX forward kernel: the bf16 cases above, several reduction
+# chunks with an odd number of output blocks, and a layer whose band is one work item (its
+# partial sums are stored before the next chunk reads them back).
+AMX_CASES = [case for case in CONV_CASES if case[1]["stride"] == 1] + [
+    ({"channels": 200, "height": 13, "width": 17}, {"out_channels": 40, "kernel": 3, "stride": 1, "pad": 0}),
+    ({"channels": 100, "height": 4, "width": 4}, {"out_channels": 16, "kernel": 3, "stride": 1, "pad": 1}),
+]
+
+
+@needs_amx
+@pytest.mark.parametrize("source,layer", AMX_CASES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_conv_forward_against_float64(tmp_path, source, layer, threads):
+    """The AMX kernel: a tile row is 16 input-channel pairs, the same bound with n counting the
+    channels padded to 32; one thread and two (a thread's share ends inside a band)."""
+    out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
+    conv = pr.load(out, threads=threads).layers["conv"]
+    assert conv.kernel_kind("fwd") == "conv_fwd_amx"
+    _check_conv_forward(conv, source, layer, pairs_per_row=16)
+
+
+@needs_amx
+@pytest.mark.parametrize("source,layer", AMX_CASES)
+def test_amx_conv_backward_data_against_float64(tmp_path, source, layer):
+    """The AMX backward-data kernel (the forward kernel's tiling on dy, with the window flipped
+    and the weights transposed): the bound with n the output channels padded to 32 times the
+    taps; dy is passed unmasked, the kernel masks it by the ReLU's output as it converts it."""
+    out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
+    conv = pr.load(out, threads=2).layers["conv"]
+    assert conv.kernel_kind("bwd_data") == "conv_bwd_data_amx"
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, *conv.in_shape)).astype(np.float32)
+    y = conv.forward(x)
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    dx = conv.backward_data(dy)
+    if layer.get("activation") == "relu":
+        dy = np.where(y > 0, dy, np.float32(0))
+    stride, pad = (layer["stride"],) * 2, (layer["pad"],) * 2
+    dyr, wr = as_float(bf16_reference(dy)), as_float(bf16_reference(conv.weights))
+    ref = conv2d_bwd_data(dyr, wr, stride, pad, x.shape)
+    magnitude = conv2d_bwd_data(np.abs(dyr), np.abs(wr), stride, pad, x.shape)
+    n = -(-layer["out_channels"] // 32) * 32 * layer["kernel"] ** 2
+    bound = (n + 2) * U32 * magnitude
+    assert np.all(np.abs(dx - ref) <= bound)
+    assert np.any(np.abs(dx - conv2d_bwd_data(dy, conv.weights, stride, pad, x.shape)) > bound)
+
+
+def test_amx_builds_put_stride_1_passes_on_tiles(tmp_path):
+    """An arch with AMX: a stride-1 convolution's forward and backward-data passes are AMX
+    kernels that convert their own operands (no bf16 copies in the layout library), headers say
+    the tile blocking; backward-data with padding past the window - 1 (no flipped equivalent),
+    a strided convolution and every backward-weights pass keep the vdpbf16ps kernels."""
+    spec = parse_netspec({"name": "t", "input": {"channels": 16, "height": 8, "width": 8}, "layers": [
+        {"name": "c1", "type": "conv", "out_channels": 32, "kernel": 3, "pad": 1},
+        {"name": "c2", "type": "conv", "out_channels": 16, "kernel": 3, "stride": 2, "pad": 1},
+        {"name": "c3", "type": "conv", "out_channels": 16, "kernel": 1, "pad": 1}]})
+    build(spec, AMX_ARCH, tmp_path / "t", precision="bf16")
+    doc = json.loads((tmp_path / "t" / "manifest.json").read_text())
+    assert doc["arch"]["amx"] is True
+    kinds = {layer["name"]: [next(iter(layer["kernels"][p]["symbols"].values())) for p in ("fwd", "bwd_data", "bwd_weights")]
+             for layer in doc["layers"]}
+    assert kinds == {"c1": ["conv_fwd_amx", "conv_bwd_data_amx", "conv_bwd_weights_bf16"],
+                     "c2": ["conv_fwd_bf16", "conv_bwd_data_bf16", "conv_bwd_weights_bf16"],
+                     "c3": ["conv_fwd_amx", "conv_bwd_data_bf16", "conv_bwd_weights_bf16"]}
+    c1, c2, _ = doc["layers"]
+    assert "pcldnn_c1_in_to_bf16" not in c1["kernels"]["layout"]["symbols"]
+    assert "pcldnn_c2_in_to_bf16" in c2["kernels"]["layout"]["symbols"]
+    header = (tmp_path / "t" / c1["kernels"]["fwd"]["source"]).read_text().split("*/")[0]
+    assert "blocks  : AMX tiles: 32 result pixels x 16 result channels" in header
+    assert "reduction chunk 1 x 32 source channels" in header  # 16 channels: one 32-channel block
+    header = " ".join((tmp_path / "t" / c1["kernels"]["bwd_data"]["source"]).read_text().split("*/")[0]
+                      .replace(" * ", " ").split())
+    assert "backward-data pass on AMX tiles" in header and "32 padded source channels for 32" in header
+    # without AMX the same net is all vdpbf16ps
+    build(spec, get_arch("avx512"), tmp_path / "u", precision="bf16")
+    doc = json.loads((tmp_path / "u" / "manifest.json").read_text())
+    assert doc["layers"][0]["kernels"]["fwd"]["symbols"] == {"pcldnn_c1_fwd": "conv_fwd_bf16"}
+
+
+def test_amx_build_is_refused_where_tiles_are_unavailable(tmp_path, monkeypatch):
+    out = _conv_net(tmp_path, *CONV_CASES[0], "bf16", name="amx", arch=AMX_ARCH)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx512f", "avx2", "fma", "avx512_bf16"}))
+    monkeypatch.setattr(cpu, "request_amx", cpu.request_amx.__wrapped__)  # not the cached answer
+    with pytest.raises(ArchError, match=r"runs AMX tile kernels but this CPU lacks amx_tile, amx_bf16; compile it "
+                                        r"for an arch without AMX \(e\.g\. --arch avx512\) instead$"):
+        pr.load(out)
+    doc = json.loads((out / "manifest.json").read_text())
+    doc["arch"]["amx"] = "yes"
+    with pytest.raises(BuildDirError, match="arch.amx: must be true or false"):
+        parse_manifest(doc, "manifest.json")
+    doc["arch"]["amx"] = False  # the kinds must then be the vdpbf16ps ones
+    with pytest.raises(BuildDirError, match=r"kernels\.fwd\.symbols\.pcldnn_conv_fwd: must be 'conv_fwd_bf16'"):
+        parse_manifest(doc, "manifest.json")
 
 
 def _forward_and_gradient(tmp_path, source, layer, pass_name, images, seed):

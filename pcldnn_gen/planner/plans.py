@@ -57,6 +57,10 @@ class KernelPlan:
         """The reduction chunk with its unit, for the header; empty when the kernel has none."""
         return ""
 
+    def blocks_summary(self) -> str:
+        """The blocks line of the header for a kernel without a register tile ("" for none)."""
+        return ""
+
     @property
     def candidate_tiles(self) -> tuple[RegisterTile, ...]:
         """The model's ranking, its choice first: the tiles the tuner may time instead."""
@@ -107,6 +111,21 @@ class ConvFwdPlan(KernelPlan):
 
     def reduction_chunk(self) -> str:
         return f"{self.ifm_chunk} input-channel blocks"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AmxConvPlan(KernelPlan):
+    chunk: int                      # 32-channel source blocks per reduction chunk (A rows and B tiles in L1)
+    band: int                       # pixel blocks per band: the chunk's input rows reused across oc blocks
+    store_delay: int                # steps into the next item before the previous item's tiles are stored
+
+    def reduction_chunk(self) -> str:
+        return f"{self.chunk} x 32 source channels"
+
+    def blocks_summary(self) -> str:
+        return (f"AMX tiles: 32 result pixels x 16 result channels per work item (2 C tiles, "
+                f"2 A, 1 B; the other 2 C tiles drain the previous item), reduction chunk "
+                f"{self.reduction_chunk()}, bands of {self.band} pixel blocks")
 
 
 @dataclass(frozen=True, kw_only=True)

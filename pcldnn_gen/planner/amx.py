@@ -1,0 +1,53 @@
+"""The AMX conv plans (forward, backward-data): the tile shape is fixed by the hardware, so what
+the model chooses is the reduction chunk that keeps a work item's operands in L1."""
+from __future__ import annotations
+
+from pcldnn_runtime.limits import AMX_PIXEL_BLOCK, AMX_ROWS, amx_conv_geometry
+
+from ..arch import Arch
+from ..netspec import LayerSpec
+from .plans import AmxConvPlan
+
+# tdpbf16ps of full tiles: 16 x 16 x 32 multiply-adds in 16 cycles (SPR; measured 3.4-3.6
+# TFLOP/s on one core of the project's Xeon VM, operands in L1).
+AMX_FLOPS_PER_CYCLE = 1024
+TILE_BYTES = AMX_ROWS * 64
+# Share of L1 a work item's A rows and B tiles may take: measured on VGG-A conv3 and conv7
+# (minibatch 16, one thread), chunks of 1-4 blocks: the best fit 70-80% of L1 (37 KB and
+# 26 KB of 48 KB); 4 blocks (74 KB, 53 KB) ran 8-15% slower.
+L1_SHARE = 0.8
+# Pixel blocks per band: the chunk's input rows of a band are read once per 16-channel output
+# block, from L2. Measured 1-32 on VGG-A conv3: 8 was best (16 within noise, 32 +10%, 2 +15%).
+BAND = 8
+# Steps of the next work item issued before the previous item's accumulators are stored: a
+# tile store waits for the accumulating tdpbf16ps to retire and holds up the tile unit behind
+# it; issued a few steps into the next item, whose accumulators are the other pair, it is
+# hidden (36-step items from L1: 2.2-2.4 TFLOP/s storing at the item's end, 3.2-3.4 delayed).
+STORE_DELAY = 4
+
+
+def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxConvPlan:
+    """Work item: 32 flat result pixels x 16 result channels, two C tiles (two A tiles of 16
+    pixels share each B tile) accumulated over a chunk of source-channel blocks and all taps;
+    the two other C tiles hold the previous item, stored while this one starts."""
+    kh, kw = layer.kernel
+    geo = amx_conv_geometry(pass_name, layer.in_shape, layer.out_shape, layer.kernel, layer.pad)
+    a_bytes = (AMX_PIXEL_BLOCK + (kh - 1) * geo.wp + kw - 1) * 64  # one 32-channel block's rows
+    b_bytes = kh * kw * TILE_BYTES
+    per_block = a_bytes + b_bytes
+    chunk = max(1, min(geo.icb, int(L1_SHARE * arch.l1d_bytes) // per_block))
+    chunks = -(-geo.icb // chunk)
+    chunk = -(-geo.icb // chunks)  # balanced: the last chunk is not a sliver
+    (sc, _, _), (rc, rh, rw) = geo.source, geo.result
+    useful = (rh * rw) / (geo.pixel_blocks * AMX_PIXEL_BLOCK) * sc / (geo.icb * 32)
+    reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; flat rows of {geo.wp} columns for {rw} "
+              f"results and {geo.icb * 32} padded source channels for {sc}: {useful:.0%} of tile work useful. "
+              f"Reduction chunk {chunk} of {geo.icb} 32-channel blocks: its A rows and B tiles, "
+              f"{chunk * per_block // 1024} KiB, fit {L1_SHARE:.0%} of L1 ({arch.l1d_bytes // 1024} KiB). Bands of "
+              f"{BAND} pixel blocks and the previous item's accumulators stored {STORE_DELAY} steps into the next "
+              f"(a tile store waits for its last tdpbf16ps): measured choices")
+    return AmxConvPlan(layer=layer.name, pass_name=pass_name, kind=f"conv_{pass_name}_amx", template="conv_amx.c.j2",
+                       isa=arch.isa, vector_floats=arch.vector_floats, reason=reason,
+                       predicted_efficiency=useful, l1_working_set=chunk * per_block,
+                       l2_bytes_per_flop=b_bytes / (2 * AMX_PIXEL_BLOCK * 16 * 32 * kh * kw),
+                       chunk=chunk, band=BAND, store_delay=STORE_DELAY)
