@@ -309,9 +309,11 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
 
 def _render_amx(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, lines: list[str]) -> Source:
     """An AMX tile kernel: bf16 operands it converts itself, fp32 tiles of results."""
-    source = "input" if plan.pass_name == "fwd" else "output gradient, masked by the ReLU,"
-    text = (f"bf16 operands converted by the kernel (the {source} with its zero padding, the weights as B tiles), "
-            "AMX tdpbf16ps into fp32 tiles; fp32 results")
+    text = {"fwd": "the input with its zero padding, the weights as B tiles",
+            "bwd_data": "the output gradient, masked by the ReLU, with its zero padding, the weights as B tiles",
+            "bwd_weights": "the input channel-major with its zero padding, the output gradient, masked by the "
+                           "ReLU, in pixel pairs"}[plan.pass_name]
+    text = f"bf16 operands converted by the kernel ({text}), AMX tdpbf16ps into fp32 tiles; fp32 results"
     lines += [("precision: " if i == 0 else "           ") + w for i, w in enumerate(textwrap.wrap(text, 87))]
     text = template_env().get_template(plan.template).render(
         layer=layer, arch=arch, plan=plan, V=arch.vector_floats, symbol=symbol, params=SIGNATURES[plan.kind],

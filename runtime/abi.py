@@ -49,6 +49,9 @@ SIGNATURES: dict[str, str] = {
     # and backward-data (stride 1, padding below the window): dy masked by the ReLU as it is copied
     "conv_bwd_data_amx": "float *dy, const float *out, const float *wt, unsigned short *scratch, float *dx, "
                          "int batch, int nthreads",
+    # and backward-weights: x and dy (masked in place, as the bf16 kernel does) copied into scratch
+    "conv_bwd_weights_amx": "const float *in, float *dy, const float *out, unsigned short *scratch, float *dwt, "
+                            "float *dbias, int batch, int nthreads",
     "act_to_bf16": "const float *src, unsigned short *dst, int batch, int nthreads",
     "weight_to_bf16": "const float *src, unsigned short *dst",
     "peak": "long long iters, int nthreads, float *sink",
@@ -62,7 +65,7 @@ SIGNATURES: dict[str, str] = {
 # kernel, the call count and where the seconds per call go.
 REPEATED_KINDS = ("conv_fwd", "conv_bwd_data", "conv_bwd_weights", "fc_fwd", "fc_bwd_data", "fc_bwd_weights",
                   "conv_fwd_bf16", "conv_bwd_data_bf16", "conv_bwd_weights_bf16", "conv_fwd_amx",
-                  "conv_bwd_data_amx")
+                  "conv_bwd_data_amx", "conv_bwd_weights_amx")
 SIGNATURES |= {f"repeat_{kind}": "void *fn, long long reps, double *seconds, " + SIGNATURES[kind]
                for kind in REPEATED_KINDS}
 

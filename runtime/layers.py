@@ -228,11 +228,11 @@ class WeightedLayer(Layer):
         # fp32 weights stay the master copy that optimizers and the API see.
         self.bf16_forward = self.kernel_kind("fwd") == "conv_fwd_bf16"
         self.bf16_backward_data = self.kernel_kind("bwd_data") == "conv_bwd_data_bf16"
-        self.bf16_backward_weights = self.kernel_kind("bwd_weights") == "conv_bwd_weights_bf16"
+        self.bf16_backward_weights = self.kernel_kind("bwd_weights") in ("conv_bwd_weights_bf16", "conv_bwd_weights_amx")
         self._wt16 = empty_aligned(self._wt.shape, dtype=np.uint16) if self.bf16_forward else None
         # AMX builds: the stride-1 passes on tiles convert their operands into their own scratch
         self._amx = {p: amx_conv_geometry(p, self.in_shape, self.out_shape, self.kernel, self.spec.pad)
-                     for p in ("fwd", "bwd_data") if self.kernel_kind(p) == f"conv_{p}_amx"}
+                     for p in ("fwd", "bwd_data", "bwd_weights") if self.kernel_kind(p) == f"conv_{p}_amx"}
 
     @property
     def blocked_weight_shape(self) -> tuple[int, ...]:
@@ -359,7 +359,8 @@ class WeightedLayer(Layer):
         if grads is not None:
             dw, db = grads
             if self.bf16_backward_weights:
-                values = bf16_weight_scratch(self.in_shape, self.out_shape, self.kernel, self.spec.stride, self._v, batch)
+                values = (self._amx["bwd_weights"].gradient_scratch_values(batch) if "bwd_weights" in self._amx else
+                          bf16_weight_scratch(self.in_shape, self.out_shape, self.kernel, self.spec.stride, self._v, batch))
                 scratch = self._net.scratch(-(-values // 2)).view(np.uint16)
                 self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(scratch), ptr(dw), ptr(db), batch, threads)
             else:

@@ -61,13 +61,13 @@ def bf16_kernels(precision: str, index: int, layer_type: str, channels: int, v: 
 def amx_kernels(precision: str, amx: bool, index: int, layer_type: str, channels: int, v: int,
                 stride: tuple[int, int], kernel: tuple[int, int], pad: tuple[int, int]) -> tuple[str, ...]:
     """The passes of a layer that run AMX tile kernels (kind *_amx) in a bf16 build for an arch
-    with `amx`: a stride-1 convolution's forward pass, and its backward-data pass (the forward
-    convolution of dy with the flipped, transposed weights) where the padding is at most the
-    window side - 1; the other passes keep their vdpbf16ps kernels. The flat-pixel tiling
-    (AmxConvGeometry) needs unit stride."""
+    with `amx`: a stride-1 convolution's forward and backward-weights passes, and its
+    backward-data pass (the forward convolution of dy with the flipped, transposed weights)
+    where the padding is at most the window side - 1; the other passes keep their vdpbf16ps
+    kernels. The flat-pixel tiling (AmxConvGeometry) needs unit stride."""
     if not amx or stride != (1, 1) or "fwd" not in bf16_kernels(precision, index, layer_type, channels, v):
         return ()
-    return ("fwd", "bwd_data") if pad[0] < kernel[0] and pad[1] < kernel[1] else ("fwd",)
+    return ("fwd", "bwd_data", "bwd_weights") if pad[0] < kernel[0] and pad[1] < kernel[1] else ("fwd", "bwd_weights")
 
 
 AMX_ROWS = 16        # tile rows: output pixels per A and C tile
@@ -98,11 +98,17 @@ class AmxConvGeometry:
         """bf16 values of the kernel's scratch: the weights, then the padded source copy."""
         return self.weight_values + batch * self.icb * self.plane * 32
 
+    def gradient_scratch_values(self, batch: int) -> int:
+        """bf16 values of the backward-weights kernel's scratch (templates/conv_bwd_weights_amx.c.j2,
+        on the forward pass's geometry): x channel-major in padded planes, then dy in pixel pairs."""
+        x = blocks(self.source[0], 16) * 16 * self.plane
+        return batch * (x + blocks(self.result[0], 16) * self.pixel_blocks * AMX_PIXEL_BLOCK * 16)
+
 
 def amx_conv_geometry(pass_name: str, in_shape: tuple[int, int, int], out_shape: tuple[int, int, int],
                       kernel: tuple[int, int], pad: tuple[int, int]) -> AmxConvGeometry:
-    """The geometry of a conv layer's `pass_name` ("fwd" or "bwd_data") AMX kernel."""
-    if pass_name == "fwd":
+    """The geometry of a conv layer's `pass_name` AMX kernel (backward-weights: the forward's)."""
+    if pass_name != "bwd_data":
         source, result = in_shape, out_shape
     else:
         source, result, pad = out_shape, in_shape, (kernel[0] - 1 - pad[0], kernel[1] - 1 - pad[1])

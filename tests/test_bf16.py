@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -31,7 +32,9 @@ needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="this CPU lacks AVX512_BF16
 HAS_AMX = HAS_BF16 and cpu.request_amx() is None
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU lacks AMX bf16 tiles (or Linux does not grant "
                                                   "their state): AMX kernels cannot run here")
-AMX_ARCH = dataclasses.replace(get_arch("avx512"), name="avx512-amx", amx=True)
+# An L2 of 64 KiB: the backward-weights kernel then reduces one image per residency of its
+# accumulators and reloads them from dw between images (the path large layers take).
+AMX_ARCH = dataclasses.replace(get_arch("avx512"), name="avx512-amx", amx=True, l2_bytes=64 * 1024)
 
 
 def bf16_reference(x: np.ndarray) -> np.ndarray:
@@ -234,11 +237,44 @@ def test_amx_conv_backward_data_against_float64(tmp_path, source, layer):
     assert np.any(np.abs(dx - conv2d_bwd_data(dy, conv.weights, stride, pad, x.shape)) > bound)
 
 
+@needs_amx
+@pytest.mark.parametrize("source,layer", AMX_CASES)
+def test_amx_conv_backward_weights_against_float64(tmp_path, source, layer):
+    """The AMX backward-weights kernel reduces over flat pixels 32 at a time (the flat columns
+    past each row zero): the bound with n = minibatch x output pixels; dy is passed unmasked and
+    masked by the kernel (also in place, for the backward-data pass after it); db sums the fp32
+    dy. Groups smaller than the minibatch (AMX_ARCH's small L2): the accumulators are reloaded
+    from dw between groups."""
+    out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
+    conv = pr.load(out, threads=2).layers["conv"]
+    assert conv.kernel_kind("bwd_weights") == "conv_bwd_weights_amx"
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((7, *conv.in_shape)).astype(np.float32)
+    group = re.search(r"^#define GROUP +(\d+) ", (out / "src" / "conv_bwd_weights.c").read_text(), re.M)
+    assert group and int(group[1]) < x.shape[0]
+    y = conv.forward(x)
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    dw, db = conv.backward_weights(x, dy)
+    if layer.get("activation") == "relu":
+        dy = np.where(y > 0, dy, np.float32(0))
+    kernel, stride, pad = (layer["kernel"],) * 2, (layer["stride"],) * 2, (layer["pad"],) * 2
+    xr, dyr = as_float(bf16_reference(x)), as_float(bf16_reference(dy))
+    ref, _ = conv2d_bwd_weights(xr, dyr, kernel, stride, pad)
+    magnitude, _ = conv2d_bwd_weights(np.abs(xr), np.abs(dyr), kernel, stride, pad)
+    n = x.shape[0] * y.shape[2] * y.shape[3]
+    bound = (n + 2) * U32 * magnitude
+    assert np.all(np.abs(dw - ref) <= bound)
+    unrounded, exact_db = conv2d_bwd_weights(x, dy, kernel, stride, pad)
+    assert np.any(np.abs(dw - unrounded) > bound)
+    _, db_scale = conv2d_bwd_weights(np.abs(x), np.abs(dy), kernel, stride, pad)
+    assert np.all(np.abs(db - exact_db) <= (n + 2) * U32 * db_scale)
+
+
 def test_amx_builds_put_stride_1_passes_on_tiles(tmp_path):
-    """An arch with AMX: a stride-1 convolution's forward and backward-data passes are AMX
-    kernels that convert their own operands (no bf16 copies in the layout library), headers say
-    the tile blocking; backward-data with padding past the window - 1 (no flipped equivalent),
-    a strided convolution and every backward-weights pass keep the vdpbf16ps kernels."""
+    """An arch with AMX: a stride-1 convolution's three passes are AMX kernels that convert their
+    own operands (no bf16 copies in the layout library), headers say the tile blocking;
+    backward-data with padding past the window - 1 (no flipped equivalent) and a strided
+    convolution keep the vdpbf16ps kernels."""
     spec = parse_netspec({"name": "t", "input": {"channels": 16, "height": 8, "width": 8}, "layers": [
         {"name": "c1", "type": "conv", "out_channels": 32, "kernel": 3, "pad": 1},
         {"name": "c2", "type": "conv", "out_channels": 16, "kernel": 3, "stride": 2, "pad": 1},
@@ -248,9 +284,9 @@ def test_amx_builds_put_stride_1_passes_on_tiles(tmp_path):
     assert doc["arch"]["amx"] is True
     kinds = {layer["name"]: [next(iter(layer["kernels"][p]["symbols"].values())) for p in ("fwd", "bwd_data", "bwd_weights")]
              for layer in doc["layers"]}
-    assert kinds == {"c1": ["conv_fwd_amx", "conv_bwd_data_amx", "conv_bwd_weights_bf16"],
+    assert kinds == {"c1": ["conv_fwd_amx", "conv_bwd_data_amx", "conv_bwd_weights_amx"],
                      "c2": ["conv_fwd_bf16", "conv_bwd_data_bf16", "conv_bwd_weights_bf16"],
-                     "c3": ["conv_fwd_amx", "conv_bwd_data_bf16", "conv_bwd_weights_bf16"]}
+                     "c3": ["conv_fwd_amx", "conv_bwd_data_bf16", "conv_bwd_weights_amx"]}
     c1, c2, _ = doc["layers"]
     assert "pcldnn_c1_in_to_bf16" not in c1["kernels"]["layout"]["symbols"]
     assert "pcldnn_c2_in_to_bf16" in c2["kernels"]["layout"]["symbols"]

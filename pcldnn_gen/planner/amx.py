@@ -1,12 +1,13 @@
-"""The AMX conv plans (forward, backward-data): the tile shape is fixed by the hardware, so what
-the model chooses is the reduction chunk that keeps a work item's operands in L1."""
+"""The AMX conv plans: the tile shape is fixed by the hardware, so what the model chooses is the
+reduction chunk that keeps a work item's operands in L1 (forward, backward-data) and the group
+of images whose copies a work item's accumulators reduce from L2 (backward-weights)."""
 from __future__ import annotations
 
 from pcldnn_runtime.limits import AMX_PIXEL_BLOCK, AMX_ROWS, amx_conv_geometry
 
 from ..arch import Arch
 from ..netspec import LayerSpec
-from .plans import AmxConvPlan
+from .plans import AmxConvBwdWeightsPlan, AmxConvPlan
 
 # tdpbf16ps of full tiles: 16 x 16 x 32 multiply-adds in 16 cycles (SPR; measured 3.4-3.6
 # TFLOP/s on one core of the project's Xeon VM, operands in L1).
@@ -24,6 +25,10 @@ BAND = 8
 # it; issued a few steps into the next item, whose accumulators are the other pair, it is
 # hidden (36-step items from L1: 2.2-2.4 TFLOP/s storing at the item's end, 3.2-3.4 delayed).
 STORE_DELAY = 4
+# Share of L2 a backward-weights item's group of images may take (x of two input blocks, dy of
+# two output blocks per image): the group is re-read from L2 for every tap.
+L2_SHARE = 0.5
+MAX_GROUP = 64
 
 
 def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxConvPlan:
@@ -51,3 +56,25 @@ def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxConvPlan:
                        predicted_efficiency=useful, l1_working_set=chunk * per_block,
                        l2_bytes_per_flop=b_bytes / (2 * AMX_PIXEL_BLOCK * 16 * 32 * kh * kw),
                        chunk=chunk, band=BAND, store_delay=STORE_DELAY)
+
+
+def plan_conv_bwd_weights_amx(layer: LayerSpec, arch: Arch) -> AmxConvBwdWeightsPlan:
+    """Work item: the four C tiles of two input x two output channel blocks for one tap; the
+    reduction runs over a group of images' flat pixels (32 a step) with the accumulators in the
+    tiles, which are reloaded from dw between groups. The group: as many images as keep their
+    copies of the item's blocks in L2_SHARE of L2 (reloading the tiles costs a tile store's
+    wait, ~1000 cycles, per item and group)."""
+    kh, kw = layer.kernel
+    geo = amx_conv_geometry("bwd_weights", layer.in_shape, layer.out_shape, layer.kernel, layer.pad)
+    per_image = 2 * 16 * geo.plane * 2 + 2 * geo.pixel_blocks * AMX_PIXEL_BLOCK * 16 * 2
+    images = max(1, min(MAX_GROUP, int(L2_SHARE * arch.l2_bytes) // per_image))
+    oc, oh, ow = layer.out_shape
+    useful = (oh * ow) / (geo.pixel_blocks * AMX_PIXEL_BLOCK)
+    reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles, the reduction over flat pixels "
+              f"(rows of {geo.wp} for {ow} outputs: {useful:.0%} of tile work useful). Groups of {images} "
+              f"image(s): an item's x and dy copies, {per_image // 1024} KiB an image, fit {L2_SHARE:.0%} of L2 "
+              f"({arch.l2_bytes // 1024} KiB) across its {kh * kw} taps")
+    return AmxConvBwdWeightsPlan(layer=layer.name, pass_name="bwd_weights", kind="conv_bwd_weights_amx",
+                                 template="conv_bwd_weights_amx.c.j2", isa=arch.isa,
+                                 vector_floats=arch.vector_floats, reason=reason, predicted_efficiency=useful,
+                                 l1_working_set=4 * TILE_BYTES, images=images)

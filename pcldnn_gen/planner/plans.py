@@ -129,6 +129,16 @@ class AmxConvPlan(KernelPlan):
 
 
 @dataclass(frozen=True, kw_only=True)
+class AmxConvBwdWeightsPlan(KernelPlan):
+    images: int                     # images whose pixels one residency of an item's accumulators reduces
+
+    def blocks_summary(self) -> str:
+        return (f"AMX tiles: 4 C tiles (2 input x 2 output channel blocks, one tap) per work item, "
+                f"2 A (16 input channels x 32 flat pixels), 2 B (32 pixels x 16 output channels); "
+                f"groups of {self.images} image(s)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class BwdDataPhase:
     """Input columns r + q*SW, q in [0, q_count), of one stride phase r: all receive gradient
     from kernel columns kw_first, kw_first + SW, ..., from output column q + d, d starting at
