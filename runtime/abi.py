@@ -49,7 +49,7 @@ SIGNATURES: dict[str, str] = {
     # and backward-data (stride 1, padding below the window): dy masked by the ReLU as it is copied
     "conv_bwd_data_amx": "float *dy, const float *out, const float *wt, unsigned short *scratch, float *dx, "
                          "int batch, int nthreads",
-    # and backward-weights: x and dy (masked in place, as the bf16 kernel does) copied into scratch
+    # and backward-weights: x and dy (masked as it is copied; dy itself left as it is) copied into scratch
     "conv_bwd_weights_amx": "const float *in, float *dy, const float *out, unsigned short *scratch, float *dwt, "
                             "float *dbias, int batch, int nthreads",
     "act_to_bf16": "const float *src, unsigned short *dst, int batch, int nthreads",

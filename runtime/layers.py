@@ -359,7 +359,8 @@ class WeightedLayer(Layer):
         if grads is not None:
             dw, db = grads
             if self.bf16_backward_weights:
-                values = (self._amx["bwd_weights"].gradient_scratch_values(batch) if "bwd_weights" in self._amx else
+                values = (self._amx["bwd_weights"].gradient_scratch_values(batch, self.kernel[0] * self.kernel[1])
+                          if "bwd_weights" in self._amx else
                           bf16_weight_scratch(self.in_shape, self.out_shape, self.kernel, self.spec.stride, self._v, batch))
                 scratch = self._net.scratch(-(-values // 2)).view(np.uint16)
                 self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(scratch), ptr(dw), ptr(db), batch, threads)
@@ -367,7 +368,8 @@ class WeightedLayer(Layer):
                 self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(dw), ptr(db), batch, threads, *extra)
             if not self.spec.bias:
                 db[...] = 0.0  # a bias-free layer's bias stays zero: no gradient, no update, no decay
-            mask = None  # dy is masked in place now
+            if "bwd_weights" not in self._amx:
+                mask = None  # dy is masked in place now (the AMX kernel masks its copy and leaves dy)
         if dxb is not None:
             if "bwd_data" in self._amx:
                 values = self._amx["bwd_data"].scratch_values(batch)

@@ -93,16 +93,21 @@ class AmxConvGeometry:
     pixel_blocks: int    # AMX_PIXEL_BLOCK-pixel blocks covering the result's rows of WP flat pixels
     plane: int           # pixels of one (image, icb) plane: every row a block's taps may read
     weight_values: int   # bf16 values of the B tiles (result C/16, source C/32, KH, KW, 16 pairs, 16, 2)
+    gradient_pairs: int  # backward-weights: pixel pairs of an x pair copy plane (all a tap reads)
 
     def scratch_values(self, batch: int) -> int:
         """bf16 values of the kernel's scratch: the weights, then the padded source copy."""
         return self.weight_values + batch * self.icb * self.plane * 32
 
-    def gradient_scratch_values(self, batch: int) -> int:
+    def gradient_scratch_values(self, batch: int, taps: int) -> int:
         """bf16 values of the backward-weights kernel's scratch (templates/conv_bwd_weights_amx.c.j2,
-        on the forward pass's geometry): x channel-major in padded planes, then dy in pixel pairs."""
-        x = blocks(self.source[0], 16) * 16 * self.plane
-        return batch * (x + blocks(self.result[0], 16) * self.pixel_blocks * AMX_PIXEL_BLOCK * 16)
+        on the forward pass's geometry): dy channel-major over the flat rows, x in pixel pairs from
+        even and from odd pixels, then fp32 accumulators of every (oc, ic) block and tap, and the
+        images' partial bias sums."""
+        icb, ocb = blocks(self.source[0], 16), blocks(self.result[0], 16)
+        dy = ocb * 16 * self.pixel_blocks * AMX_PIXEL_BLOCK
+        x = 2 * icb * self.gradient_pairs * 32
+        return batch * (dy + x) + 2 * (ocb * icb * taps * 256 + batch * ocb * 16)
 
 
 def amx_conv_geometry(pass_name: str, in_shape: tuple[int, int, int], out_shape: tuple[int, int, int],
@@ -118,7 +123,9 @@ def amx_conv_geometry(pass_name: str, in_shape: tuple[int, int, int], out_shape:
     reach = pixel_blocks * AMX_PIXEL_BLOCK + (kernel[0] - 1) * wp + kernel[1] - 1
     icb = blocks(c, 2 * AMX_PAIRS)
     weight_values = blocks(result[0], 16) * icb * kernel[0] * kernel[1] * AMX_PAIRS * 16 * 2
-    return AmxConvGeometry(source, result, pad, icb, hp, wp, pixel_blocks, max(hp * wp, reach), weight_values)
+    gradient_pairs = pixel_blocks * AMX_PIXEL_BLOCK // 2 + ((kernel[0] - 1) * wp + kernel[1] - 1) // 2 + 1
+    return AmxConvGeometry(source, result, pad, icb, hp, wp, pixel_blocks, max(hp * wp, reach), weight_values,
+                           gradient_pairs)
 
 
 def bf16_data_scratch(weight_values: int, dy_values: int) -> int:

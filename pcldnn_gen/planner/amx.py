@@ -59,14 +59,14 @@ def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxConvPlan:
 
 
 def plan_conv_bwd_weights_amx(layer: LayerSpec, arch: Arch) -> AmxConvBwdWeightsPlan:
-    """Work item: the four C tiles of two input x two output channel blocks for one tap; the
+    """Work item: the four C tiles of two output x two input channel blocks for one tap; the
     reduction runs over a group of images' flat pixels (32 a step) with the accumulators in the
-    tiles, which are reloaded from dw between groups. The group: as many images as keep their
+    tiles, which are reloaded from an fp32 buffer between groups. The group: as many images as keep their
     copies of the item's blocks in L2_SHARE of L2 (reloading the tiles costs a tile store's
     wait, ~1000 cycles, per item and group)."""
     kh, kw = layer.kernel
     geo = amx_conv_geometry("bwd_weights", layer.in_shape, layer.out_shape, layer.kernel, layer.pad)
-    per_image = 2 * 16 * geo.plane * 2 + 2 * geo.pixel_blocks * AMX_PIXEL_BLOCK * 16 * 2
+    per_image = 2 * 16 * geo.pixel_blocks * AMX_PIXEL_BLOCK * 2 + 2 * 2 * geo.gradient_pairs * 64  # dy, x pairs
     images = max(1, min(MAX_GROUP, int(L2_SHARE * arch.l2_bytes) // per_image))
     oc, oh, ow = layer.out_shape
     useful = (oh * ow) / (geo.pixel_blocks * AMX_PIXEL_BLOCK)

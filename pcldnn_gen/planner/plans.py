@@ -133,8 +133,8 @@ class AmxConvBwdWeightsPlan(KernelPlan):
     images: int                     # images whose pixels one residency of an item's accumulators reduces
 
     def blocks_summary(self) -> str:
-        return (f"AMX tiles: 4 C tiles (2 input x 2 output channel blocks, one tap) per work item, "
-                f"2 A (16 input channels x 32 flat pixels), 2 B (32 pixels x 16 output channels); "
+        return (f"AMX tiles: 4 C tiles (2 output x 2 input channel blocks, one tap) per work item, "
+                f"2 A (16 output channels x 32 flat pixels of dy), 2 B (32 pixels x 16 input channels of x); "
                 f"groups of {self.images} image(s)")
 
 
