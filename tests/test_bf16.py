@@ -32,8 +32,8 @@ needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="this CPU lacks AVX512_BF16
 HAS_AMX = HAS_BF16 and cpu.request_amx() is None
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU lacks AMX bf16 tiles (or Linux does not grant "
                                                   "their state): AMX kernels cannot run here")
-# An L2 of 64 KiB: the backward-weights kernel then reduces one image per residency of its
-# accumulators and reloads them from dw between images (the path large layers take).
+# An L2 of 64 KiB: the backward-weights kernel then reduces a few pixel blocks per residency of
+# its accumulators and reloads them between groups (the path large layers take).
 AMX_ARCH = dataclasses.replace(get_arch("avx512"), name="avx512-amx", amx=True, l2_bytes=64 * 1024)
 
 
@@ -243,15 +243,16 @@ def test_amx_conv_backward_weights_against_float64(tmp_path, source, layer):
     """The AMX backward-weights kernel reduces over flat pixels 32 at a time (the flat columns
     past each row zero): the bound with n = minibatch x output pixels; dy is passed unmasked and
     masked by the kernel (also in place, for the backward-data pass after it); db sums the fp32
-    dy. Groups smaller than the minibatch (AMX_ARCH's small L2): the accumulators are reloaded
-    from dw between groups."""
+    dy. Groups of fewer pixel blocks than the minibatch has (AMX_ARCH's small L2: 5 blocks, which
+    start and end inside images here): the accumulators are reloaded between groups."""
     out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
     conv = pr.load(out, threads=2).layers["conv"]
     assert conv.kernel_kind("bwd_weights") == "conv_bwd_weights_amx"
     rng = np.random.default_rng(7)
     x = rng.standard_normal((7, *conv.in_shape)).astype(np.float32)
-    group = re.search(r"^#define GROUP +(\d+) ", (out / "src" / "conv_bwd_weights.c").read_text(), re.M)
-    assert group and int(group[1]) < x.shape[0]
+    source = (out / "src" / "conv_bwd_weights.c").read_text()
+    group, blocks = (int(re.search(rf"^#define {name} +(\d+) ", source, re.M)[1]) for name in ("GROUP", "NPB"))
+    assert group < x.shape[0] * blocks
     y = conv.forward(x)
     dy = rng.standard_normal(y.shape).astype(np.float32)
     dw, db = conv.backward_weights(x, dy)

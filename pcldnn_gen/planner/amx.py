@@ -1,6 +1,6 @@
 """The AMX conv plans: the tile shape is fixed by the hardware, so what the model chooses is the
 reduction chunk that keeps a work item's operands in L1 (forward, backward-data) and the group
-of images whose copies a work item's accumulators reduce from L2 (backward-weights)."""
+of pixel blocks whose copies a work item's accumulators reduce from L2 (backward-weights)."""
 from __future__ import annotations
 
 from pcldnn_runtime.limits import AMX_PIXEL_BLOCK, AMX_ROWS, amx_conv_geometry
@@ -28,7 +28,6 @@ STORE_DELAY = 4
 # Share of L2 a backward-weights item's group of images may take (x of two input blocks, dy of
 # two output blocks per image): the group is re-read from L2 for every tap.
 L2_SHARE = 0.5
-MAX_GROUP = 64
 
 
 def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxConvPlan:
@@ -37,7 +36,9 @@ def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxConvPlan:
     the two other C tiles hold the previous item, stored while this one starts."""
     kh, kw = layer.kernel
     geo = amx_conv_geometry(pass_name, layer.in_shape, layer.out_shape, layer.kernel, layer.pad)
-    a_bytes = (AMX_PIXEL_BLOCK + (kh - 1) * geo.wp + kw - 1) * 64  # one 32-channel block's rows
+    # one 32-channel block's A rows: a run of 32 + KW - 1 pixels in each of KH rows (one span
+    # where the rows overlap)
+    a_bytes = min(kh * (AMX_PIXEL_BLOCK + kw - 1), (kh - 1) * geo.wp + AMX_PIXEL_BLOCK + kw - 1) * 64
     b_bytes = kh * kw * TILE_BYTES
     per_block = a_bytes + b_bytes
     chunk = max(1, min(geo.icb, int(L1_SHARE * arch.l1d_bytes) // per_block))
@@ -60,21 +61,24 @@ def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxConvPlan:
 
 def plan_conv_bwd_weights_amx(layer: LayerSpec, arch: Arch) -> AmxConvBwdWeightsPlan:
     """Work item: the four C tiles of two output x two input channel blocks for one tap; the
-    reduction runs over a group of images' flat pixels (32 a step) with the accumulators in the
-    tiles, which are reloaded from an fp32 buffer between groups. The group: as many images as keep their
-    copies of the item's blocks in L2_SHARE of L2 (reloading the tiles costs a tile store's
-    wait, ~1000 cycles, per item and group)."""
+    reduction runs over a group of (image, 32-pixel block) units with the accumulators in the
+    tiles, which are reloaded from an fp32 buffer between groups. The group: as many units as
+    keep the item's dy rows and x pairs in L2_SHARE of L2 across the taps (a reload costs a
+    tile store's wait, ~1000 cycles, per item, tap and group)."""
     kh, kw = layer.kernel
     geo = amx_conv_geometry("bwd_weights", layer.in_shape, layer.out_shape, layer.kernel, layer.pad)
-    per_image = 2 * 16 * geo.pixel_blocks * AMX_PIXEL_BLOCK * 2 + 2 * 2 * geo.gradient_pairs * 64  # dy, x pairs
-    images = max(1, min(MAX_GROUP, int(L2_SHARE * arch.l2_bytes) // per_image))
+    # per unit: dy of two output blocks (16 channels x 32 pixels, bf16), x pairs of two input
+    # blocks in both phases (16 pairs x 64 bytes)
+    per_unit = 2 * 16 * AMX_PIXEL_BLOCK * 2 + 2 * 2 * 16 * 64
+    units = max(1, int(L2_SHARE * arch.l2_bytes) // per_unit)
     oc, oh, ow = layer.out_shape
     useful = (oh * ow) / (geo.pixel_blocks * AMX_PIXEL_BLOCK)
     reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles, the reduction over flat pixels "
-              f"(rows of {geo.wp} for {ow} outputs: {useful:.0%} of tile work useful). Groups of {images} "
-              f"image(s): an item's x and dy copies, {per_image // 1024} KiB an image, fit {L2_SHARE:.0%} of L2 "
-              f"({arch.l2_bytes // 1024} KiB) across its {kh * kw} taps")
+              f"(rows of {geo.wp} for {ow} outputs: {useful:.0%} of tile work useful). Groups of {units} "
+              f"(image, 32-pixel block) units ({geo.pixel_blocks} an image): an item's dy rows and x pairs, "
+              f"{per_unit // 1024} KiB a unit, fit {L2_SHARE:.0%} of L2 ({arch.l2_bytes // 1024} KiB) across its "
+              f"{kh * kw} taps")
     return AmxConvBwdWeightsPlan(layer=layer.name, pass_name="bwd_weights", kind="conv_bwd_weights_amx",
                                  template="conv_bwd_weights_amx.c.j2", isa=arch.isa,
                                  vector_floats=arch.vector_floats, reason=reason, predicted_efficiency=useful,
-                                 l1_working_set=4 * TILE_BYTES, images=images)
+                                 l1_working_set=4 * TILE_BYTES, pixel_blocks=units)
