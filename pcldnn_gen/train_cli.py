@@ -74,6 +74,9 @@ def add_arguments(ap: argparse.ArgumentParser, net_default: str | None = None, d
                     "TRACE/trace-rank<r>.json (open in chrome://tracing or ui.perfetto.dev)")
     ap.add_argument("--parallel", default="auto", type=parallel_arg,
                     help='under mpiexec: auto, data, or a JSON mapping like \'{"fc*": "model:2"}\'')
+    ap.add_argument("--gradient-exchange", default="fp32", choices=("fp32", "bf16"),
+                    help="under mpiexec: bf16 rounds each rank's gradients to bf16 for the part-reduce (half the "
+                         "bytes, a change of numerics; default fp32: p ranks reach one rank's weights)")
     ap.add_argument("--no-progress", action="store_true")
 
 
@@ -163,7 +166,8 @@ def run(args: argparse.Namespace, prog: str = "pcldnn-gen train") -> int:
                      step_size=max(1, steps // 3) if args.schedule == "step" else 0,
                      warmup_steps=min(warmup, max(steps - 1, 0)))
         trace: list | None = [] if args.trace and comm is not None else None
-        extra = {"trace": trace, "parallel": args.parallel} if comm is not None else {}
+        extra = ({"trace": trace, "parallel": args.parallel, "gradient_exchange": args.gradient_exchange}
+                 if comm is not None else {})
         trainer = (pr.Trainer.resume(args.resume, net, opt, comm=comm, **extra) if args.resume
                    else pr.Trainer(net, opt, seed=args.seed, comm=comm, **extra))
         checkpoint = Path(args.checkpoint_dir) / "checkpoint.npz" if args.checkpoint_dir else None

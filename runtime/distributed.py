@@ -37,6 +37,16 @@ from .model_parallel import ModelParallelFC
 from .mpi_safety import Watchdog, abort_on_exception, agree, check_same_net, comm_timeout, exit_agreement, guard_world
 from .partition import displacements, part_counts
 
+GRADIENT_EXCHANGES = ("fp32", "bf16")
+
+
+def bf16_bits(x: np.ndarray, out: np.ndarray) -> None:
+    """float32 `x` rounded to bf16 (to nearest, ties to even; a NaN stays a quiet NaN), as
+    uint16 bits into `out`: what a bf16 gradient exchange sends."""
+    u = x.view(np.uint32)
+    rounded = (u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16
+    np.copyto(out, np.where((u & 0x7FFFFFFF) > 0x7F800000, (u >> 16) | 0x40, rounded), casting="unsafe")
+
 
 @dataclass
 class CommBlock:
@@ -49,7 +59,8 @@ class CommBlock:
     counts: list[int]           # each rank's part of the range
     displs: list[int]
     own: slice                  # this rank's part, in the flat buffers
-    recv: np.ndarray            # the summed gradient of the own part
+    recv: np.ndarray            # the summed gradient of the own part (bf16 exchange: every rank's part, bf16 bits)
+    send: np.ndarray | None = None  # bf16 exchange: the range's gradient as bf16 bits
     reduce: Any = None
     gather: Any = None
     reduce_started: float | None = None  # when the part-reduce was posted, for the trace
@@ -65,13 +76,23 @@ class SyncSGD:
     (see `layer_modes`; decided at the first step, when the global minibatch is known).
 
     `step(x_local, labels_local, step_index)` runs one synchronous step and returns the global
-    mean loss and accuracy. `trace` (a list) collects Chrome-trace events when given."""
+    mean loss and accuracy. `trace` (a list) collects Chrome-trace events when given.
+
+    gradient_exchange "bf16": each rank rounds its gradient to bf16 (to nearest even) and the
+    part-reduce becomes an all-to-all of those halves (each rank receives every rank's bf16
+    copy of its part) summed in fp32 in rank order: half the bytes of the fp32 reduce-scatter,
+    each gradient rounded once (relative 2^-9), the sum exact to fp32. The part-broadcast of
+    the updated weights stays fp32, so the ranks' weights stay identical."""
 
     def __init__(self, net, optimizer, comm, *, parallel="auto", timeout: float | None = None,
-                 trace: list | None = None):
+                 trace: list | None = None, gradient_exchange: str = "fp32"):
         from mpi4py import MPI
         if not isinstance(comm, MPI.Intracomm):
             raise PcldnnError(f"comm must be an MPI intracommunicator (e.g. MPI.COMM_WORLD), got {type(comm).__name__}")
+        if gradient_exchange not in GRADIENT_EXCHANGES:
+            raise PcldnnError(f"gradient_exchange must be one of {', '.join(GRADIENT_EXCHANGES)}, "
+                              f"got {gradient_exchange!r}")
+        self.bf16_exchange = gradient_exchange == "bf16"
         self.MPI, self.net, self.opt, self.comm = MPI, net, optimizer, comm
         self.p, self.rank = comm.size, comm.rank
         self.parallel = parallel
@@ -134,7 +155,11 @@ class SyncSGD:
                 counts = [int(c) for c in part_counts(hi - lo, comm.size)]
                 displs = displacements(counts)
                 own = slice(lo + displs[comm.rank], lo + displs[comm.rank] + counts[comm.rank])
-                block = CommBlock(name, (lo, hi), comm, counts, displs, own, np.empty(counts[comm.rank], np.float32))
+                if self.bf16_exchange:  # every rank's bf16 copy of the own part, side by side
+                    block = CommBlock(name, (lo, hi), comm, counts, displs, own,
+                                      np.empty(comm.size * counts[comm.rank], np.uint16), np.empty(hi - lo, np.uint16))
+                else:
+                    block = CommBlock(name, (lo, hi), comm, counts, displs, own, np.empty(counts[comm.rank], np.float32))
                 self.blocks.append(block)
                 self.by_name[name].append(block)
 
@@ -217,8 +242,15 @@ class SyncSGD:
         for b in self.by_name.get(layer.name, ()):
             start, stop = b.range
             with self._lock:
-                b.reduce = b.comm.Ireduce_scatter(self.net.grads[start:stop], b.recv, recvcounts=b.counts,
-                                                  op=self.MPI.SUM)
+                if b.send is not None:
+                    bf16_bits(self.net.grads[start:stop], b.send)
+                    own = b.counts[b.comm.rank]
+                    b.reduce = b.comm.Ialltoallv([b.send, (b.counts, b.displs), self.MPI.UINT16_T],
+                                                 [b.recv, ([own] * b.comm.size, [own * r for r in range(b.comm.size)]),
+                                                  self.MPI.UINT16_T])
+                else:
+                    b.reduce = b.comm.Ireduce_scatter(self.net.grads[start:stop], b.recv, recvcounts=b.counts,
+                                                      op=self.MPI.SUM)
             b.reduce_started = time.perf_counter()
         self._progress()
 
@@ -261,7 +293,11 @@ class SyncSGD:
             b.reduce_started = b.reduce_done = None
             self._event(f"part-reduce {b.name}", "comm", started, done)
             s = time.perf_counter()
-            np.copyto(self.net.grads[b.own], b.recv)
+            if b.send is not None:  # every rank's bf16 part, summed in fp32 in rank order
+                parts = (b.recv.reshape(b.comm.size, -1).astype(np.uint32) << 16).view(np.float32)
+                np.sum(parts, axis=0, dtype=np.float32, out=self.net.grads[b.own])
+            else:
+                np.copyto(self.net.grads[b.own], b.recv)
             self.opt.apply(self.net.params, self.net.grads, step_index, b.own)
             start, stop = b.range
             with self._lock:

@@ -44,14 +44,17 @@ class Trainer:
     """`Trainer(net, optimizer=SGD(...), seed=0)`: `step`, `evaluate`, `fit`, `save`, `resume`."""
 
     def __init__(self, net, optimizer: SGD | None = None, seed: int = 0, *, comm=None, parallel="auto",
-                 trace: list | None = None):
+                 trace: list | None = None, gradient_exchange: str = "fp32"):
         """comm: an MPI communicator (e.g. MPI.COMM_WORLD) for synchronous SGD over its ranks;
         each rank then passes its own shard to `step`. parallel: "auto" (fc layers that are
         large against the minibatch go model parallel), "data" (every layer data parallel), or
         a mapping of layer-name patterns to "data", "model" (over all ranks) or "model:G"
         (hybrid: model parallel within groups of G ranks), e.g. {"fc*": "model:2"}; see
         `pcldnn_runtime.layer_modes.layer_modes`. trace: a list that collects Chrome-trace
-        events of each step (MPI only)."""
+        events of each step (MPI only). gradient_exchange: "fp32" (default: the part-reduce
+        sums exact fp32 gradients, p ranks reach one rank's weights) or "bf16" (each rank's
+        gradients rounded to bf16 for the exchange: half the bytes, a change of numerics;
+        docs/precision.md)."""
         if net.loss_layer is None:
             raise PcldnnError(f"net {net.name} has no loss layer: add a softmax_cross_entropy layer to train it")
         self.net = net
@@ -63,7 +66,11 @@ class Trainer:
         self.comm, self.dist = comm, None
         if comm is not None:  # SyncSGD makes an exception on any rank abort the job
             from .distributed import SyncSGD
-            self.dist = SyncSGD(net, self.optimizer, comm, parallel=parallel, trace=trace)
+            self.dist = SyncSGD(net, self.optimizer, comm, parallel=parallel, trace=trace,
+                                gradient_exchange=gradient_exchange)
+        elif gradient_exchange != "fp32":
+            raise PcldnnError(f"gradient_exchange={gradient_exchange!r} needs comm (an MPI communicator): "
+                              "one process exchanges no gradients")
 
     @property
     def rank(self) -> int:

@@ -36,18 +36,21 @@ def train(cfg):
     # Each rank loads with its own seed: the runtime must broadcast rank 0's initial weights.
     net = pr.load(cfg["build"], threads=1, seed=cfg["seed"] + comm.rank)
     trace = []
+    extra = {"trace": trace, "parallel": cfg.get("parallel", "data"), "gradient_exchange": cfg.get("exchange", "fp32")}
     if cfg.get("resume"):
-        trainer = pr.Trainer.resume(cfg["resume"], net, comm=comm, trace=trace, parallel=cfg.get("parallel", "data"))
+        trainer = pr.Trainer.resume(cfg["resume"], net, comm=comm, **extra)
     else:
-        trainer = pr.Trainer(net, optimizer(cfg), seed=0, comm=comm, trace=trace, parallel=cfg.get("parallel", "data"))
+        trainer = pr.Trainer(net, optimizer(cfg), seed=0, comm=comm, **extra)
     losses = []
     for xb, yb in batches(cfg)[trainer.step_count:cfg["steps"]]:
         losses.append(trainer.step(*shard(xb, yb)))
     if cfg.get("save"):
         trainer.save(cfg["save"])
     trainer.sync()
+    identical = len(set(comm.allgather(net.params.tobytes()))) == 1  # every rank holds the same weights
     if comm.rank == 0:
-        np.savez(cfg["out"], params=net.params, losses=np.array(losses), library=MPI.Get_library_version())
+        np.savez(cfg["out"], params=net.params, losses=np.array(losses), library=MPI.Get_library_version(),
+                 identical=identical)
         Path(cfg["out"] + ".trace.json").write_text(json.dumps({"traceEvents": trace}))
 
 

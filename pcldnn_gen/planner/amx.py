@@ -44,7 +44,7 @@ def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxConvPlan:
     chunk = max(1, min(geo.icb, int(L1_SHARE * arch.l1d_bytes) // per_block))
     chunks = -(-geo.icb // chunk)
     chunk = -(-geo.icb // chunks)  # balanced: the last chunk is not a sliver
-    (sc, _, _), (rc, rh, rw) = geo.source, geo.result
+    (sc, _, _), (_, rh, rw) = geo.source, geo.result
     useful = (rh * rw) / (geo.pixel_blocks * AMX_PIXEL_BLOCK) * sc / (geo.icb * 32)
     reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; flat rows of {geo.wp} columns for {rw} "
               f"results and {geo.icb * 32} padded source channels for {sc}: {useful:.0%} of tile work useful. "
