@@ -180,6 +180,35 @@ def _check_conv_forward(conv, source, layer, pairs_per_row, seed=3):
     assert np.any(np.abs(y - unrounded) > bound)
 
 
+def _check_backward_data(conv, layer, x, dy, dx, channel_block):
+    """dx = sum of bf16(dy, masked by the ReLU) bf16(w) over oc, kh, kw: the same bound, n the
+    output channels padded to `channel_block` times the taps; off by more against unrounded
+    inputs. dy: the masked gradient."""
+    stride, pad = (layer["stride"],) * 2, (layer["pad"],) * 2
+    dyr, wr = as_float(bf16_reference(dy)), as_float(bf16_reference(conv.weights))
+    ref = conv2d_bwd_data(dyr, wr, stride, pad, x.shape)
+    magnitude = conv2d_bwd_data(np.abs(dyr), np.abs(wr), stride, pad, x.shape)
+    n = -(-layer["out_channels"] // channel_block) * channel_block * layer["kernel"] ** 2
+    bound = (n + 2) * U32 * magnitude
+    assert np.all(np.abs(dx - ref) <= bound)
+    assert np.any(np.abs(dx - conv2d_bwd_data(dy, conv.weights, stride, pad, x.shape)) > bound)
+
+
+def _check_backward_weights(layer, x, dy, dw, db, n):
+    """dw = sum over images and output pixels of bf16(x) bf16(dy, masked): the bound with n
+    terms; off by more against unrounded inputs; db sums the fp32 dy (fp32 bound)."""
+    kernel, stride, pad = (layer["kernel"],) * 2, (layer["stride"],) * 2, (layer["pad"],) * 2
+    xr, dyr = as_float(bf16_reference(x)), as_float(bf16_reference(dy))
+    ref, _ = conv2d_bwd_weights(xr, dyr, kernel, stride, pad)
+    magnitude, _ = conv2d_bwd_weights(np.abs(xr), np.abs(dyr), kernel, stride, pad)
+    bound = (n + 2) * U32 * magnitude
+    assert np.all(np.abs(dw - ref) <= bound)
+    unrounded, exact_db = conv2d_bwd_weights(x, dy, kernel, stride, pad)
+    assert np.any(np.abs(dw - unrounded) > bound)
+    _, db_scale = conv2d_bwd_weights(np.abs(x), np.abs(dy), kernel, stride, pad)
+    assert np.all(np.abs(db - exact_db) <= (n + 2) * U32 * db_scale)
+
+
 @needs_bf16
 @pytest.mark.parametrize("source,layer", CONV_CASES)
 def test_bf16_conv_forward_against_float64(tmp_path, source, layer):
@@ -227,14 +256,7 @@ def test_amx_conv_backward_data_against_float64(tmp_path, source, layer):
     dx = conv.backward_data(dy)
     if layer.get("activation") == "relu":
         dy = np.where(y > 0, dy, np.float32(0))
-    stride, pad = (layer["stride"],) * 2, (layer["pad"],) * 2
-    dyr, wr = as_float(bf16_reference(dy)), as_float(bf16_reference(conv.weights))
-    ref = conv2d_bwd_data(dyr, wr, stride, pad, x.shape)
-    magnitude = conv2d_bwd_data(np.abs(dyr), np.abs(wr), stride, pad, x.shape)
-    n = -(-layer["out_channels"] // 32) * 32 * layer["kernel"] ** 2
-    bound = (n + 2) * U32 * magnitude
-    assert np.all(np.abs(dx - ref) <= bound)
-    assert np.any(np.abs(dx - conv2d_bwd_data(dy, conv.weights, stride, pad, x.shape)) > bound)
+    _check_backward_data(conv, layer, x, dy, dx, channel_block=32)
 
 
 @needs_amx
@@ -242,33 +264,25 @@ def test_amx_conv_backward_data_against_float64(tmp_path, source, layer):
 def test_amx_conv_backward_weights_against_float64(tmp_path, source, layer):
     """The AMX backward-weights kernel reduces over flat pixels 32 at a time (the flat columns
     past each row zero): the bound with n = minibatch x output pixels; dy is passed unmasked and
-    masked by the kernel (also in place, for the backward-data pass after it); db sums the fp32
-    dy. Groups of fewer pixel blocks than the minibatch has (AMX_ARCH's small L2: 5 blocks, which
+    masked by the kernel as it copies it (dy itself is left as it is); db sums the fp32 dy.
+    Groups of fewer pixel blocks than the minibatch has (AMX_ARCH's small L2: 5 blocks, which
     start and end inside images here): the accumulators are reloaded between groups."""
     out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
     conv = pr.load(out, threads=2).layers["conv"]
     assert conv.kernel_kind("bwd_weights") == "conv_bwd_weights_amx"
     rng = np.random.default_rng(7)
     x = rng.standard_normal((7, *conv.in_shape)).astype(np.float32)
-    source = (out / "src" / "conv_bwd_weights.c").read_text()
-    group, blocks = (int(re.search(rf"^#define {name} +(\d+) ", source, re.M)[1]) for name in ("GROUP", "NPB"))
+    c_text = (out / "src" / "conv_bwd_weights.c").read_text()
+    group, blocks = (int(re.search(rf"^#define {name} +(\d+) ", c_text, re.M)[1]) for name in ("GROUP", "NPB"))
     assert group < x.shape[0] * blocks
     y = conv.forward(x)
     dy = rng.standard_normal(y.shape).astype(np.float32)
+    dy_before = dy.copy()
     dw, db = conv.backward_weights(x, dy)
+    np.testing.assert_array_equal(dy, dy_before)
     if layer.get("activation") == "relu":
         dy = np.where(y > 0, dy, np.float32(0))
-    kernel, stride, pad = (layer["kernel"],) * 2, (layer["stride"],) * 2, (layer["pad"],) * 2
-    xr, dyr = as_float(bf16_reference(x)), as_float(bf16_reference(dy))
-    ref, _ = conv2d_bwd_weights(xr, dyr, kernel, stride, pad)
-    magnitude, _ = conv2d_bwd_weights(np.abs(xr), np.abs(dyr), kernel, stride, pad)
-    n = x.shape[0] * y.shape[2] * y.shape[3]
-    bound = (n + 2) * U32 * magnitude
-    assert np.all(np.abs(dw - ref) <= bound)
-    unrounded, exact_db = conv2d_bwd_weights(x, dy, kernel, stride, pad)
-    assert np.any(np.abs(dw - unrounded) > bound)
-    _, db_scale = conv2d_bwd_weights(np.abs(x), np.abs(dy), kernel, stride, pad)
-    assert np.all(np.abs(db - exact_db) <= (n + 2) * U32 * db_scale)
+    _check_backward_weights(layer, x, dy, dw, db, n=x.shape[0] * y.shape[2] * y.shape[3])
 
 
 def test_amx_builds_put_stride_1_passes_on_tiles(tmp_path):
@@ -341,15 +355,7 @@ def test_bf16_conv_backward_data_against_float64(tmp_path, source, layer):
     """dx = sum of bf16(dy masked by the ReLU) bf16(w) over oc, kh, kw: the same bound, n the
     output channels (padded) times the taps, and again off by more against unrounded inputs."""
     conv, x, y, dy = _forward_and_gradient(tmp_path, source, layer, "bwd_data", images=2, seed=6)
-    dx = conv.backward_data(dy)
-    stride, pad = (layer["stride"],) * 2, (layer["pad"],) * 2
-    dyr, wr = as_float(bf16_reference(dy)), as_float(bf16_reference(conv.weights))
-    ref = conv2d_bwd_data(dyr, wr, stride, pad, x.shape)
-    magnitude = conv2d_bwd_data(np.abs(dyr), np.abs(wr), stride, pad, x.shape)
-    n = -(-layer["out_channels"] // 16) * 16 * layer["kernel"] ** 2
-    bound = (n + 2) * U32 * magnitude
-    assert np.all(np.abs(dx - ref) <= bound)
-    assert np.any(np.abs(dx - conv2d_bwd_data(dy, conv.weights, stride, pad, x.shape)) > bound)
+    _check_backward_data(conv, layer, x, dy, conv.backward_data(dy), channel_block=16)
 
 
 def test_few_channel_first_layer_stays_fp32(tmp_path):
@@ -454,17 +460,7 @@ def test_bf16_conv_backward_weights_against_float64(tmp_path, source, layer):
     4 output columns from 9 (a pair copy column past the input on the right)."""
     conv, x, y, dy = _forward_and_gradient(tmp_path, source, layer, "bwd_weights", images=3, seed=7)
     dw, db = conv.backward_weights(x, dy)
-    kernel, stride, pad = (layer["kernel"],) * 2, (layer["stride"],) * 2, (layer["pad"],) * 2
-    xr, dyr = as_float(bf16_reference(x)), as_float(bf16_reference(dy))
-    ref, ref_db = conv2d_bwd_weights(xr, dyr, kernel, stride, pad)
-    magnitude, _ = conv2d_bwd_weights(np.abs(xr), np.abs(dyr), kernel, stride, pad)
-    n = x.shape[0] * y.shape[2] * (y.shape[3] + 1)
-    bound = (n + 2) * U32 * magnitude
-    assert np.all(np.abs(dw - ref) <= bound)
-    unrounded, exact_db = conv2d_bwd_weights(x, dy, kernel, stride, pad)
-    assert np.any(np.abs(dw - unrounded) > bound)
-    _, db_scale = conv2d_bwd_weights(np.abs(x), np.abs(dy), kernel, stride, pad)
-    assert np.all(np.abs(db - exact_db) <= (n + 2) * U32 * db_scale)
+    _check_backward_weights(layer, x, dy, dw, db, n=x.shape[0] * y.shape[2] * (y.shape[3] + 1))
 
 
 @needs_bf16
