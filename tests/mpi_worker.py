@@ -148,10 +148,13 @@ def faults(cfg):
 
 
 class RecordingMemmap(pr.MemmapDataset):
-    """A memory-mapped dataset that notes every row this rank reads."""
+    """A memory-mapped dataset that notes every row this rank reads (the loader's reader
+    threads may read the next minibatches while a step runs: list.append is atomic)."""
+
+    reads: list
 
     def _load(self, indices):
-        self.rows = np.concatenate([getattr(self, "rows", np.zeros(0, np.int64)), indices])
+        self.reads.append(np.array(indices, np.int64))
         return super()._load(indices)
 
 
@@ -160,9 +163,10 @@ def fit_data(cfg):
     net = pr.load(cfg["build"], threads=1, seed=cfg["seed"] + comm.rank)
     trainer = pr.Trainer(net, optimizer(cfg), seed=3, comm=comm)
     data = RecordingMemmap(cfg["images"], cfg["labels"], augment=pr.Augment(crop_padding=1, flip=True, seed=5))
+    data.reads = []
     trainer.fit(data, epochs=cfg["epochs"], batch_size=cfg["batch"], progress=False)
     trainer.sync()
-    rows = comm.gather(data.rows.tolist(), root=0)
+    rows = comm.gather(np.concatenate(data.reads).tolist(), root=0)
     if comm.rank == 0:
         np.savez(cfg["out"], params=net.params)
         Path(cfg["out"] + ".rows.json").write_text(json.dumps(rows))
