@@ -51,8 +51,8 @@ class Arch:
     # peak, it ran at 76% with 29 simulated L1 misses per 1000 FMAs (`benchmarks/kernel_profile.py`),
     # i.e. ~4 cycles per refill. It prices L2 -> L1 traffic where bandwidth alone would not.
     l1_refill_cycles: float = 4.0
-    # AMX bf16 tiles (Sapphire Rapids and later): a bf16 build's stride-1 convolution forward runs
-    # on tdpbf16ps (1024 FLOP per cycle and core, 16x the AVX-512 fp32 FMA rate: 3.4-3.6 TFLOP/s
+    # AMX bf16 tiles (Sapphire Rapids and later): a bf16 build's stride-1 convolutions run on
+    # tdpbf16ps (1024 FLOP per cycle and core, 16x the AVX-512 fp32 FMA rate: 3.4-3.6 TFLOP/s
     # measured on one core of the project's Xeon VM); `native` sets it where the CPU has the flags
     # and Linux grants the tile state. fp32 builds ignore it.
     amx: bool = False
@@ -88,7 +88,7 @@ PRESETS: dict[str, Arch] = {
     "skylake-x": Arch("skylake-x", "avx512", 512, 32, 2, 32 * KIB, 1 * MIB, 22 * MIB, 2, cpu.ISA_CFLAGS["avx512"]),
     # Ice Lake-SP: 48 KiB L1d, 1.25 MiB L2.
     "icelake": Arch("icelake", "avx512", 512, 32, 2, 48 * KIB, 1280 * KIB, 48 * MIB, 2, cpu.ISA_CFLAGS["avx512"]),
-    # Sapphire Rapids / Emerald Rapids: 48 KiB L1d, 2 MiB L2.
+    # Sapphire Rapids / Emerald Rapids: 48 KiB L1d, 2 MiB L2, AMX tiles.
     "sapphirerapids": Arch("sapphirerapids", "avx512", 512, 32, 2, 48 * KIB, 2 * MIB, 96 * MIB, 2,
                            cpu.ISA_CFLAGS["avx512"], amx=True),
     # Zen 3: AVX2 only, 2 FMA-256 of latency 4, 512 KiB L2, 32 MiB L3 per CCD.

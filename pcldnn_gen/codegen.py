@@ -319,7 +319,6 @@ def _render_amx(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, lin
         layer=layer, arch=arch, plan=plan, V=arch.vector_floats, symbol=symbol, params=SIGNATURES[plan.kind],
         version=__version__, plan_lines=lines, vec=VECTOR_ISAS[arch.isa],
         icb=blocks(layer.in_shape[0], arch.vector_floats), ocb=blocks(layer.out_shape[0], arch.vector_floats),
-        xv=arch.vector_floats, ic_tail=arch.vector_floats,
         geo=amx_conv_geometry(plan.pass_name, layer.in_shape, layer.out_shape, layer.kernel, layer.pad))
     return Source(f"{layer.name}_{plan.pass_name}.c", text, {symbol: plan.kind},
                   cpu.PRECISION_CFLAGS["bf16"] + cpu.AMX_CFLAGS)

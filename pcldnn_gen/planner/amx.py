@@ -14,8 +14,8 @@ from .plans import AmxConvBwdWeightsPlan, AmxConvPlan
 AMX_FLOPS_PER_CYCLE = 1024
 TILE_BYTES = AMX_ROWS * 64
 # Share of L1 a work item's A rows and B tiles may take: measured on VGG-A conv3 and conv7
-# (minibatch 16, one thread), chunks of 1-4 blocks: the best fit 70-80% of L1 (37 KB and
-# 26 KB of 48 KB); 4 blocks (74 KB, 53 KB) ran 8-15% slower.
+# (minibatch 16, one thread), chunks of 1-4 blocks: 2 blocks were best (31 KB and 26 KB of
+# 48 KB by plan_conv_amx's count); 4 blocks (62 KB, 53 KB) ran 8-15% slower.
 L1_SHARE = 0.8
 # Pixel blocks per band: the chunk's input rows of a band are read once per 16-channel output
 # block, from L2. Measured 1-32 on VGG-A conv3: 8 was best (16 within noise, 32 +10%, 2 +15%).
@@ -25,8 +25,8 @@ BAND = 8
 # it; issued a few steps into the next item, whose accumulators are the other pair, it is
 # hidden (36-step items from L1: 2.2-2.4 TFLOP/s storing at the item's end, 3.2-3.4 delayed).
 STORE_DELAY = 4
-# Share of L2 a backward-weights item's group of images may take (x of two input blocks, dy of
-# two output blocks per image): the group is re-read from L2 for every tap.
+# Share of L2 a backward-weights item's group of pixel blocks may take (dy rows of two output
+# blocks, x pairs of two input blocks): the group is re-read from L2 for every tap.
 L2_SHARE = 0.5
 
 
