@@ -51,7 +51,7 @@ class Arch:
     # peak, it ran at 76% with 29 simulated L1 misses per 1000 FMAs (`benchmarks/kernel_profile.py`),
     # i.e. ~4 cycles per refill. It prices L2 -> L1 traffic where bandwidth alone would not.
     l1_refill_cycles: float = 4.0
-    # AMX bf16 tiles (Sapphire Rapids and later): a bf16 build's stride-1 convolutions run on
+    # AMX bf16 tiles (Sapphire Rapids and later): a bf16 build's stride-1 convolutions (and fc forward passes) run on
     # tdpbf16ps (1024 FLOP per cycle and core, 16x the AVX-512 fp32 FMA rate: 3.4-3.6 TFLOP/s
     # measured on one core of the project's Xeon VM); `native` sets it where the CPU has the flags
     # and Linux grants the tile state. fp32 builds ignore it.

@@ -68,10 +68,10 @@ def plan_net(net: NetSpec, arch: Arch, tuning: TuningDB | None = None,
 def plan_kernel(layer: LayerSpec, pass_name: str, arch: Arch, tuning: TuningDB | None = None,
                 choice: tuple[int, int] | None = None, precision: str = "fp32") -> KernelPlan:
     """One kernel's plan by plan_net's rule (compile and `inspect` alike): a forced tile, else
-    the database's measured one, else the model's; bf16 kernels always the model's."""
-    bf16 = pass_name in layer_bf16(layer, arch, precision)
-    if choice or tuning is None or bf16:
-        return plan_layer(layer, pass_name, arch, choice, bf16, pass_name in layer_amx(layer, arch, precision))
+    the database's measured one, else the model's; bf16 and AMX kernels always the model's."""
+    bf16, amx = pass_name in layer_bf16(layer, arch, precision), pass_name in layer_amx(layer, arch, precision)
+    if choice or tuning is None or bf16 or amx:
+        return plan_layer(layer, pass_name, arch, choice, bf16, amx)
     return tuning.plan(layer, pass_name, arch)
 
 

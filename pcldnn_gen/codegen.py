@@ -309,17 +309,23 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
 
 def _render_amx(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, lines: list[str]) -> Source:
     """An AMX tile kernel: bf16 operands it converts itself, fp32 tiles of results."""
-    text = {"fwd": "the input with its zero padding, the weights as B tiles",
-            "bwd_data": "the output gradient, masked by the ReLU, with its zero padding, the weights as B tiles",
-            "bwd_weights": "the input channel-major with its zero padding, the output gradient, masked by the "
-                           "ReLU, in pixel pairs"}[plan.pass_name]
+    v = arch.vector_floats
+    if layer.type == "fc":
+        text = "the input, the weight panels as B tiles chunk by chunk"
+    else:
+        text = {"fwd": "the input with its zero padding, the weights as B tiles",
+                "bwd_data": "the output gradient, masked by the ReLU, with its zero padding, the weights as B tiles",
+                "bwd_weights": "the input channel-major with its zero padding, the output gradient, masked by the "
+                               "ReLU, in pixel pairs"}[plan.pass_name]
     text = f"bf16 operands converted by the kernel ({text}), AMX tdpbf16ps into fp32 tiles; fp32 results"
     lines += [("precision: " if i == 0 else "           ") + w for i, w in enumerate(textwrap.wrap(text, 87))]
+    c, h, w = layer.in_shape
     text = template_env().get_template(plan.template).render(
-        layer=layer, arch=arch, plan=plan, V=arch.vector_floats, symbol=symbol, params=SIGNATURES[plan.kind],
+        layer=layer, arch=arch, plan=plan, V=v, symbol=symbol, params=SIGNATURES[plan.kind],
         version=__version__, plan_lines=lines, vec=VECTOR_ISAS[arch.isa],
-        icb=blocks(layer.in_shape[0], arch.vector_floats), ocb=blocks(layer.out_shape[0], arch.vector_floats),
-        geo=amx_conv_geometry(plan.pass_name, layer.in_shape, layer.out_shape, layer.kernel, layer.pad))
+        icb=blocks(c, v), ocb=blocks(layer.out_shape[0], v), k=blocks(c, v) * v * h * w,
+        geo=amx_conv_geometry(plan.pass_name, layer.in_shape, layer.out_shape, layer.kernel, layer.pad)
+        if layer.type == "conv" else None)
     return Source(f"{layer.name}_{plan.pass_name}.c", text, {symbol: plan.kind},
                   cpu.PRECISION_CFLAGS["bf16"] + cpu.AMX_CFLAGS)
 

@@ -52,6 +52,9 @@ SIGNATURES: dict[str, str] = {
     # and backward-weights: x and dy (masked as it is copied; dy itself left as it is) copied into scratch
     "conv_bwd_weights_amx": "const float *in, float *dy, const float *out, unsigned short *scratch, float *dwt, "
                             "float *dbias, int batch, int nthreads",
+    # and an fc forward pass on tiles (its input copy in scratch: limits.amx_fc_scratch)
+    "fc_fwd_amx": "const float *in, const float *wt, const float *bias, float *out, unsigned short *scratch, "
+                  "int batch, int nthreads, int ocb_lo, int ocb_hi",
     "act_to_bf16": "const float *src, unsigned short *dst, int batch, int nthreads",
     "weight_to_bf16": "const float *src, unsigned short *dst",
     "peak": "long long iters, int nthreads, float *sink",
@@ -65,7 +68,7 @@ SIGNATURES: dict[str, str] = {
 # kernel, the call count and where the seconds per call go.
 REPEATED_KINDS = ("conv_fwd", "conv_bwd_data", "conv_bwd_weights", "fc_fwd", "fc_bwd_data", "fc_bwd_weights",
                   "conv_fwd_bf16", "conv_bwd_data_bf16", "conv_bwd_weights_bf16", "conv_fwd_amx",
-                  "conv_bwd_data_amx", "conv_bwd_weights_amx")
+                  "conv_bwd_data_amx", "conv_bwd_weights_amx", "fc_fwd_amx")
 SIGNATURES |= {f"repeat_{kind}": "void *fn, long long reps, double *seconds, " + SIGNATURES[kind]
                for kind in REPEATED_KINDS}
 

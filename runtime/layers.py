@@ -16,7 +16,7 @@ import numpy as np
 from .abi import DROPOUT_HASH_STEP
 from .errors import PcldnnError
 from .kernels import empty_aligned, ptr
-from .limits import amx_conv_geometry, bf16_data_scratch, bf16_weight_scratch, blocks, input_pixel_floats
+from .limits import amx_conv_geometry, amx_fc_scratch, bf16_data_scratch, bf16_weight_scratch, blocks, input_pixel_floats
 from .manifest import LayerEntry
 
 
@@ -338,6 +338,10 @@ class WeightedLayer(Layer):
         """The forward kernel on this process's data; fc: output blocks `part` only."""
         extra = part if part is not None else ()
         batch, team = xb.shape[0], self.team(xb.shape[0])
+        if self.kernel_kind("fwd") == "fc_fwd_amx":
+            scratch = self._net.scratch(-(-amx_fc_scratch(batch, xb[0].size) // 2)).view(np.uint16)
+            self._k["fwd"](ptr(xb), self._wt_ptr, self._bias_ptr, ptr(yb), ptr(scratch), batch, team, *extra)
+            return
         if "fwd" in self._amx:
             scratch = self._net.scratch(-(-self._amx["fwd"].scratch_values(batch) // 2)).view(np.uint16)
             self._k["fwd"](ptr(xb), self._wt_ptr, self._bias_ptr, ptr(yb), ptr(scratch), batch, team)

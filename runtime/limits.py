@@ -64,8 +64,13 @@ def amx_kernels(precision: str, amx: bool, index: int, layer_type: str, channels
     with `amx`: a stride-1 convolution's forward and backward-weights passes, and its
     backward-data pass (the forward convolution of dy with the flipped, transposed weights)
     where the padding is at most the window side - 1; the other passes keep their vdpbf16ps
-    kernels. The flat-pixel tiling (AmxConvGeometry) needs unit stride."""
-    if not amx or stride != (1, 1) or "fwd" not in bf16_kernels(precision, index, layer_type, channels, v):
+    kernels (the flat-pixel tiling of AmxConvGeometry needs unit stride). An fc layer's forward
+    pass (its backward passes stay fp32)."""
+    if not amx or precision != "bf16":
+        return ()
+    if layer_type == "fc":
+        return ("fwd",)
+    if stride != (1, 1) or "fwd" not in bf16_kernels(precision, index, layer_type, channels, v):
         return ()
     return ("fwd", "bwd_data", "bwd_weights") if pad[0] < kernel[0] and pad[1] < kernel[1] else ("fwd", "bwd_weights")
 
@@ -126,6 +131,12 @@ def amx_conv_geometry(pass_name: str, in_shape: tuple[int, int, int], out_shape:
     gradient_pairs = pixel_blocks * AMX_PIXEL_BLOCK // 2 + ((kernel[0] - 1) * wp + kernel[1] - 1) // 2 + 1
     return AmxConvGeometry(source, result, pad, icb, hp, wp, pixel_blocks, max(hp * wp, reach), weight_values,
                            gradient_pairs)
+
+
+def amx_fc_scratch(batch: int, k: int) -> int:
+    """bf16 values of an AMX fc forward kernel's scratch: the input rounded up to 32 images of
+    K rounded up to 32 inputs (templates/fc_fwd_amx.c.j2)."""
+    return -(-batch // 32) * 32 * (-(-k // 32) * 32)
 
 
 def bf16_data_scratch(weight_values: int, dy_values: int) -> int:

@@ -285,6 +285,51 @@ def test_amx_conv_backward_weights_against_float64(tmp_path, source, layer):
     _check_backward_weights(layer, x, dy, dw, db, n=x.shape[0] * y.shape[2] * y.shape[3])
 
 
+@needs_amx
+@pytest.mark.parametrize("images", [37, 5])
+def test_amx_fc_forward_against_float64(tmp_path, images):
+    """The AMX fc forward: y = b + sum of bf16(x) bf16(w) over K (the blocked input, 2 blocks of
+    16 channels x 9 pixels = 288, of which 180 real), the bound with n = 288; 40 features (an
+    odd last block: a group of one), 37 and 5 images (partial 16- and 32-image rows), and
+    AMX_ARCH's small L2: several K chunks, partial sums reloaded from the output."""
+    spec = parse_netspec({"name": "f", "input": {"channels": 20, "height": 3, "width": 3},
+                          "layers": [{"name": "fc", "type": "fc", "out_features": 40, "activation": "relu"}]})
+    build(spec, AMX_ARCH, tmp_path / "f", precision="bf16")
+    assert int(re.search(r"^#define KC +(\d+) ", (tmp_path / "f" / "src" / "fc_fwd.c").read_text(), re.M)[1]) < 288
+    fc = pr.load(tmp_path / "f", threads=2).layers["fc"]
+    assert fc.kernel_kind("fwd") == "fc_fwd_amx" and fc.kernel_kind("bwd_data") == "fc_bwd_data"
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((images, 20, 3, 3)).astype(np.float32)
+    fc.bias = rng.standard_normal(40).astype(np.float32)
+    y = fc.forward(x)
+    xr, wr = as_float(bf16_reference(x)).reshape(images, -1), as_float(bf16_reference(fc.weights))
+    ref = np.maximum(xr.astype(np.float64) @ wr.T + fc.bias, 0)
+    magnitude = np.abs(xr).astype(np.float64) @ np.abs(wr).T + np.abs(fc.bias)
+    bound = (288 + 2) * U32 * magnitude
+    assert np.all(np.abs(y - ref) <= bound)
+    unrounded = np.maximum(x.reshape(images, -1).astype(np.float64) @ fc.weights.T + fc.bias, 0)
+    assert np.any(np.abs(y - unrounded) > bound)
+
+
+def test_amx_and_bf16_kernels_take_the_models_plan_with_a_tuning_database():
+    """The tuning database holds fp32 measurements: with one present, a bf16 build's AMX and
+    vdpbf16ps kernels still get their own plans (an fp32 plan would give a kernel of the wrong
+    kind, which the manifest check refuses at load)."""
+    from pcldnn_gen.build import plan_kernel
+
+    class Database:
+        def plan(self, *args):
+            raise AssertionError("a bf16 kernel asked the fp32 tuning database")
+
+    spec = parse_netspec({"name": "t", "input": {"channels": 16, "height": 6, "width": 6}, "layers": [
+        {"name": "c", "type": "conv", "out_channels": 16, "kernel": 3, "pad": 1},
+        {"name": "f", "type": "fc", "out_features": 10}]})
+    conv, fc = spec.layers
+    assert plan_kernel(fc, "fwd", AMX_ARCH, Database(), precision="bf16").kind == "fc_fwd_amx"
+    assert plan_kernel(conv, "bwd_weights", AMX_ARCH, Database(), precision="bf16").kind == "conv_bwd_weights_amx"
+    assert plan_kernel(conv, "fwd", get_arch("avx512"), Database(), precision="bf16").kind == "conv_fwd_bf16"
+
+
 def test_amx_builds_put_stride_1_passes_on_tiles(tmp_path):
     """An arch with AMX: a stride-1 convolution's three passes are AMX kernels that convert their
     own operands (no bf16 copies in the layout library), headers say the tile blocking;

@@ -3,11 +3,11 @@ reduction chunk that keeps a work item's operands in L1 (forward, backward-data)
 of pixel blocks whose copies a work item's accumulators reduce from L2 (backward-weights)."""
 from __future__ import annotations
 
-from pcldnn_runtime.limits import AMX_PIXEL_BLOCK, AMX_ROWS, amx_conv_geometry
+from pcldnn_runtime.limits import AMX_PIXEL_BLOCK, AMX_ROWS, amx_conv_geometry, blocks
 
 from ..arch import Arch
 from ..netspec import LayerSpec
-from .plans import AmxConvBwdWeightsPlan, AmxConvPlan
+from .plans import AmxConvBwdWeightsPlan, AmxConvPlan, AmxFcFwdPlan
 
 # tdpbf16ps of full tiles: 16 x 16 x 32 multiply-adds in 16 cycles (SPR; measured 3.4-3.6
 # TFLOP/s on one core of the project's Xeon VM, operands in L1).
@@ -28,6 +28,9 @@ STORE_DELAY = 4
 # Share of L2 a backward-weights item's group of pixel blocks may take (dy rows of two output
 # blocks, x pairs of two input blocks): the group is re-read from L2 for every tap.
 L2_SHARE = 0.5
+# The minibatch an fc forward chunk is sized for (the largest the paper's and the issues' fc
+# figures use); smaller ones fit better, larger ones read part of their input chunk from L3.
+FC_ROWS = 256
 
 
 def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxConvPlan:
@@ -82,3 +85,23 @@ def plan_conv_bwd_weights_amx(layer: LayerSpec, arch: Arch) -> AmxConvBwdWeights
                                  template="conv_bwd_weights_amx.c.j2", isa=arch.isa,
                                  vector_floats=arch.vector_floats, reason=reason, predicted_efficiency=useful,
                                  l1_working_set=4 * TILE_BYTES, pixel_blocks=units)
+
+
+def plan_fc_fwd_amx(layer: LayerSpec, arch: Arch) -> AmxFcFwdPlan:
+    """Work item: 32 images x 32 features (4 C tiles) over a K chunk; each feature group's
+    weight panel is converted to bf16 B tiles chunk by chunk in a thread-local buffer (the fp32
+    weights are the master copy: read once a call) and used by every 32-image row. The chunk:
+    the bf16 input chunk of FC_ROWS images stays in a quarter of L2 while every feature group
+    of the chunk reads it (the minibatch is a run-time argument)."""
+    c, h, w = layer.in_shape
+    k = blocks(c, arch.vector_floats) * arch.vector_floats * h * w
+    kp = -(-k // 32) * 32
+    kc = min(kp, max(32, arch.l2_bytes // 4 // (FC_ROWS * 2) // 32 * 32))
+    reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; 32 images x 32 features a work item "
+              f"(partial tiles where the minibatch is not a multiple of 32). K chunk {kc} of {kp}: the input chunk "
+              f"of {FC_ROWS} images in bf16, {FC_ROWS * kc * 2 // 1024} KiB, within a quarter of L2 "
+              f"({arch.l2_bytes // 1024} KiB) across the feature groups; each group's bf16 panel chunk "
+              f"{kc * 64 // 1024} KiB. Converting the panels reads the fp32 weights once a call")
+    return AmxFcFwdPlan(layer=layer.name, pass_name="fwd", kind="fc_fwd_amx", template="fc_fwd_amx.c.j2",
+                        isa=arch.isa, vector_floats=arch.vector_floats, reason=reason, predicted_efficiency=1.0,
+                        l1_working_set=4 * TILE_BYTES, k_chunk=kc)

@@ -139,6 +139,18 @@ class AmxConvBwdWeightsPlan(KernelPlan):
 
 
 @dataclass(frozen=True, kw_only=True)
+class AmxFcFwdPlan(KernelPlan):
+    k_chunk: int                    # inputs per chunk: a feature group's bf16 weight panel in L2
+
+    def reduction_chunk(self) -> str:
+        return f"{self.k_chunk} inputs"
+
+    def blocks_summary(self) -> str:
+        return (f"AMX tiles: 32 images x 32 features per work item (4 C tiles, 2 A of 16 images x 32 "
+                f"inputs, 2 B of 32 inputs x 16 features), K chunk {self.reduction_chunk()}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class BwdDataPhase:
     """Input columns r + q*SW, q in [0, q_count), of one stride phase r: all receive gradient
     from kernel columns kw_first, kw_first + SW, ..., from output column q + d, d starting at
