@@ -18,6 +18,7 @@ import pytest
 from helpers import MPIEXEC, REPO, TRAIN_LAYERS, TRAIN_SHAPE, build_and_load
 
 import pcldnn_runtime as pr
+from pcldnn_runtime import cpu
 
 WORKER = Path(__file__).parent / "mpi_worker.py"
 pytestmark = [pytest.mark.slow,
@@ -121,6 +122,31 @@ def test_bf16_gradient_exchange_stays_close_to_one_rank(build_dir, tmp_path, p, 
     assert 1e-4 * moved < off < 5e-2 * moved
     assert bool(got["identical"])
     np.testing.assert_allclose(got["losses"], want_losses, rtol=1e-2)
+
+
+@pytest.mark.skipif(not (cpu.supports("avx512") and "avx512_bf16" in cpu.cpu_flags() and cpu.request_amx() is None),
+                    reason="this CPU lacks AMX bf16 tiles (or Linux does not grant them): AMX kernels cannot run here")
+def test_amx_model_parallel_fc_matches_one_rank(tmp_path):
+    """A bf16 build for an arch with AMX (its fc forward passes on tiles, each rank computing its
+    slice of output blocks): 3 ranks with the fc layers model parallel reach one rank's weights
+    as closely as an fp32 build (the slices run the same tile sums in the same order)."""
+    import dataclasses
+
+    from pcldnn_gen.arch import get_arch
+    from pcldnn_gen.build import build
+    from pcldnn_gen.netspec import parse_netspec
+    c, h, w = SHAPE
+    spec = parse_netspec({"name": "mpamx", "input": {"channels": c, "height": h, "width": w}, "layers": LAYERS})
+    build(spec, dataclasses.replace(get_arch("avx512"), amx=True), tmp_path / "b", precision="bf16")
+    assert pr.load(tmp_path / "b", threads=1).layers["fc1"].kernel_kind("fwd") == "fc_fwd_amx"
+    cfg = _cfg(tmp_path / "b", tmp_path, parallel=MODEL_FC)
+    mpirun(3, "train", cfg)
+    got = np.load(cfg["out"])
+    want_params, want_losses = single_rank_reference(tmp_path / "b", cfg)
+    moved = np.abs(want_params - pr.load(tmp_path / "b", threads=1, seed=cfg["seed"]).params).max()
+    np.testing.assert_allclose(got["params"], want_params, rtol=0, atol=1e-4 * moved)
+    np.testing.assert_allclose(got["losses"], want_losses, rtol=1e-5)
+    assert bool(got["identical"])
 
 
 def test_bf16_bits_round_like_the_kernels():
