@@ -228,11 +228,12 @@ class WeightedLayer(Layer):
         # fp32 weights stay the master copy that optimizers and the API see.
         self.bf16_forward = self.kernel_kind("fwd") == "conv_fwd_bf16"
         self.bf16_backward_data = self.kernel_kind("bwd_data") == "conv_bwd_data_bf16"
-        self.bf16_backward_weights = self.kernel_kind("bwd_weights") in ("conv_bwd_weights_bf16", "conv_bwd_weights_amx")
+        self.bf16_backward_weights = self.kernel_kind("bwd_weights") == "conv_bwd_weights_bf16"
         self._wt16 = empty_aligned(self._wt.shape, dtype=np.uint16) if self.bf16_forward else None
         # AMX builds: the stride-1 passes on tiles convert their operands into their own scratch
         self._amx = {p: amx_conv_geometry(p, self.in_shape, self.out_shape, self.kernel, self.spec.pad)
                      for p in ("fwd", "bwd_data", "bwd_weights") if self.kernel_kind(p) == f"conv_{p}_amx"}
+        self._fc_amx = self.kernel_kind("fwd") == "fc_fwd_amx"  # its input copy: limits.amx_fc_scratch
 
     @property
     def blocked_weight_shape(self) -> tuple[int, ...]:
@@ -338,7 +339,7 @@ class WeightedLayer(Layer):
         """The forward kernel on this process's data; fc: output blocks `part` only."""
         extra = part if part is not None else ()
         batch, team = xb.shape[0], self.team(xb.shape[0])
-        if self.kernel_kind("fwd") == "fc_fwd_amx":
+        if self._fc_amx:
             scratch = self._net.scratch(-(-amx_fc_scratch(batch, xb[0].size) // 2)).view(np.uint16)
             self._k["fwd"](ptr(xb), self._wt_ptr, self._bias_ptr, ptr(yb), ptr(scratch), batch, team, *extra)
             return
@@ -362,10 +363,12 @@ class WeightedLayer(Layer):
         mask = yb if self.relu else None
         if grads is not None:
             dw, db = grads
-            if self.bf16_backward_weights:
-                values = (self._amx["bwd_weights"].gradient_scratch_values(batch, self.kernel[0] * self.kernel[1])
-                          if "bwd_weights" in self._amx else
-                          bf16_weight_scratch(self.in_shape, self.out_shape, self.kernel, self.spec.stride, self._v, batch))
+            values = None  # bf16 values of scratch, for the kernels that take it
+            if "bwd_weights" in self._amx:
+                values = self._amx["bwd_weights"].gradient_scratch_values(batch, self.kernel[0] * self.kernel[1])
+            elif self.bf16_backward_weights:
+                values = bf16_weight_scratch(self.in_shape, self.out_shape, self.kernel, self.spec.stride, self._v, batch)
+            if values is not None:
                 scratch = self._net.scratch(-(-values // 2)).view(np.uint16)
                 self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(scratch), ptr(dw), ptr(db), batch, threads)
             else:
