@@ -80,11 +80,8 @@ def onednn_runs(req) -> dict:
     batch, wall = req["batch"], {}
     for p in req["problems"]:
         dtype = torch.bfloat16 if req.get("precision") == "bf16" else torch.float32
-        fwd, bwd = (_conv_runs if p["type"] == "conv" else _inner_product_runs)(torch, p, batch, dtype)
-
-        for label, fn in (("fwd", fwd), ("bwd", bwd)):
-            if fn is None:
-                continue
+        runs = (_conv_runs if p["type"] == "conv" else _inner_product_runs)(torch, p, batch, dtype)
+        for label, fn in runs.items():
             fn()  # warm-up: primitive creation
             times = []
             for _ in range(req["repeats"]):
@@ -117,14 +114,20 @@ def _conv_runs(torch, p, batch, dtype):
         xg.grad = wg.grad = None
         conv(xg, wg).backward(dy)
 
-    return fwd, bwd
+    return {"fwd": fwd, "bwd": bwd}
 
 
 def _inner_product_runs(torch, p, batch, dtype):
-    """(fwd, bwd) calls of oneDNN's inner product for an fc problem, on oneDNN tensors."""
+    """(fwd, bwd) calls of oneDNN's inner product for an fc problem, on oneDNN tensors; bf16:
+    the three matmuls of PyTorch's bf16 `linear` and its autograd (oneDNN's brgemm matmul;
+    PyTorch's oneDNN fc backward refuses bf16 weights), one region each."""
     k = int(np.prod(p["in_shape"]))
     x, wt, dy = (torch.randn(batch, k, dtype=dtype), torch.randn(p["out_channels"], k, dtype=dtype),
                  torch.randn(batch, p["out_channels"], dtype=dtype))
+    if dtype == torch.bfloat16:
+        dyt = dy.t()
+        return {"fwd": lambda: torch.mm(x, wt.t()), "bwd_data": lambda: torch.mm(dy, wt),
+                "bwd_weights": lambda: torch.mm(dyt, x)}
     xm, wm, dym = x.to_mkldnn(), wt.to_mkldnn(), dy.to_mkldnn()
     aten = torch.ops.aten
 
@@ -136,17 +139,16 @@ def _inner_product_runs(torch, p, batch, dtype):
         aten.mkldnn_linear_backward_input([batch, k], dym, wt)
         aten.mkldnn_linear_backward_weights(dym, xm, wt, True)
 
-    # bf16: PyTorch's oneDNN fc backward refuses bf16 weights ("weight_t needs to be a dense
-    # tensor"): the forward pass only
-    return fwd, (None if dtype == torch.bfloat16 else bwd)
+    return {"fwd": fwd, "bwd": bwd}
 
 
-_OPS = (",convolution,", ",inner_product,")
+_OPS = (",convolution,", ",inner_product,", ",matmul,")
 _PROP = {"forward_training": "fwd", "forward_inference": "fwd", "backward_data": "bwd_data",
          "backward_weights": "bwd_weights"}
 # The passes a marker's region times: autograd's backward region also runs a forward convolution
 # (the graph is rebuilt each call), which must not join the forward median.
-_REGION_PASSES = {"fwd": ("fwd",), "bwd": ("bwd_data", "bwd_weights")}
+_REGION_PASSES = {"fwd": ("fwd",), "bwd": ("bwd_data", "bwd_weights"), "bwd_data": ("bwd_data",),
+                  "bwd_weights": ("bwd_weights",)}
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,8 @@ def parse_verbose(text: str) -> dict[str, OnednnPass]:
             continue
         fields = line.split(",")
         prop = next((_PROP[f] for f in fields if f in _PROP), None)
+        if op == "matmul" and len(_REGION_PASSES[region[1]]) == 1:  # no propagation kind: the region's pass
+            prop = _REGION_PASSES[region[1]][0]
         if prop is None or prop not in _REGION_PASSES[region[1]]:
             continue
         calls[prop] = calls.get(prop, 0.0) + float(fields[-1]) / 1e3

@@ -17,7 +17,7 @@ import jinja2
 
 from pcldnn_runtime import cpu
 from pcldnn_runtime.abi import SIGNATURES
-from pcldnn_runtime.limits import amx_conv_geometry, amx_kernels, bf16_kernels, blocks, input_pixel_floats
+from pcldnn_runtime.limits import amx_conv_geometry, amx_fc_geometry, amx_kernels, bf16_kernels, blocks, input_pixel_floats
 from pcldnn_runtime.manifest import PEAK_SYMBOL, SGD_SYMBOL, kernel_kinds
 from pcldnn_runtime.validate import NAME_RE, full_match, show
 
@@ -311,7 +311,11 @@ def _render_amx(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, lin
     """An AMX tile kernel: bf16 operands it converts itself, fp32 tiles of results."""
     v = arch.vector_floats
     if layer.type == "fc":
-        text = "the input, the weight panels as B tiles chunk by chunk"
+        text = {"fwd": "the input", "bwd_data": "the output gradient, masked by the ReLU",
+                "bwd_weights": "the input transposed, the output gradient, masked by the ReLU, in image pairs"
+                }[plan.pass_name]
+        if plan.pass_name != "bwd_weights":
+            text += "; the weights: the layer's B-tile copy, made once after each change of the weights"
     else:
         text = {"fwd": "the input with its zero padding, the weights as B tiles",
                 "bwd_data": "the output gradient, masked by the ReLU, with its zero padding, the weights as B tiles",
@@ -325,14 +329,15 @@ def _render_amx(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, lin
         version=__version__, plan_lines=lines, vec=VECTOR_ISAS[arch.isa],
         icb=blocks(c, v), ocb=blocks(layer.out_shape[0], v), k=blocks(c, v) * v * h * w,
         geo=amx_conv_geometry(plan.pass_name, layer.in_shape, layer.out_shape, layer.kernel, layer.pad)
-        if layer.type == "conv" else None)
+        if layer.type == "conv" else amx_fc_geometry(layer.in_shape, layer.out_shape[0], v))
     return Source(f"{layer.name}_{plan.pass_name}.c", text, {symbol: plan.kind},
                   cpu.PRECISION_CFLAGS["bf16"] + cpu.AMX_CFLAGS)
 
 
 def render_layout(layer: LayerSpec, arch: Arch, precision: str = "fp32") -> Source:
     """C source of a layer's canonical <-> blocked conversions (activations and weights), and
-    in a bf16 build the bf16 copies its vdpbf16ps forward kernel reads."""
+    in a bf16 build the bf16 copies its vdpbf16ps forward kernel reads, or an AMX fc layer's
+    weight tiles."""
     bf16 = layer_bf16(layer, arch, precision)
     roles = kernel_kinds(layer.type, bf16, layer_amx(layer, arch, precision))["layout"]
     wshape = None
@@ -343,10 +348,11 @@ def render_layout(layer: LayerSpec, arch: Arch, precision: str = "fp32") -> Sour
         layer=layer, arch=arch, V=arch.vector_floats, vec=VECTOR_ISAS[arch.isa], version=__version__,
         prefix=f"pcldnn_{c_identifier(layer.name)}", wshape=wshape, params=SIGNATURES,
         packed_input=input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats,
-        bf16="in_to_bf16" in roles)
+        bf16="in_to_bf16" in roles,
+        amx_fc=amx_fc_geometry(layer.in_shape, layer.out_shape[0], arch.vector_floats) if "wt_to_amx" in roles else None)
     prefix = f"pcldnn_{c_identifier(layer.name)}_"
     return Source(f"{layer.name}_layout.c", text, {prefix + r: kind for r, kind in roles.items()},
-                  cpu.PRECISION_CFLAGS["bf16"] if "in_to_bf16" in roles else ())
+                  cpu.PRECISION_CFLAGS["bf16"] if "in_to_bf16" in roles or "wt_to_amx" in roles else ())
 
 
 

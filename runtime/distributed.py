@@ -235,6 +235,7 @@ class SyncSGD:
         if b.gather is not None:
             self._wait(b.gather, f"part-broadcast {b.name}")
             b.gather = None
+            self.net.weights_changed()  # other ranks' parts arrived: derived weight copies are stale
             done, b.gather_done = b.gather_done or time.perf_counter(), None
             self._event(f"part-broadcast {b.name}", "comm", b.gather_started, done)
 

@@ -64,12 +64,12 @@ def amx_kernels(precision: str, amx: bool, index: int, layer_type: str, channels
     with `amx`: a stride-1 convolution's forward and backward-weights passes, and its
     backward-data pass (the forward convolution of dy with the flipped, transposed weights)
     where the padding is at most the window side - 1; the other passes keep their vdpbf16ps
-    kernels (the flat-pixel tiling of AmxConvGeometry needs unit stride). An fc layer's forward
-    pass (its backward passes stay fp32)."""
+    kernels (the flat-pixel tiling of AmxConvGeometry needs unit stride). An fc layer's three
+    passes (AmxFcGeometry)."""
     if not amx or precision != "bf16":
         return ()
     if layer_type == "fc":
-        return ("fwd",)
+        return ("fwd", "bwd_data", "bwd_weights")
     if stride != (1, 1) or "fwd" not in bf16_kernels(precision, index, layer_type, channels, v):
         return ()
     return ("fwd", "bwd_data", "bwd_weights") if pad[0] < kernel[0] and pad[1] < kernel[1] else ("fwd", "bwd_weights")
@@ -133,10 +133,39 @@ def amx_conv_geometry(pass_name: str, in_shape: tuple[int, int, int], out_shape:
                            gradient_pairs)
 
 
-def amx_fc_scratch(batch: int, k: int) -> int:
-    """bf16 values of an AMX fc forward kernel's scratch: the input rounded up to 32 images of
-    K rounded up to 32 inputs (templates/fc_fwd_amx.c.j2)."""
-    return -(-batch // 32) * 32 * (-(-k // 32) * 32)
+@dataclass(frozen=True)
+class AmxFcGeometry:
+    """The bf16 operands of an fc layer's AMX kernels (templates/fc_amx.c.j2,
+    fc_bwd_weights_amx.c.j2), one rule for the templates and the runtime's buffers. The layer's
+    weights W (F features x K inputs, blocked (OCB, K, 16) in fp32) have two bf16 copies of B
+    tiles, made from the fp32 master weights after each change (templates/_amx.c.j2,
+    fc_weight_tiles): forward tiles (OCB, KP/32, 16 input pairs, 16 features, 2) and
+    backward-data tiles (K/16, FP/32, 16 feature pairs, 16 inputs, 2), zero past K and F."""
+    k: int          # inputs per image: the previous layer's blocked activation (a multiple of 16)
+    features: int   # output features padded to 16-lane blocks: OCB x 16
+    kp: int         # K rounded up to a tile row of 32 inputs
+    fp: int         # features rounded up to 32
+
+    @property
+    def forward_tile_values(self) -> int:
+        return self.features * self.kp
+
+    @property
+    def data_tile_values(self) -> int:
+        return self.k * self.fp
+
+    def scratch_values(self, pass_name: str, batch: int) -> int:
+        """bf16 values of a pass's scratch: forward, the input rows (32-image rows of KP);
+        backward-data, the masked dy rows (of FP); backward-weights, x transposed (K rows of the
+        minibatch rounded up to 32) then dy in image pairs (OCB blocks of 16 features)."""
+        rows = -(-batch // 32) * 32
+        return rows * {"fwd": self.kp, "bwd_data": self.fp, "bwd_weights": self.k + self.features}[pass_name]
+
+
+def amx_fc_geometry(in_shape: tuple[int, int, int], features: int, v: int = 16) -> AmxFcGeometry:
+    c, h, w = in_shape
+    k, f = blocks(c, v) * v * h * w, blocks(features, v) * v
+    return AmxFcGeometry(k, f, -(-k // 32) * 32, -(-f // 32) * 32)
 
 
 def bf16_data_scratch(weight_values: int, dy_values: int) -> int:

@@ -95,6 +95,9 @@ class Net:
                 total += _round_up(wsize) + _round_up(blen)
         self._params = zeros_aligned((total,))
         self._grads = zeros_aligned((total,))
+        # Bumped whenever the weights may have changed: copies derived from them (an AMX fc
+        # layer's bf16 weight tiles) are remade on their next use after a bump.
+        self._weights_version = 0
         # Set by the MPI runtime after a step while part-broadcasts are pending: the next read
         # of the weights (by any route: params, layer.weights, forward, save) waits for them.
         self._on_access = None
@@ -177,9 +180,23 @@ class Net:
 
     @property
     def params(self) -> np.ndarray:
-        """Every layer's blocked weights and bias in one flat buffer (current on every rank)."""
+        """Every layer's blocked weights and bias in one flat buffer (current on every rank).
+        Writable: each access counts as a change of the weights (weights_changed), so copies
+        derived from them are remade before their next use. A view kept across a forward call
+        and written later is not seen: take `net.params` again to write."""
         self.current()
+        self.weights_changed()
         return self._params
+
+    @property
+    def weights_version(self) -> int:
+        """A count that moves whenever the weights may have changed (see `params`)."""
+        return self._weights_version
+
+    def weights_changed(self) -> None:
+        """Mark the weights changed: the writers that do not go through `params` call it (a
+        layer's weights setter, a completed MPI part-broadcast)."""
+        self._weights_version += 1
 
     @property
     def grads(self) -> np.ndarray:

@@ -285,30 +285,128 @@ def test_amx_conv_backward_weights_against_float64(tmp_path, source, layer):
     _check_backward_weights(layer, x, dy, dw, db, n=x.shape[0] * y.shape[2] * y.shape[3])
 
 
+# (input shape, features, activation): K = 288 with 40 features (3 output blocks: an odd last
+# column group, FP = 64 with a zero half tile), K = 144 = 16 mod 32 (a half-zero last tile row)
+FC_CASES = [((20, 3, 3), 40, "relu"), ((16, 3, 3), 24, None)]
+
+
+def _fc_net(tmp_path, in_shape, features, activation, threads=2, loss=False):
+    c, h, w = in_shape
+    layers = [{"name": "fc", "type": "fc", "out_features": features, **({"activation": activation} if activation else {})}]
+    layers += [{"name": "loss", "type": "softmax_cross_entropy"}] if loss else []
+    spec = parse_netspec({"name": "f", "input": {"channels": c, "height": h, "width": w}, "layers": layers})
+    build(spec, AMX_ARCH, tmp_path / "f", precision="bf16")
+    return pr.load(tmp_path / "f", threads=threads)
+
+
 @needs_amx
 @pytest.mark.parametrize("images", [37, 5])
-def test_amx_fc_forward_against_float64(tmp_path, images):
-    """The AMX fc forward: y = b + sum of bf16(x) bf16(w) over K (the blocked input, 2 blocks of
-    16 channels x 9 pixels = 288, of which 180 real), the bound with n = 288; 40 features (an
-    odd last block: a group of one), 37 and 5 images (partial 16- and 32-image rows), and
-    AMX_ARCH's small L2: several K chunks, partial sums reloaded from the output."""
-    spec = parse_netspec({"name": "f", "input": {"channels": 20, "height": 3, "width": 3},
-                          "layers": [{"name": "fc", "type": "fc", "out_features": 40, "activation": "relu"}]})
-    build(spec, AMX_ARCH, tmp_path / "f", precision="bf16")
-    assert int(re.search(r"^#define KC +(\d+) ", (tmp_path / "f" / "src" / "fc_fwd.c").read_text(), re.M)[1]) < 288
-    fc = pr.load(tmp_path / "f", threads=2).layers["fc"]
-    assert fc.kernel_kind("fwd") == "fc_fwd_amx" and fc.kernel_kind("bwd_data") == "fc_bwd_data"
+@pytest.mark.parametrize("in_shape,features,activation", FC_CASES)
+def test_amx_fc_passes_against_float64(tmp_path, images, in_shape, features, activation):
+    """The AMX fc kernels against float64 on bf16-rounded operands, the bound of
+    _check_conv_forward with n the padded reduction: forward n = K rounded up to 32 (K: 16
+    channels a block x pixels), backward-data n = the features rounded up to 32, backward-weights
+    n = the images rounded up to 32; each is off by more than its bound against the unrounded
+    operands. 37 and 5 images: partial 16- and 32-image tiles; AMX_ARCH's 64 KiB L2: several
+    reduction chunks (partial sums reloaded from the result) and output-block chunks."""
+    net = _fc_net(tmp_path, in_shape, features, activation)
+    fc = net.layers["fc"]
+    assert [fc.kernel_kind(p) for p in ("fwd", "bwd_data", "bwd_weights")] == \
+        ["fc_fwd_amx", "fc_bwd_data_amx", "fc_bwd_weights_amx"]
     rng = np.random.default_rng(8)
-    x = rng.standard_normal((images, 20, 3, 3)).astype(np.float32)
-    fc.bias = rng.standard_normal(40).astype(np.float32)
+    x = rng.standard_normal((images, *in_shape)).astype(np.float32)
+    fc.bias = rng.standard_normal(features).astype(np.float32)
+    k = -(-in_shape[0] // 16) * 16 * in_shape[1] * in_shape[2]
+    rows = lambda a: a.reshape(images, -1).astype(np.float64)  # noqa: E731
+    xr, wr = rows(as_float(bf16_reference(x))), as_float(bf16_reference(fc.weights)).astype(np.float64)
+    relu = (lambda a: np.maximum(a, 0)) if activation else (lambda a: a)
     y = fc.forward(x)
-    xr, wr = as_float(bf16_reference(x)).reshape(images, -1), as_float(bf16_reference(fc.weights))
-    ref = np.maximum(xr.astype(np.float64) @ wr.T + fc.bias, 0)
-    magnitude = np.abs(xr).astype(np.float64) @ np.abs(wr).T + np.abs(fc.bias)
-    bound = (288 + 2) * U32 * magnitude
-    assert np.all(np.abs(y - ref) <= bound)
-    unrounded = np.maximum(x.reshape(images, -1).astype(np.float64) @ fc.weights.T + fc.bias, 0)
-    assert np.any(np.abs(y - unrounded) > bound)
+    bound = (-(-k // 32) * 32 + 2) * U32 * (np.abs(xr) @ np.abs(wr).T + np.abs(fc.bias))
+    assert np.all(np.abs(y - relu(xr @ wr.T + fc.bias)) <= bound)
+    assert np.any(np.abs(y - relu(rows(x) @ fc.weights.T + fc.bias)) > bound)
+
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    dym = np.where(y > 0, dy, 0).astype(np.float32) if activation else dy
+    dyr = as_float(bf16_reference(dym)).astype(np.float64)
+    dx = rows(fc.backward_data(dy))
+    bound = (-(-features // 32) * 32 + 2) * U32 * (np.abs(dyr) @ np.abs(wr))
+    assert np.all(np.abs(dx - dyr @ wr) <= bound)
+    assert np.any(np.abs(dx - dym @ fc.weights.astype(np.float64)) > bound)
+
+    dw, db = fc.backward_weights(x, dy)
+    bound = (-(-images // 32) * 32 + 2) * U32 * (np.abs(dyr).T @ np.abs(xr))
+    assert np.all(np.abs(dw - dyr.T @ xr) <= bound)
+    assert np.any(np.abs(dw - dym.T.astype(np.float64) @ rows(x)) > bound)
+    assert np.all(np.abs(db - dym.sum(axis=0, dtype=np.float64)) <= (images + 2) * U32 * np.abs(dym).sum(axis=0))
+
+
+@needs_amx
+def test_amx_fc_slices_compute_their_blocks_only(tmp_path):
+    """A model-parallel slice of output blocks (pcldnn_runtime.distributed): forward and
+    backward-weights give the slice's blocks bit for bit as the whole layer does and leave the
+    others untouched; backward-data sums the slice's features only (a slice starting inside a
+    32-feature tile), and two slices add up to the whole within the fp32 bound of one more add."""
+    fc = _fc_net(tmp_path, (20, 3, 3), 40, None).layers["fc"]
+    rng = np.random.default_rng(4)
+    batch = 9
+    xb = rng.standard_normal(fc.input_shape(batch)).astype(np.float32)
+    dyb = rng.standard_normal(fc.blocked_shape(fc.out_shape, batch)).astype(np.float32)
+    whole, part = np.full_like(dyb, 7.0), np.full_like(dyb, 7.0)
+    fc.run_forward(xb, whole, (0, 3))
+    fc.run_forward(xb, part, (1, 3))
+    flat = lambda a: a.reshape(batch, 3, 16)  # noqa: E731
+    assert np.array_equal(flat(part)[:, 1:], flat(whole)[:, 1:]) and np.all(flat(part)[:, 0] == 7.0)
+
+    grads = [tuple(np.full_like(g, 7.0) for g in fc.grad_buffers) for _ in range(2)]
+    dx = [np.empty_like(xb) for _ in range(3)]
+    fc.run_backward(xb, None, dyb.copy(), dx[0], grads[0], (0, 3))
+    fc.run_backward(xb, None, dyb.copy(), dx[1], grads[1], (1, 3))
+    fc.run_backward(xb, None, dyb.copy(), dx[2], None, (0, 1))
+    (dw_all, db_all), (dw_part, db_part) = grads
+    assert np.array_equal(dw_part[1:], dw_all[1:]) and np.all(dw_part[:1] == 7.0)  # (OCB, ...) blocked
+    assert np.array_equal(db_part[16:], db_all[16:]) and np.all(db_part[:16] == 7.0)
+    # the blocked weights as the (features, K) matrix the blocked input rows multiply
+    wm = np.asarray(fc._wt).transpose(0, 5, 1, 2, 3, 4).reshape(48, -1)
+    terms = np.abs(as_float(bf16_reference(dyb.reshape(batch, 48)))) @ np.abs(as_float(bf16_reference(wm)))
+    bound = 2 * (64 + 3) * U32 * terms.reshape(dx[0].shape)  # each within (n + 2) u of exact, one add more
+    assert np.all(np.abs(dx[1] + dx[2] - dx[0]) <= bound)
+    assert not np.allclose(dx[1], dx[0])  # the slice really drops the first block's features
+
+
+@needs_amx
+def test_amx_fc_weight_tiles_follow_every_change_of_the_weights(tmp_path):
+    """The bf16 weight tiles are made once after each change, not once a call, and every route
+    that changes the weights is seen by the next forward: the weights setter, a write through
+    net.params, an optimizer step, loading a state dict."""
+    net = _fc_net(tmp_path, (16, 3, 3), 24, None, threads=1, loss=True)
+    fc = net.layers["fc"]
+    made = []
+    real = fc._k["wt_to_amx"]
+    fc._k["wt_to_amx"] = lambda *args: (made.append(args[3:5]), real(*args))
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((6, 16, 3, 3)).astype(np.float32)
+
+    def check():  # y against the fp32 weights of now (bf16 rounding: a loose relative bound)
+        ref = x.reshape(6, -1).astype(np.float64) @ fc.weights.T + fc.bias
+        np.testing.assert_allclose(fc.forward(x), ref, rtol=0, atol=0.05 * np.abs(ref).max())
+
+    check()
+    check()
+    assert made == [(0, 2)]  # two calls, one conversion
+    fc.weights = fc.weights * -2.0
+    check()
+    net.params[:] *= 0.5
+    check()
+    assert len(made) == 3
+    trainer = pr.Trainer(net, pr.SGD(0.5))
+    before = fc.weights
+    trainer.step(x, rng.integers(0, 24, 6))
+    assert not np.array_equal(fc.weights, before)
+    check()
+    state = net.state_dict()
+    fc.weights = np.zeros_like(before)
+    net.load_state_dict(state)
+    check()
 
 
 def test_amx_and_bf16_kernels_take_the_models_plan_with_a_tuning_database():
@@ -326,6 +424,7 @@ def test_amx_and_bf16_kernels_take_the_models_plan_with_a_tuning_database():
         {"name": "f", "type": "fc", "out_features": 10}]})
     conv, fc = spec.layers
     assert plan_kernel(fc, "fwd", AMX_ARCH, Database(), precision="bf16").kind == "fc_fwd_amx"
+    assert plan_kernel(fc, "bwd_weights", AMX_ARCH, Database(), precision="bf16").kind == "fc_bwd_weights_amx"
     assert plan_kernel(conv, "bwd_weights", AMX_ARCH, Database(), precision="bf16").kind == "conv_bwd_weights_amx"
     assert plan_kernel(conv, "fwd", get_arch("avx512"), Database(), precision="bf16").kind == "conv_fwd_bf16"
 

@@ -18,7 +18,7 @@ from pcldnn_runtime.manifest import LAYER_PASSES, PASSES
 from ..arch import Arch
 from ..errors import PlanError
 from ..netspec import LayerSpec
-from .amx import plan_conv_amx, plan_conv_bwd_weights_amx, plan_fc_fwd_amx
+from .amx import plan_conv_amx, plan_conv_bwd_weights_amx, plan_fc_amx, plan_fc_bwd_weights_amx
 from .conv import L1_BUDGET, plan_conv_bwd_data, plan_conv_bwd_weights, plan_conv_fwd
 from .fc import plan_fc_bwd_data, plan_fc_bwd_weights, plan_fc_fwd
 from .memory import plan_memory_bound
@@ -44,10 +44,10 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, 
                         f"(it has: {', '.join(passes) or 'none'})")
     planner = _PLANNERS.get((layer.type, pass_name))
     if amx:
-        if (layer.type, pass_name) == ("fc", "fwd"):
-            return plan_fc_fwd_amx(layer, arch)
+        if layer.type == "fc":
+            return plan_fc_bwd_weights_amx(layer, arch) if pass_name == "bwd_weights" else plan_fc_amx(layer, pass_name, arch)
         if layer.type != "conv" or layer.stride != (1, 1):
-            raise PlanError(f"{layer.name}: AMX kernels exist for stride-1 convolutions and fc forward passes only")
+            raise PlanError(f"{layer.name}: AMX kernels exist for stride-1 convolutions and fc layers only")
         return plan_conv_bwd_weights_amx(layer, arch) if pass_name == "bwd_weights" else plan_conv_amx(layer, pass_name, arch)
     if bf16:
         if layer.type != "conv":

@@ -3,11 +3,11 @@ reduction chunk that keeps a work item's operands in L1 (forward, backward-data)
 of pixel blocks whose copies a work item's accumulators reduce from L2 (backward-weights)."""
 from __future__ import annotations
 
-from pcldnn_runtime.limits import AMX_PIXEL_BLOCK, AMX_ROWS, amx_conv_geometry, blocks
+from pcldnn_runtime.limits import AMX_PIXEL_BLOCK, AMX_ROWS, amx_conv_geometry, amx_fc_geometry, blocks
 
 from ..arch import Arch
 from ..netspec import LayerSpec
-from .plans import AmxConvBwdWeightsPlan, AmxConvPlan, AmxFcFwdPlan
+from .plans import AmxConvBwdWeightsPlan, AmxConvPlan, AmxFcBwdWeightsPlan, AmxFcPlan
 
 # tdpbf16ps of full tiles: 16 x 16 x 32 multiply-adds in 16 cycles (SPR; measured 3.4-3.6
 # TFLOP/s on one core of the project's Xeon VM, operands in L1).
@@ -28,8 +28,9 @@ STORE_DELAY = 4
 # Share of L2 a backward-weights item's group of pixel blocks may take (dy rows of two output
 # blocks, x pairs of two input blocks): the group is re-read from L2 for every tap.
 L2_SHARE = 0.5
-# The minibatch an fc forward chunk is sized for (the largest the paper's and the issues' fc
-# figures use); smaller ones fit better, larger ones read part of their input chunk from L3.
+# The minibatch an fc forward / backward-data chunk is sized for (the largest the paper's and
+# the issues' fc figures use); smaller ones fit better, larger ones read part of their source
+# chunk from L3.
 FC_ROWS = 256
 
 
@@ -87,21 +88,42 @@ def plan_conv_bwd_weights_amx(layer: LayerSpec, arch: Arch) -> AmxConvBwdWeights
                                  l1_working_set=4 * TILE_BYTES, pixel_blocks=units)
 
 
-def plan_fc_fwd_amx(layer: LayerSpec, arch: Arch) -> AmxFcFwdPlan:
-    """Work item: 32 images x 32 features (4 C tiles) over a K chunk; each feature group's
-    weight panel is converted to bf16 B tiles chunk by chunk in a thread-local buffer (the fp32
-    weights are the master copy: read once a call) and used by every 32-image row. The chunk:
-    the bf16 input chunk of FC_ROWS images stays in a quarter of L2 while every feature group
-    of the chunk reads it (the minibatch is a run-time argument)."""
-    c, h, w = layer.in_shape
-    k = blocks(c, arch.vector_floats) * arch.vector_floats * h * w
-    kp = -(-k // 32) * 32
-    kc = min(kp, max(32, arch.l2_bytes // 4 // (FC_ROWS * 2) // 32 * 32))
-    reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; 32 images x 32 features a work item "
-              f"(partial tiles where the minibatch is not a multiple of 32). K chunk {kc} of {kp}: the input chunk "
-              f"of {FC_ROWS} images in bf16, {FC_ROWS * kc * 2 // 1024} KiB, within a quarter of L2 "
-              f"({arch.l2_bytes // 1024} KiB) across the feature groups; each group's bf16 panel chunk "
-              f"{kc * 64 // 1024} KiB. Converting the panels reads the fp32 weights once a call")
-    return AmxFcFwdPlan(layer=layer.name, pass_name="fwd", kind="fc_fwd_amx", template="fc_fwd_amx.c.j2",
-                        isa=arch.isa, vector_floats=arch.vector_floats, reason=reason, predicted_efficiency=1.0,
-                        l1_working_set=4 * TILE_BYTES, k_chunk=kc)
+def plan_fc_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxFcPlan:
+    """Forward (result: images x features, reduced over the inputs) and backward-data (images x
+    inputs, reduced over the output features): work item 32 images x 32 result columns (4 C
+    tiles) over a reduction chunk, reading the layer's bf16 B-tile copy of the weights (made
+    once after each change of the weights, not per call). The chunk: the bf16 source rows of
+    FC_ROWS images stay in a quarter of L2 while every column group of the chunk reads them;
+    each group's B tiles of the chunk are read from memory once and reused by every 32-image
+    row from L2 (the minibatch is a run-time argument)."""
+    geo = amx_fc_geometry(layer.in_shape, layer.out_shape[0], arch.vector_floats)
+    rp = geo.kp if pass_name == "fwd" else geo.fp
+    source_bytes = arch.l2_bytes // 4
+    reduced = "inputs" if pass_name == "fwd" else "output features"
+    source = "input" if pass_name == "fwd" else "output gradient (masked by the ReLU)"
+    reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; 32 images x 32 columns a work item "
+              f"(partial tiles where the minibatch is not a multiple of 32). Reduction chunks of the {rp} {reduced} "
+              f"sized at run time so the bf16 {source} rows of the minibatch stay within a quarter of L2 "
+              f"({source_bytes // 1024} KiB; {FC_ROWS} images: {max(32, source_bytes // (FC_ROWS * 2) // 32 * 32)} "
+              f"{reduced}) across the column groups: the fewer chunks, the fewer reloads of the partial sums. Each "
+              f"group's B tiles of a chunk are read once from the layer's bf16 weight copy")
+    return AmxFcPlan(layer=layer.name, pass_name=pass_name, kind=f"fc_{pass_name}_amx", template="fc_amx.c.j2",
+                     isa=arch.isa, vector_floats=arch.vector_floats, reason=reason, predicted_efficiency=1.0,
+                     l1_working_set=4 * TILE_BYTES, source_bytes=source_bytes)
+
+
+def plan_fc_bwd_weights_amx(layer: LayerSpec, arch: Arch) -> AmxFcBwdWeightsPlan:
+    """Work item: 32 inputs x 32 features of dW (4 C tiles, stored straight into its blocked
+    layout), reduced over the minibatch: A = x transposed (16 inputs x 32 images), B = dy in
+    image pairs (32 images x 16 features). Items run over the output blocks inside the input
+    groups, so an item's A rows stay in L1 and the dy pairs of a chunk of output blocks in L2;
+    the chunk: as many blocks as fit L2_SHARE of L2 at the call's minibatch."""
+    dy_bytes = int(L2_SHARE * arch.l2_bytes)
+    reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; the reduction runs over the minibatch "
+              f"(rounded up to 32 images). dW, the fp32 result, is written once, 1 KiB a tile; dy pairs of a chunk "
+              f"of output blocks within {L2_SHARE:.0%} of L2 ({arch.l2_bytes // 1024} KiB), x transposed read once "
+              f"a chunk")
+    return AmxFcBwdWeightsPlan(layer=layer.name, pass_name="bwd_weights", kind="fc_bwd_weights_amx",
+                               template="fc_bwd_weights_amx.c.j2", isa=arch.isa, vector_floats=arch.vector_floats,
+                               reason=reason, predicted_efficiency=1.0, l1_working_set=4 * TILE_BYTES,
+                               dy_bytes=dy_bytes)

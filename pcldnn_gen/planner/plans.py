@@ -139,15 +139,28 @@ class AmxConvBwdWeightsPlan(KernelPlan):
 
 
 @dataclass(frozen=True, kw_only=True)
-class AmxFcFwdPlan(KernelPlan):
-    k_chunk: int                    # inputs per chunk: a feature group's bf16 weight panel in L2
+class AmxFcPlan(KernelPlan):
+    """fc forward and backward-data on tiles: the same GEMM, result rows = images."""
+    source_bytes: int               # a reduction chunk's bf16 source rows (the whole minibatch) fit this
 
     def reduction_chunk(self) -> str:
-        return f"{self.k_chunk} inputs"
+        reduced = "inputs" if self.pass_name == "fwd" else "output features"
+        return f"{reduced} whose bf16 source rows fit {self.source_bytes // 1024} KiB at the call's minibatch"
 
     def blocks_summary(self) -> str:
-        return (f"AMX tiles: 32 images x 32 features per work item (4 C tiles, 2 A of 16 images x 32 "
-                f"inputs, 2 B of 32 inputs x 16 features), K chunk {self.reduction_chunk()}")
+        result, reduced = ("features", "inputs") if self.pass_name == "fwd" else ("inputs", "features")
+        return (f"AMX tiles: 32 images x 32 {result} per work item (4 C tiles, 2 A of 16 images x 32 "
+                f"{reduced}, 2 B of 32 {reduced} x 16 {result}), reduction chunk: {self.reduction_chunk()}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AmxFcBwdWeightsPlan(KernelPlan):
+    dy_bytes: int                   # bytes of dy pair copies a chunk of output blocks may hold (in L2)
+
+    def blocks_summary(self) -> str:
+        return (f"AMX tiles: 32 inputs x 32 features per work item (4 C tiles stored straight into dW, "
+                f"2 A of 16 inputs x 32 images, 2 B of 32 images x 16 features), output blocks in chunks "
+                f"whose dy pairs fit {self.dy_bytes // 1024} KiB")
 
 
 @dataclass(frozen=True, kw_only=True)
