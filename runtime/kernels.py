@@ -18,8 +18,6 @@ from pathlib import Path
 from typing import Callable
 
 import cffi
-import mmap
-
 import numpy as np
 
 from .abi import SIGNATURES
@@ -164,23 +162,6 @@ def empty_aligned(shape: tuple[int, ...], align: int = 64, dtype=np.float32) -> 
     raw = np.empty(count + align // size, dtype=dtype)
     offset = (-raw.ctypes.data % align) // size
     return raw[offset:offset + count].reshape(shape)
-
-
-def empty_streamed(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
-    """An uninitialised page-aligned array for a buffer that kernels stream through once a
-    call (an AMX fc layer's weight tiles): Linux is asked to back it with 2 MiB pages (with
-    transparent huge pages in `madvise` mode, the default of many distributions, only memory
-    that asks gets them). A kernel reading it in chunks jumps between distant pages; with
-    4 KiB pages each jump costs a TLB miss and restarts the hardware prefetcher."""
-    count = int(np.prod(shape))
-    size = max(1, count * np.dtype(dtype).itemsize)
-    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # a kernel without transparent huge pages: 4 KiB pages
-            pass
-    return np.frombuffer(buf, dtype=dtype, count=count).reshape(shape)
 
 
 def zeros_aligned(shape: tuple[int, ...], align: int = 64) -> np.ndarray:

@@ -15,7 +15,7 @@ import numpy as np
 
 from .abi import DROPOUT_HASH_STEP
 from .errors import PcldnnError
-from .kernels import empty_aligned, empty_streamed, ptr
+from .kernels import empty_aligned, ptr
 from .limits import amx_conv_geometry, amx_fc_geometry, bf16_data_scratch, bf16_weight_scratch, blocks, input_pixel_floats
 from .manifest import LayerEntry
 
@@ -348,8 +348,8 @@ class WeightedLayer(Layer):
         assert self._fc_amx is not None
         self._net.current()
         if self._weight_tiles is None:
-            self._weight_tiles = (empty_streamed((self._fc_amx.forward_tile_values,), dtype=np.uint16),
-                                  empty_streamed((self._fc_amx.data_tile_values,), dtype=np.uint16))
+            self._weight_tiles = (empty_aligned((self._fc_amx.forward_tile_values,), dtype=np.uint16),
+                                  empty_aligned((self._fc_amx.data_tile_values,), dtype=np.uint16))
         made, version = self._tiles_made, self._net.weights_version
         if made is None or made[0] != version or not made[1] <= part[0] <= part[1] <= made[2]:
             fwd, data = self._weight_tiles

@@ -345,7 +345,8 @@ def test_amx_fc_slices_compute_their_blocks_only(tmp_path):
     """A model-parallel slice of output blocks (pcldnn_runtime.distributed): forward and
     backward-weights give the slice's blocks bit for bit as the whole layer does and leave the
     others untouched; backward-data sums the slice's features only (a slice starting inside a
-    32-feature tile), and two slices add up to the whole within the fp32 bound of one more add."""
+    32-feature tile), and two slices add up to the whole within the fp32 bound of one more add;
+    an empty slice computes nothing and gives a zero input gradient."""
     fc = _fc_net(tmp_path, (20, 3, 3), 40, None).layers["fc"]
     rng = np.random.default_rng(4)
     batch = 9
@@ -371,6 +372,12 @@ def test_amx_fc_slices_compute_their_blocks_only(tmp_path):
     bound = 2 * (64 + 3) * U32 * terms.reshape(dx[0].shape)  # each within (n + 2) u of exact, one add more
     assert np.all(np.abs(dx[1] + dx[2] - dx[0]) <= bound)
     assert not np.allclose(dx[1], dx[0])  # the slice really drops the first block's features
+    # an empty slice (more ranks than blocks): no output, a zero input gradient, no weight gradient
+    empty, none = np.full_like(dyb, 7.0), np.full_like(xb, 7.0)
+    fc.run_forward(xb, empty, (3, 3))
+    fc.run_backward(xb, None, dyb.copy(), none, grads[1], (3, 3))
+    assert np.all(empty == 7.0) and np.all(none == 0.0)
+    assert np.array_equal(grads[1][0][1:], dw_all[1:]) and np.all(grads[1][0][:1] == 7.0)
 
 
 @needs_amx
