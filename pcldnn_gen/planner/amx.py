@@ -3,7 +3,7 @@ reduction chunk that keeps a work item's operands in L1 (forward, backward-data)
 of pixel blocks whose copies a work item's accumulators reduce from L2 (backward-weights)."""
 from __future__ import annotations
 
-from pcldnn_runtime.limits import AMX_PIXEL_BLOCK, AMX_ROWS, amx_conv_geometry, amx_fc_geometry, blocks
+from pcldnn_runtime.limits import AMX_PIXEL_BLOCK, AMX_ROWS, amx_conv_geometry, amx_fc_geometry
 
 from ..arch import Arch
 from ..netspec import LayerSpec
@@ -28,10 +28,13 @@ STORE_DELAY = 4
 # Share of L2 a backward-weights item's group of pixel blocks may take (dy rows of two output
 # blocks, x pairs of two input blocks): the group is re-read from L2 for every tap.
 L2_SHARE = 0.5
-# The minibatch an fc forward / backward-data chunk is sized for (the largest the paper's and
-# the issues' fc figures use); smaller ones fit better, larger ones read part of their source
-# chunk from L3.
+# The minibatch the fc plan's reason quotes a chunk for (the largest the paper's and the issues'
+# fc figures use); the kernels size their chunks for the call's minibatch.
 FC_ROWS = 256
+# Share of L2 an fc forward / backward-data reduction chunk's bf16 source rows may take. Larger
+# chunks mean fewer round trips of the partial sums through the result; measured on VGG-A fc6
+# and fc7 at minibatch 256, one thread (ms fc6 fwd): 1/8 81, 1/4 69, 1/2 59, 1 73, 2 81.
+FC_SOURCE_SHARE = 0.5
 
 
 def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxConvPlan:
@@ -92,18 +95,18 @@ def plan_fc_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxFcPlan:
     """Forward (result: images x features, reduced over the inputs) and backward-data (images x
     inputs, reduced over the output features): work item 32 images x 32 result columns (4 C
     tiles) over a reduction chunk, reading the layer's bf16 B-tile copy of the weights (made
-    once after each change of the weights, not per call). The chunk: the bf16 source rows of
-    FC_ROWS images stay in a quarter of L2 while every column group of the chunk reads them;
-    each group's B tiles of the chunk are read from memory once and reused by every 32-image
-    row from L2 (the minibatch is a run-time argument)."""
+    once after each change of the weights, not per call). The chunk, sized by the kernel for
+    the call's minibatch: the bf16 source rows stay in FC_SOURCE_SHARE of L2 while every column
+    group of the chunk reads them; each group's B tiles of the chunk are read from memory once
+    and reused by every 32-image row from L2."""
     geo = amx_fc_geometry(layer.in_shape, layer.out_shape[0], arch.vector_floats)
     rp = geo.kp if pass_name == "fwd" else geo.fp
-    source_bytes = arch.l2_bytes // 4
+    source_bytes = int(FC_SOURCE_SHARE * arch.l2_bytes)
     reduced = "inputs" if pass_name == "fwd" else "output features"
     source = "input" if pass_name == "fwd" else "output gradient (masked by the ReLU)"
     reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; 32 images x 32 columns a work item "
               f"(partial tiles where the minibatch is not a multiple of 32). Reduction chunks of the {rp} {reduced} "
-              f"sized at run time so the bf16 {source} rows of the minibatch stay within a quarter of L2 "
+              f"sized at run time so the bf16 {source} rows of the minibatch stay within {FC_SOURCE_SHARE:.0%} of L2 "
               f"({source_bytes // 1024} KiB; {FC_ROWS} images: {max(32, source_bytes // (FC_ROWS * 2) // 32 * 32)} "
               f"{reduced}) across the column groups: the fewer chunks, the fewer reloads of the partial sums. Each "
               f"group's B tiles of a chunk are read once from the layer's bf16 weight copy")
