@@ -248,11 +248,8 @@ def run_baselines(layers, arch: Arch, batch: int, threads: int, passes, repeats:
     unknown = set(compare) - set(BASELINES)
     if unknown:
         raise PcldnnError(f"unknown baseline {', '.join(sorted(unknown))}; known: {', '.join(BASELINES)}")
-    # bf16: convolutions, and fc layers where the build runs them on AMX (without AMX a bf16
-    # build's fc layers are fp32)
     problems = [{"name": l.name, "type": l.type, "in_shape": l.in_shape, "out_channels": l.out_shape[0],
-                 "kernel": l.kernel, "stride": l.stride, "pad": l.pad} for l in layers
-                if precision == "fp32" or l.type == "conv" or arch.amx]
+                 "kernel": l.kernel, "stride": l.stride, "pad": l.pad} for l in layers]
     if not problems:
         return {}
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads))

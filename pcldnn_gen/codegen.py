@@ -17,7 +17,7 @@ import jinja2
 
 from pcldnn_runtime import cpu
 from pcldnn_runtime.abi import SIGNATURES
-from pcldnn_runtime.limits import amx_conv_geometry, amx_fc_geometry, amx_kernels, bf16_kernels, blocks, input_pixel_floats
+from pcldnn_runtime.limits import amx_conv_geometry, amx_kernels, bf16_kernels, blocks, fc_tile_geometry, input_pixel_floats
 from pcldnn_runtime.manifest import PEAK_SYMBOL, SGD_SYMBOL, kernel_kinds
 from pcldnn_runtime.validate import NAME_RE, full_match, show
 
@@ -289,8 +289,8 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
     kind = plan.kind
     bf16 = kind.endswith("_bf16")
     lines = _comment_lines(plan)
-    if kind.endswith("_amx"):
-        return _render_amx(layer, plan, arch, symbol, lines)
+    if kind.endswith("_amx") or (layer.type == "fc" and bf16):
+        return _render_tiled(layer, plan, arch, symbol, lines)
     if bf16:
         pairs = "neighbouring output pixels" if plan.pass_name == "bwd_weights" else (
             "output channels" if plan.pass_name == "bwd_data" else "input channels")
@@ -307,31 +307,34 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
     return Source(f"{layer.name}_{plan.pass_name}.c", text, {symbol: kind}, cpu.PRECISION_CFLAGS["bf16"] if bf16 else ())
 
 
-def _render_amx(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, lines: list[str]) -> Source:
-    """An AMX tile kernel: bf16 operands it converts itself, fp32 tiles of results."""
+def _render_tiled(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, lines: list[str]) -> Source:
+    """An AMX tile kernel, or an fc layer's vdpbf16ps kernel on the same tile layouts: bf16
+    operands it converts itself (an fc layer's weights: its tile copies), fp32 results."""
     v = arch.vector_floats
+    amx = plan.kind.endswith("_amx")
     if layer.type == "fc":
         text = {"fwd": "the input", "bwd_data": "the output gradient, masked by the ReLU",
                 "bwd_weights": "the input transposed, the output gradient, masked by the ReLU, in image pairs"
                 }[plan.pass_name]
         if plan.pass_name != "bwd_weights":
-            text += "; the weights: the layer's B-tile copy, made once after each change of the weights"
+            text += "; the weights: the layer's tile copy, made once after each change of the weights"
     else:
         text = {"fwd": "the input with its zero padding, the weights as B tiles",
                 "bwd_data": "the output gradient, masked by the ReLU, with its zero padding, the weights as B tiles",
                 "bwd_weights": "the input channel-major with its zero padding, the output gradient, masked by the "
                                "ReLU, in pixel pairs"}[plan.pass_name]
-    text = f"bf16 operands converted by the kernel ({text}), AMX tdpbf16ps into fp32 tiles; fp32 results"
+    how = "AMX tdpbf16ps into fp32 tiles" if amx else "vdpbf16ps into fp32 registers"
+    text = f"bf16 operands converted by the kernel ({text}), {how}; fp32 results"
     lines += [("precision: " if i == 0 else "           ") + w for i, w in enumerate(textwrap.wrap(text, 87))]
     c, h, w = layer.in_shape
     text = template_env().get_template(plan.template).render(
         layer=layer, arch=arch, plan=plan, V=v, symbol=symbol, params=SIGNATURES[plan.kind],
-        version=__version__, plan_lines=lines, vec=VECTOR_ISAS[arch.isa],
+        version=__version__, plan_lines=lines, vec=VECTOR_ISAS[arch.isa], amx=amx,
         icb=blocks(c, v), ocb=blocks(layer.out_shape[0], v), k=blocks(c, v) * v * h * w,
         geo=amx_conv_geometry(plan.pass_name, layer.in_shape, layer.out_shape, layer.kernel, layer.pad)
-        if layer.type == "conv" else amx_fc_geometry(layer.in_shape, layer.out_shape[0], v))
+        if layer.type == "conv" else fc_tile_geometry(layer.in_shape, layer.out_shape[0], v))
     return Source(f"{layer.name}_{plan.pass_name}.c", text, {symbol: plan.kind},
-                  cpu.PRECISION_CFLAGS["bf16"] + cpu.AMX_CFLAGS)
+                  cpu.PRECISION_CFLAGS["bf16"] + (cpu.AMX_CFLAGS if amx else ()))
 
 
 def render_layout(layer: LayerSpec, arch: Arch, precision: str = "fp32") -> Source:
@@ -349,10 +352,10 @@ def render_layout(layer: LayerSpec, arch: Arch, precision: str = "fp32") -> Sour
         prefix=f"pcldnn_{c_identifier(layer.name)}", wshape=wshape, params=SIGNATURES,
         packed_input=input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats,
         bf16="in_to_bf16" in roles,
-        amx_fc=amx_fc_geometry(layer.in_shape, layer.out_shape[0], arch.vector_floats) if "wt_to_amx" in roles else None)
+        fc_tiles=fc_tile_geometry(layer.in_shape, layer.out_shape[0], arch.vector_floats) if "wt_to_tiles" in roles else None)
     prefix = f"pcldnn_{c_identifier(layer.name)}_"
     return Source(f"{layer.name}_layout.c", text, {prefix + r: kind for r, kind in roles.items()},
-                  cpu.PRECISION_CFLAGS["bf16"] if "in_to_bf16" in roles or "wt_to_amx" in roles else ())
+                  cpu.PRECISION_CFLAGS["bf16"] if "in_to_bf16" in roles or "wt_to_tiles" in roles else ())
 
 
 

@@ -52,17 +52,19 @@ SIGNATURES: dict[str, str] = {
     # and backward-weights: x and dy (masked as it is copied; dy itself left as it is) copied into scratch
     "conv_bwd_weights_amx": "const float *in, float *dy, const float *out, unsigned short *scratch, float *dwt, "
                             "float *dbias, int batch, int nthreads",
-    # and an fc layer's passes on tiles: the weights are the layer's bf16 B-tile copies
-    # (limits.AmxFcGeometry, made by fc_weight_to_amx), the activations copied into scratch
-    "fc_fwd_amx": "const float *in, const unsigned short *wt, const float *bias, float *out, unsigned short *scratch, "
-                  "int batch, int nthreads, int ocb_lo, int ocb_hi",
-    "fc_bwd_data_amx": "float *dy, const float *out, const unsigned short *wt, unsigned short *scratch, float *dx, "
-                       "int batch, int nthreads, int ocb_lo, int ocb_hi",
-    "fc_bwd_weights_amx": "const float *in, float *dy, const float *out, unsigned short *scratch, float *dwt, "
-                          "float *dbias, int batch, int nthreads, int ocb_lo, int ocb_hi",
-    # the fp32 blocked weights of output blocks [ocb_lo, ocb_hi) into both B-tile copies
-    "fc_weight_to_amx": "const float *src, unsigned short *fwd_tiles, unsigned short *data_tiles, int ocb_lo, "
-                        "int ocb_hi, int nthreads",
+    # and an fc layer's passes on tiles; bf16 builds without AMX have vdpbf16ps kernels of the
+    # same signatures (*_bf16). The weights are the layer's bf16 tile copies
+    # (limits.FcTileGeometry, made by fc_weight_tiles), the activations copied into scratch.
+    **{f"fc_{p}_{impl}": sig for impl in ("amx", "bf16") for p, sig in (
+        ("fwd", "const float *in, const unsigned short *wt, const float *bias, float *out, unsigned short *scratch, "
+                "int batch, int nthreads, int ocb_lo, int ocb_hi"),
+        ("bwd_data", "float *dy, const float *out, const unsigned short *wt, unsigned short *scratch, float *dx, "
+                     "int batch, int nthreads, int ocb_lo, int ocb_hi"),
+        ("bwd_weights", "const float *in, float *dy, const float *out, unsigned short *scratch, float *dwt, "
+                        "float *dbias, int batch, int nthreads, int ocb_lo, int ocb_hi"))},
+    # the fp32 blocked weights of output blocks [ocb_lo, ocb_hi) into both tile copies
+    "fc_weight_tiles": "const float *src, unsigned short *fwd_tiles, unsigned short *data_tiles, int ocb_lo, "
+                       "int ocb_hi, int nthreads",
     "act_to_bf16": "const float *src, unsigned short *dst, int batch, int nthreads",
     "weight_to_bf16": "const float *src, unsigned short *dst",
     "peak": "long long iters, int nthreads, float *sink",
@@ -77,7 +79,7 @@ SIGNATURES: dict[str, str] = {
 REPEATED_KINDS = ("conv_fwd", "conv_bwd_data", "conv_bwd_weights", "fc_fwd", "fc_bwd_data", "fc_bwd_weights",
                   "conv_fwd_bf16", "conv_bwd_data_bf16", "conv_bwd_weights_bf16", "conv_fwd_amx",
                   "conv_bwd_data_amx", "conv_bwd_weights_amx", "fc_fwd_amx", "fc_bwd_data_amx",
-                  "fc_bwd_weights_amx")
+                  "fc_bwd_weights_amx", "fc_fwd_bf16", "fc_bwd_data_bf16", "fc_bwd_weights_bf16")
 SIGNATURES |= {f"repeat_{kind}": "void *fn, long long reps, double *seconds, " + SIGNATURES[kind]
                for kind in REPEATED_KINDS}
 

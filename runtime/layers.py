@@ -16,7 +16,7 @@ import numpy as np
 from .abi import DROPOUT_HASH_STEP
 from .errors import PcldnnError
 from .kernels import empty_aligned, ptr
-from .limits import amx_conv_geometry, amx_fc_geometry, bf16_data_scratch, bf16_weight_scratch, blocks, input_pixel_floats
+from .limits import amx_conv_geometry, bf16_data_scratch, bf16_weight_scratch, blocks, fc_tile_geometry, input_pixel_floats
 from .manifest import LayerEntry
 
 
@@ -233,10 +233,10 @@ class WeightedLayer(Layer):
         # AMX builds: the stride-1 passes on tiles convert their operands into their own scratch
         self._amx = {p: amx_conv_geometry(p, self.in_shape, self.out_shape, self.kernel, self.spec.pad)
                      for p in ("fwd", "bwd_data", "bwd_weights") if self.kernel_kind(p) == f"conv_{p}_amx"}
-        # AMX fc layers: all three passes on tiles, reading bf16 B-tile copies of the weights
-        # (limits.AmxFcGeometry) made on first use after each change of the weights
-        self._fc_amx = amx_fc_geometry(self.in_shape, self.out_shape[0], v) \
-            if self.kernel_kind("fwd") == "fc_fwd_amx" else None
+        # bf16 fc layers (AMX or vdpbf16ps): all three passes read bf16 tile copies of the weights
+        # (limits.FcTileGeometry) made on first use after each change of the weights
+        self._fc_tiles = fc_tile_geometry(self.in_shape, self.out_shape[0], v) \
+            if self.kernel_kind("fwd") in ("fc_fwd_amx", "fc_fwd_bf16") else None
         self._weight_tiles: tuple[np.ndarray, np.ndarray] | None = None
         self._tiles_made: tuple[int, int, int] | None = None  # (weights version, ocb_lo, ocb_hi) they hold
 
@@ -341,33 +341,33 @@ class WeightedLayer(Layer):
         else:
             self.run_backward(xb, yb, dyb, dxb, grads, self.ocb_range)
 
-    def amx_weight_tiles(self, part: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-        """An AMX fc layer's bf16 (forward, backward-data) B-tile copies of the weights, holding
+    def weight_tiles(self, part: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """A bf16 fc layer's (forward, backward-data) tile copies of the weights, holding
         output blocks `part`: remade from the fp32 master weights when these changed since they
         were made (Net.weights_version), so once a training step, not once a kernel call."""
-        assert self._fc_amx is not None
+        assert self._fc_tiles is not None
         self._net.current()
         if self._weight_tiles is None:
-            self._weight_tiles = (empty_aligned((self._fc_amx.forward_tile_values,), dtype=np.uint16),
-                                  empty_aligned((self._fc_amx.data_tile_values,), dtype=np.uint16))
+            self._weight_tiles = (empty_aligned((self._fc_tiles.forward_tile_values,), dtype=np.uint16),
+                                  empty_aligned((self._fc_tiles.data_tile_values,), dtype=np.uint16))
         made, version = self._tiles_made, self._net.weights_version
         if made is None or made[0] != version or not made[1] <= part[0] <= part[1] <= made[2]:
             fwd, data = self._weight_tiles
-            self._k["wt_to_amx"](self._wt_ptr, ptr(fwd), ptr(data), part[0], part[1], self._net.threads)
+            self._k["wt_to_tiles"](self._wt_ptr, ptr(fwd), ptr(data), part[0], part[1], self._net.threads)
             self._tiles_made = (version, *part)
         return self._weight_tiles
 
-    def _amx_scratch(self, pass_name: str, batch: int) -> np.ndarray:
-        assert self._fc_amx is not None
-        return self._net.scratch(-(-self._fc_amx.scratch_values(pass_name, batch) // 2)).view(np.uint16)
+    def _tile_scratch(self, pass_name: str, batch: int) -> np.ndarray:
+        assert self._fc_tiles is not None
+        return self._net.scratch(-(-self._fc_tiles.scratch_values(pass_name, batch) // 2)).view(np.uint16)
 
     def run_forward(self, xb, yb, part: tuple[int, int] | None) -> None:
         """The forward kernel on this process's data; fc: output blocks `part` only."""
         extra = part if part is not None else ()
         batch, team = xb.shape[0], self.team(xb.shape[0])
-        if self._fc_amx is not None and part is not None:
-            tiles, _ = self.amx_weight_tiles(part)
-            self._k["fwd"](ptr(xb), ptr(tiles), self._bias_ptr, ptr(yb), ptr(self._amx_scratch("fwd", batch)), batch,
+        if self._fc_tiles is not None and part is not None:
+            tiles, _ = self.weight_tiles(part)
+            self._k["fwd"](ptr(xb), ptr(tiles), self._bias_ptr, ptr(yb), ptr(self._tile_scratch("fwd", batch)), batch,
                            team, *part)
             return
         if "fwd" in self._amx:
@@ -388,16 +388,16 @@ class WeightedLayer(Layer):
         threads = self.team(batch)
         extra = part if part is not None else ()
         mask = yb if self.relu else None
-        if self._fc_amx is not None and part is not None:
+        if self._fc_tiles is not None and part is not None:
             if grads is not None:  # dy masked in place, as the fp32 kernels do
-                self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(self._amx_scratch("bwd_weights", batch)),
+                self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(self._tile_scratch("bwd_weights", batch)),
                                        ptr(grads[0]), ptr(grads[1]), batch, threads, *part)
                 mask = None
                 if not self.spec.bias:
                     grads[1][...] = 0.0
             if dxb is not None:
-                _, tiles = self.amx_weight_tiles(part)
-                self._k["bwd_data"](ptr(dyb), ptr(mask), ptr(tiles), ptr(self._amx_scratch("bwd_data", batch)),
+                _, tiles = self.weight_tiles(part)
+                self._k["bwd_data"](ptr(dyb), ptr(mask), ptr(tiles), ptr(self._tile_scratch("bwd_data", batch)),
                                     ptr(dxb), batch, threads, *part)
             return
         if grads is not None:

@@ -50,10 +50,11 @@ def input_pixel_floats(index: int, layer_type: str, channels: int, v: int) -> in
 
 def bf16_kernels(precision: str, index: int, layer_type: str, channels: int, v: int) -> tuple[str, ...]:
     """The passes of a layer that run bf16 kernels in a build of `precision`: a convolution's
-    three passes, unless its input is the packed few-channel image (its
-    pixels are not whole channel pairs). The rest run fp32 kernels on fp32 buffers (the
-    issue-18 increments widen this set; generator and runtime both ask here)."""
-    if precision != "bf16" or layer_type != "conv" or input_pixel_floats(index, layer_type, channels, v) != v:
+    three passes, unless its input is the packed few-channel image (its pixels are not whole
+    channel pairs), and an fc layer's three passes (on bf16 tile copies of its weights,
+    FcTileGeometry). The rest run fp32 kernels on fp32 buffers (generator and runtime both ask
+    here)."""
+    if precision != "bf16" or layer_type not in ("conv", "fc") or input_pixel_floats(index, layer_type, channels, v) != v:
         return ()
     return ("fwd", "bwd_data", "bwd_weights")
 
@@ -65,7 +66,7 @@ def amx_kernels(precision: str, amx: bool, index: int, layer_type: str, channels
     backward-data pass (the forward convolution of dy with the flipped, transposed weights)
     where the padding is at most the window side - 1; the other passes keep their vdpbf16ps
     kernels (the flat-pixel tiling of AmxConvGeometry needs unit stride). An fc layer's three
-    passes (AmxFcGeometry)."""
+    passes (FcTileGeometry)."""
     if not amx or precision != "bf16":
         return ()
     if layer_type == "fc":
@@ -134,7 +135,7 @@ def amx_conv_geometry(pass_name: str, in_shape: tuple[int, int, int], out_shape:
 
 
 @dataclass(frozen=True)
-class AmxFcGeometry:
+class FcTileGeometry:
     """The bf16 operands of an fc layer's AMX kernels (templates/fc_amx.c.j2,
     fc_bwd_weights_amx.c.j2), one rule for the templates and the runtime's buffers. The layer's
     weights W (F features x K inputs, blocked (OCB, K, 16) in fp32) have two bf16 copies of B
@@ -162,10 +163,10 @@ class AmxFcGeometry:
         return rows * {"fwd": self.kp, "bwd_data": self.fp, "bwd_weights": self.k + self.features}[pass_name]
 
 
-def amx_fc_geometry(in_shape: tuple[int, int, int], features: int, v: int = 16) -> AmxFcGeometry:
+def fc_tile_geometry(in_shape: tuple[int, int, int], features: int, v: int = 16) -> FcTileGeometry:
     c, h, w = in_shape
     k, f = blocks(c, v) * v * h * w, blocks(features, v) * v
-    return AmxFcGeometry(k, f, -(-k // 32) * 32, -(-f // 32) * 32)
+    return FcTileGeometry(k, f, -(-k // 32) * 32, -(-f // 32) * 32)
 
 
 def bf16_data_scratch(weight_values: int, dy_values: int) -> int:

@@ -42,24 +42,24 @@ WEIGHT_LAYOUTS = ("wt_to_blocked", "wt_from_blocked")
 # bf16 builds: a layer with bf16 kernels (limits.bf16_kernels) also converts its blocked input
 # and weights to the bf16 copies those kernels read.
 BF16_LAYOUTS = {"in_to_bf16": "act_to_bf16", "wt_to_bf16": "weight_to_bf16"}
-# AMX builds: an fc layer's weights as the bf16 B tiles its kernels read (limits.AmxFcGeometry)
-AMX_FC_LAYOUTS = {"wt_to_amx": "fc_weight_to_amx"}
+# bf16 builds: an fc layer's weights as the bf16 tiles its kernels read (limits.FcTileGeometry)
+FC_TILE_LAYOUTS = {"wt_to_tiles": "fc_weight_tiles"}
 
 
 def kernel_kinds(ltype: str, bf16_passes: tuple[str, ...], amx_passes: tuple[str, ...] = ()) -> dict[str, dict[str, str]]:
     """{pass or "layout": {symbol suffix: kernel kind}} of one layer: the one list generator
     and manifest reader share. A pass in `amx_passes` (limits.amx_kernels) is *_amx, else one
     in `bf16_passes` *_bf16; the bf16 copies are converted by the layout library only for a
-    vdpbf16ps forward kernel (the others convert their own operands) and for an AMX fc layer's
+    vdpbf16ps conv forward kernel (the others convert their own operands) and for an fc layer's
     weight tiles (kept between calls: made once after each change of the weights)."""
     out = {p: {p: f"{ltype}_{p}" + ("_amx" if p in amx_passes else "_bf16" if p in bf16_passes else "")}
            for p in LAYER_PASSES[ltype]}
     roles = ACT_LAYOUTS + (WEIGHT_LAYOUTS if ltype in WEIGHTED else ())
     out["layout"] = {r: ("weight_layout" if r.startswith("wt_") else "act_layout") for r in roles}
-    if "fwd" in bf16_passes and "fwd" not in amx_passes:
+    if ltype == "conv" and "fwd" in bf16_passes and "fwd" not in amx_passes:
         out["layout"] |= BF16_LAYOUTS
-    if ltype == "fc" and amx_passes:
-        out["layout"] |= AMX_FC_LAYOUTS
+    if ltype == "fc" and bf16_passes:
+        out["layout"] |= FC_TILE_LAYOUTS
     return out
 
 PEAK_SYMBOL = "pcldnn_peak"  # the build's FMA peak kernel (pcldnn_gen.codegen.render_peak)

@@ -290,29 +290,37 @@ def test_amx_conv_backward_weights_against_float64(tmp_path, source, layer):
 FC_CASES = [((20, 3, 3), 40, "relu"), ((16, 3, 3), 24, None)]
 
 
-def _fc_net(tmp_path, in_shape, features, activation, threads=2, loss=False):
+# fc kernels of a bf16 build: AMX where the arch has it, vdpbf16ps without (the same copies and
+# work items); both archs with a 64 KiB L2, so the small test layers take several chunks
+FC_ARCHS = [pytest.param(AMX_ARCH, marks=needs_amx, id="amx"),
+            pytest.param(dataclasses.replace(AMX_ARCH, name="avx512-small-l2", amx=False), marks=needs_bf16,
+                         id="vdpbf16ps")]
+
+
+def _fc_net(tmp_path, in_shape, features, activation, threads=2, loss=False, arch=AMX_ARCH):
     c, h, w = in_shape
     layers = [{"name": "fc", "type": "fc", "out_features": features, **({"activation": activation} if activation else {})}]
     layers += [{"name": "loss", "type": "softmax_cross_entropy"}] if loss else []
     spec = parse_netspec({"name": "f", "input": {"channels": c, "height": h, "width": w}, "layers": layers})
-    build(spec, AMX_ARCH, tmp_path / "f", precision="bf16")
+    build(spec, arch, tmp_path / "f", precision="bf16")
     return pr.load(tmp_path / "f", threads=threads)
 
 
-@needs_amx
+@pytest.mark.parametrize("arch", FC_ARCHS)
 @pytest.mark.parametrize("images", [37, 5])
 @pytest.mark.parametrize("in_shape,features,activation", FC_CASES)
-def test_amx_fc_passes_against_float64(tmp_path, images, in_shape, features, activation):
-    """The AMX fc kernels against float64 on bf16-rounded operands, the bound of
+def test_bf16_fc_passes_against_float64(tmp_path, arch, images, in_shape, features, activation):
+    """The bf16 fc kernels (AMX, vdpbf16ps) against float64 on bf16-rounded operands, the bound of
     _check_conv_forward with n the padded reduction: forward n = K rounded up to 32 (K: 16
     channels a block x pixels), backward-data n = the features rounded up to 32, backward-weights
     n = the images rounded up to 32; each is off by more than its bound against the unrounded
     operands. 37 and 5 images: partial 16- and 32-image tiles; AMX_ARCH's 64 KiB L2: several
     reduction chunks (partial sums reloaded from the result) and output-block chunks."""
-    net = _fc_net(tmp_path, in_shape, features, activation)
+    net = _fc_net(tmp_path, in_shape, features, activation, arch=arch)
     fc = net.layers["fc"]
+    impl = "amx" if arch.amx else "bf16"
     assert [fc.kernel_kind(p) for p in ("fwd", "bwd_data", "bwd_weights")] == \
-        ["fc_fwd_amx", "fc_bwd_data_amx", "fc_bwd_weights_amx"]
+        [f"fc_fwd_{impl}", f"fc_bwd_data_{impl}", f"fc_bwd_weights_{impl}"]
     rng = np.random.default_rng(8)
     x = rng.standard_normal((images, *in_shape)).astype(np.float32)
     fc.bias = rng.standard_normal(features).astype(np.float32)
@@ -340,14 +348,14 @@ def test_amx_fc_passes_against_float64(tmp_path, images, in_shape, features, act
     assert np.all(np.abs(db - dym.sum(axis=0, dtype=np.float64)) <= (images + 2) * U32 * np.abs(dym).sum(axis=0))
 
 
-@needs_amx
-def test_amx_fc_slices_compute_their_blocks_only(tmp_path):
+@pytest.mark.parametrize("arch", FC_ARCHS)
+def test_bf16_fc_slices_compute_their_blocks_only(tmp_path, arch):
     """A model-parallel slice of output blocks (pcldnn_runtime.distributed): forward and
     backward-weights give the slice's blocks bit for bit as the whole layer does and leave the
     others untouched; backward-data sums the slice's features only (a slice starting inside a
     32-feature tile), and two slices add up to the whole within the fp32 bound of one more add;
     an empty slice computes nothing and gives a zero input gradient."""
-    fc = _fc_net(tmp_path, (20, 3, 3), 40, None).layers["fc"]
+    fc = _fc_net(tmp_path, (20, 3, 3), 40, None, arch=arch).layers["fc"]
     rng = np.random.default_rng(4)
     batch = 9
     xb = rng.standard_normal(fc.input_shape(batch)).astype(np.float32)
@@ -380,16 +388,16 @@ def test_amx_fc_slices_compute_their_blocks_only(tmp_path):
     assert np.array_equal(grads[1][0][1:], dw_all[1:]) and np.all(grads[1][0][:1] == 7.0)
 
 
-@needs_amx
-def test_amx_fc_weight_tiles_follow_every_change_of_the_weights(tmp_path):
+@pytest.mark.parametrize("arch", FC_ARCHS)
+def test_bf16_fc_weight_tiles_follow_every_change_of_the_weights(tmp_path, arch):
     """The bf16 weight tiles are made once after each change, not once a call, and every route
     that changes the weights is seen by the next forward: the weights setter, a write through
     net.params, an optimizer step, loading a state dict."""
-    net = _fc_net(tmp_path, (16, 3, 3), 24, None, threads=1, loss=True)
+    net = _fc_net(tmp_path, (16, 3, 3), 24, None, threads=1, loss=True, arch=arch)
     fc = net.layers["fc"]
     made = []
-    real = fc._k["wt_to_amx"]
-    fc._k["wt_to_amx"] = lambda *args: (made.append(args[3:5]), real(*args))
+    real = fc._k["wt_to_tiles"]
+    fc._k["wt_to_tiles"] = lambda *args: (made.append(args[3:5]), real(*args))
     rng = np.random.default_rng(5)
     x = rng.standard_normal((6, 16, 3, 3)).astype(np.float32)
 
@@ -432,6 +440,7 @@ def test_amx_and_bf16_kernels_take_the_models_plan_with_a_tuning_database():
     conv, fc = spec.layers
     assert plan_kernel(fc, "fwd", AMX_ARCH, Database(), precision="bf16").kind == "fc_fwd_amx"
     assert plan_kernel(fc, "bwd_weights", AMX_ARCH, Database(), precision="bf16").kind == "fc_bwd_weights_amx"
+    assert plan_kernel(fc, "bwd_data", get_arch("avx512"), Database(), precision="bf16").kind == "fc_bwd_data_bf16"
     assert plan_kernel(conv, "bwd_weights", AMX_ARCH, Database(), precision="bf16").kind == "conv_bwd_weights_amx"
     assert plan_kernel(conv, "fwd", get_arch("avx512"), Database(), precision="bf16").kind == "conv_fwd_bf16"
 

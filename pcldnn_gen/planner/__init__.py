@@ -18,7 +18,7 @@ from pcldnn_runtime.manifest import LAYER_PASSES, PASSES
 from ..arch import Arch
 from ..errors import PlanError
 from ..netspec import LayerSpec
-from .amx import plan_conv_amx, plan_conv_bwd_weights_amx, plan_fc_amx, plan_fc_bwd_weights_amx
+from .amx import plan_conv_amx, plan_conv_bwd_weights_amx, plan_fc_tiles, plan_fc_tiles_bwd_weights
 from .conv import L1_BUDGET, plan_conv_bwd_data, plan_conv_bwd_weights, plan_conv_fwd
 from .fc import plan_fc_bwd_data, plan_fc_bwd_weights, plan_fc_fwd
 from .memory import plan_memory_bound
@@ -45,11 +45,15 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, 
     planner = _PLANNERS.get((layer.type, pass_name))
     if amx:
         if layer.type == "fc":
-            return plan_fc_bwd_weights_amx(layer, arch) if pass_name == "bwd_weights" else plan_fc_amx(layer, pass_name, arch)
+            return plan_fc_tiles_bwd_weights(layer, arch, amx) if pass_name == "bwd_weights" else \
+                plan_fc_tiles(layer, pass_name, arch, amx)
         if layer.type != "conv" or layer.stride != (1, 1):
             raise PlanError(f"{layer.name}: AMX kernels exist for stride-1 convolutions and fc layers only")
         return plan_conv_bwd_weights_amx(layer, arch) if pass_name == "bwd_weights" else plan_conv_amx(layer, pass_name, arch)
     if bf16:
+        if layer.type == "fc":
+            return plan_fc_tiles_bwd_weights(layer, arch, False) if pass_name == "bwd_weights" else \
+                plan_fc_tiles(layer, pass_name, arch, False)
         if layer.type != "conv":
             raise PlanError(f"{layer.name}: no bf16 kernels for a {layer.type} layer")
         return _PLANNERS[("conv", pass_name)](layer, arch, choice, 2)  # type: ignore[call-arg]

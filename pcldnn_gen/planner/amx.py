@@ -3,11 +3,11 @@ reduction chunk that keeps a work item's operands in L1 (forward, backward-data)
 of pixel blocks whose copies a work item's accumulators reduce from L2 (backward-weights)."""
 from __future__ import annotations
 
-from pcldnn_runtime.limits import AMX_PIXEL_BLOCK, AMX_ROWS, amx_conv_geometry, amx_fc_geometry
+from pcldnn_runtime.limits import AMX_PIXEL_BLOCK, AMX_ROWS, amx_conv_geometry, fc_tile_geometry
 
 from ..arch import Arch
 from ..netspec import LayerSpec
-from .plans import AmxConvBwdWeightsPlan, AmxConvPlan, AmxFcBwdWeightsPlan, AmxFcPlan
+from .plans import AmxConvBwdWeightsPlan, AmxConvPlan, FcTileBwdWeightsPlan, FcTilePlan
 
 # tdpbf16ps of full tiles: 16 x 16 x 32 multiply-adds in 16 cycles (SPR; measured 3.4-3.6
 # TFLOP/s on one core of the project's Xeon VM, operands in L1).
@@ -91,42 +91,47 @@ def plan_conv_bwd_weights_amx(layer: LayerSpec, arch: Arch) -> AmxConvBwdWeights
                                  l1_working_set=4 * TILE_BYTES, pixel_blocks=units)
 
 
-def plan_fc_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxFcPlan:
+def plan_fc_tiles(layer: LayerSpec, pass_name: str, arch: Arch, amx: bool) -> FcTilePlan:
     """Forward (result: images x features, reduced over the inputs) and backward-data (images x
-    inputs, reduced over the output features): work item 32 images x 32 result columns (4 C
-    tiles) over a reduction chunk, reading the layer's bf16 B-tile copy of the weights (made
-    once after each change of the weights, not per call). The chunk, sized by the kernel for
-    the call's minibatch: the bf16 source rows stay in FC_SOURCE_SHARE of L2 while every column
-    group of the chunk reads them; each group's B tiles of the chunk are read from memory once
-    and reused by every 32-image row from L2."""
-    geo = amx_fc_geometry(layer.in_shape, layer.out_shape[0], arch.vector_floats)
+    inputs, reduced over the output features): work item 32 images x 32 result columns over a
+    reduction chunk (AMX: 4 C tiles; vdpbf16ps: 4 register tiles of 8 images x 2 vectors, one
+    after the other), reading the layer's bf16 tile copy of the weights (made once after each
+    change of the weights, not per call). The chunk, sized by the kernel for the call's
+    minibatch: the bf16 source rows stay in FC_SOURCE_SHARE of L2 while every column group of
+    the chunk reads them; each group's weight tiles of the chunk are read from memory once and
+    reused by every 32-image row from L2."""
+    geo = fc_tile_geometry(layer.in_shape, layer.out_shape[0], arch.vector_floats)
     rp = geo.kp if pass_name == "fwd" else geo.fp
     source_bytes = int(FC_SOURCE_SHARE * arch.l2_bytes)
     reduced = "inputs" if pass_name == "fwd" else "output features"
     source = "input" if pass_name == "fwd" else "output gradient (masked by the ReLU)"
-    reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; 32 images x 32 columns a work item "
-              f"(partial tiles where the minibatch is not a multiple of 32). Reduction chunks of the {rp} {reduced} "
-              f"sized at run time so the bf16 {source} rows of the minibatch stay within {FC_SOURCE_SHARE:.0%} of L2 "
-              f"({source_bytes // 1024} KiB; {FC_ROWS} images: {max(32, source_bytes // (FC_ROWS * 2) // 32 * 32)} "
-              f"{reduced}) across the column groups: the fewer chunks, the fewer reloads of the partial sums. Each "
-              f"group's B tiles of a chunk are read once from the layer's bf16 weight copy")
-    return AmxFcPlan(layer=layer.name, pass_name=pass_name, kind=f"fc_{pass_name}_amx", template="fc_amx.c.j2",
-                     isa=arch.isa, vector_floats=arch.vector_floats, reason=reason, predicted_efficiency=1.0,
-                     l1_working_set=4 * TILE_BYTES, source_bytes=source_bytes)
+    rate = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles" if amx else
+            "vdpbf16ps: 8 images x 2 vectors of 16 columns a register tile (16 accumulators, 2 weight vectors "
+            "and a broadcast pair)")
+    reason = (f"{rate}; 32 images x 32 columns a work item (partial where the minibatch is not a multiple of 32). "
+              f"Reduction chunks of the {rp} {reduced} sized at run time so the bf16 {source} rows of the minibatch "
+              f"stay within {FC_SOURCE_SHARE:.0%} of L2 ({source_bytes // 1024} KiB; {FC_ROWS} images: "
+              f"{max(32, source_bytes // (FC_ROWS * 2) // 32 * 32)} {reduced}) across the column groups: the fewer "
+              f"chunks, the fewer reloads of the partial sums. Each group's weight tiles of a chunk are read once "
+              f"from the layer's bf16 weight copy")
+    return FcTilePlan(layer=layer.name, pass_name=pass_name, kind=f"fc_{pass_name}_{'amx' if amx else 'bf16'}",
+                      template="fc_tiles.c.j2", isa=arch.isa, vector_floats=arch.vector_floats, reason=reason,
+                      predicted_efficiency=1.0, l1_working_set=4 * TILE_BYTES, source_bytes=source_bytes)
 
 
-def plan_fc_bwd_weights_amx(layer: LayerSpec, arch: Arch) -> AmxFcBwdWeightsPlan:
-    """Work item: 32 inputs x 32 features of dW (4 C tiles, stored straight into its blocked
-    layout), reduced over the minibatch: A = x transposed (16 inputs x 32 images), B = dy in
-    image pairs (32 images x 16 features). Items run over the output blocks inside the input
-    groups, so an item's A rows stay in L1 and the dy pairs of a chunk of output blocks in L2;
-    the chunk: as many blocks as fit L2_SHARE of L2 at the call's minibatch."""
+def plan_fc_tiles_bwd_weights(layer: LayerSpec, arch: Arch, amx: bool) -> FcTileBwdWeightsPlan:
+    """Work item: 32 inputs x 32 features of dW (AMX: 4 C tiles; vdpbf16ps: 4 register tiles of 8
+    inputs x 2 vectors), reduced over the minibatch: A = x transposed (16 inputs x 32 images),
+    B = dy in image pairs (32 images x 16 features). Items run over the output blocks inside the
+    input groups, so an item's rows of x stay in L1 and the dy pairs of a chunk of output blocks
+    in L2; the chunk: as many blocks as fit L2_SHARE of L2 at the call's minibatch."""
     dy_bytes = int(L2_SHARE * arch.l2_bytes)
-    reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; the reduction runs over the minibatch "
-              f"(rounded up to 32 images). dW, the fp32 result, is written once, 1 KiB a tile; dy pairs of a chunk "
-              f"of output blocks within {L2_SHARE:.0%} of L2 ({arch.l2_bytes // 1024} KiB), x transposed read once "
-              f"a chunk")
-    return AmxFcBwdWeightsPlan(layer=layer.name, pass_name="bwd_weights", kind="fc_bwd_weights_amx",
-                               template="fc_bwd_weights_amx.c.j2", isa=arch.isa, vector_floats=arch.vector_floats,
-                               reason=reason, predicted_efficiency=1.0, l1_working_set=4 * TILE_BYTES,
-                               dy_bytes=dy_bytes)
+    rate = f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles" if amx else "vdpbf16ps on image pairs"
+    reason = (f"{rate}; the reduction runs over the minibatch (rounded up to 32 images). dW, the fp32 result, is "
+              f"streamed out once, 1 KiB per 16 inputs x 16 features; dy pairs of a chunk of output blocks within "
+              f"{L2_SHARE:.0%} of L2 ({arch.l2_bytes // 1024} KiB), x transposed read once a chunk")
+    return FcTileBwdWeightsPlan(layer=layer.name, pass_name="bwd_weights",
+                                kind=f"fc_bwd_weights_{'amx' if amx else 'bf16'}",
+                                template="fc_tiles_bwd_weights.c.j2", isa=arch.isa, vector_floats=arch.vector_floats,
+                                reason=reason, predicted_efficiency=1.0, l1_working_set=4 * TILE_BYTES,
+                                dy_bytes=dy_bytes)

@@ -139,8 +139,9 @@ class AmxConvBwdWeightsPlan(KernelPlan):
 
 
 @dataclass(frozen=True, kw_only=True)
-class AmxFcPlan(KernelPlan):
-    """fc forward and backward-data on tiles: the same GEMM, result rows = images."""
+class FcTilePlan(KernelPlan):
+    """fc forward and backward-data on bf16 weight tiles (AMX or vdpbf16ps): the same GEMM, result
+    rows = images."""
     source_bytes: int               # a reduction chunk's bf16 source rows (the whole minibatch) fit this
 
     def reduction_chunk(self) -> str:
@@ -149,18 +150,20 @@ class AmxFcPlan(KernelPlan):
 
     def blocks_summary(self) -> str:
         result, reduced = ("features", "inputs") if self.pass_name == "fwd" else ("inputs", "features")
-        return (f"AMX tiles: 32 images x 32 {result} per work item (4 C tiles, 2 A of 16 images x 32 "
-                f"{reduced}, 2 B of 32 {reduced} x 16 {result}), reduction chunk: {self.reduction_chunk()}")
+        how = (f"4 C tiles, 2 A of 16 images x 32 {reduced}, 2 B of 32 {reduced} x 16 {result}"
+               if self.kind.endswith("_amx") else "4 register tiles of 8 images x 2 vectors in turn, vdpbf16ps")
+        return f"32 images x 32 {result} per work item ({how}), reduction chunk: {self.reduction_chunk()}"
 
 
 @dataclass(frozen=True, kw_only=True)
-class AmxFcBwdWeightsPlan(KernelPlan):
+class FcTileBwdWeightsPlan(KernelPlan):
     dy_bytes: int                   # bytes of dy pair copies a chunk of output blocks may hold (in L2)
 
     def blocks_summary(self) -> str:
-        return (f"AMX tiles: 32 inputs x 32 features per work item (4 C tiles stored straight into dW, "
-                f"2 A of 16 inputs x 32 images, 2 B of 32 images x 16 features), output blocks in chunks "
-                f"whose dy pairs fit {self.dy_bytes // 1024} KiB")
+        how = ("4 C tiles, 2 A of 16 inputs x 32 images, 2 B of 32 images x 16 features"
+               if self.kind.endswith("_amx") else "4 register tiles of 8 inputs x 2 vectors in turn, vdpbf16ps")
+        return (f"32 inputs x 32 features of dW per work item ({how}), streamed into dW; output blocks in "
+                f"chunks whose dy pairs fit {self.dy_bytes // 1024} KiB")
 
 
 @dataclass(frozen=True, kw_only=True)
