@@ -17,7 +17,7 @@ import jinja2
 
 from pcldnn_runtime import cpu
 from pcldnn_runtime.abi import SIGNATURES
-from pcldnn_runtime.limits import amx_conv_geometry, amx_kernels, bf16_kernels, blocks, fc_tile_geometry, input_pixel_floats
+from pcldnn_runtime.limits import amx_conv_geometry, amx_kernels, bf16_passes, blocks, fc_tile_geometry, input_pixel_floats
 from pcldnn_runtime.manifest import PEAK_SYMBOL, SGD_SYMBOL, kernel_kinds
 from pcldnn_runtime.validate import NAME_RE, full_match, show
 
@@ -268,8 +268,10 @@ def _comment_lines(plan: KernelPlan) -> list[str]:
 
 
 def layer_bf16(layer: LayerSpec, arch: Arch, precision: str) -> tuple[str, ...]:
-    """The passes of `layer` with bf16 kernels in a build of `precision` (limits.bf16_kernels)."""
-    return bf16_kernels(precision, layer.index, layer.type, layer.in_shape[0], arch.vector_floats)
+    """The passes of `layer` with bf16 kernels (AMX or vdpbf16ps) in a build of `precision`
+    (limits.bf16_passes)."""
+    return bf16_passes(precision, arch.amx, layer.index, layer.type, layer.in_shape[0], arch.vector_floats,
+                       layer.stride, layer.kernel, layer.pad)
 
 
 def layer_amx(layer: LayerSpec, arch: Arch, precision: str) -> tuple[str, ...]:

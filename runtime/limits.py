@@ -76,6 +76,18 @@ def amx_kernels(precision: str, amx: bool, index: int, layer_type: str, channels
     return ("fwd", "bwd_data", "bwd_weights") if pad[0] < kernel[0] and pad[1] < kernel[1] else ("fwd", "bwd_weights")
 
 
+def bf16_passes(precision: str, amx: bool, index: int, layer_type: str, channels: int, v: int,
+                stride: tuple[int, int], kernel: tuple[int, int], pad: tuple[int, int]) -> tuple[str, ...]:
+    """The passes of a layer with bf16 kernels of either kind (AMX tiles or vdpbf16ps) in a build
+    for an arch with or without `amx`. With AMX only the passes on tiles: the others run fp32
+    kernels, since on the project's AMX Xeon `vdpbf16ps` issues at half the fp32 FMA's FLOP rate
+    (a 16-accumulator tile from L1: 109-116 against 234-244 GFLOP/s), so a vdpbf16ps kernel there
+    is slower than the fp32 one (ResNet-style stride-2 convolutions: 86-118 GFLOP/s)."""
+    if amx:
+        return amx_kernels(precision, amx, index, layer_type, channels, v, stride, kernel, pad)
+    return bf16_kernels(precision, index, layer_type, channels, v)
+
+
 AMX_ROWS = 16        # tile rows: output pixels per A and C tile
 AMX_PAIRS = 16       # tile rows of B: input-channel pairs (a 64-byte row is 32 bf16 channels)
 AMX_PIXEL_BLOCK = 2 * AMX_ROWS  # output pixels per work item: two A tiles share each B tile

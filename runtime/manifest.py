@@ -257,7 +257,7 @@ def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: i
                        (limits.padded(out[0], v) * limits.padded(c, v) * kernel[0] * kernel[1], "weight_shape")):
         if size > limits.MAX_TENSOR_FLOATS:
             f.fail(f"{where}.{what}", f"a tensor of {size} floats per image, more than the {limits.MAX_TENSOR_FLOATS} allowed")
-    bf16 = limits.bf16_kernels(precision, index, ltype, c, v)
+    bf16 = limits.bf16_passes(precision, amx, index, ltype, c, v, stride, kernel, pad)
     amx_passes = limits.amx_kernels(precision, amx, index, ltype, c, v, stride, kernel, pad)
     kernels = _kernels(f, raw["kernels"], f"{where}.kernels", name, kernel_kinds(ltype, bf16, amx_passes))
     bias = f.boolean(raw.get("bias", True), f"{where}.bias")
