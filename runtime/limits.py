@@ -64,9 +64,9 @@ def amx_kernels(precision: str, amx: bool, index: int, layer_type: str, channels
     """The passes of a layer that run AMX tile kernels (kind *_amx) in a bf16 build for an arch
     with `amx`: a stride-1 convolution's forward and backward-weights passes, and its
     backward-data pass (the forward convolution of dy with the flipped, transposed weights)
-    where the padding is at most the window side - 1; the other passes keep their vdpbf16ps
-    kernels (the flat-pixel tiling of AmxConvGeometry needs unit stride). An fc layer's three
-    passes (FcTileGeometry)."""
+    where the padding is at most the window side - 1; the other passes run fp32 kernels
+    (bf16_passes; the flat-pixel tiling of AmxConvGeometry needs unit stride). An fc layer's
+    three passes (FcTileGeometry)."""
     if not amx or precision != "bf16":
         return ()
     if layer_type == "fc":
