@@ -333,7 +333,7 @@ def _render_tiled(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, l
         layer=layer, arch=arch, plan=plan, V=v, symbol=symbol, params=SIGNATURES[plan.kind],
         version=__version__, plan_lines=lines, vec=VECTOR_ISAS[arch.isa], amx=amx,
         icb=blocks(c, v), ocb=blocks(layer.out_shape[0], v), k=blocks(c, v) * v * h * w,
-        geo=amx_conv_geometry(plan.pass_name, layer.in_shape, layer.out_shape, layer.kernel, layer.pad)
+        geo=amx_conv_geometry(plan.pass_name, layer.in_shape, layer.out_shape, layer.kernel, layer.pad, layer.stride)
         if layer.type == "conv" else fc_tile_geometry(layer.in_shape, layer.out_shape[0], v))
     return Source(f"{layer.name}_{plan.pass_name}.c", text, {symbol: plan.kind},
                   cpu.PRECISION_CFLAGS["bf16"] + (cpu.AMX_CFLAGS if amx else ()))

@@ -62,17 +62,19 @@ def bf16_kernels(precision: str, index: int, layer_type: str, channels: int, v: 
 def amx_kernels(precision: str, amx: bool, index: int, layer_type: str, channels: int, v: int,
                 stride: tuple[int, int], kernel: tuple[int, int], pad: tuple[int, int]) -> tuple[str, ...]:
     """The passes of a layer that run AMX tile kernels (kind *_amx) in a bf16 build for an arch
-    with `amx`: a stride-1 convolution's forward and backward-weights passes, and its
-    backward-data pass (the forward convolution of dy with the flipped, transposed weights)
-    where the padding is at most the window side - 1; the other passes run fp32 kernels
-    (bf16_passes; the flat-pixel tiling of AmxConvGeometry needs unit stride). An fc layer's
-    three passes (FcTileGeometry)."""
+    with `amx`: a convolution's forward pass (strided ones on phase planes: AmxConvGeometry); a
+    stride-1 convolution's backward-weights pass, and its backward-data pass (the forward
+    convolution of dy with the flipped, transposed weights) where the padding is at most the
+    window side - 1; the other passes run fp32 kernels (bf16_passes). An fc layer's three
+    passes (FcTileGeometry)."""
     if not amx or precision != "bf16":
         return ()
     if layer_type == "fc":
         return ("fwd", "bwd_data", "bwd_weights")
-    if stride != (1, 1) or "fwd" not in bf16_kernels(precision, index, layer_type, channels, v):
+    if "fwd" not in bf16_kernels(precision, index, layer_type, channels, v):
         return ()
+    if stride != (1, 1):
+        return ("fwd",)
     return ("fwd", "bwd_data", "bwd_weights") if pad[0] < kernel[0] and pad[1] < kernel[1] else ("fwd", "bwd_weights")
 
 
@@ -96,22 +98,29 @@ AMX_PIXEL_BLOCK = 2 * AMX_ROWS  # output pixels per work item: two A tiles share
 @dataclass(frozen=True)
 class AmxConvGeometry:
     """The buffers of an AMX conv kernel (templates/conv_amx.c.j2), one rule for the template and
-    the runtime's scratch. The kernel computes a stride-1 convolution of `source` into `result`
-    with padding `pad`: the layer's forward pass, or its backward-data pass (dy into dx, the
-    window flipped and the weights transposed, padding KH - 1 - PH). Its source is copied to bf16
-    with the padding written out, (N, C/32, plane, 32): result pixel (oh, ow) reads the flat pixel
-    oh*WP + ow + kh*WP + kw, so 16 consecutive flat results are one tile of 16 rows 64 bytes
-    apart, across row ends (the KW - 1 flat columns past the row are computed and dropped)."""
+    the runtime's scratch. The kernel computes a convolution of `source` into `result` with
+    padding `pad` and `stride`: the layer's forward pass, or its backward-data pass (dy into dx,
+    stride 1, the window flipped and the weights transposed, padding KH - 1 - PH). Its source is
+    copied to bf16 with the padding written out, 32 channels per 64-byte pixel, split into
+    SH x SW phase planes (padded row hp, column wp in plane (hp % SH, wp % SW) at (hp / SH,
+    wp / SW); stride 1: one plane, the padded source itself), each HQ x WQ. Result pixel
+    (oh, ow) at tap (kh, kw) then reads plane (kh % SH, kw % SW) at flat pixel
+    q + (kh / SH)*WQ + kw / SW with q = oh*WQ + ow: 16 consecutive flat results are one tile of
+    16 rows 64 bytes apart, across row ends (flat columns past the row are computed and dropped)."""
     source: tuple[int, int, int]   # (C, H, W) read: the layer's input, or its output gradient
     result: tuple[int, int, int]   # (C, H, W) written: the layer's output, or its input gradient
     pad: tuple[int, int]
     icb: int             # 32-channel blocks of the source (a tile row's 16 channel pairs)
     hp: int              # padded source rows
-    wp: int              # padded source columns: the flat row length
-    pixel_blocks: int    # AMX_PIXEL_BLOCK-pixel blocks covering the result's rows of WP flat pixels
-    plane: int           # pixels of one (image, icb) plane: every row a block's taps may read
+    wp: int              # padded source columns
+    pixel_blocks: int    # AMX_PIXEL_BLOCK-pixel blocks covering the result's rows of WQ flat pixels
+    plane: int           # pixels of one (image, icb) copy: its phase planes, each all its taps may read
     weight_values: int   # bf16 values of the B tiles (result C/16, source C/32, KH, KW, 16 pairs, 16, 2)
     gradient_pairs: int  # backward-weights: pixel pairs of an x pair copy plane (all a tap reads)
+    stride: tuple[int, int] = (1, 1)
+    hq: int = 0          # rows of a phase plane: ceil(HP / SH)
+    wq: int = 0          # columns of a phase plane: the flat row length of the results
+    phase_plane: int = 0  # pixels of one phase plane, with the zero tail its taps may read
 
     def scratch_values(self, batch: int) -> int:
         """bf16 values of the kernel's scratch: the weights, then the padded source copy."""
@@ -119,9 +128,9 @@ class AmxConvGeometry:
 
     def gradient_scratch_values(self, batch: int, taps: int) -> int:
         """bf16 values of the backward-weights kernel's scratch (templates/conv_bwd_weights_amx.c.j2,
-        on the forward pass's geometry): dy channel-major over the flat rows, x in pixel pairs from
-        even and from odd pixels, then fp32 accumulators of every (oc, ic) block and tap, and the
-        images' partial bias sums."""
+        on the forward pass's geometry, stride 1): dy channel-major over the flat rows, x in pixel
+        pairs from even and from odd pixels, then fp32 accumulators of every (oc, ic) block and
+        tap, and the images' partial bias sums."""
         icb, ocb = blocks(self.source[0], 16), blocks(self.result[0], 16)
         dy = ocb * 16 * self.pixel_blocks * AMX_PIXEL_BLOCK
         x = 2 * icb * self.gradient_pairs * 32
@@ -129,21 +138,26 @@ class AmxConvGeometry:
 
 
 def amx_conv_geometry(pass_name: str, in_shape: tuple[int, int, int], out_shape: tuple[int, int, int],
-                      kernel: tuple[int, int], pad: tuple[int, int]) -> AmxConvGeometry:
-    """The geometry of a conv layer's `pass_name` AMX kernel (backward-weights: the forward's)."""
+                      kernel: tuple[int, int], pad: tuple[int, int],
+                      stride: tuple[int, int] = (1, 1)) -> AmxConvGeometry:
+    """The geometry of a conv layer's `pass_name` AMX kernel (backward-weights: the forward's;
+    backward-data: stride 1 only)."""
     if pass_name != "bwd_data":
         source, result = in_shape, out_shape
     else:
         source, result, pad = out_shape, in_shape, (kernel[0] - 1 - pad[0], kernel[1] - 1 - pad[1])
     c, h, w = source
+    sh, sw = stride
     hp, wp = h + 2 * pad[0], w + 2 * pad[1]
-    pixel_blocks = -(-result[1] * wp // AMX_PIXEL_BLOCK)
-    reach = pixel_blocks * AMX_PIXEL_BLOCK + (kernel[0] - 1) * wp + kernel[1] - 1
+    hq, wq = -(-hp // sh), -(-wp // sw)
+    pixel_blocks = -(-result[1] * wq // AMX_PIXEL_BLOCK)
+    reach = pixel_blocks * AMX_PIXEL_BLOCK + (kernel[0] - 1) // sh * wq + (kernel[1] - 1) // sw
+    phase_plane = max(hq * wq, reach)
     icb = blocks(c, 2 * AMX_PAIRS)
     weight_values = blocks(result[0], 16) * icb * kernel[0] * kernel[1] * AMX_PAIRS * 16 * 2
     gradient_pairs = pixel_blocks * AMX_PIXEL_BLOCK // 2 + ((kernel[0] - 1) * wp + kernel[1] - 1) // 2 + 1
-    return AmxConvGeometry(source, result, pad, icb, hp, wp, pixel_blocks, max(hp * wp, reach), weight_values,
-                           gradient_pairs)
+    return AmxConvGeometry(source, result, pad, icb, hp, wp, pixel_blocks, sh * sw * phase_plane, weight_values,
+                           gradient_pairs, stride, hq, wq, phase_plane)
 
 
 @dataclass(frozen=True)

@@ -228,12 +228,27 @@ AMX_CASES = [case for case in CONV_CASES if case[1]["stride"] == 1] + [
 ]
 
 
+# strided forward passes on phase planes: odd padded sizes (plane rows and columns of unequal
+# phases), a 1x1 stride-2 projection, 40 channels (2 blocks of 32), a 5x5 window at stride 4
+# (windows of more taps pass the bound too, but their bound outgrows bf16's own error: the
+# "differs from unrounded" check cannot tell there)
+AMX_STRIDED_CASES = [
+    CONV_CASES[1],
+    ({"channels": 32, "height": 9, "width": 9}, {"out_channels": 16, "kernel": 1, "stride": 2, "pad": 0}),
+    ({"channels": 40, "height": 23, "width": 25}, {"out_channels": 20, "kernel": 3, "stride": 2, "pad": 1,
+                                                    "activation": "relu"}),
+    ({"channels": 16, "height": 19, "width": 21}, {"out_channels": 16, "kernel": 5, "stride": 4, "pad": 2}),
+    ({"channels": 24, "height": 12, "width": 13}, {"out_channels": 16, "kernel": 3, "stride": 3, "pad": 1}),
+]
+
+
 @needs_amx
-@pytest.mark.parametrize("source,layer", AMX_CASES)
+@pytest.mark.parametrize("source,layer", AMX_CASES + AMX_STRIDED_CASES)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_amx_conv_forward_against_float64(tmp_path, source, layer, threads):
     """The AMX kernel: a tile row is 16 input-channel pairs, the same bound with n counting the
-    channels padded to 32; one thread and two (a thread's share ends inside a band)."""
+    channels padded to 32; one thread and two (a thread's share ends inside a band); strided
+    layers on phase planes."""
     out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
     conv = pr.load(out, threads=threads).layers["conv"]
     assert conv.kernel_kind("fwd") == "conv_fwd_amx"
@@ -448,8 +463,9 @@ def test_amx_and_bf16_kernels_take_the_models_plan_with_a_tuning_database():
 def test_amx_builds_put_stride_1_passes_on_tiles(tmp_path):
     """An arch with AMX: a stride-1 convolution's three passes are AMX kernels that convert their
     own operands (no bf16 copies in the layout library), headers say the tile blocking;
-    backward-data with padding past the window - 1 (no flipped equivalent) and a strided
-    convolution run fp32 kernels (vdpbf16ps at half the fp32 rate on AMX CPUs: limits.bf16_passes)."""
+    a strided convolution's forward pass is on tiles too (phase planes); backward-data with
+    padding past the window - 1 (no flipped equivalent) and a strided convolution's backward
+    passes run fp32 kernels (vdpbf16ps at half the fp32 rate on AMX CPUs: limits.bf16_passes)."""
     spec = parse_netspec({"name": "t", "input": {"channels": 16, "height": 8, "width": 8}, "layers": [
         {"name": "c1", "type": "conv", "out_channels": 32, "kernel": 3, "pad": 1},
         {"name": "c2", "type": "conv", "out_channels": 16, "kernel": 3, "stride": 2, "pad": 1},
@@ -460,7 +476,7 @@ def test_amx_builds_put_stride_1_passes_on_tiles(tmp_path):
     kinds = {layer["name"]: [next(iter(layer["kernels"][p]["symbols"].values())) for p in ("fwd", "bwd_data", "bwd_weights")]
              for layer in doc["layers"]}
     assert kinds == {"c1": ["conv_fwd_amx", "conv_bwd_data_amx", "conv_bwd_weights_amx"],
-                     "c2": ["conv_fwd", "conv_bwd_data", "conv_bwd_weights"],
+                     "c2": ["conv_fwd_amx", "conv_bwd_data", "conv_bwd_weights"],
                      "c3": ["conv_fwd_amx", "conv_bwd_data", "conv_bwd_weights_amx"]}
     c1, c2, _ = doc["layers"]
     assert not any("to_bf16" in s for layer in (c1, c2) for s in layer["kernels"]["layout"]["symbols"])

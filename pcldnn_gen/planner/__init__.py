@@ -37,7 +37,7 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, 
     """The model's plan; with `choice` = (width, vectors), the plan built around that register
     tile instead (a measured choice: it must be one of the planner's own candidates). bf16: a
     conv kernel on bf16 operands (2-byte values, two multiply-adds per dot-product lane); amx:
-    its AMX tile kernel (stride-1 convolutions, fc forward: limits.amx_kernels)."""
+    its AMX tile kernel (limits.amx_kernels)."""
     passes = LAYER_PASSES.get(layer.type, ())
     if pass_name not in passes:
         raise PlanError(f"{layer.name}: a {layer.type} layer has no {pass_name!r} pass "
@@ -47,8 +47,9 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, 
         if layer.type == "fc":
             return plan_fc_tiles_bwd_weights(layer, arch, amx) if pass_name == "bwd_weights" else \
                 plan_fc_tiles(layer, pass_name, arch, amx)
-        if layer.type != "conv" or layer.stride != (1, 1):
-            raise PlanError(f"{layer.name}: AMX kernels exist for stride-1 convolutions and fc layers only")
+        if layer.type != "conv" or (layer.stride != (1, 1) and pass_name != "fwd"):
+            raise PlanError(f"{layer.name}: AMX kernels exist for convolutions (strided: the forward pass) and fc "
+                            f"layers only")
         return plan_conv_bwd_weights_amx(layer, arch) if pass_name == "bwd_weights" else plan_conv_amx(layer, pass_name, arch)
     if bf16:
         if layer.type == "fc":

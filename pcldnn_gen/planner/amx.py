@@ -42,10 +42,11 @@ def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxConvPlan:
     pixels share each B tile) accumulated over a chunk of source-channel blocks and all taps;
     the two other C tiles hold the previous item, stored while this one starts."""
     kh, kw = layer.kernel
-    geo = amx_conv_geometry(pass_name, layer.in_shape, layer.out_shape, layer.kernel, layer.pad)
+    geo = amx_conv_geometry(pass_name, layer.in_shape, layer.out_shape, layer.kernel, layer.pad, layer.stride)
     # one 32-channel block's A rows: a run of 32 + KW - 1 pixels in each of KH rows (one span
     # where the rows overlap)
-    a_bytes = min(kh * (AMX_PIXEL_BLOCK + kw - 1), (kh - 1) * geo.wp + AMX_PIXEL_BLOCK + kw - 1) * 64
+    a_bytes = min(kh * (AMX_PIXEL_BLOCK + kw - 1), (kh - 1) * geo.wp + AMX_PIXEL_BLOCK + kw - 1) * 64 \
+        if layer.stride == (1, 1) or pass_name != "fwd" else kh * (AMX_PIXEL_BLOCK + kw - 1) * 64
     b_bytes = kh * kw * TILE_BYTES
     per_block = a_bytes + b_bytes
     chunk = max(1, min(geo.icb, int(L1_SHARE * arch.l1d_bytes) // per_block))
@@ -53,7 +54,8 @@ def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxConvPlan:
     chunk = -(-geo.icb // chunks)  # balanced: the last chunk is not a sliver
     (sc, _, _), (_, rh, rw) = geo.source, geo.result
     useful = (rh * rw) / (geo.pixel_blocks * AMX_PIXEL_BLOCK) * sc / (geo.icb * 32)
-    reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; flat rows of {geo.wp} columns for {rw} "
+    phases = "" if geo.stride == (1, 1) else f"stride {geo.stride[0]}x{geo.stride[1]} on phase planes, "
+    reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; {phases}flat rows of {geo.wq} columns for {rw} "
               f"results and {geo.icb * 32} padded source channels for {sc}: {useful:.0%} of tile work useful. "
               f"Reduction chunk {chunk} of {geo.icb} 32-channel blocks: its A rows and B tiles, "
               f"{chunk * per_block // 1024} KiB, fit {L1_SHARE:.0%} of L1 ({arch.l1d_bytes // 1024} KiB). Bands of "
