@@ -62,8 +62,8 @@ def bf16_kernels(precision: str, index: int, layer_type: str, channels: int, v: 
 def amx_kernels(precision: str, amx: bool, index: int, layer_type: str, channels: int, v: int,
                 stride: tuple[int, int], kernel: tuple[int, int], pad: tuple[int, int]) -> tuple[str, ...]:
     """The passes of a layer that run AMX tile kernels (kind *_amx) in a bf16 build for an arch
-    with `amx`: a convolution's forward pass (strided ones on phase planes: AmxConvGeometry); a
-    stride-1 convolution's backward-weights pass, and its backward-data pass (the forward
+    with `amx`: a convolution's forward and backward-weights passes (strided ones on phase
+    planes: AmxConvGeometry); a stride-1 convolution's backward-data pass (the forward
     convolution of dy with the flipped, transposed weights) where the padding is at most the
     window side - 1; the other passes run fp32 kernels (bf16_passes). An fc layer's three
     passes (FcTileGeometry)."""
@@ -74,7 +74,7 @@ def amx_kernels(precision: str, amx: bool, index: int, layer_type: str, channels
     if "fwd" not in bf16_kernels(precision, index, layer_type, channels, v):
         return ()
     if stride != (1, 1):
-        return ("fwd",)
+        return ("fwd", "bwd_weights")
     return ("fwd", "bwd_data", "bwd_weights") if pad[0] < kernel[0] and pad[1] < kernel[1] else ("fwd", "bwd_weights")
 
 
@@ -116,7 +116,7 @@ class AmxConvGeometry:
     pixel_blocks: int    # AMX_PIXEL_BLOCK-pixel blocks covering the result's rows of WQ flat pixels
     plane: int           # pixels of one (image, icb) copy: its phase planes, each all its taps may read
     weight_values: int   # bf16 values of the B tiles (result C/16, source C/32, KH, KW, 16 pairs, 16, 2)
-    gradient_pairs: int  # backward-weights: pixel pairs of an x pair copy plane (all a tap reads)
+    gradient_pairs: int  # backward-weights: pixel pairs of an x pair copy of a phase plane (all a tap reads)
     stride: tuple[int, int] = (1, 1)
     hq: int = 0          # rows of a phase plane: ceil(HP / SH)
     wq: int = 0          # columns of a phase plane: the flat row length of the results
@@ -128,12 +128,12 @@ class AmxConvGeometry:
 
     def gradient_scratch_values(self, batch: int, taps: int) -> int:
         """bf16 values of the backward-weights kernel's scratch (templates/conv_bwd_weights_amx.c.j2,
-        on the forward pass's geometry, stride 1): dy channel-major over the flat rows, x in pixel
-        pairs from even and from odd pixels, then fp32 accumulators of every (oc, ic) block and
-        tap, and the images' partial bias sums."""
+        on the forward pass's geometry): dy channel-major over the flat rows, x in pixel pairs of
+        each phase plane from even and from odd pixels, then fp32 accumulators of every (oc, ic)
+        block and tap, and the images' partial bias sums."""
         icb, ocb = blocks(self.source[0], 16), blocks(self.result[0], 16)
         dy = ocb * 16 * self.pixel_blocks * AMX_PIXEL_BLOCK
-        x = 2 * icb * self.gradient_pairs * 32
+        x = 2 * icb * self.stride[0] * self.stride[1] * self.gradient_pairs * 32
         return batch * (dy + x) + 2 * (ocb * icb * taps * 256 + batch * ocb * 16)
 
 
@@ -155,7 +155,7 @@ def amx_conv_geometry(pass_name: str, in_shape: tuple[int, int, int], out_shape:
     phase_plane = max(hq * wq, reach)
     icb = blocks(c, 2 * AMX_PAIRS)
     weight_values = blocks(result[0], 16) * icb * kernel[0] * kernel[1] * AMX_PAIRS * 16 * 2
-    gradient_pairs = pixel_blocks * AMX_PIXEL_BLOCK // 2 + ((kernel[0] - 1) * wp + kernel[1] - 1) // 2 + 1
+    gradient_pairs = pixel_blocks * AMX_PIXEL_BLOCK // 2 + ((kernel[0] - 1) // sh * wq + (kernel[1] - 1) // sw) // 2 + 1
     return AmxConvGeometry(source, result, pad, icb, hp, wp, pixel_blocks, sh * sw * phase_plane, weight_values,
                            gradient_pairs, stride, hq, wq, phase_plane)
 

@@ -275,13 +275,14 @@ def test_amx_conv_backward_data_against_float64(tmp_path, source, layer):
 
 
 @needs_amx
-@pytest.mark.parametrize("source,layer", AMX_CASES)
+@pytest.mark.parametrize("source,layer", AMX_CASES + AMX_STRIDED_CASES)
 def test_amx_conv_backward_weights_against_float64(tmp_path, source, layer):
     """The AMX backward-weights kernel reduces over flat pixels 32 at a time (the flat columns
     past each row zero): the bound with n = minibatch x output pixels; dy is passed unmasked and
     masked by the kernel as it copies it (dy itself is left as it is); db sums the fp32 dy.
     Groups of fewer pixel blocks than the minibatch has (AMX_ARCH's small L2: 5 blocks, which
-    start and end inside images here): the accumulators are reloaded between groups."""
+    start and end inside images here): the accumulators are reloaded between groups. Strided
+    layers: x pairs per phase plane."""
     out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
     conv = pr.load(out, threads=2).layers["conv"]
     assert conv.kernel_kind("bwd_weights") == "conv_bwd_weights_amx"
@@ -463,9 +464,9 @@ def test_amx_and_bf16_kernels_take_the_models_plan_with_a_tuning_database():
 def test_amx_builds_put_stride_1_passes_on_tiles(tmp_path):
     """An arch with AMX: a stride-1 convolution's three passes are AMX kernels that convert their
     own operands (no bf16 copies in the layout library), headers say the tile blocking;
-    a strided convolution's forward pass is on tiles too (phase planes); backward-data with
-    padding past the window - 1 (no flipped equivalent) and a strided convolution's backward
-    passes run fp32 kernels (vdpbf16ps at half the fp32 rate on AMX CPUs: limits.bf16_passes)."""
+    a strided convolution's forward and backward-weights passes are on tiles too (phase planes);
+    backward-data with padding past the window - 1 (no flipped equivalent) or a stride runs the
+    fp32 kernel (vdpbf16ps at half the fp32 rate on AMX CPUs: limits.bf16_passes)."""
     spec = parse_netspec({"name": "t", "input": {"channels": 16, "height": 8, "width": 8}, "layers": [
         {"name": "c1", "type": "conv", "out_channels": 32, "kernel": 3, "pad": 1},
         {"name": "c2", "type": "conv", "out_channels": 16, "kernel": 3, "stride": 2, "pad": 1},
@@ -476,7 +477,7 @@ def test_amx_builds_put_stride_1_passes_on_tiles(tmp_path):
     kinds = {layer["name"]: [next(iter(layer["kernels"][p]["symbols"].values())) for p in ("fwd", "bwd_data", "bwd_weights")]
              for layer in doc["layers"]}
     assert kinds == {"c1": ["conv_fwd_amx", "conv_bwd_data_amx", "conv_bwd_weights_amx"],
-                     "c2": ["conv_fwd_amx", "conv_bwd_data", "conv_bwd_weights"],
+                     "c2": ["conv_fwd_amx", "conv_bwd_data", "conv_bwd_weights_amx"],
                      "c3": ["conv_fwd_amx", "conv_bwd_data", "conv_bwd_weights_amx"]}
     c1, c2, _ = doc["layers"]
     assert not any("to_bf16" in s for layer in (c1, c2) for s in layer["kernels"]["layout"]["symbols"])

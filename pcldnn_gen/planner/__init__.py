@@ -47,9 +47,9 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, 
         if layer.type == "fc":
             return plan_fc_tiles_bwd_weights(layer, arch, amx) if pass_name == "bwd_weights" else \
                 plan_fc_tiles(layer, pass_name, arch, amx)
-        if layer.type != "conv" or (layer.stride != (1, 1) and pass_name != "fwd"):
-            raise PlanError(f"{layer.name}: AMX kernels exist for convolutions (strided: the forward pass) and fc "
-                            f"layers only")
+        if layer.type != "conv" or (layer.stride != (1, 1) and pass_name == "bwd_data"):
+            raise PlanError(f"{layer.name}: AMX kernels exist for convolutions (strided: forward and "
+                            f"backward-weights) and fc layers only")
         return plan_conv_bwd_weights_amx(layer, arch) if pass_name == "bwd_weights" else plan_conv_amx(layer, pass_name, arch)
     if bf16:
         if layer.type == "fc":

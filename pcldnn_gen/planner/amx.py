@@ -75,15 +75,17 @@ def plan_conv_bwd_weights_amx(layer: LayerSpec, arch: Arch) -> AmxConvBwdWeights
     keep the item's dy rows and x pairs in L2_SHARE of L2 across the taps (a reload costs a
     tile store's wait, ~1000 cycles, per item, tap and group)."""
     kh, kw = layer.kernel
-    geo = amx_conv_geometry("bwd_weights", layer.in_shape, layer.out_shape, layer.kernel, layer.pad)
+    geo = amx_conv_geometry("bwd_weights", layer.in_shape, layer.out_shape, layer.kernel, layer.pad, layer.stride)
     # per unit: dy of two output blocks (16 channels x 32 pixels, bf16), x pairs of two input
-    # blocks in both phases (16 pairs x 64 bytes)
-    per_unit = 2 * 16 * AMX_PIXEL_BLOCK * 2 + 2 * 2 * 16 * 64
+    # blocks from even and odd pixels (16 pairs x 64 bytes) of every phase plane
+    phases = layer.stride[0] * layer.stride[1]
+    per_unit = 2 * 16 * AMX_PIXEL_BLOCK * 2 + 2 * 2 * phases * 16 * 64
     units = max(1, int(L2_SHARE * arch.l2_bytes) // per_unit)
     oc, oh, ow = layer.out_shape
     useful = (oh * ow) / (geo.pixel_blocks * AMX_PIXEL_BLOCK)
     reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles, the reduction over flat pixels "
-              f"(rows of {geo.wp} for {ow} outputs: {useful:.0%} of tile work useful). Groups of {units} "
+              f"({'' if phases == 1 else f'stride {geo.stride[0]}x{geo.stride[1]} on phase planes, '}rows of "
+              f"{geo.wq} for {ow} outputs: {useful:.0%} of tile work useful). Groups of {units} "
               f"(image, 32-pixel block) units ({geo.pixel_blocks} an image): an item's dy rows and x pairs, "
               f"{per_unit // 1024} KiB a unit, fit {L2_SHARE:.0%} of L2 ({arch.l2_bytes // 1024} KiB) across its "
               f"{kh * kw} taps")
