@@ -17,7 +17,15 @@ import jinja2
 
 from pcldnn_runtime import cpu
 from pcldnn_runtime.abi import SIGNATURES
-from pcldnn_runtime.limits import amx_conv_geometry, amx_kernels, bf16_passes, blocks, fc_tile_geometry, input_pixel_floats
+from pcldnn_runtime.limits import (
+    amx_conv_geometry,
+    amx_kernels,
+    amx_packed_reduction,
+    bf16_passes,
+    blocks,
+    fc_tile_geometry,
+    input_pixel_floats,
+)
 from pcldnn_runtime.manifest import PEAK_SYMBOL, SGD_SYMBOL, kernel_kinds
 from pcldnn_runtime.validate import NAME_RE, full_match, show
 
@@ -321,7 +329,9 @@ def _render_tiled(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, l
         if plan.pass_name != "bwd_weights":
             text += "; the weights: the layer's tile copy, made once after each change of the weights"
     else:
-        text = {"fwd": "the input with its zero padding, the weights as B tiles",
+        packed = plan.kind == "conv_fwd_packed_amx"
+        text = {"fwd": "the input's windows as im2col rows, the weights as B tiles" if packed else
+                "the input with its zero padding, the weights as B tiles",
                 "bwd_data": "the output gradient, masked by the ReLU, with its zero padding, the weights as B tiles",
                 "bwd_weights": "the input channel-major with its zero padding, the output gradient, masked by the "
                                "ReLU, in pixel pairs"}[plan.pass_name]
@@ -334,7 +344,8 @@ def _render_tiled(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, l
         version=__version__, plan_lines=lines, vec=VECTOR_ISAS[arch.isa], amx=amx,
         icb=blocks(c, v), ocb=blocks(layer.out_shape[0], v), k=blocks(c, v) * v * h * w,
         geo=amx_conv_geometry(plan.pass_name, layer.in_shape, layer.out_shape, layer.kernel, layer.pad, layer.stride)
-        if layer.type == "conv" else fc_tile_geometry(layer.in_shape, layer.out_shape[0], v))
+        if layer.type == "conv" else fc_tile_geometry(layer.in_shape, layer.out_shape[0], v),
+        kp=amx_packed_reduction(layer.in_shape, layer.kernel))
     return Source(f"{layer.name}_{plan.pass_name}.c", text, {symbol: plan.kind},
                   cpu.PRECISION_CFLAGS["bf16"] + (cpu.AMX_CFLAGS if amx else ()))
 

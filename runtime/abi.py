@@ -46,6 +46,10 @@ SIGNATURES: dict[str, str] = {
     # scratch itself (limits.AmxConvGeometry).
     "conv_fwd_amx": "const float *in, const float *wt, const float *bias, float *out, unsigned short *scratch, "
                     "int batch, int nthreads",
+    # and the packed few-channel first layer's forward pass over im2col rows (its weight tiles in
+    # scratch: limits.amx_packed_weight_values)
+    "conv_fwd_packed_amx": "const float *in, const float *wt, const float *bias, float *out, unsigned short *scratch, "
+                           "int batch, int nthreads",
     # and backward-data (stride 1, padding below the window): dy masked by the ReLU as it is copied
     "conv_bwd_data_amx": "float *dy, const float *out, const float *wt, unsigned short *scratch, float *dx, "
                          "int batch, int nthreads",
@@ -78,7 +82,7 @@ SIGNATURES: dict[str, str] = {
 # kernel, the call count and where the seconds per call go.
 REPEATED_KINDS = ("conv_fwd", "conv_bwd_data", "conv_bwd_weights", "fc_fwd", "fc_bwd_data", "fc_bwd_weights",
                   "conv_fwd_bf16", "conv_bwd_data_bf16", "conv_bwd_weights_bf16", "conv_fwd_amx",
-                  "conv_bwd_data_amx", "conv_bwd_weights_amx", "fc_fwd_amx", "fc_bwd_data_amx",
+                  "conv_bwd_data_amx", "conv_bwd_weights_amx", "conv_fwd_packed_amx", "fc_fwd_amx", "fc_bwd_data_amx",
                   "fc_bwd_weights_amx", "fc_fwd_bf16", "fc_bwd_data_bf16", "fc_bwd_weights_bf16")
 SIGNATURES |= {f"repeat_{kind}": "void *fn, long long reps, double *seconds, " + SIGNATURES[kind]
                for kind in REPEATED_KINDS}

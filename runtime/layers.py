@@ -16,7 +16,15 @@ import numpy as np
 from .abi import DROPOUT_HASH_STEP
 from .errors import PcldnnError
 from .kernels import empty_aligned, ptr
-from .limits import amx_conv_geometry, bf16_data_scratch, bf16_weight_scratch, blocks, fc_tile_geometry, input_pixel_floats
+from .limits import (
+    amx_conv_geometry,
+    amx_packed_weight_values,
+    bf16_data_scratch,
+    bf16_weight_scratch,
+    blocks,
+    fc_tile_geometry,
+    input_pixel_floats,
+)
 from .manifest import LayerEntry
 
 
@@ -233,6 +241,8 @@ class WeightedLayer(Layer):
         # AMX builds: the stride-1 passes on tiles convert their operands into their own scratch
         self._amx = {p: amx_conv_geometry(p, self.in_shape, self.out_shape, self.kernel, self.spec.pad, self.spec.stride)
                      for p in ("fwd", "bwd_data", "bwd_weights") if self.kernel_kind(p) == f"conv_{p}_amx"}
+        # the packed few-channel first layer's AMX forward pass: its weight tiles in scratch
+        self._packed_amx = self.kernel_kind("fwd") == "conv_fwd_packed_amx"
         # bf16 fc layers (AMX or vdpbf16ps): all three passes read bf16 tile copies of the weights
         # (limits.FcTileGeometry) made on first use after each change of the weights
         self._fc_tiles = fc_tile_geometry(self.in_shape, self.out_shape[0], v) \
@@ -369,6 +379,11 @@ class WeightedLayer(Layer):
             tiles, _ = self.weight_tiles(part)
             self._k["fwd"](ptr(xb), ptr(tiles), self._bias_ptr, ptr(yb), ptr(self._tile_scratch("fwd", batch)), batch,
                            team, *part)
+            return
+        if self._packed_amx:
+            values = amx_packed_weight_values(self.in_shape, self.out_shape[0], self.kernel)
+            scratch = self._net.scratch(-(-values // 2)).view(np.uint16)
+            self._k["fwd"](ptr(xb), self._wt_ptr, self._bias_ptr, ptr(yb), ptr(scratch), batch, team)
             return
         if "fwd" in self._amx:
             scratch = self._net.scratch(-(-self._amx["fwd"].scratch_values(batch) // 2)).view(np.uint16)

@@ -63,7 +63,8 @@ def amx_kernels(precision: str, amx: bool, index: int, layer_type: str, channels
                 stride: tuple[int, int], kernel: tuple[int, int], pad: tuple[int, int]) -> tuple[str, ...]:
     """The passes of a layer that run AMX tile kernels (kind *_amx) in a bf16 build for an arch
     with `amx`: a convolution's forward and backward-weights passes (strided ones on phase
-    planes: AmxConvGeometry); a stride-1 convolution's backward-data pass (the forward
+    planes: AmxConvGeometry), except a first layer's packed few-channel input: its forward pass
+    over im2col rows (amx_packed_weight_values); a stride-1 convolution's backward-data pass (the forward
     convolution of dy with the flipped, transposed weights) where the padding is at most the
     window side - 1; the other passes run fp32 kernels (bf16_passes). An fc layer's three
     passes (FcTileGeometry)."""
@@ -71,6 +72,8 @@ def amx_kernels(precision: str, amx: bool, index: int, layer_type: str, channels
         return ()
     if layer_type == "fc":
         return ("fwd", "bwd_data", "bwd_weights")
+    if input_pixel_floats(index, layer_type, channels, v) < v:
+        return ("fwd",)  # the packed few-channel first layer: its forward pass over im2col rows
     if "fwd" not in bf16_kernels(precision, index, layer_type, channels, v):
         return ()
     if stride != (1, 1):
@@ -158,6 +161,18 @@ def amx_conv_geometry(pass_name: str, in_shape: tuple[int, int, int], out_shape:
     gradient_pairs = pixel_blocks * AMX_PIXEL_BLOCK // 2 + ((kernel[0] - 1) // sh * wq + (kernel[1] - 1) // sw) // 2 + 1
     return AmxConvGeometry(source, result, pad, icb, hp, wp, pixel_blocks, sh * sw * phase_plane, weight_values,
                            gradient_pairs, stride, hq, wq, phase_plane)
+
+
+def amx_packed_reduction(in_shape: tuple[int, int, int], kernel: tuple[int, int]) -> int:
+    """The reduction of the packed few-channel first layer's AMX forward pass: one im2col row of
+    KH x KW x C values per output pixel, rounded up to a tile row of 32
+    (templates/conv_packed_amx.c.j2)."""
+    return -(-kernel[0] * kernel[1] * in_shape[0] // 32) * 32
+
+
+def amx_packed_weight_values(in_shape: tuple[int, int, int], out_channels: int, kernel: tuple[int, int]) -> int:
+    """bf16 values of that kernel's scratch: its weights as B tiles (OC/16 x KP/32 tiles of 512)."""
+    return blocks(out_channels, 16) * amx_packed_reduction(in_shape, kernel) // 32 * 512
 
 
 @dataclass(frozen=True)

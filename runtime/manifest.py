@@ -46,13 +46,16 @@ BF16_LAYOUTS = {"in_to_bf16": "act_to_bf16", "wt_to_bf16": "weight_to_bf16"}
 FC_TILE_LAYOUTS = {"wt_to_tiles": "fc_weight_tiles"}
 
 
-def kernel_kinds(ltype: str, bf16_passes: tuple[str, ...], amx_passes: tuple[str, ...] = ()) -> dict[str, dict[str, str]]:
+def kernel_kinds(ltype: str, bf16_passes: tuple[str, ...], amx_passes: tuple[str, ...] = (),
+                 packed: bool = False) -> dict[str, dict[str, str]]:
     """{pass or "layout": {symbol suffix: kernel kind}} of one layer: the one list generator
-    and manifest reader share. A pass in `amx_passes` (limits.amx_kernels) is *_amx, else one
-    in `bf16_passes` *_bf16; the bf16 copies are converted by the layout library only for a
-    vdpbf16ps conv forward kernel (the others convert their own operands) and for an fc layer's
-    weight tiles (kept between calls: made once after each change of the weights)."""
-    out = {p: {p: f"{ltype}_{p}" + ("_amx" if p in amx_passes else "_bf16" if p in bf16_passes else "")}
+    and manifest reader share. A pass in `amx_passes` (limits.amx_kernels) is *_amx (a first
+    layer's packed few-channel input, `packed`: *_packed_amx), else one in `bf16_passes` *_bf16;
+    the bf16 copies are converted by the layout library only for a vdpbf16ps conv forward
+    kernel (the others convert their own operands) and for an fc layer's weight tiles (kept
+    between calls: made once after each change of the weights)."""
+    amx = "_packed_amx" if packed else "_amx"
+    out = {p: {p: f"{ltype}_{p}" + (amx if p in amx_passes else "_bf16" if p in bf16_passes else "")}
            for p in LAYER_PASSES[ltype]}
     roles = ACT_LAYOUTS + (WEIGHT_LAYOUTS if ltype in WEIGHTED else ())
     out["layout"] = {r: ("weight_layout" if r.startswith("wt_") else "act_layout") for r in roles}
@@ -259,7 +262,8 @@ def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: i
             f.fail(f"{where}.{what}", f"a tensor of {size} floats per image, more than the {limits.MAX_TENSOR_FLOATS} allowed")
     bf16 = limits.bf16_passes(precision, amx, index, ltype, c, v, stride, kernel, pad)
     amx_passes = limits.amx_kernels(precision, amx, index, ltype, c, v, stride, kernel, pad)
-    kernels = _kernels(f, raw["kernels"], f"{where}.kernels", name, kernel_kinds(ltype, bf16, amx_passes))
+    packed = limits.input_pixel_floats(index, ltype, c, v) < v
+    kernels = _kernels(f, raw["kernels"], f"{where}.kernels", name, kernel_kinds(ltype, bf16, amx_passes, packed))
     bias = f.boolean(raw.get("bias", True), f"{where}.bias")
     if not bias and ltype not in WEIGHTED:
         f.fail(f"{where}.bias", f"a {ltype} layer has no bias")

@@ -158,7 +158,7 @@ def _conv_net(tmp_path, source, layer, precision, name="b", arch=None):
     return out
 
 
-def _check_conv_forward(conv, source, layer, pairs_per_row, seed=3):
+def _check_conv_forward(conv, source, layer, pairs_per_row, seed=3, n=None):
     """y = b + sum of bf16(x) bf16(w), each product exact in fp32 and n of them summed in fp32:
     |y - float64 reference on the rounded inputs| <= (n + 2) u (|b| + sum |x w|), the bound of
     recursive summation (u = 2^-24, n the terms: taps of a padded window times the input
@@ -173,7 +173,8 @@ def _check_conv_forward(conv, source, layer, pairs_per_row, seed=3):
     relu = layer.get("activation") == "relu"
     ref = conv2d(xr, wr, conv.bias, stride, pad, relu)
     magnitude = conv2d(np.abs(xr), np.abs(wr), np.abs(conv.bias), stride, pad)
-    n = -(-source["channels"] // (2 * pairs_per_row)) * 2 * pairs_per_row * layer["kernel"] ** 2
+    if n is None:
+        n = -(-source["channels"] // (2 * pairs_per_row)) * 2 * pairs_per_row * layer["kernel"] ** 2
     bound = (n + 2) * U32 * magnitude
     assert np.all(np.abs(y - ref) <= bound)
     unrounded = conv2d(x, conv.weights, conv.bias, stride, pad, relu)
@@ -536,13 +537,41 @@ def test_bf16_conv_backward_data_against_float64(tmp_path, source, layer):
 
 
 def test_few_channel_first_layer_stays_fp32(tmp_path):
-    out = _conv_net(tmp_path, {"channels": 3, "height": 8, "width": 8},
-                    {"out_channels": 16, "kernel": 3, "stride": 1, "pad": 1}, "bf16")
+    """Without AMX the packed few-channel first layer runs fp32 kernels; with AMX its forward
+    pass is on tiles (im2col rows), its backward passes fp32."""
+    source, layer = {"channels": 3, "height": 8, "width": 8}, {"out_channels": 16, "kernel": 3, "stride": 1, "pad": 1}
+    out = _conv_net(tmp_path, source, layer, "bf16")
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["precision"] == "bf16"
-    layer = manifest["layers"][0]
-    assert layer["kernels"]["fwd"]["symbols"] == {"pcldnn_conv_fwd": "conv_fwd"}
-    assert "pcldnn_conv_in_to_bf16" not in layer["kernels"]["layout"]["symbols"]
+    entry = manifest["layers"][0]
+    assert entry["kernels"]["fwd"]["symbols"] == {"pcldnn_conv_fwd": "conv_fwd"}
+    assert "pcldnn_conv_in_to_bf16" not in entry["kernels"]["layout"]["symbols"]
+    out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
+    entry = json.loads((out / "manifest.json").read_text())["layers"][0]
+    assert [next(iter(entry["kernels"][p]["symbols"].values())) for p in ("fwd", "bwd_data", "bwd_weights")] == \
+        ["conv_fwd_packed_amx", "conv_bwd_data", "conv_bwd_weights"]
+
+
+# packed few-channel first layers (an RGB image): VGG's 3x3, AlexNet's 11x11 stride 4 (363
+# window values: 12 tile steps), a 7x7 stride-2 window over 5 channels with a ReLU
+PACKED_CASES = [
+    ({"channels": 3, "height": 10, "width": 9}, {"out_channels": 40, "kernel": 3, "stride": 1, "pad": 1}),
+    ({"channels": 3, "height": 27, "width": 31}, {"out_channels": 16, "kernel": 11, "stride": 4, "pad": 2}),
+    ({"channels": 5, "height": 13, "width": 12}, {"out_channels": 24, "kernel": 7, "stride": 2, "pad": 3,
+                                                   "activation": "relu"}),
+]
+
+
+@needs_amx
+@pytest.mark.parametrize("source,layer", PACKED_CASES)
+def test_amx_packed_first_layer_forward_against_float64(tmp_path, source, layer):
+    """The packed first layer's AMX forward pass: im2col rows of KH x KW x C values padded to
+    32, the bound with n = that padded count (16 pixels of a tile, 32 images x pixels not a
+    multiple of 32: partial pixel blocks; 40 output channels: an odd last block)."""
+    out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
+    conv = pr.load(out, threads=2).layers["conv"]
+    assert conv.kernel_kind("fwd") == "conv_fwd_packed_amx"
+    _check_conv_forward(conv, source, layer, pairs_per_row=16, n=-(-source["channels"] * layer["kernel"] ** 2 // 32) * 32)
 
 
 def test_bf16_build_is_refused_on_a_cpu_without_the_instructions(tmp_path, monkeypatch):

@@ -13,12 +13,13 @@ from typing import Callable
 
 # Passes each layer type has (the loss's bwd_data is the gradient of the mean loss w.r.t. the
 # logits): one table, in the manifest schema the runtime validates builds against.
+from pcldnn_runtime.limits import input_pixel_floats
 from pcldnn_runtime.manifest import LAYER_PASSES, PASSES
 
 from ..arch import Arch
 from ..errors import PlanError
 from ..netspec import LayerSpec
-from .amx import plan_conv_amx, plan_conv_bwd_weights_amx, plan_fc_tiles, plan_fc_tiles_bwd_weights
+from .amx import plan_conv_amx, plan_conv_bwd_weights_amx, plan_conv_packed_amx, plan_fc_tiles, plan_fc_tiles_bwd_weights
 from .conv import L1_BUDGET, plan_conv_bwd_data, plan_conv_bwd_weights, plan_conv_fwd
 from .fc import plan_fc_bwd_data, plan_fc_bwd_weights, plan_fc_fwd
 from .memory import plan_memory_bound
@@ -47,6 +48,9 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, 
         if layer.type == "fc":
             return plan_fc_tiles_bwd_weights(layer, arch, amx) if pass_name == "bwd_weights" else \
                 plan_fc_tiles(layer, pass_name, arch, amx)
+        if layer.type == "conv" and pass_name == "fwd" and \
+                input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats:
+            return plan_conv_packed_amx(layer, arch)
         if layer.type != "conv" or (layer.stride != (1, 1) and pass_name == "bwd_data"):
             raise PlanError(f"{layer.name}: AMX kernels exist for convolutions (strided: forward and "
                             f"backward-weights) and fc layers only")

@@ -3,11 +3,11 @@ reduction chunk that keeps a work item's operands in L1 (forward, backward-data)
 of pixel blocks whose copies a work item's accumulators reduce from L2 (backward-weights)."""
 from __future__ import annotations
 
-from pcldnn_runtime.limits import AMX_PIXEL_BLOCK, AMX_ROWS, amx_conv_geometry, fc_tile_geometry
+from pcldnn_runtime.limits import AMX_PIXEL_BLOCK, AMX_ROWS, amx_conv_geometry, amx_packed_reduction, fc_tile_geometry
 
 from ..arch import Arch
 from ..netspec import LayerSpec
-from .plans import AmxConvBwdWeightsPlan, AmxConvPlan, FcTileBwdWeightsPlan, FcTilePlan
+from .plans import AmxConvBwdWeightsPlan, AmxConvPlan, AmxPackedConvPlan, FcTileBwdWeightsPlan, FcTilePlan
 
 # tdpbf16ps of full tiles: 16 x 16 x 32 multiply-adds in 16 cycles (SPR; measured 3.4-3.6
 # TFLOP/s on one core of the project's Xeon VM, operands in L1).
@@ -66,6 +66,22 @@ def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxConvPlan:
                        predicted_efficiency=useful, l1_working_set=chunk * per_block,
                        l2_bytes_per_flop=b_bytes / (2 * AMX_PIXEL_BLOCK * 16 * 32 * kh * kw),
                        chunk=chunk, band=BAND, store_delay=STORE_DELAY)
+
+
+def plan_conv_packed_amx(layer: LayerSpec, arch: Arch) -> AmxPackedConvPlan:
+    """The first layer's packed few-channel input (an RGB image: its pixels are not whole
+    channel pairs, so the flat-pixel scheme does not apply): each output pixel's window as one
+    im2col row of KH x KW x C values padded to 32, built per 32-pixel block in a thread-local
+    buffer, and a GEMM of those rows with the weight tiles."""
+    c = layer.in_shape[0]
+    kp = amx_packed_reduction(layer.in_shape, layer.kernel)
+    k = layer.kernel[0] * layer.kernel[1] * c
+    reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; {c} input channels: a pixel's "
+              f"{layer.kernel[0]}x{layer.kernel[1]} window is one im2col row of {k} values padded to {kp} "
+              f"({k / kp:.0%} of tile work useful), {kp // 32} tile step(s) a work item")
+    return AmxPackedConvPlan(layer=layer.name, pass_name="fwd", kind="conv_fwd_packed_amx",
+                             template="conv_packed_amx.c.j2", isa=arch.isa, vector_floats=arch.vector_floats,
+                             reason=reason, predicted_efficiency=k / kp, l1_working_set=4 * TILE_BYTES, reduction=kp)
 
 
 def plan_conv_bwd_weights_amx(layer: LayerSpec, arch: Arch) -> AmxConvBwdWeightsPlan:

@@ -139,6 +139,16 @@ class AmxConvBwdWeightsPlan(KernelPlan):
 
 
 @dataclass(frozen=True, kw_only=True)
+class AmxPackedConvPlan(KernelPlan):
+    """A first layer's packed few-channel input on tiles: im2col rows of KP values a pixel."""
+    reduction: int                  # KP: the KH x KW x C values of a pixel's window, padded to 32
+
+    def blocks_summary(self) -> str:
+        return (f"AMX tiles: 32 output pixels x 32 output channels per work item (4 C tiles, 2 A of 16 pixels x 32 "
+                f"window values of their im2col rows, 2 B), reduction {self.reduction} values")
+
+
+@dataclass(frozen=True, kw_only=True)
 class FcTilePlan(KernelPlan):
     """fc forward and backward-data on bf16 weight tiles (AMX or vdpbf16ps): the same GEMM, result
     rows = images."""
