@@ -329,11 +329,13 @@ def _render_tiled(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, l
         if plan.pass_name != "bwd_weights":
             text += "; the weights: the layer's tile copy, made once after each change of the weights"
     else:
-        packed = plan.kind == "conv_fwd_packed_amx"
+        packed = plan.kind.endswith("_packed_amx")
         text = {"fwd": "the input's windows as im2col rows, the weights as B tiles" if packed else
                 "the input with its zero padding, the weights as B tiles",
                 "bwd_data": "the output gradient, masked by the ReLU, with its zero padding, the weights as B tiles",
-                "bwd_weights": "the input channel-major with its zero padding, the output gradient, masked by the "
+                "bwd_weights": "the output gradient (masked by the ReLU) channel-major, the input's windows as "
+                               "im2col rows in pixel pairs" if packed else
+                               "the input channel-major with its zero padding, the output gradient, masked by the "
                                "ReLU, in pixel pairs"}[plan.pass_name]
     how = "AMX tdpbf16ps into fp32 tiles" if amx else "vdpbf16ps into fp32 registers"
     text = f"bf16 operands converted by the kernel ({text}), {how}; fp32 results"

@@ -50,6 +50,10 @@ SIGNATURES: dict[str, str] = {
     # scratch: limits.amx_packed_weight_values)
     "conv_fwd_packed_amx": "const float *in, const float *wt, const float *bias, float *out, unsigned short *scratch, "
                            "int batch, int nthreads",
+    # and its backward-weights pass (dy masked in place first, as the fp32 kernels do; scratch:
+    # limits.amx_packed_gradient_values)
+    "conv_bwd_weights_packed_amx": "const float *in, float *dy, const float *out, unsigned short *scratch, "
+                                   "float *dwt, float *dbias, int batch, int nthreads",
     # and backward-data (stride 1, padding below the window): dy masked by the ReLU as it is copied
     "conv_bwd_data_amx": "float *dy, const float *out, const float *wt, unsigned short *scratch, float *dx, "
                          "int batch, int nthreads",
@@ -82,7 +86,8 @@ SIGNATURES: dict[str, str] = {
 # kernel, the call count and where the seconds per call go.
 REPEATED_KINDS = ("conv_fwd", "conv_bwd_data", "conv_bwd_weights", "fc_fwd", "fc_bwd_data", "fc_bwd_weights",
                   "conv_fwd_bf16", "conv_bwd_data_bf16", "conv_bwd_weights_bf16", "conv_fwd_amx",
-                  "conv_bwd_data_amx", "conv_bwd_weights_amx", "conv_fwd_packed_amx", "fc_fwd_amx", "fc_bwd_data_amx",
+                  "conv_bwd_data_amx", "conv_bwd_weights_amx", "conv_fwd_packed_amx",
+                  "conv_bwd_weights_packed_amx", "fc_fwd_amx", "fc_bwd_data_amx",
                   "fc_bwd_weights_amx", "fc_fwd_bf16", "fc_bwd_data_bf16", "fc_bwd_weights_bf16")
 SIGNATURES |= {f"repeat_{kind}": "void *fn, long long reps, double *seconds, " + SIGNATURES[kind]
                for kind in REPEATED_KINDS}

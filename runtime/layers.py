@@ -18,6 +18,7 @@ from .errors import PcldnnError
 from .kernels import empty_aligned, ptr
 from .limits import (
     amx_conv_geometry,
+    amx_packed_gradient_values,
     amx_packed_weight_values,
     bf16_data_scratch,
     bf16_weight_scratch,
@@ -422,6 +423,8 @@ class WeightedLayer(Layer):
                 values = self._amx["bwd_weights"].gradient_scratch_values(batch, self.kernel[0] * self.kernel[1])
             elif self.bf16_backward_weights:
                 values = bf16_weight_scratch(self.in_shape, self.out_shape, self.kernel, self.spec.stride, self._v, batch)
+            elif self.kernel_kind("bwd_weights") == "conv_bwd_weights_packed_amx":  # masks dy in place
+                values = amx_packed_gradient_values(self.in_shape, self.out_shape, self.kernel, batch)
             if values is not None:
                 scratch = self._net.scratch(-(-values // 2)).view(np.uint16)
                 self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(scratch), ptr(dw), ptr(db), batch, threads)

@@ -59,12 +59,20 @@ def bf16_kernels(precision: str, index: int, layer_type: str, channels: int, v: 
     return ("fwd", "bwd_data", "bwd_weights")
 
 
+# The packed first layer's backward-weights pass goes on tiles from windows of this many values
+# (KH x KW x C): below it the pass is bound by reading dy once, which the fp32 kernel does in one
+# pass and the tile kernel after copying it. Measured, mb 16-64, one thread, Xeon VM (tiles /
+# fp32 ms): VGG-A conv1, 27 values, 30.2 / 25.4; ResNet-style 7x7 stride 2, 147 values, 15.2 /
+# 23.2; AlexNet-style 11x11 stride 4, 363 values, 6.4 / 9.4.
+AMX_PACKED_GRADIENT_WINDOW = 64
+
+
 def amx_kernels(precision: str, amx: bool, index: int, layer_type: str, channels: int, v: int,
                 stride: tuple[int, int], kernel: tuple[int, int], pad: tuple[int, int]) -> tuple[str, ...]:
     """The passes of a layer that run AMX tile kernels (kind *_amx) in a bf16 build for an arch
     with `amx`: a convolution's forward and backward-weights passes (strided ones on phase
-    planes: AmxConvGeometry), except a first layer's packed few-channel input: its forward pass
-    over im2col rows (amx_packed_weight_values); a stride-1 convolution's backward-data pass (the forward
+    planes: AmxConvGeometry), or for a first layer's packed few-channel input over im2col rows
+    (amx_packed_weight_values, amx_packed_gradient_values); a stride-1 convolution's backward-data pass (the forward
     convolution of dy with the flipped, transposed weights) where the padding is at most the
     window side - 1; the other passes run fp32 kernels (bf16_passes). An fc layer's three
     passes (FcTileGeometry)."""
@@ -72,8 +80,8 @@ def amx_kernels(precision: str, amx: bool, index: int, layer_type: str, channels
         return ()
     if layer_type == "fc":
         return ("fwd", "bwd_data", "bwd_weights")
-    if input_pixel_floats(index, layer_type, channels, v) < v:
-        return ("fwd",)  # the packed few-channel first layer: its forward pass over im2col rows
+    if input_pixel_floats(index, layer_type, channels, v) < v:  # the packed first layer: im2col rows
+        return ("fwd", "bwd_weights") if kernel[0] * kernel[1] * channels >= AMX_PACKED_GRADIENT_WINDOW else ("fwd",)
     if "fwd" not in bf16_kernels(precision, index, layer_type, channels, v):
         return ()
     if stride != (1, 1):
@@ -173,6 +181,16 @@ def amx_packed_reduction(in_shape: tuple[int, int, int], kernel: tuple[int, int]
 def amx_packed_weight_values(in_shape: tuple[int, int, int], out_channels: int, kernel: tuple[int, int]) -> int:
     """bf16 values of that kernel's scratch: its weights as B tiles (OC/16 x KP/32 tiles of 512)."""
     return blocks(out_channels, 16) * amx_packed_reduction(in_shape, kernel) // 32 * 512
+
+
+def amx_packed_gradient_values(in_shape: tuple[int, int, int], out_shape: tuple[int, int, int],
+                               kernel: tuple[int, int], batch: int) -> int:
+    """bf16 values of the packed first layer's AMX backward-weights scratch: fp32 accumulators
+    (OC/16 x KP/16 tiles of 256) and the units' partial bias sums (images x 32-pixel blocks x
+    OC/16 x 16); the kernel's group copies are its own (their size is the planner's choice)."""
+    ocb, kb = blocks(out_shape[0], 16), amx_packed_reduction(in_shape, kernel) // 16
+    units = batch * -(-out_shape[1] * out_shape[2] // 32)
+    return 2 * (ocb * kb * 256 + units * ocb * 16)
 
 
 @dataclass(frozen=True)

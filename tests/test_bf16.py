@@ -538,7 +538,8 @@ def test_bf16_conv_backward_data_against_float64(tmp_path, source, layer):
 
 def test_few_channel_first_layer_stays_fp32(tmp_path):
     """Without AMX the packed few-channel first layer runs fp32 kernels; with AMX its forward
-    pass is on tiles (im2col rows), its backward passes fp32."""
+    pass is on tiles (im2col rows), and its backward-weights pass from windows of 64 values
+    (limits.AMX_PACKED_GRADIENT_WINDOW); its backward-data is fp32."""
     source, layer = {"channels": 3, "height": 8, "width": 8}, {"out_channels": 16, "kernel": 3, "stride": 1, "pad": 1}
     out = _conv_net(tmp_path, source, layer, "bf16")
     manifest = json.loads((out / "manifest.json").read_text())
@@ -549,7 +550,10 @@ def test_few_channel_first_layer_stays_fp32(tmp_path):
     out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
     entry = json.loads((out / "manifest.json").read_text())["layers"][0]
     assert [next(iter(entry["kernels"][p]["symbols"].values())) for p in ("fwd", "bwd_data", "bwd_weights")] == \
-        ["conv_fwd_packed_amx", "conv_bwd_data", "conv_bwd_weights"]
+        ["conv_fwd_packed_amx", "conv_bwd_data", "conv_bwd_weights"]  # 27 window values: fp32 backward-weights
+    out = _conv_net(tmp_path, source, dict(layer, kernel=5), "bf16", name="amx5", arch=AMX_ARCH)
+    entry = json.loads((out / "manifest.json").read_text())["layers"][0]
+    assert next(iter(entry["kernels"]["bwd_weights"]["symbols"].values())) == "conv_bwd_weights_packed_amx"
 
 
 # packed few-channel first layers (an RGB image): VGG's 3x3, AlexNet's 11x11 stride 4 (363
@@ -572,6 +576,27 @@ def test_amx_packed_first_layer_forward_against_float64(tmp_path, source, layer)
     conv = pr.load(out, threads=2).layers["conv"]
     assert conv.kernel_kind("fwd") == "conv_fwd_packed_amx"
     _check_conv_forward(conv, source, layer, pairs_per_row=16, n=-(-source["channels"] * layer["kernel"] ** 2 // 32) * 32)
+
+
+@needs_amx
+@pytest.mark.parametrize("source,layer", PACKED_CASES[1:] + [
+    ({"channels": 3, "height": 10, "width": 9}, {"out_channels": 40, "kernel": 5, "stride": 1, "pad": 2})])
+def test_amx_packed_first_layer_backward_weights_against_float64(tmp_path, source, layer):
+    """Its backward-weights pass: dy channel-major times the im2col rows in pixel pairs, the bound
+    with n = images x output pixels (padded to whole pixel blocks: zeros); dy masked by the ReLU
+    in place (as the fp32 kernels do); AMX_ARCH's small L2: groups of fewer units than the
+    minibatch has, the accumulators reloaded between them; the weights' padding lanes zero."""
+    out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
+    conv = pr.load(out, threads=2).layers["conv"]
+    assert conv.kernel_kind("bwd_weights") == "conv_bwd_weights_packed_amx"
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((7, *conv.in_shape)).astype(np.float32)
+    y = conv.forward(x)
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    dw, db = conv.backward_weights(x, dy)
+    if layer.get("activation") == "relu":
+        dy = np.where(y > 0, dy, np.float32(0))
+    _check_backward_weights(layer, x, dy, dw, db, n=x.shape[0] * -(-y.shape[2] * y.shape[3] // 32) * 32)
 
 
 def test_bf16_build_is_refused_on_a_cpu_without_the_instructions(tmp_path, monkeypatch):

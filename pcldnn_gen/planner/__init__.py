@@ -48,9 +48,9 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, 
         if layer.type == "fc":
             return plan_fc_tiles_bwd_weights(layer, arch, amx) if pass_name == "bwd_weights" else \
                 plan_fc_tiles(layer, pass_name, arch, amx)
-        if layer.type == "conv" and pass_name == "fwd" and \
+        if layer.type == "conv" and pass_name != "bwd_data" and \
                 input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats:
-            return plan_conv_packed_amx(layer, arch)
+            return plan_conv_packed_amx(layer, pass_name, arch)
         if layer.type != "conv" or (layer.stride != (1, 1) and pass_name == "bwd_data"):
             raise PlanError(f"{layer.name}: AMX kernels exist for convolutions (strided: forward and "
                             f"backward-weights) and fc layers only")

@@ -68,20 +68,30 @@ def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxConvPlan:
                        chunk=chunk, band=BAND, store_delay=STORE_DELAY)
 
 
-def plan_conv_packed_amx(layer: LayerSpec, arch: Arch) -> AmxPackedConvPlan:
+def plan_conv_packed_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxPackedConvPlan:
     """The first layer's packed few-channel input (an RGB image: its pixels are not whole
     channel pairs, so the flat-pixel scheme does not apply): each output pixel's window as one
-    im2col row of KH x KW x C values padded to 32, built per 32-pixel block in a thread-local
-    buffer, and a GEMM of those rows with the weight tiles."""
+    im2col row of KH x KW x C values padded to 32. Forward: rows built per 32-pixel block in a
+    thread-local buffer times the weight tiles. Backward-weights: dy channel-major times the
+    rows in pixel pairs, over groups of (image, pixel block) units whose copies fit L2_SHARE of
+    L2, the accumulators reloaded between groups (as plan_conv_bwd_weights_amx)."""
     c = layer.in_shape[0]
     kp = amx_packed_reduction(layer.in_shape, layer.kernel)
     k = layer.kernel[0] * layer.kernel[1] * c
+    # backward-weights, per unit: its dy as OC/16 A tiles and its rows' pixel pairs as KP/16 B
+    # tiles (1 KiB each), all read by a thread's items
+    per_unit = (-(-layer.out_shape[0] // 16) + kp // 16) * TILE_BYTES
+    units = max(1, int(L2_SHARE * arch.l2_bytes) // per_unit)
+    how = (f"{kp // 32} tile step(s) a work item" if pass_name == "fwd" else
+           f"groups of {units} (image, 32-pixel block) units, {per_unit // 1024} KiB a unit, within "
+           f"{L2_SHARE:.0%} of L2 ({arch.l2_bytes // 1024} KiB)")
     reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; {c} input channels: a pixel's "
               f"{layer.kernel[0]}x{layer.kernel[1]} window is one im2col row of {k} values padded to {kp} "
-              f"({k / kp:.0%} of tile work useful), {kp // 32} tile step(s) a work item")
-    return AmxPackedConvPlan(layer=layer.name, pass_name="fwd", kind="conv_fwd_packed_amx",
+              f"({k / kp:.0%} of tile work useful); {how}")
+    return AmxPackedConvPlan(layer=layer.name, pass_name=pass_name, kind=f"conv_{pass_name}_packed_amx",
                              template="conv_packed_amx.c.j2", isa=arch.isa, vector_floats=arch.vector_floats,
-                             reason=reason, predicted_efficiency=k / kp, l1_working_set=4 * TILE_BYTES, reduction=kp)
+                             reason=reason, predicted_efficiency=k / kp, l1_working_set=4 * TILE_BYTES, reduction=kp,
+                             pixel_blocks=units)
 
 
 def plan_conv_bwd_weights_amx(layer: LayerSpec, arch: Arch) -> AmxConvBwdWeightsPlan:

@@ -142,10 +142,15 @@ class AmxConvBwdWeightsPlan(KernelPlan):
 class AmxPackedConvPlan(KernelPlan):
     """A first layer's packed few-channel input on tiles: im2col rows of KP values a pixel."""
     reduction: int                  # KP: the KH x KW x C values of a pixel's window, padded to 32
+    pixel_blocks: int               # backward-weights: (image, 32-pixel block) units a residency of the accumulators reduces
 
     def blocks_summary(self) -> str:
-        return (f"AMX tiles: 32 output pixels x 32 output channels per work item (4 C tiles, 2 A of 16 pixels x 32 "
-                f"window values of their im2col rows, 2 B), reduction {self.reduction} values")
+        if self.pass_name == "fwd":
+            return (f"AMX tiles: 32 output pixels x 32 output channels per work item (4 C tiles, 2 A of 16 pixels x "
+                    f"32 window values of their im2col rows, 2 B), reduction {self.reduction} values")
+        return (f"AMX tiles: 32 output channels x 32 window values per work item (4 C tiles, 2 A of 16 output "
+                f"channels x 32 pixels of dy, 2 B of 32 pixels x 16 window values), groups of {self.pixel_blocks} "
+                f"pixel blocks")
 
 
 @dataclass(frozen=True, kw_only=True)
