@@ -242,8 +242,9 @@ class WeightedLayer(Layer):
         # AMX builds: the stride-1 passes on tiles convert their operands into their own scratch
         self._amx = {p: amx_conv_geometry(p, self.in_shape, self.out_shape, self.kernel, self.spec.pad, self.spec.stride)
                      for p in ("fwd", "bwd_data", "bwd_weights") if self.kernel_kind(p) == f"conv_{p}_amx"}
-        # the packed few-channel first layer's AMX forward pass: its weight tiles in scratch
-        self._packed_amx = self.kernel_kind("fwd") == "conv_fwd_packed_amx"
+        # the packed few-channel first layer's passes on AMX tiles over im2col rows (forward: its
+        # weight tiles in scratch; backward-weights masks dy in place, as the fp32 kernels do)
+        self._packed_amx = {p for p in ("fwd", "bwd_weights") if self.kernel_kind(p) == f"conv_{p}_packed_amx"}
         # bf16 fc layers (AMX or vdpbf16ps): all three passes read bf16 tile copies of the weights
         # (limits.FcTileGeometry) made on first use after each change of the weights
         self._fc_tiles = fc_tile_geometry(self.in_shape, self.out_shape[0], v) \
@@ -381,7 +382,7 @@ class WeightedLayer(Layer):
             self._k["fwd"](ptr(xb), ptr(tiles), self._bias_ptr, ptr(yb), ptr(self._tile_scratch("fwd", batch)), batch,
                            team, *part)
             return
-        if self._packed_amx:
+        if "fwd" in self._packed_amx:
             values = amx_packed_weight_values(self.in_shape, self.out_shape[0], self.kernel)
             scratch = self._net.scratch(-(-values // 2)).view(np.uint16)
             self._k["fwd"](ptr(xb), self._wt_ptr, self._bias_ptr, ptr(yb), ptr(scratch), batch, team)
@@ -423,7 +424,7 @@ class WeightedLayer(Layer):
                 values = self._amx["bwd_weights"].gradient_scratch_values(batch, self.kernel[0] * self.kernel[1])
             elif self.bf16_backward_weights:
                 values = bf16_weight_scratch(self.in_shape, self.out_shape, self.kernel, self.spec.stride, self._v, batch)
-            elif self.kernel_kind("bwd_weights") == "conv_bwd_weights_packed_amx":  # masks dy in place
+            elif "bwd_weights" in self._packed_amx:
                 values = amx_packed_gradient_values(self.in_shape, self.out_shape, self.kernel, batch)
             if values is not None:
                 scratch = self._net.scratch(-(-values // 2)).view(np.uint16)

@@ -275,6 +275,21 @@ def test_amx_conv_backward_data_against_float64(tmp_path, source, layer):
     _check_backward_data(conv, layer, x, dy, dx, channel_block=32)
 
 
+def _weights_gradient(conv, layer, images, seed):
+    """(x, y, dy masked by the ReLU, dw, db) of `layer.backward_weights` on random x and dy; the
+    caller's dy is left as it was (the kernels mask a copy, or the layer's own buffer)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((images, *conv.in_shape)).astype(np.float32)
+    y = conv.forward(x)
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    dy_before = dy.copy()
+    dw, db = conv.backward_weights(x, dy)
+    np.testing.assert_array_equal(dy, dy_before)
+    if layer.get("activation") == "relu":
+        dy = np.where(y > 0, dy, np.float32(0))
+    return x, y, dy, dw, db
+
+
 @needs_amx
 @pytest.mark.parametrize("source,layer", AMX_CASES + AMX_STRIDED_CASES)
 def test_amx_conv_backward_weights_against_float64(tmp_path, source, layer):
@@ -287,18 +302,10 @@ def test_amx_conv_backward_weights_against_float64(tmp_path, source, layer):
     out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
     conv = pr.load(out, threads=2).layers["conv"]
     assert conv.kernel_kind("bwd_weights") == "conv_bwd_weights_amx"
-    rng = np.random.default_rng(7)
-    x = rng.standard_normal((7, *conv.in_shape)).astype(np.float32)
     c_text = (out / "src" / "conv_bwd_weights.c").read_text()
     group, blocks = (int(re.search(rf"^#define {name} +(\d+) ", c_text, re.M)[1]) for name in ("GROUP", "NPB"))
-    assert group < x.shape[0] * blocks
-    y = conv.forward(x)
-    dy = rng.standard_normal(y.shape).astype(np.float32)
-    dy_before = dy.copy()
-    dw, db = conv.backward_weights(x, dy)
-    np.testing.assert_array_equal(dy, dy_before)
-    if layer.get("activation") == "relu":
-        dy = np.where(y > 0, dy, np.float32(0))
+    assert group < 7 * blocks
+    x, y, dy, dw, db = _weights_gradient(conv, layer, images=7, seed=7)
     _check_backward_weights(layer, x, dy, dw, db, n=x.shape[0] * y.shape[2] * y.shape[3])
 
 
@@ -589,13 +596,7 @@ def test_amx_packed_first_layer_backward_weights_against_float64(tmp_path, sourc
     out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
     conv = pr.load(out, threads=2).layers["conv"]
     assert conv.kernel_kind("bwd_weights") == "conv_bwd_weights_packed_amx"
-    rng = np.random.default_rng(9)
-    x = rng.standard_normal((7, *conv.in_shape)).astype(np.float32)
-    y = conv.forward(x)
-    dy = rng.standard_normal(y.shape).astype(np.float32)
-    dw, db = conv.backward_weights(x, dy)
-    if layer.get("activation") == "relu":
-        dy = np.where(y > 0, dy, np.float32(0))
+    x, y, dy, dw, db = _weights_gradient(conv, layer, images=7, seed=9)
     _check_backward_weights(layer, x, dy, dw, db, n=x.shape[0] * -(-y.shape[2] * y.shape[3] // 32) * 32)
 
 
