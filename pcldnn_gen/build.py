@@ -19,7 +19,8 @@ import numpy as np
 from filelock import FileLock
 
 from pcldnn_runtime import cpu
-from pcldnn_runtime.manifest import FORMAT, FORMAT_FAMILY, MANIFEST, WEIGHTS_FILE, file_sha256
+from pcldnn_runtime.limits import input_pixel_floats
+from pcldnn_runtime.manifest import FORMAT, FORMAT_FAMILY, MANIFEST, WEIGHTS_FILE, file_sha256, kernel_kinds
 from pcldnn_runtime.state_io import check_state, expected_state
 
 from . import __version__
@@ -60,9 +61,20 @@ def plan_net(net: NetSpec, arch: Arch, tuning: TuningDB | None = None,
              precision: str = "fp32") -> dict[tuple[str, str], KernelPlan]:
     """Every (layer, pass) plan: the model's, the tuning database's measured tile where an
     entry matches, or a forced candidate tile from `choices` (the tuner's trial builds). The
-    database holds fp32 measurements: bf16 kernels take the model's plan."""
-    return {(layer.name, p): plan_kernel(layer, p, arch, tuning, (choices or {}).get((layer.name, p)), precision)
-            for layer in net.layers for p in LAYER_PASSES[layer.type]}
+    database holds fp32 measurements: bf16 kernels take the model's plan. Each plan's kernel
+    kind is the one the runtime will ask of the build (manifest.kernel_kinds), checked here so
+    that the generator never writes a build its own loader refuses."""
+    plans = {}
+    for layer in net.layers:
+        packed = input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats
+        kinds = kernel_kinds(layer.type, layer_bf16(layer, arch, precision), layer_amx(layer, arch, precision), packed)
+        for p in LAYER_PASSES[layer.type]:
+            plan = plans[(layer.name, p)] = plan_kernel(layer, p, arch, tuning, (choices or {}).get((layer.name, p)),
+                                                        precision)
+            if plan.kind != kinds[p][p]:
+                raise AssertionError(f"internal error: layer {layer.name} {p}: the planner chose a {plan.kind} "
+                                     f"kernel where the runtime expects {kinds[p][p]}")
+    return plans
 
 
 def plan_kernel(layer: LayerSpec, pass_name: str, arch: Arch, tuning: TuningDB | None = None,

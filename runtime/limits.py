@@ -52,10 +52,14 @@ def bf16_kernels(precision: str, index: int, layer_type: str, channels: int, v: 
     """The passes of a layer that run bf16 kernels in a build of `precision`: a convolution's
     three passes, unless its input is the packed few-channel image (its pixels are not whole
     channel pairs), and an fc layer's three passes (on bf16 tile copies of its weights,
-    FcTileGeometry). The rest run fp32 kernels on fp32 buffers (generator and runtime both ask
-    here)."""
+    FcTileGeometry). A convolution of fewer input channels than a vector keeps the fp32
+    few-channel backward-data kernel (it vectorises over output channels, one accumulator per
+    input channel: no channel pairs to take). The rest run fp32 kernels on fp32 buffers
+    (generator and runtime both ask here)."""
     if precision != "bf16" or layer_type not in ("conv", "fc") or input_pixel_floats(index, layer_type, channels, v) != v:
         return ()
+    if layer_type == "conv" and channels < v:
+        return ("fwd", "bwd_weights")
     return ("fwd", "bwd_data", "bwd_weights")
 
 

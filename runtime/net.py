@@ -363,10 +363,13 @@ class Net:
         self.loss_layer.grad_blocked(ws.probs, ws.labels, dy)
         if grad_scale != 1.0:
             dy *= np.float32(grad_scale)
-        for i in range(len(self.chain) - 1, -1, -1):
+        # Below the first weighted layer no gradient is wanted: layers there (a dropout or a
+        # pooling on the input) are skipped, and the first weighted layer computes no dx.
+        first = next((i for i, l in enumerate(self.chain) if isinstance(l, WeightedLayer)), len(self.chain))
+        for i in range(len(self.chain) - 1, first - 1, -1):
             layer = self.chain[i]
             start = time.perf_counter()
-            dx = ws.grad((len(self.chain) - i) % 2, ws.acts[i]) if i > 0 else None
+            dx = ws.grad((len(self.chain) - i) % 2, ws.acts[i]) if i > first else None
             grads = layer.grad_buffers if isinstance(layer, WeightedLayer) else None
             layer.backward_blocked(ws.acts[i], ws.acts[i + 1], ws.aux[i], dy, dx, grads)
             if timings is not None:

@@ -32,6 +32,14 @@ SMALL_NETS = {
         {"name": "conv2", "type": "conv", "out_channels": 16, "kernel": 1, "activation": "relu"},
         {"name": "fc1", "type": "fc", "out_features": 5},
         {"name": "loss", "type": "softmax_cross_entropy"}],
+    # a pooling on the input before the first weighted layer (nothing below it needs a
+    # gradient: the pooling's backward pass is skipped), then a 3-channel conv that is not the
+    # net's first layer (its input is blocked, not packed: the few-channel kernels)
+    "pool_first": [
+        {"name": "pool0", "type": "maxpool", "kernel": 2, "stride": 1},
+        {"name": "conv1", "type": "conv", "out_channels": 6, "kernel": 3, "pad": 1, "activation": "relu"},
+        {"name": "fc1", "type": "fc", "out_features": 5},
+        {"name": "loss", "type": "softmax_cross_entropy"}],
 }
 
 
@@ -167,3 +175,35 @@ def test_vgg_a_training_memory_stays_under_1_5x_the_tensors(tmp_path):
     print(f"VGG-A minibatch 8: peak RSS {m['peak'] / 2**20:.0f} MiB, weights+grads+activations "
           f"{tensors / 2**20:.0f} MiB, ratio {m['peak'] / tensors:.2f}")
     assert m["peak"] < 1.5 * tensors
+
+
+@pytest.mark.parametrize("below", [[{"name": "relu0", "type": "relu"}],
+                                   [{"name": "drop0", "type": "dropout", "rate": 0.5}, {"name": "relu0", "type": "relu"}]])
+def test_layers_below_the_first_weighted_layer_are_skipped_backward(tmp_path, below):
+    """Nothing below the first weighted layer needs a gradient: those layers' backward passes
+    are skipped (they had no buffer to write: a net starting with a dropout crashed), and the
+    weighted layers' gradients are exactly those of the net without them fed what they output."""
+    tail = [{"name": "conv1", "type": "conv", "out_channels": 8, "kernel": 3, "pad": 1, "activation": "relu"},
+            {"name": "fc1", "type": "fc", "out_features": 5},
+            {"name": "loss", "type": "softmax_cross_entropy"}]
+    source = {"channels": 16, "height": 6, "width": 5}  # blocked in both nets: the same kernels
+    nets = {}
+    for name, layers in (("with", below + tail), ("without", tail)):
+        build(parse_netspec({"name": name, "input": source, "layers": layers}), get_arch(RUNNABLE_ISAS[-1]),
+              tmp_path / name)
+        nets[name] = pr.load(tmp_path / name, threads=2, seed=3)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, 16, 6, 5)).astype(np.float32)
+    labels = np.array([0, 4, 2])
+    net = nets["with"]
+    nets["without"].load_state_dict(net.state_dict())
+    timings: dict[str, float] = {}
+    net.forward(x, training=True)
+    fed = net.layers[below[-1]["name"]].output_from_blocked(net.workspace(3).acts[len(below)])  # conv1's input
+    loss = net.backward(labels, timings=timings)
+    assert set(timings) == {"conv1", "fc1"}
+    assert nets["without"].loss_and_grad(fed, labels) == loss
+    for layer in ("conv1", "fc1"):
+        got = net.layers[layer].grad_weights
+        assert np.any(got != 0)
+        np.testing.assert_array_equal(got, nets["without"].layers[layer].grad_weights)

@@ -563,6 +563,41 @@ def test_few_channel_first_layer_stays_fp32(tmp_path):
     assert next(iter(entry["kernels"]["bwd_weights"]["symbols"].values())) == "conv_bwd_weights_packed_amx"
 
 
+@pytest.mark.parametrize("arch", [pytest.param(get_arch("avx512"), marks=needs_bf16, id="vdpbf16ps"),
+                                  pytest.param(AMX_ARCH, marks=needs_amx, id="amx")])
+def test_few_channel_conv_inside_a_net_builds_and_matches_fp32(tmp_path, arch):
+    """A convolution of fewer input channels than a vector that is not the first layer: its
+    input is blocked (not packed), its forward and backward-weights passes bf16; without AMX its
+    backward-data is the fp32 few-channel kernel (no channel pairs to take; such a build was
+    once refused by its own loader). Its dx then equals the fp32 build's bit for bit."""
+    layers = [{"name": "conv1", "type": "conv", "out_channels": 5, "kernel": 3, "pad": 1, "activation": "relu"},
+              {"name": "conv2", "type": "conv", "out_channels": 32, "kernel": 3, "pad": 1}]
+    spec = parse_netspec({"name": "few", "input": {"channels": 16, "height": 7, "width": 6}, "layers": layers})
+    nets = {}
+    for precision, a in (("bf16", arch), ("fp32", get_arch("avx512"))):
+        build(spec, a, tmp_path / precision, precision=precision)
+        nets[precision] = pr.load(tmp_path / precision, threads=2)
+    conv = nets["bf16"].layers["conv2"]
+    kinds = [conv.kernel_kind(p) for p in ("fwd", "bwd_data", "bwd_weights")]
+    suffix = "_amx" if arch.amx else "_bf16"
+    assert kinds == ["conv_fwd" + suffix, "conv_bwd_data" + suffix if arch.amx else "conv_bwd_data",
+                     "conv_bwd_weights" + suffix]
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 5, 7, 6)).astype(np.float32)
+    dy = rng.standard_normal((2, 32, 7, 6)).astype(np.float32)
+    fp32 = nets["fp32"].layers["conv2"]
+    fp32.weights = conv.weights
+    for layer in (conv, fp32):
+        layer.forward(x)
+    dx = conv.backward_data(dy)
+    if not arch.amx:
+        np.testing.assert_array_equal(dx, fp32.backward_data(dy))
+    else:
+        _check_backward_data(conv, {"stride": 1, "pad": 1, "kernel": 3, "out_channels": 32}, x, dy, dx,
+                             channel_block=32)
+    _check_conv_forward(conv, {"channels": 5}, {"stride": 1, "pad": 1, "kernel": 3}, pairs_per_row=16 if arch.amx else 8)
+
+
 # packed few-channel first layers (an RGB image): VGG's 3x3, AlexNet's 11x11 stride 4 (363
 # window values: 12 tile steps), a 7x7 stride-2 window over 5 channels with a ReLU
 PACKED_CASES = [
