@@ -76,10 +76,10 @@ def amx_kernels(precision: str, amx: bool, index: int, layer_type: str, channels
     """The passes of a layer that run AMX tile kernels (kind *_amx) in a bf16 build for an arch
     with `amx`: a convolution's forward and backward-weights passes (strided ones on phase
     planes: AmxConvGeometry), or for a first layer's packed few-channel input over im2col rows
-    (amx_packed_weight_values, amx_packed_gradient_values); a stride-1 convolution's backward-data pass (the forward
-    convolution of dy with the flipped, transposed weights) where the padding is at most the
-    window side - 1; the other passes run fp32 kernels (bf16_passes). An fc layer's three
-    passes (FcTileGeometry)."""
+    (amx_packed_weight_values, amx_packed_gradient_values); a convolution's backward-data pass
+    (the convolution of dy with the flipped, transposed weights; strided or padded by the window
+    side or more: per phase of dx, AmxResultPhase) unless its input is that packed image; the
+    other passes run fp32 kernels (bf16_passes). An fc layer's three passes (FcTileGeometry)."""
     if not amx or precision != "bf16":
         return ()
     if layer_type == "fc":
@@ -88,9 +88,7 @@ def amx_kernels(precision: str, amx: bool, index: int, layer_type: str, channels
         return ("fwd", "bwd_weights") if kernel[0] * kernel[1] * channels >= AMX_PACKED_GRADIENT_WINDOW else ("fwd",)
     if "fwd" not in bf16_kernels(precision, index, layer_type, channels, v):
         return ()
-    if stride != (1, 1):
-        return ("fwd", "bwd_weights")
-    return ("fwd", "bwd_data", "bwd_weights") if pad[0] < kernel[0] and pad[1] < kernel[1] else ("fwd", "bwd_weights")
+    return ("fwd", "bwd_data", "bwd_weights")
 
 
 def bf16_passes(precision: str, amx: bool, index: int, layer_type: str, channels: int, v: int,
@@ -108,6 +106,37 @@ def bf16_passes(precision: str, amx: bool, index: int, layer_type: str, channels
 AMX_ROWS = 16        # tile rows: output pixels per A and C tile
 AMX_PAIRS = 16       # tile rows of B: input-channel pairs (a 64-byte row is 32 bf16 channels)
 AMX_PIXEL_BLOCK = 2 * AMX_ROWS  # output pixels per work item: two A tiles share each B tile
+
+
+@dataclass(frozen=True)
+class AmxResultPhase:
+    """One phase (a, b) of a backward-data pass computed per phase of dx (AmxConvGeometry.phases):
+    dx pixels (SH i + a, SW j + b), i < rows, j < cols. Along rows, dx[SH i + a] sums
+    dy[i + c - t] w[r + SH t] over taps t < taps_h, with r = (a + PH) % SH and c = (a + PH) // SH:
+    a stride-1 convolution of dy with every SH-th row of the flipped window, reading padded dy
+    rows i + row_offset + t' (t' = taps_h - 1 - t); the same along columns. A phase without
+    taps (the window skips it: a 1x1 stride-2 layer's odd pixels) has zero gradient."""
+    a: int
+    b: int
+    first_tap_h: int   # r: the window row of the phase's last step (t' = taps_h - 1)
+    first_tap_w: int
+    taps_h: int
+    taps_w: int
+    rows: int          # dx rows of the phase: ceil((IH - a) / SH)
+    cols: int
+    row_offset: int    # padded dy row of result row 0 at t' = 0
+    col_offset: int
+    pixel_blocks: int  # 32-pixel blocks of its rows x WP flat results (0 without taps)
+    first_unit: int    # its first (pixel block) unit among an image's
+
+
+def _axis_phases(size: int, kernel: int, pad: int, stride: int) -> list[tuple[int, int, int, int]]:
+    """(first tap r, taps, result rows, c) of each phase a < stride along one axis (AmxResultPhase)."""
+    out = []
+    for a in range(stride):
+        r, c = (a + pad) % stride, (a + pad) // stride
+        out.append((r, max(0, -(-(kernel - r) // stride)), max(0, -(-(size - a) // stride)), c))
+    return out
 
 
 @dataclass(frozen=True)
@@ -136,6 +165,11 @@ class AmxConvGeometry:
     hq: int = 0          # rows of a phase plane: ceil(HP / SH)
     wq: int = 0          # columns of a phase plane: the flat row length of the results
     phase_plane: int = 0  # pixels of one phase plane, with the zero tail its taps may read
+    # backward-data of a strided convolution, or one padded by the window side or more: dx per
+    # phase (AmxResultPhase, those with taps and pixels), over one stride-1 padded copy of dy
+    phases: tuple[AmxResultPhase, ...] = ()
+    result_stride: tuple[int, int] = (1, 1)
+    empty_phases: tuple[tuple[int, int], ...] = ()  # (a, b) of phases with pixels and no taps: dx zero
 
     def scratch_values(self, batch: int) -> int:
         """bf16 values of the kernel's scratch: the weights, then the padded source copy."""
@@ -156,7 +190,10 @@ def amx_conv_geometry(pass_name: str, in_shape: tuple[int, int, int], out_shape:
                       kernel: tuple[int, int], pad: tuple[int, int],
                       stride: tuple[int, int] = (1, 1)) -> AmxConvGeometry:
     """The geometry of a conv layer's `pass_name` AMX kernel (backward-weights: the forward's;
-    backward-data: stride 1 only)."""
+    backward-data: the flipped window over dy, per phase of dx where strided or padded by the
+    window side or more)."""
+    if pass_name == "bwd_data" and (stride != (1, 1) or pad[0] >= kernel[0] or pad[1] >= kernel[1]):
+        return _phased_geometry(in_shape, out_shape, kernel, pad, stride)
     if pass_name != "bwd_data":
         source, result = in_shape, out_shape
     else:
@@ -173,6 +210,35 @@ def amx_conv_geometry(pass_name: str, in_shape: tuple[int, int, int], out_shape:
     gradient_pairs = pixel_blocks * AMX_PIXEL_BLOCK // 2 + ((kernel[0] - 1) // sh * wq + (kernel[1] - 1) // sw) // 2 + 1
     return AmxConvGeometry(source, result, pad, icb, hp, wp, pixel_blocks, sh * sw * phase_plane, weight_values,
                            gradient_pairs, stride, hq, wq, phase_plane)
+
+
+def _phased_geometry(in_shape: tuple[int, int, int], out_shape: tuple[int, int, int], kernel: tuple[int, int],
+                     pad: tuple[int, int], stride: tuple[int, int]) -> AmxConvGeometry:
+    """Backward-data per phase of dx (AmxResultPhase): dy copied once, padded by PT rows and PL
+    columns (the most any phase reads before dy's first pixel) and as far past its end as the
+    phases read; every phase's flat result rows are WP long."""
+    rows = _axis_phases(in_shape[1], kernel[0], pad[0], stride[0])
+    cols = _axis_phases(in_shape[2], kernel[1], pad[1], stride[1])
+    pt = max([t - 1 - c for _, t, n, c in rows if t and n] + [0])
+    pl = max([t - 1 - c for _, t, n, c in cols if t and n] + [0])
+    hp = max([pt + out_shape[1]] + [n + c - t + 1 + pt + t - 1 for _, t, n, c in rows if t and n])
+    wp = max([pl + out_shape[2]] + [n + c - t + 1 + pl + t - 1 for _, t, n, c in cols if t and n])
+    phases, units, reach, empty = [], 0, hp * wp, []
+    for a, (rh, th, nh, ch) in enumerate(rows):
+        for b, (rw, tw, nw, cw) in enumerate(cols):
+            if not (th and tw and nh and nw):
+                if nh and nw:
+                    empty.append((a, b))
+                continue
+            blocks_ = -(-nh * wp // AMX_PIXEL_BLOCK)
+            phase = AmxResultPhase(a, b, rh, rw, th, tw, nh, nw, ch - th + 1 + pt, cw - tw + 1 + pl, blocks_, units)
+            phases.append(phase)
+            units += blocks_
+            reach = max(reach, blocks_ * AMX_PIXEL_BLOCK + (phase.row_offset + th - 1) * wp + phase.col_offset + tw - 1)
+    icb = blocks(out_shape[0], 2 * AMX_PAIRS)
+    weight_values = blocks(in_shape[0], 16) * icb * kernel[0] * kernel[1] * AMX_PAIRS * 16 * 2
+    return AmxConvGeometry(out_shape, in_shape, (pt, pl), icb, hp, wp, units, reach, weight_values, 0, (1, 1), hp, wp,
+                           reach, tuple(phases), stride, tuple(empty))
 
 
 def amx_packed_reduction(in_shape: tuple[int, int, int], kernel: tuple[int, int]) -> int:

@@ -181,15 +181,20 @@ def _check_conv_forward(conv, source, layer, pairs_per_row, seed=3, n=None):
     assert np.any(np.abs(y - unrounded) > bound)
 
 
+def _pair(value) -> tuple[int, int]:
+    """A net.json size (one number, or [rows, columns]) as a pair."""
+    return (value[0], value[1]) if isinstance(value, list) else (value, value)
+
+
 def _check_backward_data(conv, layer, x, dy, dx, channel_block):
     """dx = sum of bf16(dy, masked by the ReLU) bf16(w) over oc, kh, kw: the same bound, n the
     output channels padded to `channel_block` times the taps; off by more against unrounded
     inputs. dy: the masked gradient."""
-    stride, pad = (layer["stride"],) * 2, (layer["pad"],) * 2
+    stride, pad, kernel = _pair(layer["stride"]), _pair(layer["pad"]), _pair(layer["kernel"])
     dyr, wr = as_float(bf16_reference(dy)), as_float(bf16_reference(conv.weights))
     ref = conv2d_bwd_data(dyr, wr, stride, pad, x.shape)
     magnitude = conv2d_bwd_data(np.abs(dyr), np.abs(wr), stride, pad, x.shape)
-    n = -(-layer["out_channels"] // channel_block) * channel_block * layer["kernel"] ** 2
+    n = -(-layer["out_channels"] // channel_block) * channel_block * kernel[0] * kernel[1]
     bound = (n + 2) * U32 * magnitude
     assert np.all(np.abs(dx - ref) <= bound)
     assert np.any(np.abs(dx - conv2d_bwd_data(dy, conv.weights, stride, pad, x.shape)) > bound)
@@ -256,14 +261,30 @@ def test_amx_conv_forward_against_float64(tmp_path, source, layer, threads):
     _check_conv_forward(conv, source, layer, pairs_per_row=16)
 
 
+# backward-data per phase of dx (limits.AmxResultPhase): the strided layers above, a stride-1
+# layer padded by its window side (dy read from an offset), several reduction chunks over 200
+# channels of dy, a 2x2 window at stride 3 (a phase no tap reaches: zero) over a 17-channel
+# tail, and unequal strides and windows along rows and columns
+AMX_PHASED_CASES = AMX_STRIDED_CASES + [
+    ({"channels": 20, "height": 8, "width": 9}, {"out_channels": 24, "kernel": 3, "stride": 1, "pad": 3}),
+    ({"channels": 16, "height": 11, "width": 10}, {"out_channels": 200, "kernel": 3, "stride": 2, "pad": 1,
+                                                    "activation": "relu"}),
+    ({"channels": 17, "height": 10, "width": 11}, {"out_channels": 16, "kernel": 2, "stride": 3, "pad": 1}),
+    ({"channels": 16, "height": 9, "width": 12}, {"out_channels": 32, "kernel": [3, 5], "stride": [2, 1],
+                                                   "pad": [1, 2]}),
+]
+
+
 @needs_amx
-@pytest.mark.parametrize("source,layer", AMX_CASES)
-def test_amx_conv_backward_data_against_float64(tmp_path, source, layer):
+@pytest.mark.parametrize("source,layer,threads", [(*case, 2) for case in AMX_CASES + AMX_PHASED_CASES] +
+                         [(*case, 1) for case in AMX_PHASED_CASES[-3:]])
+def test_amx_conv_backward_data_against_float64(tmp_path, source, layer, threads):
     """The AMX backward-data kernel (the forward kernel's tiling on dy, with the window flipped
-    and the weights transposed): the bound with n the output channels padded to 32 times the
-    taps; dy is passed unmasked, the kernel masks it by the ReLU's output as it converts it."""
+    and the weights transposed; strided or widely padded layers per phase of dx): the bound with
+    n the output channels padded to 32 times the taps; dy is passed unmasked, the kernel masks
+    it by the ReLU's output as it converts it; pixels no tap reaches are exactly zero."""
     out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
-    conv = pr.load(out, threads=2).layers["conv"]
+    conv = pr.load(out, threads=threads).layers["conv"]
     assert conv.kernel_kind("bwd_data") == "conv_bwd_data_amx"
     rng = np.random.default_rng(6)
     x = rng.standard_normal((2, *conv.in_shape)).astype(np.float32)
@@ -469,12 +490,11 @@ def test_amx_and_bf16_kernels_take_the_models_plan_with_a_tuning_database():
     assert plan_kernel(conv, "fwd", get_arch("avx512"), Database(), precision="bf16").kind == "conv_fwd_bf16"
 
 
-def test_amx_builds_put_stride_1_passes_on_tiles(tmp_path):
-    """An arch with AMX: a stride-1 convolution's three passes are AMX kernels that convert their
-    own operands (no bf16 copies in the layout library), headers say the tile blocking;
-    a strided convolution's forward and backward-weights passes are on tiles too (phase planes);
-    backward-data with padding past the window - 1 (no flipped equivalent) or a stride runs the
-    fp32 kernel (vdpbf16ps at half the fp32 rate on AMX CPUs: limits.bf16_passes)."""
+def test_amx_builds_put_every_convolution_pass_on_tiles(tmp_path):
+    """An arch with AMX: a convolution's three passes are AMX kernels that convert their own
+    operands (no bf16 copies in the layout library), headers say the tile blocking; strided
+    forward and backward-weights passes on phase planes of x, backward-data of a strided layer
+    or one padded past the window - 1 per phase of dx (their headers say so)."""
     spec = parse_netspec({"name": "t", "input": {"channels": 16, "height": 8, "width": 8}, "layers": [
         {"name": "c1", "type": "conv", "out_channels": 32, "kernel": 3, "pad": 1},
         {"name": "c2", "type": "conv", "out_channels": 16, "kernel": 3, "stride": 2, "pad": 1},
@@ -484,10 +504,10 @@ def test_amx_builds_put_stride_1_passes_on_tiles(tmp_path):
     assert doc["arch"]["amx"] is True
     kinds = {layer["name"]: [next(iter(layer["kernels"][p]["symbols"].values())) for p in ("fwd", "bwd_data", "bwd_weights")]
              for layer in doc["layers"]}
-    assert kinds == {"c1": ["conv_fwd_amx", "conv_bwd_data_amx", "conv_bwd_weights_amx"],
-                     "c2": ["conv_fwd_amx", "conv_bwd_data", "conv_bwd_weights_amx"],
-                     "c3": ["conv_fwd_amx", "conv_bwd_data", "conv_bwd_weights_amx"]}
-    c1, c2, _ = doc["layers"]
+    assert kinds == {name: ["conv_fwd_amx", "conv_bwd_data_amx", "conv_bwd_weights_amx"] for name in ("c1", "c2", "c3")}
+    c1, c2, c3 = doc["layers"]
+    for layer, phases in ((c2, "dx in 4 phases of stride 2x2"), (c3, "dx in 1 phase of stride 1x1")):
+        assert phases in (tmp_path / "t" / layer["kernels"]["bwd_data"]["source"]).read_text().split("*/")[0]
     assert not any("to_bf16" in s for layer in (c1, c2) for s in layer["kernels"]["layout"]["symbols"])
     header = (tmp_path / "t" / c1["kernels"]["fwd"]["source"]).read_text().split("*/")[0]
     assert "blocks  : AMX tiles: 32 result pixels x 16 result channels" in header

@@ -51,9 +51,8 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, 
         if layer.type == "conv" and pass_name != "bwd_data" and \
                 input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats:
             return plan_conv_packed_amx(layer, pass_name, arch)
-        if layer.type != "conv" or (layer.stride != (1, 1) and pass_name == "bwd_data"):
-            raise PlanError(f"{layer.name}: AMX kernels exist for convolutions (strided: forward and "
-                            f"backward-weights) and fc layers only")
+        if layer.type != "conv":
+            raise PlanError(f"{layer.name}: AMX kernels exist for convolutions and fc layers only")
         return plan_conv_bwd_weights_amx(layer, arch) if pass_name == "bwd_weights" else plan_conv_amx(layer, pass_name, arch)
     if bf16:
         if layer.type == "fc":

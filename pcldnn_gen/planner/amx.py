@@ -43,6 +43,8 @@ def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxConvPlan:
     the two other C tiles hold the previous item, stored while this one starts."""
     kh, kw = layer.kernel
     geo = amx_conv_geometry(pass_name, layer.in_shape, layer.out_shape, layer.kernel, layer.pad, layer.stride)
+    if geo.phases:  # backward-data per phase of dx: a phase's steps are its taps
+        kh, kw = max(q.taps_h for q in geo.phases), max(q.taps_w for q in geo.phases)
     # one 32-channel block's A rows: a run of 32 + KW - 1 pixels in each of KH rows (one span
     # where the rows overlap)
     a_bytes = min(kh * (AMX_PIXEL_BLOCK + kw - 1), (kh - 1) * geo.wp + AMX_PIXEL_BLOCK + kw - 1) * 64 \
@@ -53,9 +55,14 @@ def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxConvPlan:
     chunks = -(-geo.icb // chunk)
     chunk = -(-geo.icb // chunks)  # balanced: the last chunk is not a sliver
     (sc, _, _), (_, rh, rw) = geo.source, geo.result
+    row = max(q.cols for q in geo.phases) if geo.phases else rw  # results of a flat row
     useful = (rh * rw) / (geo.pixel_blocks * AMX_PIXEL_BLOCK) * sc / (geo.icb * 32)
     phases = "" if geo.stride == (1, 1) else f"stride {geo.stride[0]}x{geo.stride[1]} on phase planes, "
-    reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; {phases}flat rows of {geo.wq} columns for {rw} "
+    if geo.phases:
+        count, (sh, sw) = len(geo.phases), geo.result_stride
+        empty = f", {len(geo.empty_phases)} without taps: zero" if geo.empty_phases else ""
+        phases = f"dx in {count} phase{'s' if count > 1 else ''} of stride {sh}x{sw} (at most {kh}x{kw} taps each{empty}), "
+    reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; {phases}flat rows of {geo.wq} columns for {row} "
               f"results and {geo.icb * 32} padded source channels for {sc}: {useful:.0%} of tile work useful. "
               f"Reduction chunk {chunk} of {geo.icb} 32-channel blocks: its A rows and B tiles, "
               f"{chunk * per_block // 1024} KiB, fit {L1_SHARE:.0%} of L1 ({arch.l1d_bytes // 1024} KiB). Bands of "
