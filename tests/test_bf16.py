@@ -330,6 +330,25 @@ def test_amx_conv_backward_weights_against_float64(tmp_path, source, layer):
     _check_backward_weights(layer, x, dy, dw, db, n=x.shape[0] * y.shape[2] * y.shape[3])
 
 
+@needs_amx
+def test_amx_conv_backward_weights_shares_taps_between_threads(tmp_path):
+    """A layer of 32 channels is one work item (2 x 2 channel blocks): its taps are what the
+    threads share, each tap's accumulators one thread's, so 1, 2 and 3 threads give the same
+    bits, and the result is right."""
+    source, layer = {"channels": 32, "height": 9, "width": 10}, {"out_channels": 32, "kernel": 3, "stride": 1, "pad": 1}
+    out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
+    net = pr.load(out, threads=1)
+    conv = net.layers["conv"]
+    grads = []
+    for threads in (1, 2, 3):
+        net.threads = threads
+        x, y, dy, dw, db = _weights_gradient(conv, layer, images=3, seed=2)
+        grads.append(dw)
+    np.testing.assert_array_equal(grads[0], grads[1])
+    np.testing.assert_array_equal(grads[0], grads[2])
+    _check_backward_weights(layer, x, dy, dw, db, n=x.shape[0] * y.shape[2] * y.shape[3])
+
+
 # (input shape, features, activation): K = 288 with 40 features (3 output blocks: an odd last
 # column group, FP = 64 with a zero half tile), K = 144 = 16 mod 32 (a half-zero last tile row)
 FC_CASES = [((20, 3, 3), 40, "relu"), ((16, 3, 3), 24, None)]
