@@ -18,7 +18,7 @@ import numpy as np
 
 import pcldnn_runtime as pr
 from pcldnn_runtime.abi import REPEATED_KINDS, SIGNATURES
-from pcldnn_runtime.kernels import empty_aligned, fma_peak_gflops, load_library, ptr
+from pcldnn_runtime.kernels import bf16_bits, empty_aligned, fma_peak_gflops, load_library, ptr
 from pcldnn_runtime.manifest import PASSES, file_sha256
 
 from . import __version__
@@ -101,12 +101,18 @@ class KernelTimer:
 
 def kernel_timers(layer, batch: int) -> dict[str, KernelTimer]:
     """{pass: a KernelTimer of the layer's kernel} on blocked buffers of random values (fixed
-    seed): what the benchmarks time, without layout conversions."""
+    seed): what the benchmarks time, without layout conversions; activations stored as bf16 in
+    the net (limits.bf16_outputs) are bf16 here too."""
     rng = np.random.default_rng(0)
     xb = empty_aligned(layer.input_shape(batch))
     xb[...] = rng.standard_normal(xb.shape)
-    yb, dyb = (empty_aligned(layer.blocked_shape(layer.out_shape, batch)) for _ in range(2))
     dxb = empty_aligned(xb.shape)
+    if layer.in_bf16:
+        bits = empty_aligned(xb.shape, dtype=np.uint16)
+        bf16_bits(xb, bits, flush_subnormals=True)
+        xb = bits
+    shape = layer.blocked_shape(layer.out_shape, batch)
+    yb, dyb = empty_aligned(shape, dtype=np.uint16 if layer.out_bf16 else np.float32), empty_aligned(shape)
     dyb[...] = rng.standard_normal(dyb.shape)
     grads = tuple(empty_aligned(g.shape) for g in layer.grad_buffers)
     runs = {"fwd": lambda: layer.forward_blocked(xb, yb),

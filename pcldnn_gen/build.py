@@ -19,7 +19,7 @@ import numpy as np
 from filelock import FileLock
 
 from pcldnn_runtime import cpu
-from pcldnn_runtime.limits import input_pixel_floats
+from pcldnn_runtime.limits import bf16_outputs, input_pixel_floats
 from pcldnn_runtime.manifest import FORMAT, FORMAT_FAMILY, MANIFEST, WEIGHTS_FILE, file_sha256, kernel_kinds
 from pcldnn_runtime.state_io import check_state, expected_state
 
@@ -65,25 +65,34 @@ def plan_net(net: NetSpec, arch: Arch, tuning: TuningDB | None = None,
     kind is the one the runtime will ask of the build (manifest.kernel_kinds), checked here so
     that the generator never writes a build its own loader refuses."""
     plans = {}
+    activations = net_activations(net, arch, precision)
     for layer in net.layers:
         packed = input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats
         kinds = kernel_kinds(layer.type, layer_bf16(layer, arch, precision), layer_amx(layer, arch, precision), packed)
         for p in LAYER_PASSES[layer.type]:
             plan = plans[(layer.name, p)] = plan_kernel(layer, p, arch, tuning, (choices or {}).get((layer.name, p)),
-                                                        precision)
+                                                        precision, activations[layer.name])
             if plan.kind != kinds[p][p]:
                 raise AssertionError(f"internal error: layer {layer.name} {p}: the planner chose a {plan.kind} "
                                      f"kernel where the runtime expects {kinds[p][p]}")
     return plans
 
 
+def net_activations(net: NetSpec, arch: Arch, precision: str) -> dict[str, tuple[bool, bool]]:
+    """Per layer, whether its (input, output) activations are stored as bf16 (limits.bf16_outputs)."""
+    outputs = bf16_outputs(precision, arch.amx, arch.vector_floats, net.layers)
+    return {layer.name: (i > 0 and outputs[i - 1], outputs[i]) for i, layer in enumerate(net.layers)}
+
+
 def plan_kernel(layer: LayerSpec, pass_name: str, arch: Arch, tuning: TuningDB | None = None,
-                choice: tuple[int, int] | None = None, precision: str = "fp32") -> KernelPlan:
+                choice: tuple[int, int] | None = None, precision: str = "fp32",
+                activations: tuple[bool, bool] = (False, False)) -> KernelPlan:
     """One kernel's plan by plan_net's rule (compile and `inspect` alike): a forced tile, else
-    the database's measured one, else the model's; bf16 and AMX kernels always the model's."""
+    the database's measured one, else the model's; bf16 and AMX kernels always the model's
+    (`activations`: net_activations of the layer)."""
     bf16, amx = pass_name in layer_bf16(layer, arch, precision), pass_name in layer_amx(layer, arch, precision)
     if choice or tuning is None or bf16 or amx:
-        return plan_layer(layer, pass_name, arch, choice, bf16, amx)
+        return plan_layer(layer, pass_name, arch, choice, bf16, amx, activations)
     return tuning.plan(layer, pass_name, arch)
 
 
@@ -144,7 +153,7 @@ def _write_build(net: NetSpec, arch: Arch, out_dir: Path, sources: list[tuple[La
                 if p != "layout":
                     entry["plan"] = plans[(layer.name, p)].to_json()
                 kernels.setdefault(layer.name, {})[p] = entry
-            manifest = _manifest(net, arch, kernels) | own | {"precision": precision}
+            manifest = _manifest(net, arch, kernels, precision) | own | {"precision": precision}
             if initial is not None:
                 np.savez(stage / WEIGHTS_FILE, **initial)  # type: ignore[arg-type]
                 manifest["weights"] = {"file": WEIGHTS_FILE, "sha256": file_sha256(stage / WEIGHTS_FILE)}
@@ -155,8 +164,11 @@ def _write_build(net: NetSpec, arch: Arch, out_dir: Path, sources: list[tuple[La
             raise
 
 
-def _manifest(net: NetSpec, arch: Arch, kernels: dict[str, dict]) -> dict:
+def _manifest(net: NetSpec, arch: Arch, kernels: dict[str, dict], precision: str) -> dict:
+    """The build's manifest.json (runtime/manifest.py reads it); a layer whose output activation
+    is stored as bf16 (limits.bf16_outputs) says `"output": "bf16"`."""
     layers = []
+    activations = net_activations(net, arch, precision)
     for layer in net.layers:
         layers.append({
             "name": layer.name, "type": layer.type,
@@ -166,6 +178,7 @@ def _manifest(net: NetSpec, arch: Arch, kernels: dict[str, dict]) -> dict:
             "weight_shape": list(layer.weight_shape) if layer.weight_shape else None,
             "kernels": kernels.get(layer.name, {}),
             **({} if layer.bias else {"bias": False}),
+            **({"output": "bf16"} if activations[layer.name][1] else {}),
         })
     return {
         "format": FORMAT, "generator": f"pcldnn-gen {__version__}",

@@ -42,9 +42,11 @@ SIGNATURES: dict[str, str] = {
     # (limits.bf16_weight_scratch), the bias gradient from the fp32 dy.
     "conv_bwd_weights_bf16": "const float *in, float *dy, const float *out, unsigned short *scratch, float *dwt, "
                              "float *dbias, int batch, int nthreads",
-    # AMX builds: a stride-1 conv forward on tiles, converting input and weights into its bf16
-    # scratch itself (limits.AmxConvGeometry).
-    "conv_fwd_amx": "const float *in, const float *wt, const float *bias, float *out, unsigned short *scratch, "
+    # AMX builds: a conv forward on tiles, converting input and weights into its bf16 scratch
+    # itself (limits.AmxConvGeometry). The three AMX conv kinds take their activations (x, y:
+    # `in`, `out`) as fp32 or, where limits.bf16_outputs says, bf16 (the kernel knows which);
+    # gradients are fp32.
+    "conv_fwd_amx": "const void *in, const float *wt, const float *bias, void *out, unsigned short *scratch, "
                     "int batch, int nthreads",
     # and the packed few-channel first layer's forward pass over im2col rows (its weight tiles in
     # scratch: limits.amx_packed_weight_values)
@@ -54,11 +56,11 @@ SIGNATURES: dict[str, str] = {
     # limits.amx_packed_gradient_values)
     "conv_bwd_weights_packed_amx": "const float *in, float *dy, const float *out, unsigned short *scratch, "
                                    "float *dwt, float *dbias, int batch, int nthreads",
-    # and backward-data (stride 1, padding below the window): dy masked by the ReLU as it is copied
-    "conv_bwd_data_amx": "float *dy, const float *out, const float *wt, unsigned short *scratch, float *dx, "
+    # and backward-data: dy masked by the ReLU's output as it is copied
+    "conv_bwd_data_amx": "float *dy, const void *out, const float *wt, unsigned short *scratch, float *dx, "
                          "int batch, int nthreads",
     # and backward-weights: x and dy (masked as it is copied; dy itself left as it is) copied into scratch
-    "conv_bwd_weights_amx": "const float *in, float *dy, const float *out, unsigned short *scratch, float *dwt, "
+    "conv_bwd_weights_amx": "const void *in, float *dy, const void *out, unsigned short *scratch, float *dwt, "
                             "float *dbias, int batch, int nthreads",
     # and an fc layer's passes on tiles; bf16 builds without AMX have vdpbf16ps kernels of the
     # same signatures (*_bf16). The weights are the layer's bf16 tile copies

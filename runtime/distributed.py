@@ -32,20 +32,13 @@ import numpy as np
 
 from . import observe
 from .errors import PcldnnError
+from .kernels import bf16_bits, bf16_values
 from .layer_modes import layer_modes
 from .model_parallel import ModelParallelFC
 from .mpi_safety import Watchdog, abort_on_exception, agree, check_same_net, comm_timeout, exit_agreement, guard_world
 from .partition import displacements, part_counts
 
 GRADIENT_EXCHANGES = ("fp32", "bf16")
-
-
-def bf16_bits(x: np.ndarray, out: np.ndarray) -> None:
-    """float32 `x` rounded to bf16 (to nearest, ties to even; a NaN stays a quiet NaN), as
-    uint16 bits into `out`: what a bf16 gradient exchange sends."""
-    u = x.view(np.uint32)
-    rounded = (u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16
-    np.copyto(out, np.where((u & 0x7FFFFFFF) > 0x7F800000, (u >> 16) | 0x40, rounded), casting="unsafe")
 
 
 @dataclass
@@ -295,7 +288,7 @@ class SyncSGD:
             self._event(f"part-reduce {b.name}", "comm", started, done)
             s = time.perf_counter()
             if b.send is not None:  # every rank's bf16 part, summed in fp32 in rank order
-                parts = (b.recv.reshape(b.comm.size, -1).astype(np.uint32) << 16).view(np.float32)
+                parts = bf16_values(b.recv.reshape(b.comm.size, -1))
                 np.sum(parts, axis=0, dtype=np.float32, out=self.net.grads[b.own])
             else:
                 np.copyto(self.net.grads[b.own], b.recv)

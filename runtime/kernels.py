@@ -134,6 +134,23 @@ def fma_peak_gflops(fn: Callable, flops_per_iteration: int, threads: int, repeat
     return flops_per_iteration * threads * iters / float(np.median(times)) / 1e9
 
 
+def bf16_bits(x: np.ndarray, out: np.ndarray, flush_subnormals: bool = False) -> None:
+    """float32 `x` rounded to bf16 (to nearest, ties to even; a NaN stays a quiet NaN), as
+    uint16 bits into `out`: what a bf16 gradient exchange sends (subnormals rounded), or with
+    `flush_subnormals` exactly what the kernels' vcvtneps2bf16 gives (subnormal inputs become
+    signed zeros): an activation stored as bf16 given through the layer API."""
+    u = x.view(np.uint32)
+    rounded = (u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16
+    if flush_subnormals:
+        rounded = np.where((u & 0x7F800000) == 0, (u >> 16) & 0x8000, rounded)
+    np.copyto(out, np.where((u & 0x7FFFFFFF) > 0x7F800000, (u >> 16) | 0x40, rounded), casting="unsafe")
+
+
+def bf16_values(bits: np.ndarray) -> np.ndarray:
+    """uint16 bf16 bits as float32 values (exact)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
 _C_TYPES = {np.dtype(np.float32): "float[]", np.dtype(np.int32): "int[]", np.dtype(np.float64): "double[]",
             np.dtype(np.uint16): "unsigned short[]"}  # uint16: bf16 values
 

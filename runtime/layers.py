@@ -15,7 +15,7 @@ import numpy as np
 
 from .abi import DROPOUT_HASH_STEP
 from .errors import PcldnnError
-from .kernels import empty_aligned, ptr
+from .kernels import bf16_bits, bf16_values, empty_aligned, ptr
 from .limits import (
     amx_conv_geometry,
     amx_packed_gradient_values,
@@ -66,6 +66,10 @@ class Layer:
         # Set by Net: inside the fully-connected part of the chain activations are vectors.
         self.flat_input = self.type == "fc"
         self.flat_output = self.type == "fc"
+        # Set by Net: the input / output activation is stored as bf16 (limits.bf16_outputs); the
+        # canonical API converts at its boundary and stays float32
+        self.in_bf16 = False
+        self.out_bf16 = False
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}: {self.in_shape} -> {self.out_shape}>"
@@ -153,8 +157,26 @@ class Layer:
         self._k["in_to_blocked"](ptr(x), ptr(xb), x.shape[0], self.team(x.shape[0]))
 
     def output_from_blocked(self, yb: np.ndarray) -> np.ndarray:
-        """The blocked output yb in canonical layout: (N, C, H, W), or (N, F) for fc outputs."""
+        """The blocked output yb (float32, or bf16 bits) in canonical layout: (N, C, H, W), or
+        (N, F) for fc outputs."""
+        if yb.dtype == np.uint16:
+            yb = bf16_values(yb)
         return self._from_blocked("out", yb, self.out_shape, self.flat_output)
+
+    def output_buffer(self, use: str, batch: int) -> np.ndarray:
+        """The blocked output buffer of the canonical API for `use`: bf16 bits where the
+        layer's output is stored as bf16."""
+        return self._buffer(use, self.blocked_shape(self.out_shape, batch), np.uint16 if self.out_bf16 else np.float32)
+
+    def input_blocked(self, x: np.ndarray, use: str) -> np.ndarray:
+        """A checked canonical input batch, blocked as this layer reads it: float32, or bf16 bits
+        rounded as the kernels round where its input is stored as bf16."""
+        xb = self._to_blocked("in", x, self.in_shape, use)
+        if not self.in_bf16:
+            return xb
+        bits = self._buffer(use + ".bf16", xb.shape, np.uint16)
+        bf16_bits(xb, bits, flush_subnormals=True)
+        return bits
 
     def _buffer(self, use: str, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
         """The blocked buffer the canonical API (or a bf16 copy) uses for `use`, kept from call
@@ -180,8 +202,8 @@ class Layer:
         self._net.current()
         self._given_shape = np.shape(x)  # backward_data answers in the shape x came in
         x = self.check_input(x)
-        xb = self._to_blocked("in", x, self.in_shape, "x")
-        yb = self._buffer("y", self.blocked_shape(self.out_shape, x.shape[0]))
+        xb = self.input_blocked(x, "x")
+        yb = self.output_buffer("y", x.shape[0])
         aux = self.aux_buffer(x.shape[0])
         self.forward_blocked(xb, yb, aux, training=True)
         self._saved = (xb, yb, aux)
@@ -454,11 +476,11 @@ class WeightedLayer(Layer):
         if dy.shape[0] != x.shape[0]:
             raise PcldnnError(f"layer {self.name}: minibatch of x ({x.shape[0]}) and dy ({dy.shape[0]}) differ")
         # own buffers: the last forward's x and y stay for backward_data
-        xb = self._to_blocked("in", x, self.in_shape, "weights.x")
+        xb = self.input_blocked(x, "weights.x")
         dyb = self._to_blocked("out", dy, self.out_shape, "weights.dy")
         yb = None
         if self.relu:  # the mask needs this input's forward output
-            yb = self._buffer("weights.y", dyb.shape)
+            yb = self.output_buffer("weights.y", x.shape[0])
             self.forward_blocked(xb, yb)
         dw, db = self._buffer("weights.dw", self._dwt.shape), self._buffer("weights.db", self._dbias.shape)
         self.backward_blocked(xb, yb, None, dyb, None, grads=(dw, db))

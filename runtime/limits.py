@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Protocol, Sequence
 
 from .errors import PcldnnError
 
@@ -61,6 +61,43 @@ def bf16_kernels(precision: str, index: int, layer_type: str, channels: int, v: 
     if layer_type == "conv" and channels < v:
         return ("fwd", "bwd_weights")
     return ("fwd", "bwd_data", "bwd_weights")
+
+
+class LayerShape(Protocol):
+    """What bf16_outputs reads of a layer: the generator's LayerSpec and the manifest's LayerEntry."""
+    @property
+    def index(self) -> int: ...
+    @property
+    def type(self) -> str: ...
+    @property
+    def in_shape(self) -> tuple[int, int, int]: ...
+    @property
+    def kernel(self) -> tuple[int, int]: ...
+    @property
+    def stride(self) -> tuple[int, int]: ...
+    @property
+    def pad(self) -> tuple[int, int]: ...
+
+
+def bf16_outputs(precision: str, amx: bool, v: int, layers: Sequence[LayerShape]) -> tuple[bool, ...]:
+    """Per layer, whether its output activation is stored as bf16 (half the bytes written, kept
+    for the backward pass, and read by the next layer): where every kernel that touches it takes
+    bf16. So far that is a convolution whose three passes are AMX tile kernels (they write it,
+    and read it as the ReLU's mask) followed by a convolution whose forward and backward-weights
+    passes are (they read it as x), in a bf16 build for an arch with AMX. Every other activation,
+    and every gradient, stays fp32 (the generator and the runtime both ask here)."""
+    def on_tiles(layer: LayerShape) -> set[str]:
+        return set(amx_kernels(precision, amx, layer.index, layer.type, layer.in_shape[0], v, layer.stride,
+                               layer.kernel, layer.pad))
+
+    out = []
+    for i, layer in enumerate(layers):
+        consumer = layers[i + 1] if i + 1 < len(layers) else None
+        out.append(layer.type == "conv" and consumer is not None and consumer.type == "conv"
+                   and input_pixel_floats(layer.index, layer.type, layer.in_shape[0], v) == v
+                   and on_tiles(layer) == {"fwd", "bwd_data", "bwd_weights"}
+                   and {"fwd", "bwd_weights"} <= on_tiles(consumer))
+    return tuple(out)
 
 
 # The packed first layer's backward-weights pass goes on tiles from windows of this many values

@@ -22,6 +22,7 @@ from .kernels import (
     zeros_aligned,
 )
 from .layers import AvgPoolLayer, DropoutLayer, Layer, LossLayer, MaxPoolLayer, ReluLayer, WeightedLayer
+from .limits import bf16_outputs
 from .manifest import PEAK_SYMBOL, SGD_SYMBOL, WEIGHTS_FILE, LayerEntry, Manifest, inside, read_manifest
 from .state_io import StateKeys, check_state, expected_state, read_npz
 
@@ -35,14 +36,16 @@ MAX_WORKSPACES = 2  # minibatch sizes whose buffers a Net keeps (see Net.workspa
 
 class _Workspace:
     """Everything a forward + backward pass of one minibatch size needs, allocated once:
-    every layer's blocked output (kept for the backward pass), argmax / dropout state, two
-    ping-pong buffers for activation gradients, softmax probabilities and labels."""
+    every layer's blocked output (kept for the backward pass; bf16 where limits.bf16_outputs
+    says), argmax / dropout state, two ping-pong buffers for activation gradients (fp32),
+    softmax probabilities and labels."""
 
     def __init__(self, net: "Net", batch: int):
         chain = net.chain
         self.batch = batch
         self.acts = [empty_aligned(chain[0].input_shape(batch))]
-        self.acts += [empty_aligned(l.blocked_shape(l.out_shape, batch)) for l in chain]
+        self.acts += [empty_aligned(l.blocked_shape(l.out_shape, batch), dtype=np.uint16 if l.out_bf16 else np.float32)
+                      for l in chain]
         self.aux = [l.aux_buffer(batch) for l in chain]
         largest = max(a.size for a in self.acts)
         self._grads = (empty_aligned((largest,)), empty_aligned((largest,)))
@@ -129,6 +132,12 @@ class Net:
             layer.flat_input = layer.flat_input or seen_fc
             seen_fc = seen_fc or layer.type == "fc"
             layer.flat_output = seen_fc
+        # bf16 builds with AMX: activations between convolutions whose kernels all read and
+        # write bf16 are stored so (limits.bf16_outputs; the manifest says the same)
+        outputs = bf16_outputs(self.precision, manifest.arch.get("amx") is True, v, specs)
+        for i, spec in enumerate(specs):
+            self.layers[spec.name].out_bf16 = outputs[i]
+            self.layers[spec.name].in_bf16 = i > 0 and outputs[i - 1]
 
     def _load_kernels(self, spec: LayerEntry) -> dict:
         """{role: callable}: 'fwd', 'bwd_data', 'bwd_weights' and the layout roles

@@ -25,6 +25,7 @@ from pcldnn_gen.netspec import parse_netspec
 from pcldnn_runtime import cpu
 from pcldnn_runtime.abi import SIGNATURES
 from pcldnn_runtime.errors import ArchError, BuildDirError
+from pcldnn_runtime.limits import bf16_outputs
 from pcldnn_runtime.manifest import parse_manifest
 
 HAS_BF16 = cpu.supports("avx512") and "avx512_bf16" in cpu.cpu_flags()
@@ -698,6 +699,93 @@ def test_manifest_precision_is_validated(tmp_path):
     bad["arch"] |= {"isa": "avx2", "vector_bits": 256, "cflags": list(cpu.ISA_CFLAGS["avx2"])}
     with pytest.raises(BuildDirError, match="precision: bf16 kernels exist for avx512 builds, not avx2"):
         parse_manifest(bad, "manifest.json")
+
+
+# bf16 activations between convolutions on tiles: an RGB first layer (packed: its backward
+# passes are fp32), a 3x3 pair, a strided layer, a pooling, a 1x1 pair, an fc
+ACTIVATION_NET = [
+    {"name": "c0", "type": "conv", "out_channels": 16, "kernel": 3, "pad": 1, "activation": "relu"},
+    {"name": "c1", "type": "conv", "out_channels": 24, "kernel": 3, "pad": 1, "activation": "relu"},
+    {"name": "c2", "type": "conv", "out_channels": 40, "kernel": 3, "stride": 2, "pad": 1, "activation": "relu"},
+    {"name": "c3", "type": "conv", "out_channels": 32, "kernel": 1},
+    {"name": "p4", "type": "maxpool", "kernel": 2, "stride": 2},
+    {"name": "c5", "type": "conv", "out_channels": 16, "kernel": 1, "activation": "relu"},
+    {"name": "c6", "type": "conv", "out_channels": 16, "kernel": 3, "pad": 1},
+    {"name": "f7", "type": "fc", "out_features": 5},
+    {"name": "loss", "type": "softmax_cross_entropy"},
+]
+
+
+def _activation_spec():
+    return parse_netspec({"name": "acts", "input": {"channels": 3, "height": 12, "width": 11}, "layers": ACTIVATION_NET})
+
+
+def test_bf16_outputs_between_convolutions_on_tiles():
+    """An activation is stored as bf16 where a convolution with all three passes on tiles feeds
+    a convolution that reads it on tiles (forward, backward-weights): not after the packed
+    first layer, a pooling or into an fc layer; nowhere without AMX or in fp32."""
+    layers = _activation_spec().layers
+    assert bf16_outputs("bf16", True, 16, layers) == (False, True, True, False, False, True, False, False, False)
+    assert not any(bf16_outputs("bf16", False, 16, layers)) and not any(bf16_outputs("fp32", True, 16, layers))
+
+
+def test_manifest_must_agree_on_bf16_activations(tmp_path):
+    """A build says which activations its kernels read and write as bf16; a manifest that
+    disagrees with the runtime's rule (another generator version, an edit) is refused."""
+    build(_activation_spec(), AMX_ARCH, tmp_path / "acts", precision="bf16")
+    doc = json.loads((tmp_path / "acts" / "manifest.json").read_text())
+    assert [layer.get("output", "fp32") for layer in doc["layers"]][:4] == ["fp32", "bf16", "bf16", "fp32"]
+    parse_manifest(doc, "manifest.json")
+    for index, value, message in ((1, None, "layers\\[1\\].output: is fp32 but this runtime stores that activation as bf16"),
+                                  (3, "bf16", "layers\\[3\\].output: is bf16 but this runtime stores that activation as fp32"),
+                                  (2, "fp16", "layers\\[2\\].output: must be one of fp32, bf16")):
+        bad = json.loads(json.dumps(doc))
+        if value is None:
+            del bad["layers"][index]["output"]
+        else:
+            bad["layers"][index]["output"] = value
+        with pytest.raises(BuildDirError, match=message):
+            parse_manifest(bad, "manifest.json")
+
+
+@needs_amx
+def test_bf16_activations_change_no_bit_of_training(tmp_path, monkeypatch):
+    """Storing an activation as bf16 moves no value: its producer rounds what the consumer's
+    kernels would have rounded, and its sign (the ReLU mask) survives the rounding. So the net
+    with bf16 activations gives the loss and gradients, bit for bit, of the same build with
+    every activation fp32 (the rule switched off), while those buffers are half the size; and
+    the layer API of a layer reading and writing bf16 matches too (its output rounded)."""
+    import pcldnn_gen.build as generator
+    import pcldnn_runtime.limits as limits
+    import pcldnn_runtime.net as runtime_net
+    spec, nets = _activation_spec(), {}
+    for mode in ("fp32", "bf16"):
+        if mode == "fp32":
+            for module in (generator, limits, runtime_net):
+                monkeypatch.setattr(module, "bf16_outputs", lambda precision, amx, v, layers: (False,) * len(layers))
+        else:
+            monkeypatch.undo()
+        build(spec, AMX_ARCH, tmp_path / mode, precision="bf16")
+        nets[mode] = pr.load(tmp_path / mode, threads=2, seed=4)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 3, 12, 11)).astype(np.float32)
+    labels = rng.integers(0, 5, 5)
+    losses = {mode: net.loss_and_grad(x, labels) for mode, net in nets.items()}
+    assert losses["fp32"] == losses["bf16"]
+    np.testing.assert_array_equal(nets["fp32"].grads, nets["bf16"].grads)
+    dtypes = [a.dtype for a in nets["bf16"].workspace(5).acts]
+    assert dtypes == [np.float32, np.float32, np.uint16, np.uint16] + [np.float32] * 2 + [np.uint16] + [np.float32] * 2
+    assert all(a.dtype == np.float32 for a in nets["fp32"].workspace(5).acts)
+    assert np.any(nets["bf16"].grads != 0)
+    c2 = {mode: net.layers["c2"] for mode, net in nets.items()}  # reads and writes bf16
+    assert (c2["bf16"].in_bf16, c2["bf16"].out_bf16) == (True, True)
+    xin = rng.standard_normal((2, 24, 12, 11)).astype(np.float32)
+    y = {mode: layer.forward(xin) for mode, layer in c2.items()}
+    np.testing.assert_array_equal(y["bf16"], as_float(bf16_reference(y["fp32"])))
+    dy = rng.standard_normal(y["fp32"].shape).astype(np.float32)
+    np.testing.assert_array_equal(c2["bf16"].backward_data(dy), c2["fp32"].backward_data(dy))
+    for got, want in zip(c2["bf16"].backward_weights(xin, dy), c2["fp32"].backward_weights(xin, dy)):
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("arch", ["avx2", "scalar"])

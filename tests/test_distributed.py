@@ -155,7 +155,7 @@ def test_bf16_bits_round_like_the_kernels():
     reference) gives, NaN included; subnormals are rounded, not flushed."""
     from test_bf16 import bf16_reference
 
-    from pcldnn_runtime.distributed import bf16_bits
+    from pcldnn_runtime.kernels import bf16_bits
     rng = np.random.default_rng(0)
     x = np.concatenate([rng.standard_normal(10000), [np.inf, -np.inf, np.nan, 3.4e38, -0.0, 1.0 + 2 ** -8]])
     x = x.astype(np.float32)

@@ -34,11 +34,12 @@ _PLANNERS: dict[tuple[str, str], Callable[[LayerSpec, Arch, tuple[int, int] | No
 
 
 def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, int] | None = None,
-               bf16: bool = False, amx: bool = False) -> KernelPlan:
+               bf16: bool = False, amx: bool = False, activations: tuple[bool, bool] = (False, False)) -> KernelPlan:
     """The model's plan; with `choice` = (width, vectors), the plan built around that register
     tile instead (a measured choice: it must be one of the planner's own candidates). bf16: a
     conv kernel on bf16 operands (2-byte values, two multiply-adds per dot-product lane); amx:
-    its AMX tile kernel (limits.amx_kernels)."""
+    its AMX tile kernel (limits.amx_kernels), reading and writing the (input, output)
+    activations as bf16 where `activations` says (limits.bf16_outputs)."""
     passes = LAYER_PASSES.get(layer.type, ())
     if pass_name not in passes:
         raise PlanError(f"{layer.name}: a {layer.type} layer has no {pass_name!r} pass "
@@ -53,7 +54,8 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, 
             return plan_conv_packed_amx(layer, pass_name, arch)
         if layer.type != "conv":
             raise PlanError(f"{layer.name}: AMX kernels exist for convolutions and fc layers only")
-        return plan_conv_bwd_weights_amx(layer, arch) if pass_name == "bwd_weights" else plan_conv_amx(layer, pass_name, arch)
+        return plan_conv_bwd_weights_amx(layer, arch, activations) if pass_name == "bwd_weights" else \
+            plan_conv_amx(layer, pass_name, arch, activations)
     if bf16:
         if layer.type == "fc":
             return plan_fc_tiles_bwd_weights(layer, arch, False) if pass_name == "bwd_weights" else \

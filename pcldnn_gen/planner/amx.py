@@ -37,10 +37,12 @@ FC_ROWS = 256
 FC_SOURCE_SHARE = 0.5
 
 
-def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxConvPlan:
+def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch,
+                  activations: tuple[bool, bool] = (False, False)) -> AmxConvPlan:
     """Work item: 32 flat result pixels x 16 result channels, two C tiles (two A tiles of 16
     pixels share each B tile) accumulated over a chunk of source-channel blocks and all taps;
-    the two other C tiles hold the previous item, stored while this one starts."""
+    the two other C tiles hold the previous item, stored while this one starts. `activations`:
+    whether the layer's input and output are stored as bf16 (limits.bf16_outputs)."""
     kh, kw = layer.kernel
     geo = amx_conv_geometry(pass_name, layer.in_shape, layer.out_shape, layer.kernel, layer.pad, layer.stride)
     if geo.phases:  # backward-data per phase of dx: a phase's steps are its taps
@@ -67,12 +69,20 @@ def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxConvPlan:
               f"Reduction chunk {chunk} of {geo.icb} 32-channel blocks: its A rows and B tiles, "
               f"{chunk * per_block // 1024} KiB, fit {L1_SHARE:.0%} of L1 ({arch.l1d_bytes // 1024} KiB). Bands of "
               f"{BAND} pixel blocks and the previous item's accumulators stored {STORE_DELAY} steps into the next "
-              f"(a tile store waits for its last tdpbf16ps): measured choices")
+              f"(a tile store waits for its last tdpbf16ps): measured choices{_bf16_activations(pass_name, activations)}")
     return AmxConvPlan(layer=layer.name, pass_name=pass_name, kind=f"conv_{pass_name}_amx", template="conv_amx.c.j2",
                        isa=arch.isa, vector_floats=arch.vector_floats, reason=reason,
                        predicted_efficiency=useful, l1_working_set=chunk * per_block,
                        l2_bytes_per_flop=b_bytes / (2 * AMX_PIXEL_BLOCK * 16 * 32 * kh * kw),
-                       chunk=chunk, band=BAND, store_delay=STORE_DELAY)
+                       chunk=chunk, band=BAND, store_delay=STORE_DELAY, activations=activations)
+
+
+def _bf16_activations(pass_name: str, activations: tuple[bool, bool]) -> str:
+    """What a kernel reads or writes of the activations stored as bf16 (limits.bf16_outputs)."""
+    roles = {"fwd": ("x read", "y written"), "bwd_data": (None, "the ReLU mask y read"),
+             "bwd_weights": ("x read", "the ReLU mask y read")}[pass_name]
+    said = [role for role, bf16 in zip(roles, activations) if bf16 and role]
+    return f". bf16 activations: {', '.join(said)} as bf16, half the bytes" if said else ""
 
 
 def plan_conv_packed_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxPackedConvPlan:
@@ -101,7 +111,8 @@ def plan_conv_packed_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxPac
                              pixel_blocks=units)
 
 
-def plan_conv_bwd_weights_amx(layer: LayerSpec, arch: Arch) -> AmxConvBwdWeightsPlan:
+def plan_conv_bwd_weights_amx(layer: LayerSpec, arch: Arch,
+                              activations: tuple[bool, bool] = (False, False)) -> AmxConvBwdWeightsPlan:
     """Work item: the four C tiles of two output x two input channel blocks for one tap; the
     reduction runs over a group of (image, 32-pixel block) units with the accumulators in the
     tiles, which are reloaded from an fp32 buffer between groups. The group: as many units as
@@ -121,11 +132,11 @@ def plan_conv_bwd_weights_amx(layer: LayerSpec, arch: Arch) -> AmxConvBwdWeights
               f"{geo.wq} for {ow} outputs: {useful:.0%} of tile work useful). Groups of {units} "
               f"(image, 32-pixel block) units ({geo.pixel_blocks} an image): an item's dy rows and x pairs, "
               f"{per_unit // 1024} KiB a unit, fit {L2_SHARE:.0%} of L2 ({arch.l2_bytes // 1024} KiB) across its "
-              f"{kh * kw} taps")
+              f"{kh * kw} taps{_bf16_activations('bwd_weights', activations)}")
     return AmxConvBwdWeightsPlan(layer=layer.name, pass_name="bwd_weights", kind="conv_bwd_weights_amx",
                                  template="conv_bwd_weights_amx.c.j2", isa=arch.isa,
                                  vector_floats=arch.vector_floats, reason=reason, predicted_efficiency=useful,
-                                 l1_working_set=4 * TILE_BYTES, pixel_blocks=units)
+                                 l1_working_set=4 * TILE_BYTES, pixel_blocks=units, activations=activations)
 
 
 def plan_fc_tiles(layer: LayerSpec, pass_name: str, arch: Arch, amx: bool) -> FcTilePlan:
