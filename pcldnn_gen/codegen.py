@@ -314,7 +314,8 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
         R=plan.tile.vectors if plan.tile else 0, icb=icb, ocb=blocks(layer.out_shape[0], v),
         xv=input_pixel_floats(layer.index, layer.type, c, v),
         ic_tail=c - (icb - 1) * v, k=icb * v * h * w, size=icb * v * h * w, classes=c, ld=icb * v)
-    return Source(f"{layer.name}_{plan.pass_name}.c", text, {symbol: kind}, cpu.PRECISION_CFLAGS["bf16"] if bf16 else ())
+    flags = cpu.PRECISION_CFLAGS["bf16"] if bf16 or any(plan.activations) else ()
+    return Source(f"{layer.name}_{plan.pass_name}.c", text, {symbol: kind}, flags)
 
 
 def _render_tiled(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, lines: list[str]) -> Source:

@@ -18,13 +18,15 @@ SIGNATURES: dict[str, str] = {
     "conv_fwd": _FWD, "fc_fwd": _FWD + _SLICE,
     "conv_bwd_data": _BWD_DATA, "fc_bwd_data": _BWD_DATA + _SLICE,
     "conv_bwd_weights": _BWD_WEIGHTS, "fc_bwd_weights": _BWD_WEIGHTS + _SLICE,
-    "maxpool_fwd": "const float *in, float *out, int *argmax, int batch, int nthreads",
+    # pooling, ReLU and dropout take their activations (in, out) as fp32 or, where
+    # limits.bf16_outputs says, bf16 (the kernel knows which); gradients are fp32
+    "maxpool_fwd": "const void *in, void *out, int *argmax, int batch, int nthreads",
     "maxpool_bwd_data": "const float *dy, const int *argmax, float *dx, int batch, int nthreads",
-    "avgpool_fwd": "const float *in, float *out, int batch, int nthreads",
+    "avgpool_fwd": "const void *in, void *out, int batch, int nthreads",
     "avgpool_bwd_data": "const float *dy, float *dx, int batch, int nthreads",
-    "relu_fwd": "const float *in, float *out, int batch, int nthreads",
-    "relu_bwd_data": "const float *dy, const float *out, float *dx, int batch, int nthreads",
-    "dropout_fwd": "const float *in, float *out, unsigned long long seed, int batch, int nthreads",
+    "relu_fwd": "const void *in, void *out, int batch, int nthreads",
+    "relu_bwd_data": "const float *dy, const void *out, float *dx, int batch, int nthreads",
+    "dropout_fwd": "const void *in, void *out, unsigned long long seed, int batch, int nthreads",
     "dropout_bwd_data": "const float *dy, float *dx, unsigned long long seed, int batch, int nthreads",
     "softmax_cross_entropy_fwd":
         "const float *logits, const int *labels, float *probs, double *loss, int batch, int nthreads",

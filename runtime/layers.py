@@ -535,8 +535,13 @@ class DropoutLayer(Layer):
         return np.zeros(1, dtype=np.uint64)
 
     def forward_blocked(self, xb, yb, aux=None, training=False) -> None:
-        if not training:
-            np.copyto(yb, xb)
+        if not training:  # the identity, between the activations' storage types
+            if xb.dtype == yb.dtype:
+                np.copyto(yb, xb)
+            elif yb.dtype == np.uint16:
+                bf16_bits(xb, yb, flush_subnormals=True)
+            else:
+                np.copyto(yb, bf16_values(xb))
             return
         offset = self._net.row_offset * int(np.prod(yb.shape[1:]))
         aux[0] = (self._net.next_dropout_seed() + offset * DROPOUT_HASH_STEP) % 2 ** 64

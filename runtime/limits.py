@@ -79,25 +79,38 @@ class LayerShape(Protocol):
     def pad(self) -> tuple[int, int]: ...
 
 
+# Layers whose kernels take a bf16 activation as well as an fp32 one, in and out, in a bf16
+# build for an arch with AMX (their backward passes read no activation but the ReLU's output)
+BF16_ACTIVATION_LAYERS = ("maxpool", "avgpool", "relu", "dropout")
+
+
 def bf16_outputs(precision: str, amx: bool, v: int, layers: Sequence[LayerShape]) -> tuple[bool, ...]:
     """Per layer, whether its output activation is stored as bf16 (half the bytes written, kept
     for the backward pass, and read by the next layer): where every kernel that touches it takes
-    bf16. So far that is a convolution whose three passes are AMX tile kernels (they write it,
-    and read it as the ReLU's mask) followed by a convolution whose forward and backward-weights
-    passes are (they read it as x), in a bf16 build for an arch with AMX. Every other activation,
-    and every gradient, stays fp32 (the generator and the runtime both ask here)."""
+    bf16, in a bf16 build for an arch with AMX. Its writer is a convolution whose three passes
+    are AMX tile kernels (its forward writes it, its backward passes read it as the ReLU's mask)
+    or a pooling, ReLU or dropout layer; its reader is a convolution whose forward and
+    backward-weights passes are tile kernels (they read it as x) or one of those layers. Every
+    other activation (the net's input, the packed first layer's output, into and out of fc
+    layers), and every gradient, stays fp32 (the generator and the runtime both ask here)."""
+    if precision != "bf16" or not amx:
+        return (False,) * len(layers)
+
     def on_tiles(layer: LayerShape) -> set[str]:
         return set(amx_kernels(precision, amx, layer.index, layer.type, layer.in_shape[0], v, layer.stride,
                                layer.kernel, layer.pad))
 
-    out = []
-    for i, layer in enumerate(layers):
-        consumer = layers[i + 1] if i + 1 < len(layers) else None
-        out.append(layer.type == "conv" and consumer is not None and consumer.type == "conv"
-                   and input_pixel_floats(layer.index, layer.type, layer.in_shape[0], v) == v
-                   and on_tiles(layer) == {"fwd", "bwd_data", "bwd_weights"}
-                   and {"fwd", "bwd_weights"} <= on_tiles(consumer))
-    return tuple(out)
+    def blocked_conv(layer: LayerShape) -> bool:
+        return layer.type == "conv" and input_pixel_floats(layer.index, layer.type, layer.in_shape[0], v) == v
+
+    def writes(layer: LayerShape) -> bool:
+        return layer.type in BF16_ACTIVATION_LAYERS or \
+            (blocked_conv(layer) and on_tiles(layer) == {"fwd", "bwd_data", "bwd_weights"})
+
+    def reads(layer: LayerShape) -> bool:
+        return layer.type in BF16_ACTIVATION_LAYERS or (blocked_conv(layer) and {"fwd", "bwd_weights"} <= on_tiles(layer))
+
+    return tuple(writes(layer) and i + 1 < len(layers) and reads(layers[i + 1]) for i, layer in enumerate(layers))
 
 
 # The packed first layer's backward-weights pass goes on tiles from windows of this many values

@@ -701,14 +701,14 @@ def test_manifest_precision_is_validated(tmp_path):
         parse_manifest(bad, "manifest.json")
 
 
-# bf16 activations between convolutions on tiles: an RGB first layer (packed: its backward
-# passes are fp32), a 3x3 pair, a strided layer, a pooling, a 1x1 pair, an fc
+# bf16 activations in an AMX build: an RGB first layer (packed: its backward passes are fp32),
+# a 3x3 pair, a strided layer, a standalone ReLU, a 1x1 pair, an fc
 ACTIVATION_NET = [
     {"name": "c0", "type": "conv", "out_channels": 16, "kernel": 3, "pad": 1, "activation": "relu"},
     {"name": "c1", "type": "conv", "out_channels": 24, "kernel": 3, "pad": 1, "activation": "relu"},
     {"name": "c2", "type": "conv", "out_channels": 40, "kernel": 3, "stride": 2, "pad": 1, "activation": "relu"},
     {"name": "c3", "type": "conv", "out_channels": 32, "kernel": 1},
-    {"name": "p4", "type": "maxpool", "kernel": 2, "stride": 2},
+    {"name": "r4", "type": "relu"},
     {"name": "c5", "type": "conv", "out_channels": 16, "kernel": 1, "activation": "relu"},
     {"name": "c6", "type": "conv", "out_channels": 16, "kernel": 3, "pad": 1},
     {"name": "f7", "type": "fc", "out_features": 5},
@@ -716,17 +716,21 @@ ACTIVATION_NET = [
 ]
 
 
-def _activation_spec():
-    return parse_netspec({"name": "acts", "input": {"channels": 3, "height": 12, "width": 11}, "layers": ACTIVATION_NET})
+def _activation_spec(layers=None, channels=3):
+    return parse_netspec({"name": "acts", "input": {"channels": channels, "height": 12, "width": 11},
+                          "layers": layers or ACTIVATION_NET})
 
 
-def test_bf16_outputs_between_convolutions_on_tiles():
-    """An activation is stored as bf16 where a convolution with all three passes on tiles feeds
-    a convolution that reads it on tiles (forward, backward-weights): not after the packed
-    first layer, a pooling or into an fc layer; nowhere without AMX or in fp32."""
+def test_bf16_outputs_where_every_kernel_takes_bf16():
+    """An activation is stored as bf16 where its writer (a convolution with all three passes on
+    tiles, a pooling, ReLU or dropout layer) and its reader (a convolution reading it on tiles,
+    or one of those layers) all take bf16: not after the packed first layer, not into an fc
+    layer; nowhere without AMX or in fp32."""
     layers = _activation_spec().layers
-    assert bf16_outputs("bf16", True, 16, layers) == (False, True, True, False, False, True, False, False, False)
+    assert bf16_outputs("bf16", True, 16, layers) == (False, True, True, True, True, True, False, False, False)
     assert not any(bf16_outputs("bf16", False, 16, layers)) and not any(bf16_outputs("fp32", True, 16, layers))
+    pooled = _activation_spec([{"name": "p0", "type": "maxpool", "kernel": 2}] + ACTIVATION_NET[1:]).layers
+    assert bf16_outputs("bf16", True, 16, pooled)[:2] == (True, True)  # the pool reads the fp32 input, writes bf16
 
 
 def test_manifest_must_agree_on_bf16_activations(tmp_path):
@@ -734,10 +738,10 @@ def test_manifest_must_agree_on_bf16_activations(tmp_path):
     disagrees with the runtime's rule (another generator version, an edit) is refused."""
     build(_activation_spec(), AMX_ARCH, tmp_path / "acts", precision="bf16")
     doc = json.loads((tmp_path / "acts" / "manifest.json").read_text())
-    assert [layer.get("output", "fp32") for layer in doc["layers"]][:4] == ["fp32", "bf16", "bf16", "fp32"]
+    assert [layer.get("output", "fp32") for layer in doc["layers"]][:7] == ["fp32"] + ["bf16"] * 5 + ["fp32"]
     parse_manifest(doc, "manifest.json")
     for index, value, message in ((1, None, "layers\\[1\\].output: is fp32 but this runtime stores that activation as bf16"),
-                                  (3, "bf16", "layers\\[3\\].output: is bf16 but this runtime stores that activation as fp32"),
+                                  (6, "bf16", "layers\\[6\\].output: is bf16 but this runtime stores that activation as fp32"),
                                   (2, "fp16", "layers\\[2\\].output: must be one of fp32, bf16")):
         bad = json.loads(json.dumps(doc))
         if value is None:
@@ -748,17 +752,13 @@ def test_manifest_must_agree_on_bf16_activations(tmp_path):
             parse_manifest(bad, "manifest.json")
 
 
-@needs_amx
-def test_bf16_activations_change_no_bit_of_training(tmp_path, monkeypatch):
-    """Storing an activation as bf16 moves no value: its producer rounds what the consumer's
-    kernels would have rounded, and its sign (the ReLU mask) survives the rounding. So the net
-    with bf16 activations gives the loss and gradients, bit for bit, of the same build with
-    every activation fp32 (the rule switched off), while those buffers are half the size; and
-    the layer API of a layer reading and writing bf16 matches too (its output rounded)."""
+def _with_and_without_bf16_activations(tmp_path, monkeypatch, spec):
+    """The same AMX bf16 build made twice: every activation fp32 (the rule switched off in
+    generator and runtime), and as limits.bf16_outputs says."""
     import pcldnn_gen.build as generator
     import pcldnn_runtime.limits as limits
     import pcldnn_runtime.net as runtime_net
-    spec, nets = _activation_spec(), {}
+    nets = {}
     for mode in ("fp32", "bf16"):
         if mode == "fp32":
             for module in (generator, limits, runtime_net):
@@ -767,6 +767,20 @@ def test_bf16_activations_change_no_bit_of_training(tmp_path, monkeypatch):
             monkeypatch.undo()
         build(spec, AMX_ARCH, tmp_path / mode, precision="bf16")
         nets[mode] = pr.load(tmp_path / mode, threads=2, seed=4)
+    return nets
+
+
+@needs_amx
+@pytest.mark.parametrize("first", [None, {"name": "p0", "type": "maxpool", "kernel": 2}], ids=["conv", "pool"])
+def test_bf16_activations_between_convolutions_change_no_bit(tmp_path, monkeypatch, first):
+    """Between convolutions (directly or through a ReLU) a bf16 activation moves no value: its
+    writer rounds what the reader's kernels would have rounded, and rounding keeps the sign (the
+    ReLU masks); so does a max pooling of the fp32 input written as bf16 (its maxima are found
+    in fp32). So the net gives the loss and gradients, bit for bit, of the same build with every
+    activation fp32, while those buffers are half the size; and the layer API of a layer reading
+    and writing bf16 matches too (its output rounded)."""
+    layers = ACTIVATION_NET if first is None else [first] + ACTIVATION_NET[1:]
+    nets = _with_and_without_bf16_activations(tmp_path, monkeypatch, _activation_spec(layers))
     rng = np.random.default_rng(3)
     x = rng.standard_normal((5, 3, 12, 11)).astype(np.float32)
     labels = rng.integers(0, 5, 5)
@@ -774,18 +788,66 @@ def test_bf16_activations_change_no_bit_of_training(tmp_path, monkeypatch):
     assert losses["fp32"] == losses["bf16"]
     np.testing.assert_array_equal(nets["fp32"].grads, nets["bf16"].grads)
     dtypes = [a.dtype for a in nets["bf16"].workspace(5).acts]
-    assert dtypes == [np.float32, np.float32, np.uint16, np.uint16] + [np.float32] * 2 + [np.uint16] + [np.float32] * 2
+    assert dtypes == [np.float32, np.float32 if first is None else np.uint16] + [np.uint16] * 5 + [np.float32] * 2
     assert all(a.dtype == np.float32 for a in nets["fp32"].workspace(5).acts)
     assert np.any(nets["bf16"].grads != 0)
     c2 = {mode: net.layers["c2"] for mode, net in nets.items()}  # reads and writes bf16
     assert (c2["bf16"].in_bf16, c2["bf16"].out_bf16) == (True, True)
-    xin = rng.standard_normal((2, 24, 12, 11)).astype(np.float32)
+    xin = rng.standard_normal((2, *c2["bf16"].in_shape)).astype(np.float32)
     y = {mode: layer.forward(xin) for mode, layer in c2.items()}
     np.testing.assert_array_equal(y["bf16"], as_float(bf16_reference(y["fp32"])))
     dy = rng.standard_normal(y["fp32"].shape).astype(np.float32)
     np.testing.assert_array_equal(c2["bf16"].backward_data(dy), c2["fp32"].backward_data(dy))
     for got, want in zip(c2["bf16"].backward_weights(xin, dy), c2["fp32"].backward_weights(xin, dy)):
         np.testing.assert_array_equal(got, want)
+
+
+# pooling, ReLU and dropout between convolutions on tiles: each reads and writes bf16
+BETWEEN_NET = [
+    {"name": "c0", "type": "conv", "out_channels": 20, "kernel": 3, "pad": 1},
+    {"name": "m1", "type": "maxpool", "kernel": 2, "stride": 1},
+    {"name": "c2", "type": "conv", "out_channels": 16, "kernel": 3, "pad": 1},
+    {"name": "a3", "type": "avgpool", "kernel": 3, "stride": 2, "pad": 1},
+    {"name": "c4", "type": "conv", "out_channels": 16, "kernel": 1},
+    {"name": "r5", "type": "relu"},
+    {"name": "d6", "type": "dropout", "rate": 0.25},
+    {"name": "c7", "type": "conv", "out_channels": 16, "kernel": 1},
+    {"name": "f8", "type": "fc", "out_features": 3},
+    {"name": "loss", "type": "softmax_cross_entropy"},
+]
+
+
+@needs_amx
+def test_pooling_relu_dropout_on_bf16_activations(tmp_path, monkeypatch):
+    """Each layer's kernels on bf16 activations against the same layer with fp32 ones fed the
+    bf16 values: max pooling and ReLU give the same values (the max and the positive part of
+    bf16 values are bf16 values) and route dy to the same inputs (the first of tied maxima);
+    average pooling and dropout compute in fp32 on the bf16 input, then round once to nearest
+    even. In a net, the forward pass (max, ReLU: exact) and training run on bf16 buffers."""
+    spec = _activation_spec(BETWEEN_NET, channels=16)
+    assert bf16_outputs("bf16", True, 16, spec.layers) == (True,) * 7 + (False,) * 3
+    nets = _with_and_without_bf16_activations(tmp_path, monkeypatch, spec)
+    rng = np.random.default_rng(5)
+    for name in ("m1", "a3", "r5", "d6"):
+        got, ref = nets["bf16"].layers[name], nets["fp32"].layers[name]
+        assert (got.in_bf16, got.out_bf16) == (True, True)
+        x = as_float(bf16_reference(rng.standard_normal((3, *got.in_shape)).astype(np.float32)))
+        x[0, 0, 0, :2] = x[0, 0, 0, 2]  # ties
+        for net in nets.values():
+            net.dropout_draws = 7  # the same mask on both sides
+        y = got.forward(x)
+        np.testing.assert_array_equal(y, as_float(bf16_reference(ref.forward(x))))
+        dy = rng.standard_normal(y.shape).astype(np.float32)
+        np.testing.assert_array_equal(got.backward_data(dy), ref.backward_data(dy))
+    x = rng.standard_normal((4, 16, 12, 11)).astype(np.float32)
+    labels = rng.integers(0, 3, 4)
+    net = nets["bf16"]
+    assert [a.dtype for a in net.workspace(4).acts] == [np.float32] + [np.uint16] * 7 + [np.float32] * 2
+    loss = net.loss_and_grad(x, labels)
+    assert np.isfinite(loss) and np.all(np.isfinite(net.grads)) and np.any(net.grads != 0)
+    logits = net.forward(x)  # evaluation: dropout is the identity between bf16 buffers
+    reference = nets["fp32"].forward(x)
+    assert np.max(np.abs(logits - reference)) <= 0.02 * np.max(np.abs(reference))
 
 
 @pytest.mark.parametrize("arch", ["avx2", "scalar"])

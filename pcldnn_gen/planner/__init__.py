@@ -67,7 +67,7 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, 
         return planner(layer, arch, choice)
     if choice is not None:
         raise PlanError(f"{layer.name}: the {pass_name} pass of a {layer.type} layer has no register tile to choose")
-    return plan_memory_bound(layer, pass_name, arch)
+    return plan_memory_bound(layer, pass_name, arch, activations)
 
 
 __all__ = ["L1_BUDGET", "LATENCY_HEADROOM", "LAYER_PASSES", "PASSES", "KernelPlan", "Measured", "RegisterTile",

@@ -18,10 +18,15 @@ TEMPLATES = {
 }
 
 
-def plan_memory_bound(layer: LayerSpec, pass_name: str, arch: Arch) -> KernelPlan:
+def plan_memory_bound(layer: LayerSpec, pass_name: str, arch: Arch,
+                      activations: tuple[bool, bool] = (False, False)) -> KernelPlan:
     kind = f"{layer.type}_{pass_name}"
+    reason = explain.memory_bound(kind)
+    if any(activations):
+        which = " and ".join(w for w, b in zip(("input", "output"), activations) if b)
+        reason += f"; its {which} stored as bf16 (limits.bf16_outputs): half the bytes"
     plan = KernelPlan(layer=layer.name, pass_name=pass_name, kind=kind, template=TEMPLATES[kind], isa=arch.isa,
-                      vector_floats=arch.vector_floats, reason=explain.memory_bound(kind))
+                      vector_floats=arch.vector_floats, reason=reason, activations=activations)
     if layer.type == "dropout":
         # the runtime shifts seeds by multiples of the hash step, so it is the ABI's constant
         return DropoutPlan(**vars(plan), keep_threshold=round(layer.rate * 2 ** 32), scale=1.0 / (1.0 - layer.rate),

@@ -52,6 +52,8 @@ class KernelPlan:
     scratch_floats: int = 0         # scratch the runtime passes in (conv bwd_data: transposed weights)
     rejected: tuple[RegisterTile, ...] = ()  # the next-best candidates, for `inspect`
     measured: Measured | None = None    # set when the tuning database chose the tile
+    # (input, output) activations stored as bf16 (limits.bf16_outputs): read and written as such
+    activations: tuple[bool, bool] = (False, False)
 
     def reduction_chunk(self) -> str:
         """The reduction chunk with its unit, for the header; empty when the kernel has none."""
@@ -117,8 +119,6 @@ class ConvFwdPlan(KernelPlan):
 class AmxConvPlan(KernelPlan):
     chunk: int                      # 32-channel source blocks per reduction chunk (A rows and B tiles in L1)
     band: int                       # pixel blocks per band: the chunk's input rows reused across oc blocks
-    # (input, output) activations stored as bf16 (limits.bf16_outputs): read and written as such
-    activations: tuple[bool, bool] = (False, False)
     store_delay: int                # steps into the next item before the previous item's tiles are stored
 
     def reduction_chunk(self) -> str:
@@ -133,8 +133,6 @@ class AmxConvPlan(KernelPlan):
 @dataclass(frozen=True, kw_only=True)
 class AmxConvBwdWeightsPlan(KernelPlan):
     pixel_blocks: int               # (image, 32-pixel block) units one residency of an item's accumulators reduces
-    # (input, output) activations stored as bf16 (limits.bf16_outputs): read and written as such
-    activations: tuple[bool, bool] = (False, False)
 
     def blocks_summary(self) -> str:
         return (f"AMX tiles: 4 C tiles (2 output x 2 input channel blocks, one tap) per work item, "
