@@ -62,8 +62,9 @@ def plan_net(net: NetSpec, arch: Arch, tuning: TuningDB | None = None,
     """Every (layer, pass) plan: the model's, the tuning database's measured tile where an
     entry matches, or a forced candidate tile from `choices` (the tuner's trial builds). The
     database holds fp32 measurements: bf16 kernels take the model's plan. Each plan's kernel
-    kind is the one the runtime will ask of the build (manifest.kernel_kinds), checked here so
-    that the generator never writes a build its own loader refuses."""
+    kind, and the bf16 activations it reads and writes (limits.bf16_outputs), are the ones the
+    runtime will ask of the build (manifest.kernel_kinds), checked here so that the generator
+    never writes a build its own loader refuses or misreads."""
     plans = {}
     activations = net_activations(net, arch, precision)
     for layer in net.layers:
@@ -72,9 +73,10 @@ def plan_net(net: NetSpec, arch: Arch, tuning: TuningDB | None = None,
         for p in LAYER_PASSES[layer.type]:
             plan = plans[(layer.name, p)] = plan_kernel(layer, p, arch, tuning, (choices or {}).get((layer.name, p)),
                                                         precision, activations[layer.name])
-            if plan.kind != kinds[p][p]:
-                raise AssertionError(f"internal error: layer {layer.name} {p}: the planner chose a {plan.kind} "
-                                     f"kernel where the runtime expects {kinds[p][p]}")
+            if plan.kind != kinds[p][p] or plan.activations != activations[layer.name]:
+                raise AssertionError(f"internal error: layer {layer.name} {p}: the planner chose a {plan.kind} kernel "
+                                     f"on {plan.activations} bf16 activations where the runtime expects "
+                                     f"{kinds[p][p]} on {activations[layer.name]}")
     return plans
 
 
@@ -91,7 +93,7 @@ def plan_kernel(layer: LayerSpec, pass_name: str, arch: Arch, tuning: TuningDB |
     the database's measured one, else the model's; bf16 and AMX kernels always the model's
     (`activations`: net_activations of the layer)."""
     bf16, amx = pass_name in layer_bf16(layer, arch, precision), pass_name in layer_amx(layer, arch, precision)
-    if choice or tuning is None or bf16 or amx:
+    if choice or tuning is None or bf16 or amx or any(activations):
         return plan_layer(layer, pass_name, arch, choice, bf16, amx, activations)
     return tuning.plan(layer, pass_name, arch)
 

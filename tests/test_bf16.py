@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import cffi
 import numpy as np
@@ -508,6 +509,19 @@ def test_amx_and_bf16_kernels_take_the_models_plan_with_a_tuning_database():
     assert plan_kernel(fc, "bwd_data", get_arch("avx512"), Database(), precision="bf16").kind == "fc_bwd_data_bf16"
     assert plan_kernel(conv, "bwd_weights", AMX_ARCH, Database(), precision="bf16").kind == "conv_bwd_weights_amx"
     assert plan_kernel(conv, "fwd", get_arch("avx512"), Database(), precision="bf16").kind == "conv_fwd_bf16"
+
+
+def test_kernels_on_bf16_activations_take_the_models_plan_with_a_tuning_database():
+    """A pooling between convolutions on tiles reads and writes bf16: with a tuning database
+    present (the CLI's default, even an empty one) its plan must still say so; an fp32 kernel
+    there wrote 64 bytes a pixel block into a 32-byte one (heap corruption in AlexNet-style nets)."""
+    from pcldnn_gen.build import net_activations, plan_net
+    from pcldnn_gen.tuning import TuningDB
+
+    spec = _activation_spec(BETWEEN_NET, channels=16)
+    plans = plan_net(spec, AMX_ARCH, TuningDB(Path("/nonexistent/tuning.json")), precision="bf16")
+    assert plans[("m1", "fwd")].activations == net_activations(spec, AMX_ARCH, "bf16")["m1"] == (True, True)
+    assert all(plan.activations == net_activations(spec, AMX_ARCH, "bf16")[layer] for (layer, _), plan in plans.items())
 
 
 def test_amx_builds_put_every_convolution_pass_on_tiles(tmp_path):
