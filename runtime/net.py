@@ -132,8 +132,8 @@ class Net:
             layer.flat_input = layer.flat_input or seen_fc
             seen_fc = seen_fc or layer.type == "fc"
             layer.flat_output = seen_fc
-        # bf16 builds with AMX: activations between convolutions whose kernels all read and
-        # write bf16 are stored so (limits.bf16_outputs; the manifest says the same)
+        # bf16 builds with AMX: an activation whose writer and reader kernels all take bf16 is
+        # stored so (limits.bf16_outputs; the manifest says the same)
         outputs = bf16_outputs(self.precision, manifest.arch.get("amx") is True, v, specs)
         for i, spec in enumerate(specs):
             self.layers[spec.name].out_bf16 = outputs[i]
