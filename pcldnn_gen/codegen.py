@@ -344,12 +344,16 @@ def _render_tiled(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, l
     c, h, w = layer.in_shape
     text = template_env().get_template(plan.template).render(
         layer=layer, arch=arch, plan=plan, V=v, symbol=symbol, params=SIGNATURES[plan.kind],
+        tile_params=SIGNATURES["conv_weight_tiles"],
         version=__version__, plan_lines=lines, vec=VECTOR_ISAS[arch.isa], amx=amx,
         icb=blocks(c, v), ocb=blocks(layer.out_shape[0], v), k=blocks(c, v) * v * h * w,
         geo=amx_conv_geometry(plan.pass_name, layer.in_shape, layer.out_shape, layer.kernel, layer.pad, layer.stride)
         if layer.type == "conv" else fc_tile_geometry(layer.in_shape, layer.out_shape[0], v),
         kp=amx_packed_reduction(layer.in_shape, layer.kernel))
-    return Source(f"{layer.name}_{plan.pass_name}.c", text, {symbol: plan.kind},
+    symbols = {symbol: plan.kind}
+    if plan.kind in ("conv_fwd_amx", "conv_bwd_data_amx"):  # and the function making its weight tiles
+        symbols[symbol + "_tiles"] = "conv_weight_tiles"
+    return Source(f"{layer.name}_{plan.pass_name}.c", text, symbols,
                   cpu.PRECISION_CFLAGS["bf16"] + (cpu.AMX_CFLAGS if amx else ()))
 
 

@@ -44,12 +44,16 @@ SIGNATURES: dict[str, str] = {
     # (limits.bf16_weight_scratch), the bias gradient from the fp32 dy.
     "conv_bwd_weights_bf16": "const float *in, float *dy, const float *out, unsigned short *scratch, float *dwt, "
                              "float *dbias, int batch, int nthreads",
-    # AMX builds: a conv forward on tiles, converting input and weights into its bf16 scratch
-    # itself (limits.AmxConvGeometry). The three AMX conv kinds take their activations (x, y:
-    # `in`, `out`) as fp32 or, where limits.bf16_outputs says, bf16 (the kernel knows which);
+    # AMX builds: a conv forward on tiles, converting its input into its bf16 scratch itself
+    # (limits.AmxConvGeometry), its weights the layer's B tiles (made by conv_weight_tiles after
+    # each change of the weights). The three AMX conv kinds take their activations (x, y: `in`,
+    # `out`) as fp32 or, where limits.bf16_outputs says, bf16 (the kernel knows which);
     # gradients are fp32.
-    "conv_fwd_amx": "const void *in, const float *wt, const float *bias, void *out, unsigned short *scratch, "
+    "conv_fwd_amx": "const void *in, const unsigned short *wt, const float *bias, void *out, unsigned short *scratch, "
                     "int batch, int nthreads",
+    # the fp32 blocked weights as the B tiles of an AMX conv forward or backward-data kernel
+    # (a second function of that kernel's library: the layout is its own)
+    "conv_weight_tiles": "const float *wt, unsigned short *tiles, int nthreads",
     # and the packed few-channel first layer's forward pass over im2col rows (its weight tiles in
     # scratch: limits.amx_packed_weight_values)
     "conv_fwd_packed_amx": "const float *in, const float *wt, const float *bias, float *out, unsigned short *scratch, "
@@ -59,7 +63,7 @@ SIGNATURES: dict[str, str] = {
     "conv_bwd_weights_packed_amx": "const float *in, float *dy, const float *out, unsigned short *scratch, "
                                    "float *dwt, float *dbias, int batch, int nthreads",
     # and backward-data: dy masked by the ReLU's output as it is copied
-    "conv_bwd_data_amx": "float *dy, const void *out, const float *wt, unsigned short *scratch, float *dx, "
+    "conv_bwd_data_amx": "float *dy, const void *out, const unsigned short *wt, unsigned short *scratch, float *dx, "
                          "int batch, int nthreads",
     # and backward-weights: x and dy (masked as it is copied; dy itself left as it is) copied into scratch
     "conv_bwd_weights_amx": "const void *in, float *dy, const void *out, unsigned short *scratch, float *dwt, "

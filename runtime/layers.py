@@ -273,6 +273,9 @@ class WeightedLayer(Layer):
             if self.kernel_kind("fwd") in ("fc_fwd_amx", "fc_fwd_bf16") else None
         self._weight_tiles: tuple[np.ndarray, np.ndarray] | None = None
         self._tiles_made: tuple[int, int, int] | None = None  # (weights version, ocb_lo, ocb_hi) they hold
+        # AMX conv forward / backward-data: the B tiles of the weights each kernel reads, by
+        # pass, with the weights version they were made at (kept between calls, as the fc ones)
+        self._conv_tiles: dict[str, tuple[np.ndarray, int]] = {}
 
     @property
     def blocked_weight_shape(self) -> tuple[int, ...]:
@@ -391,6 +394,20 @@ class WeightedLayer(Layer):
             self._tiles_made = (version, *part)
         return self._weight_tiles
 
+    def conv_weight_tiles(self, pass_name: str) -> np.ndarray:
+        """An AMX conv pass's bf16 B tiles of the weights (its library's `<pass>_tiles` layout),
+        remade from the fp32 master weights when these changed since they were made
+        (Net.weights_version): once a training step, not once a call. Under MPI the layer's
+        pending part-broadcast was awaited before it runs (and moved the version)."""
+        made = self._conv_tiles.get(pass_name)
+        version = self._net.weights_version
+        if made is None or made[1] != version:
+            tiles = made[0] if made is not None else \
+                empty_aligned((self._amx[pass_name].weight_values,), dtype=np.uint16)
+            self._k[f"{pass_name}_tiles"](self._wt_ptr, ptr(tiles), self._net.threads)
+            made = self._conv_tiles[pass_name] = (tiles, version)
+        return made[0]
+
     def _tile_scratch(self, pass_name: str, batch: int) -> np.ndarray:
         assert self._fc_tiles is not None
         return self._net.scratch(-(-self._fc_tiles.scratch_values(pass_name, batch) // 2)).view(np.uint16)
@@ -410,8 +427,9 @@ class WeightedLayer(Layer):
             self._k["fwd"](ptr(xb), self._wt_ptr, self._bias_ptr, ptr(yb), ptr(scratch), batch, team)
             return
         if "fwd" in self._amx:
+            tiles = self.conv_weight_tiles("fwd")
             scratch = self._net.scratch(-(-self._amx["fwd"].scratch_values(batch) // 2)).view(np.uint16)
-            self._k["fwd"](ptr(xb), self._wt_ptr, self._bias_ptr, ptr(yb), ptr(scratch), batch, team)
+            self._k["fwd"](ptr(xb), ptr(tiles), self._bias_ptr, ptr(yb), ptr(scratch), batch, team)
             return
         if self.bf16_forward:
             xb16 = self._buffer("bf16.x", xb.shape, np.uint16)
@@ -459,9 +477,11 @@ class WeightedLayer(Layer):
                 mask = None  # dy is masked in place now (the AMX kernel masks its copy and leaves dy)
         if dxb is not None:
             if "bwd_data" in self._amx:
-                values = self._amx["bwd_data"].scratch_values(batch)
-                scratch = self._net.scratch(-(-values // 2)).view(np.uint16)
-            elif self.bf16_backward_data:
+                tiles = self.conv_weight_tiles("bwd_data")
+                scratch = self._net.scratch(-(-self._amx["bwd_data"].scratch_values(batch) // 2)).view(np.uint16)
+                self._k["bwd_data"](ptr(dyb), ptr(mask), ptr(tiles), ptr(scratch), ptr(dxb), batch, threads)
+                return
+            if self.bf16_backward_data:
                 scratch = self._net.scratch(-(-bf16_data_scratch(self._wt.size, dyb.size) // 2)).view(np.uint16)
             else:
                 scratch = self._net.scratch(self.scratch_floats)

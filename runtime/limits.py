@@ -222,8 +222,9 @@ class AmxConvGeometry:
     empty_phases: tuple[tuple[int, int], ...] = ()  # (a, b) of phases with pixels and no taps: dx zero
 
     def scratch_values(self, batch: int) -> int:
-        """bf16 values of the kernel's scratch: the weights, then the padded source copy."""
-        return self.weight_values + batch * self.icb * self.plane * 32
+        """bf16 values of the kernel's scratch: the padded source copy (its weight tiles,
+        `weight_values`, are the layer's own buffer)."""
+        return batch * self.icb * self.plane * 32
 
     def gradient_scratch_values(self, batch: int, taps: int) -> int:
         """bf16 values of the backward-weights kernel's scratch (templates/conv_bwd_weights_amx.c.j2,

@@ -52,11 +52,15 @@ def kernel_kinds(ltype: str, bf16_passes: tuple[str, ...], amx_passes: tuple[str
     and manifest reader share. A pass in `amx_passes` (limits.amx_kernels) is *_amx (a first
     layer's packed few-channel input, `packed`: *_packed_amx), else one in `bf16_passes` *_bf16;
     the bf16 copies are converted by the layout library only for a vdpbf16ps conv forward
-    kernel (the others convert their own operands) and for an fc layer's weight tiles (kept
-    between calls: made once after each change of the weights)."""
+    kernel (the others convert their own operands) and for an fc layer's weight tiles, and by
+    an AMX conv forward or backward-data kernel's library (`<pass>_tiles`) for its weight
+    tiles (both kept between calls: made once after each change of the weights)."""
     amx = "_packed_amx" if packed else "_amx"
     out = {p: {p: f"{ltype}_{p}" + (amx if p in amx_passes else "_bf16" if p in bf16_passes else "")}
            for p in LAYER_PASSES[ltype]}
+    for p in ("fwd", "bwd_data"):  # their weight tiles, made by a function of their own library
+        if ltype == "conv" and out[p][p] == f"conv_{p}_amx":
+            out[p][f"{p}_tiles"] = "conv_weight_tiles"
     roles = ACT_LAYOUTS + (WEIGHT_LAYOUTS if ltype in WEIGHTED else ())
     out["layout"] = {r: ("weight_layout" if r.startswith("wt_") else "act_layout") for r in roles}
     if ltype == "conv" and "fwd" in bf16_passes and "fwd" not in amx_passes:

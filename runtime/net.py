@@ -144,13 +144,13 @@ class Net:
         ('in_to_blocked', 'wt_from_blocked', ...)."""
         roles = {}
         prefix = f"pcldnn_{spec.name}_"
-        for pass_name, entry in spec.kernels.items():
+        for entry in spec.kernels.values():
             fns = load_library(inside(self.build_dir, entry.library), entry.sha256, entry.symbols, pin=False)
             self._libraries.append(fns)  # the handles live as long as the net
             if len(self._libraries) == 1:  # the first brings the OpenMP runtime: held before any kernel runs
                 pin_openmp_runtimes()
             for symbol, fn in fns.items():
-                role = pass_name if pass_name != "layout" else symbol[len(prefix):]
+                role = symbol[len(prefix):]  # the pass name, or a layout role, or <pass>_tiles
                 kind = entry.symbols[symbol]
                 watch = observe.observer()
                 if watch is not None and observe.per_minibatch(kind):  # PCLDNN_VERBOSE / PCLDNN_TIMELINE

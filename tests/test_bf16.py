@@ -490,6 +490,51 @@ def test_bf16_fc_weight_tiles_follow_every_change_of_the_weights(tmp_path, arch)
     check()
 
 
+@needs_amx
+def test_amx_conv_weight_tiles_follow_every_change_of_the_weights(tmp_path):
+    """An AMX convolution's forward and backward-data B tiles are made once after each change of
+    the weights, not once a call, and the next call sees every route that changes them: the
+    weights setter, a write through net.params, an optimizer step, loading a state dict."""
+    layers = [{"name": "conv", "type": "conv", "out_channels": 24, "kernel": 3, "pad": 1},
+              {"name": "fc", "type": "fc", "out_features": 5}, {"name": "loss", "type": "softmax_cross_entropy"}]
+    spec = parse_netspec({"name": "t", "input": {"channels": 16, "height": 6, "width": 7}, "layers": layers})
+    build(spec, AMX_ARCH, tmp_path / "t", precision="bf16")
+    net = pr.load(tmp_path / "t", threads=2)
+    conv = net.layers["conv"]
+    made = []
+    for role in ("fwd_tiles", "bwd_data_tiles"):
+        real = conv._k[role]
+        conv._k[role] = lambda *args, role=role, real=real: (made.append(role), real(*args))
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 16, 6, 7)).astype(np.float32)
+    dy = rng.standard_normal((3, 24, 6, 7)).astype(np.float32)
+
+    def check():  # both passes against the fp32 weights of now (bf16 rounding: a loose bound)
+        w = conv.weights
+        y, ref = conv.forward(x), conv2d(x, w, conv.bias, (1, 1), (1, 1))
+        np.testing.assert_allclose(y, ref, rtol=0, atol=0.03 * np.abs(ref).max())
+        dx, ref = conv.backward_data(dy), conv2d_bwd_data(dy, w, (1, 1), (1, 1), x.shape)
+        np.testing.assert_allclose(dx, ref, rtol=0, atol=0.03 * np.abs(ref).max())
+
+    check()
+    check()
+    assert made == ["fwd_tiles", "bwd_data_tiles"]  # two calls of each pass, one conversion each
+    conv.weights = conv.weights * -2.0
+    check()
+    net.params[:] *= 0.5
+    check()
+    assert len(made) == 6
+    trainer = pr.Trainer(net, pr.SGD(0.5))
+    before = conv.weights
+    trainer.step(x, rng.integers(0, 5, 3))
+    assert not np.array_equal(conv.weights, before)
+    check()
+    state = net.state_dict()
+    conv.weights = np.zeros_like(before)
+    net.load_state_dict(state)
+    check()
+
+
 def test_amx_and_bf16_kernels_take_the_models_plan_with_a_tuning_database():
     """The tuning database holds fp32 measurements: with one present, a bf16 build's AMX and
     vdpbf16ps kernels still get their own plans (an fp32 plan would give a kernel of the wrong
@@ -568,7 +613,7 @@ def test_amx_build_is_refused_where_tiles_are_unavailable(tmp_path, monkeypatch)
     with pytest.raises(BuildDirError, match="arch.amx: must be true or false"):
         parse_manifest(doc, "manifest.json")
     doc["arch"]["amx"] = False  # the kinds must then be the vdpbf16ps ones
-    with pytest.raises(BuildDirError, match=r"kernels\.fwd\.symbols\.pcldnn_conv_fwd: must be 'conv_fwd_bf16'"):
+    with pytest.raises(BuildDirError, match=r"kernels\.fwd\.symbols\.pcldnn_conv_fwd_tiles: unknown field"):
         parse_manifest(doc, "manifest.json")
 
 
