@@ -454,6 +454,29 @@ def test_bf16_fc_slices_compute_their_blocks_only(tmp_path, arch):
     assert np.array_equal(grads[1][0][1:], dw_all[1:]) and np.all(grads[1][0][:1] == 7.0)
 
 
+def _every_change_of_the_weights_is_seen(net, layer, check, made, per_change, x, labels):
+    """check() twice, then after each route that changes `layer`'s weights: its setter, a write
+    through net.params, an optimizer step, loading a state dict. `made` (the conversions to bf16
+    tiles so far) grows by `per_change` once a change, not once a call."""
+    check()
+    check()
+    assert len(made) == per_change  # two calls, one conversion
+    layer.weights = layer.weights * -2.0
+    check()
+    net.params[:] *= 0.5
+    check()
+    assert len(made) == 3 * per_change
+    trainer = pr.Trainer(net, pr.SGD(0.5))
+    before = layer.weights
+    trainer.step(x, labels)
+    assert not np.array_equal(layer.weights, before)
+    check()
+    state = net.state_dict()
+    layer.weights = np.zeros_like(before)
+    net.load_state_dict(state)
+    check()
+
+
 @pytest.mark.parametrize("arch", FC_ARCHS)
 def test_bf16_fc_weight_tiles_follow_every_change_of_the_weights(tmp_path, arch):
     """The bf16 weight tiles are made once after each change, not once a call, and every route
@@ -471,23 +494,8 @@ def test_bf16_fc_weight_tiles_follow_every_change_of_the_weights(tmp_path, arch)
         ref = x.reshape(6, -1).astype(np.float64) @ fc.weights.T + fc.bias
         np.testing.assert_allclose(fc.forward(x), ref, rtol=0, atol=0.05 * np.abs(ref).max())
 
-    check()
-    check()
-    assert made == [(0, 2)]  # two calls, one conversion
-    fc.weights = fc.weights * -2.0
-    check()
-    net.params[:] *= 0.5
-    check()
-    assert len(made) == 3
-    trainer = pr.Trainer(net, pr.SGD(0.5))
-    before = fc.weights
-    trainer.step(x, rng.integers(0, 24, 6))
-    assert not np.array_equal(fc.weights, before)
-    check()
-    state = net.state_dict()
-    fc.weights = np.zeros_like(before)
-    net.load_state_dict(state)
-    check()
+    _every_change_of_the_weights_is_seen(net, fc, check, made, 1, x, rng.integers(0, 24, 6))
+    assert made[0] == (0, 2)  # the whole layer's output blocks
 
 
 @needs_amx
@@ -516,23 +524,8 @@ def test_amx_conv_weight_tiles_follow_every_change_of_the_weights(tmp_path):
         dx, ref = conv.backward_data(dy), conv2d_bwd_data(dy, w, (1, 1), (1, 1), x.shape)
         np.testing.assert_allclose(dx, ref, rtol=0, atol=0.03 * np.abs(ref).max())
 
-    check()
-    check()
-    assert made == ["fwd_tiles", "bwd_data_tiles"]  # two calls of each pass, one conversion each
-    conv.weights = conv.weights * -2.0
-    check()
-    net.params[:] *= 0.5
-    check()
-    assert len(made) == 6
-    trainer = pr.Trainer(net, pr.SGD(0.5))
-    before = conv.weights
-    trainer.step(x, rng.integers(0, 5, 3))
-    assert not np.array_equal(conv.weights, before)
-    check()
-    state = net.state_dict()
-    conv.weights = np.zeros_like(before)
-    net.load_state_dict(state)
-    check()
+    _every_change_of_the_weights_is_seen(net, conv, check, made, 2, x, rng.integers(0, 5, 3))
+    assert made[:2] == ["fwd_tiles", "bwd_data_tiles"]
 
 
 def test_amx_and_bf16_kernels_take_the_models_plan_with_a_tuning_database():
