@@ -73,10 +73,11 @@ def plan_net(net: NetSpec, arch: Arch, tuning: TuningDB | None = None,
         for p in LAYER_PASSES[layer.type]:
             plan = plans[(layer.name, p)] = plan_kernel(layer, p, arch, tuning, (choices or {}).get((layer.name, p)),
                                                         precision, activations[layer.name])
-            if plan.kind != kinds[p][p] or plan.activations != activations[layer.name]:
+            expected = pass_activations(activations[layer.name], p)
+            if plan.kind != kinds[p][p] or plan.activations != expected:
                 raise AssertionError(f"internal error: layer {layer.name} {p}: the planner chose a {plan.kind} kernel "
                                      f"on {plan.activations} bf16 activations where the runtime expects "
-                                     f"{kinds[p][p]} on {activations[layer.name]}")
+                                     f"{kinds[p][p]} on {expected}")
     return plans
 
 
@@ -86,6 +87,13 @@ def net_activations(net: NetSpec, arch: Arch, precision: str) -> dict[str, tuple
     return {layer.name: (i > 0 and outputs[i - 1], outputs[i]) for i, layer in enumerate(net.layers)}
 
 
+def pass_activations(activations: tuple[bool, bool], pass_name: str) -> tuple[bool, bool]:
+    """Which of a layer's (input, output) bf16 activations a pass touches: backward-data reads
+    no input (only the output, as a fused ReLU's mask), so an fp32 backward-data kernel may sit
+    beside a bf16 forward (a few-channel convolution's)."""
+    return (False, activations[1]) if pass_name == "bwd_data" else activations
+
+
 def plan_kernel(layer: LayerSpec, pass_name: str, arch: Arch, tuning: TuningDB | None = None,
                 choice: tuple[int, int] | None = None, precision: str = "fp32",
                 activations: tuple[bool, bool] = (False, False)) -> KernelPlan:
@@ -93,6 +101,7 @@ def plan_kernel(layer: LayerSpec, pass_name: str, arch: Arch, tuning: TuningDB |
     the database's measured one, else the model's; bf16 and AMX kernels always the model's
     (`activations`: net_activations of the layer)."""
     bf16, amx = pass_name in layer_bf16(layer, arch, precision), pass_name in layer_amx(layer, arch, precision)
+    activations = pass_activations(activations, pass_name)
     if choice or tuning is None or bf16 or amx or any(activations):
         return plan_layer(layer, pass_name, arch, choice, bf16, amx, activations)
     return tuning.plan(layer, pass_name, arch)

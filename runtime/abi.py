@@ -34,15 +34,18 @@ SIGNATURES: dict[str, str] = {
         "const float *probs, const int *labels, float *dx, int batch, int nthreads",
     "act_layout": "const float *src, float *dst, int batch, int nthreads",
     # bf16 builds: a conv forward kernel on bf16 input and weights (round-to-nearest-even copies
-    # made by the two conversions below), fp32 bias and output.
-    "conv_fwd_bf16": "const unsigned short *in, const unsigned short *wt, const float *bias, float *out, "
+    # made by the two conversions below, or the input stored as bf16), fp32 bias. The three
+    # vdpbf16ps conv kinds take the output y (`out`: the forward's result, the backward passes'
+    # ReLU mask) as fp32 or, where limits.bf16_outputs says, bf16 (the kernel knows which), and
+    # backward-weights its input x so too.
+    "conv_fwd_bf16": "const unsigned short *in, const unsigned short *wt, const float *bias, void *out, "
                      "int batch, int nthreads",
     # bwd_data converts dy (after the ReLU mask) and the transposed weights into bf16 scratch.
-    "conv_bwd_data_bf16": "float *dy, const float *out, const float *wt, unsigned short *scratch, float *dx, "
+    "conv_bwd_data_bf16": "float *dy, const void *out, const float *wt, unsigned short *scratch, float *dx, "
                           "int batch, int nthreads",
     # bwd_weights pairs neighbouring output pixels: bf16 pair copies of x and dy in scratch
     # (limits.bf16_weight_scratch), the bias gradient from the fp32 dy.
-    "conv_bwd_weights_bf16": "const float *in, float *dy, const float *out, unsigned short *scratch, float *dwt, "
+    "conv_bwd_weights_bf16": "const void *in, float *dy, const void *out, unsigned short *scratch, float *dwt, "
                              "float *dbias, int batch, int nthreads",
     # AMX builds: a conv forward on tiles, converting its input into its bf16 scratch itself
     # (limits.AmxConvGeometry), its weights the layer's B tiles (made by conv_weight_tiles after

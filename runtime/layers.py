@@ -432,8 +432,10 @@ class WeightedLayer(Layer):
             self._k["fwd"](ptr(xb), ptr(tiles), self._bias_ptr, ptr(yb), ptr(scratch), batch, team)
             return
         if self.bf16_forward:
-            xb16 = self._buffer("bf16.x", xb.shape, np.uint16)
-            self._k["in_to_bf16"](ptr(xb), ptr(xb16), batch, team)
+            xb16 = xb  # an input stored as bf16 (limits.bf16_outputs) is read as it is
+            if not self.in_bf16:
+                xb16 = self._buffer("bf16.x", xb.shape, np.uint16)
+                self._k["in_to_bf16"](ptr(xb), ptr(xb16), batch, team)
             self._k["wt_to_bf16"](self._wt_ptr, ptr(self._wt16))
             self._k["fwd"](ptr(xb16), ptr(self._wt16), self._bias_ptr, ptr(yb), batch, team)
             return

@@ -553,13 +553,14 @@ def test_kernels_on_bf16_activations_take_the_models_plan_with_a_tuning_database
     """A pooling between convolutions on tiles reads and writes bf16: with a tuning database
     present (the CLI's default, even an empty one) its plan must still say so; an fp32 kernel
     there wrote 64 bytes a pixel block into a 32-byte one (heap corruption in AlexNet-style nets)."""
-    from pcldnn_gen.build import net_activations, plan_net
+    from pcldnn_gen.build import net_activations, pass_activations, plan_net
     from pcldnn_gen.tuning import TuningDB
 
     spec = _activation_spec(BETWEEN_NET, channels=16)
     plans = plan_net(spec, AMX_ARCH, TuningDB(Path("/nonexistent/tuning.json")), precision="bf16")
     assert plans[("m1", "fwd")].activations == net_activations(spec, AMX_ARCH, "bf16")["m1"] == (True, True)
-    assert all(plan.activations == net_activations(spec, AMX_ARCH, "bf16")[layer] for (layer, _), plan in plans.items())
+    assert all(plan.activations == pass_activations(net_activations(spec, AMX_ARCH, "bf16")[layer], p)
+               for (layer, p), plan in plans.items())
 
 
 def test_amx_builds_put_every_convolution_pass_on_tiles(tmp_path):
@@ -775,14 +776,18 @@ def _activation_spec(layers=None, channels=3):
 
 def test_bf16_outputs_where_every_kernel_takes_bf16():
     """An activation is stored as bf16 where its writer (a convolution with all three passes on
-    tiles, a pooling, ReLU or dropout layer) and its reader (a convolution reading it on tiles,
-    or one of those layers) all take bf16: not after the packed first layer, not into an fc
-    layer; nowhere without AMX or in fp32."""
+    bf16 kernels, a pooling, ReLU or dropout layer) and its reader (a convolution reading it in
+    bf16 kernels, or one of those layers) all take bf16: not after the packed first layer, not
+    into an fc layer; with AMX tiles or vdpbf16ps alike; nowhere in fp32."""
     layers = _activation_spec().layers
-    assert bf16_outputs("bf16", True, 16, layers) == (False, True, True, True, True, True, False, False, False)
-    assert not any(bf16_outputs("bf16", False, 16, layers)) and not any(bf16_outputs("fp32", True, 16, layers))
+    for amx in (True, False):
+        assert bf16_outputs("bf16", amx, 16, layers) == (False, True, True, True, True, True, False, False, False)
+    assert not any(bf16_outputs("fp32", True, 16, layers)) and not any(bf16_outputs("fp32", False, 16, layers))
     pooled = _activation_spec([{"name": "p0", "type": "maxpool", "kernel": 2}] + ACTIVATION_NET[1:]).layers
     assert bf16_outputs("bf16", True, 16, pooled)[:2] == (True, True)  # the pool reads the fp32 input, writes bf16
+    # a 3-channel convolution after it: on tiles all three passes; with vdpbf16ps an fp32
+    # backward-data kernel (few channels) that reads an fp32 ReLU mask, so its output stays fp32
+    assert bf16_outputs("bf16", False, 16, pooled)[:3] == (True, False, True)
 
 
 def test_manifest_must_agree_on_bf16_activations(tmp_path):
@@ -804,9 +809,14 @@ def test_manifest_must_agree_on_bf16_activations(tmp_path):
             parse_manifest(bad, "manifest.json")
 
 
-def _with_and_without_bf16_activations(tmp_path, monkeypatch, spec):
-    """The same AMX bf16 build made twice: every activation fp32 (the rule switched off in
-    generator and runtime), and as limits.bf16_outputs says."""
+# bf16 builds of either kind: AMX tiles, and vdpbf16ps (no AMX: an AVX512_BF16 CPU such as Zen 4/5)
+BF16_BUILDS = [pytest.param(AMX_ARCH, marks=needs_amx, id="amx"),
+               pytest.param(get_arch("avx512"), marks=needs_bf16, id="vdpbf16ps")]
+
+
+def _with_and_without_bf16_activations(tmp_path, monkeypatch, spec, arch=AMX_ARCH):
+    """The same bf16 build for `arch` made twice: every activation fp32 (the rule switched off
+    in generator and runtime), and as limits.bf16_outputs says."""
     import pcldnn_gen.build as generator
     import pcldnn_runtime.limits as limits
     import pcldnn_runtime.net as runtime_net
@@ -817,14 +827,14 @@ def _with_and_without_bf16_activations(tmp_path, monkeypatch, spec):
                 monkeypatch.setattr(module, "bf16_outputs", lambda precision, amx, v, layers: (False,) * len(layers))
         else:
             monkeypatch.undo()
-        build(spec, AMX_ARCH, tmp_path / mode, precision="bf16")
+        build(spec, arch, tmp_path / mode, precision="bf16")
         nets[mode] = pr.load(tmp_path / mode, threads=2, seed=4)
     return nets
 
 
-@needs_amx
+@pytest.mark.parametrize("arch", BF16_BUILDS)
 @pytest.mark.parametrize("first", [None, {"name": "p0", "type": "maxpool", "kernel": 2}], ids=["conv", "pool"])
-def test_bf16_activations_between_convolutions_change_no_bit(tmp_path, monkeypatch, first):
+def test_bf16_activations_between_convolutions_change_no_bit(tmp_path, monkeypatch, first, arch):
     """Between convolutions (directly or through a ReLU) a bf16 activation moves no value: its
     writer rounds what the reader's kernels would have rounded, and rounding keeps the sign (the
     ReLU masks); so does a max pooling of the fp32 input written as bf16 (its maxima are found
@@ -832,7 +842,7 @@ def test_bf16_activations_between_convolutions_change_no_bit(tmp_path, monkeypat
     activation fp32, while those buffers are half the size; and the layer API of a layer reading
     and writing bf16 matches too (its output rounded)."""
     layers = ACTIVATION_NET if first is None else [first] + ACTIVATION_NET[1:]
-    nets = _with_and_without_bf16_activations(tmp_path, monkeypatch, _activation_spec(layers))
+    nets = _with_and_without_bf16_activations(tmp_path, monkeypatch, _activation_spec(layers), arch)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((5, 3, 12, 11)).astype(np.float32)
     labels = rng.integers(0, 5, 5)
@@ -840,18 +850,25 @@ def test_bf16_activations_between_convolutions_change_no_bit(tmp_path, monkeypat
     assert losses["fp32"] == losses["bf16"]
     np.testing.assert_array_equal(nets["fp32"].grads, nets["bf16"].grads)
     dtypes = [a.dtype for a in nets["bf16"].workspace(5).acts]
-    assert dtypes == [np.float32, np.float32 if first is None else np.uint16] + [np.uint16] * 5 + [np.float32] * 2
+    # the input, the first layer's output (the packed conv writes fp32; the pool bf16), c1..c6, f7, loss;
+    # with a pool first, c1 is a 3-channel convolution: its vdpbf16ps build has an fp32 backward-data
+    # kernel (few channels), which reads its output as an fp32 ReLU mask
+    few = np.float32 if first is not None and not arch.amx else np.uint16
+    assert dtypes == [np.float32, np.float32 if first is None else np.uint16, few] + [np.uint16] * 4 + [np.float32] * 2
     assert all(a.dtype == np.float32 for a in nets["fp32"].workspace(5).acts)
     assert np.any(nets["bf16"].grads != 0)
-    c2 = {mode: net.layers["c2"] for mode, net in nets.items()}  # reads and writes bf16
-    assert (c2["bf16"].in_bf16, c2["bf16"].out_bf16) == (True, True)
-    xin = rng.standard_normal((2, *c2["bf16"].in_shape)).astype(np.float32)
-    y = {mode: layer.forward(xin) for mode, layer in c2.items()}
-    np.testing.assert_array_equal(y["bf16"], as_float(bf16_reference(y["fp32"])))
-    dy = rng.standard_normal(y["fp32"].shape).astype(np.float32)
-    np.testing.assert_array_equal(c2["bf16"].backward_data(dy), c2["fp32"].backward_data(dy))
-    for got, want in zip(c2["bf16"].backward_weights(xin, dy), c2["fp32"].backward_weights(xin, dy)):
-        np.testing.assert_array_equal(got, want)
+    both = [name for name in ("c2", "c5") if (nets["bf16"].layers[name].in_bf16, nets["bf16"].layers[name].out_bf16)
+            == (True, True)]  # reading and writing bf16 (c2 reads fp32 after a vdpbf16ps few-channel c1)
+    assert both == (["c5"] if few == np.float32 else ["c2", "c5"])
+    for name in both:
+        conv = {mode: net.layers[name] for mode, net in nets.items()}
+        xin = rng.standard_normal((2, *conv["bf16"].in_shape)).astype(np.float32)
+        y = {mode: layer.forward(xin) for mode, layer in conv.items()}
+        np.testing.assert_array_equal(y["bf16"], as_float(bf16_reference(y["fp32"])))
+        dy = rng.standard_normal(y["fp32"].shape).astype(np.float32)
+        np.testing.assert_array_equal(conv["bf16"].backward_data(dy), conv["fp32"].backward_data(dy))
+        for got, want in zip(conv["bf16"].backward_weights(xin, dy), conv["fp32"].backward_weights(xin, dy)):
+            np.testing.assert_array_equal(got, want)
 
 
 # pooling, ReLU and dropout between convolutions on tiles: each reads and writes bf16
@@ -869,16 +886,16 @@ BETWEEN_NET = [
 ]
 
 
-@needs_amx
-def test_pooling_relu_dropout_on_bf16_activations(tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", BF16_BUILDS)
+def test_pooling_relu_dropout_on_bf16_activations(tmp_path, monkeypatch, arch):
     """Each layer's kernels on bf16 activations against the same layer with fp32 ones fed the
     bf16 values: max pooling and ReLU give the same values (the max and the positive part of
     bf16 values are bf16 values) and route dy to the same inputs (the first of tied maxima);
     average pooling and dropout compute in fp32 on the bf16 input, then round once to nearest
     even. In a net, the forward pass (max, ReLU: exact) and training run on bf16 buffers."""
     spec = _activation_spec(BETWEEN_NET, channels=16)
-    assert bf16_outputs("bf16", True, 16, spec.layers) == (True,) * 7 + (False,) * 3
-    nets = _with_and_without_bf16_activations(tmp_path, monkeypatch, spec)
+    assert bf16_outputs("bf16", arch.amx, 16, spec.layers) == (True,) * 7 + (False,) * 3
+    nets = _with_and_without_bf16_activations(tmp_path, monkeypatch, spec, arch)
     rng = np.random.default_rng(5)
     for name in ("m1", "a3", "r5", "d6"):
         got, ref = nets["bf16"].layers[name], nets["fp32"].layers[name]

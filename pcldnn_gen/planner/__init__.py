@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 # Passes each layer type has (the loss's bwd_data is the gradient of the mean loss w.r.t. the
@@ -38,7 +39,7 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, 
     """The model's plan; with `choice` = (width, vectors), the plan built around that register
     tile instead (a measured choice: it must be one of the planner's own candidates). bf16: a
     conv kernel on bf16 operands (2-byte values, two multiply-adds per dot-product lane); amx:
-    its AMX tile kernel (limits.amx_kernels), reading and writing the (input, output)
+    its AMX tile kernel (limits.amx_kernels); either reads and writes the (input, output)
     activations as bf16 where `activations` says (limits.bf16_outputs)."""
     passes = LAYER_PASSES.get(layer.type, ())
     if pass_name not in passes:
@@ -62,7 +63,8 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, 
                 plan_fc_tiles(layer, pass_name, arch, False)
         if layer.type != "conv":
             raise PlanError(f"{layer.name}: no bf16 kernels for a {layer.type} layer")
-        return _PLANNERS[("conv", pass_name)](layer, arch, choice, 2)  # type: ignore[call-arg]
+        plan = _PLANNERS[("conv", pass_name)](layer, arch, choice, 2)  # type: ignore[call-arg]
+        return dataclasses.replace(plan, activations=activations) if any(activations) else plan
     if planner:
         return planner(layer, arch, choice)
     if choice is not None:
