@@ -15,9 +15,13 @@ _BWD_WEIGHTS = "const float *in, float *dy, const float *out, float *dwt, float 
 # slice of the layer (0, OC/V: the whole layer).
 _SLICE = ", int ocb_lo, int ocb_hi"
 SIGNATURES: dict[str, str] = {
-    "conv_fwd": _FWD, "fc_fwd": _FWD + _SLICE,
-    "conv_bwd_data": _BWD_DATA, "fc_bwd_data": _BWD_DATA + _SLICE,
-    "conv_bwd_weights": _BWD_WEIGHTS, "fc_bwd_weights": _BWD_WEIGHTS + _SLICE,
+    # every conv kernel takes its output y (`out`: the forward's result, the backward passes'
+    # ReLU mask) as fp32 or, in a bf16 build where limits.bf16_outputs says, bf16 (the kernel
+    # knows which); an fp32 kernel's input x is fp32
+    "conv_fwd": _FWD.replace("float *out", "void *out"), "fc_fwd": _FWD + _SLICE,
+    "conv_bwd_data": _BWD_DATA.replace("const float *out", "const void *out"), "fc_bwd_data": _BWD_DATA + _SLICE,
+    "conv_bwd_weights": _BWD_WEIGHTS.replace("const float *out", "const void *out"),
+    "fc_bwd_weights": _BWD_WEIGHTS + _SLICE,
     # pooling, ReLU and dropout take their activations (in, out) as fp32 or, where
     # limits.bf16_outputs says, bf16 (the kernel knows which); gradients are fp32
     "maxpool_fwd": "const void *in, void *out, int *argmax, int batch, int nthreads",
@@ -59,11 +63,11 @@ SIGNATURES: dict[str, str] = {
     "conv_weight_tiles": "const float *wt, unsigned short *tiles, int nthreads",
     # and the packed few-channel first layer's forward pass over im2col rows (its weight tiles in
     # scratch: limits.amx_packed_weight_values)
-    "conv_fwd_packed_amx": "const float *in, const float *wt, const float *bias, float *out, unsigned short *scratch, "
+    "conv_fwd_packed_amx": "const float *in, const float *wt, const float *bias, void *out, unsigned short *scratch, "
                            "int batch, int nthreads",
     # and its backward-weights pass (dy masked in place first, as the fp32 kernels do; scratch:
     # limits.amx_packed_gradient_values)
-    "conv_bwd_weights_packed_amx": "const float *in, float *dy, const float *out, unsigned short *scratch, "
+    "conv_bwd_weights_packed_amx": "const float *in, float *dy, const void *out, unsigned short *scratch, "
                                    "float *dwt, float *dbias, int batch, int nthreads",
     # and backward-data: dy masked by the ReLU's output as it is copied
     "conv_bwd_data_amx": "float *dy, const void *out, const unsigned short *wt, unsigned short *scratch, float *dx, "

@@ -87,29 +87,25 @@ BF16_ACTIVATION_LAYERS = ("maxpool", "avgpool", "relu", "dropout")
 def bf16_outputs(precision: str, amx: bool, v: int, layers: Sequence[LayerShape]) -> tuple[bool, ...]:
     """Per layer, whether its output activation is stored as bf16 (half the bytes written, kept
     for the backward pass, and read by the next layer): where every kernel that touches it takes
-    bf16, in a bf16 build. Its writer is a convolution whose three passes are bf16 kernels (AMX
-    tiles, or vdpbf16ps without AMX: bf16_passes; its forward writes it, its backward passes
-    read it as the ReLU's mask) or a pooling, ReLU or dropout layer; its reader is a convolution
-    whose forward and backward-weights passes are bf16 kernels (they read it as x) or one of
-    those layers. Every other activation (the net's input, the packed first layer's output, into
-    and out of fc layers), and every gradient, stays fp32 (the generator and the runtime both
-    ask here)."""
+    bf16, in a bf16 build. Its writer is a convolution (every conv kernel of a bf16 build, fp32
+    ones included, stores its output as bf16 and reads it back as the ReLU's mask) or a pooling,
+    ReLU or dropout layer; its reader is a convolution whose forward and backward-weights passes
+    are bf16 kernels (AMX tiles, or vdpbf16ps without AMX: bf16_passes; they read it as x) or
+    one of those layers. Every other activation (the net's input, into and out of fc layers, the
+    input of a convolution with fp32 kernels), and every gradient, stays fp32 (the generator
+    and the runtime both ask here)."""
     if precision != "bf16":
         return (False,) * len(layers)
 
-    def bf16(layer: LayerShape) -> set[str]:
-        return set(bf16_passes(precision, amx, layer.index, layer.type, layer.in_shape[0], v, layer.stride,
-                               layer.kernel, layer.pad))
-
-    def blocked_conv(layer: LayerShape) -> bool:
-        return layer.type == "conv" and input_pixel_floats(layer.index, layer.type, layer.in_shape[0], v) == v
-
     def writes(layer: LayerShape) -> bool:
-        return layer.type in BF16_ACTIVATION_LAYERS or \
-            (blocked_conv(layer) and bf16(layer) == {"fwd", "bwd_data", "bwd_weights"})
+        return layer.type == "conv" or layer.type in BF16_ACTIVATION_LAYERS
 
     def reads(layer: LayerShape) -> bool:
-        return layer.type in BF16_ACTIVATION_LAYERS or (blocked_conv(layer) and {"fwd", "bwd_weights"} <= bf16(layer))
+        if layer.type in BF16_ACTIVATION_LAYERS:
+            return True
+        passes = bf16_passes(precision, amx, layer.index, layer.type, layer.in_shape[0], v, layer.stride,
+                             layer.kernel, layer.pad)
+        return layer.type == "conv" and {"fwd", "bwd_weights"} <= set(passes)
 
     return tuple(writes(layer) and i + 1 < len(layers) and reads(layers[i + 1]) for i, layer in enumerate(layers))
 

@@ -775,19 +775,19 @@ def _activation_spec(layers=None, channels=3):
 
 
 def test_bf16_outputs_where_every_kernel_takes_bf16():
-    """An activation is stored as bf16 where its writer (a convolution with all three passes on
-    bf16 kernels, a pooling, ReLU or dropout layer) and its reader (a convolution reading it in
-    bf16 kernels, or one of those layers) all take bf16: not after the packed first layer, not
-    into an fc layer; with AMX tiles or vdpbf16ps alike; nowhere in fp32."""
+    """An activation is stored as bf16 where its writer (any convolution, a pooling, ReLU or
+    dropout layer) and its reader (a convolution reading it in bf16 kernels, or one of those
+    layers) all take bf16: after the packed first layer too, not into an fc layer; with AMX
+    tiles or vdpbf16ps alike; nowhere in fp32."""
     layers = _activation_spec().layers
-    for amx in (True, False):
-        assert bf16_outputs("bf16", amx, 16, layers) == (False, True, True, True, True, True, False, False, False)
-    assert not any(bf16_outputs("fp32", True, 16, layers)) and not any(bf16_outputs("fp32", False, 16, layers))
     pooled = _activation_spec([{"name": "p0", "type": "maxpool", "kernel": 2}] + ACTIVATION_NET[1:]).layers
-    assert bf16_outputs("bf16", True, 16, pooled)[:2] == (True, True)  # the pool reads the fp32 input, writes bf16
-    # a 3-channel convolution after it: on tiles all three passes; with vdpbf16ps an fp32
-    # backward-data kernel (few channels) that reads an fp32 ReLU mask, so its output stays fp32
-    assert bf16_outputs("bf16", False, 16, pooled)[:3] == (True, False, True)
+    for amx in (True, False):
+        assert bf16_outputs("bf16", amx, 16, layers) == (True,) * 6 + (False,) * 3
+        assert bf16_outputs("bf16", amx, 16, pooled) == (True,) * 6 + (False,) * 3
+    assert not any(bf16_outputs("fp32", True, 16, layers)) and not any(bf16_outputs("fp32", False, 16, layers))
+    # the few-channel first layer's input is packed: no later layer reads that layout
+    few_first = _activation_spec([ACTIVATION_NET[0], {"name": "f", "type": "fc", "out_features": 3}]).layers
+    assert bf16_outputs("bf16", True, 16, few_first) == (False, False)
 
 
 def test_manifest_must_agree_on_bf16_activations(tmp_path):
@@ -795,7 +795,7 @@ def test_manifest_must_agree_on_bf16_activations(tmp_path):
     disagrees with the runtime's rule (another generator version, an edit) is refused."""
     build(_activation_spec(), AMX_ARCH, tmp_path / "acts", precision="bf16")
     doc = json.loads((tmp_path / "acts" / "manifest.json").read_text())
-    assert [layer.get("output", "fp32") for layer in doc["layers"]][:7] == ["fp32"] + ["bf16"] * 5 + ["fp32"]
+    assert [layer.get("output", "fp32") for layer in doc["layers"]] == ["bf16"] * 6 + ["fp32"] * 3
     parse_manifest(doc, "manifest.json")
     for index, value, message in ((1, None, "layers\\[1\\].output: is fp32 but this runtime stores that activation as bf16"),
                                   (6, "bf16", "layers\\[6\\].output: is bf16 but this runtime stores that activation as fp32"),
@@ -833,7 +833,10 @@ def _with_and_without_bf16_activations(tmp_path, monkeypatch, spec, arch=AMX_ARC
 
 
 @pytest.mark.parametrize("arch", BF16_BUILDS)
-@pytest.mark.parametrize("first", [None, {"name": "p0", "type": "maxpool", "kernel": 2}], ids=["conv", "pool"])
+@pytest.mark.parametrize("first", [None, {"name": "c0", "type": "conv", "out_channels": 16, "kernel": 5, "pad": 2,
+                                           "activation": "relu"},
+                                   {"name": "p0", "type": "maxpool", "kernel": 2}],
+                         ids=["conv", "conv5x5", "pool"])  # 5x5: the packed AMX backward-weights kernel (75 values)
 def test_bf16_activations_between_convolutions_change_no_bit(tmp_path, monkeypatch, first, arch):
     """Between convolutions (directly or through a ReLU) a bf16 activation moves no value: its
     writer rounds what the reader's kernels would have rounded, and rounding keeps the sign (the
@@ -850,17 +853,14 @@ def test_bf16_activations_between_convolutions_change_no_bit(tmp_path, monkeypat
     assert losses["fp32"] == losses["bf16"]
     np.testing.assert_array_equal(nets["fp32"].grads, nets["bf16"].grads)
     dtypes = [a.dtype for a in nets["bf16"].workspace(5).acts]
-    # the input, the first layer's output (the packed conv writes fp32; the pool bf16), c1..c6, f7, loss;
-    # with a pool first, c1 is a 3-channel convolution: its vdpbf16ps build has an fp32 backward-data
-    # kernel (few channels), which reads its output as an fp32 ReLU mask
-    few = np.float32 if first is not None and not arch.amx else np.uint16
-    assert dtypes == [np.float32, np.float32 if first is None else np.uint16, few] + [np.uint16] * 4 + [np.float32] * 2
+    # the input, then c0 / p0 .. c6 (fp32 kernels among them: the packed first layer's, and with a
+    # pool first the 3-channel c1's backward-data in a vdpbf16ps build), f7, loss
+    assert dtypes == [np.float32] + [np.uint16] * 6 + [np.float32] * 2
     assert all(a.dtype == np.float32 for a in nets["fp32"].workspace(5).acts)
     assert np.any(nets["bf16"].grads != 0)
-    both = [name for name in ("c2", "c5") if (nets["bf16"].layers[name].in_bf16, nets["bf16"].layers[name].out_bf16)
-            == (True, True)]  # reading and writing bf16 (c2 reads fp32 after a vdpbf16ps few-channel c1)
-    assert both == (["c5"] if few == np.float32 else ["c2", "c5"])
-    for name in both:
+    # writing bf16, and reading it but for the first layer (its fp32 kernels: packed RGB input)
+    for name in (["c0"] if first is None or first["name"] == "c0" else []) + ["c1", "c2", "c5"]:
+        assert (nets["bf16"].layers[name].in_bf16, nets["bf16"].layers[name].out_bf16) == (name != "c0", True)
         conv = {mode: net.layers[name] for mode, net in nets.items()}
         xin = rng.standard_normal((2, *conv["bf16"].in_shape)).astype(np.float32)
         y = {mode: layer.forward(xin) for mode, layer in conv.items()}

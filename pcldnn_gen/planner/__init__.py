@@ -20,6 +20,7 @@ from pcldnn_runtime.manifest import LAYER_PASSES, PASSES
 from ..arch import Arch
 from ..errors import PlanError
 from ..netspec import LayerSpec
+from . import explain
 from .amx import plan_conv_amx, plan_conv_bwd_weights_amx, plan_conv_packed_amx, plan_fc_tiles, plan_fc_tiles_bwd_weights
 from .conv import L1_BUDGET, plan_conv_bwd_data, plan_conv_bwd_weights, plan_conv_fwd
 from .fc import plan_fc_bwd_data, plan_fc_bwd_weights, plan_fc_fwd
@@ -45,6 +46,15 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, 
     if pass_name not in passes:
         raise PlanError(f"{layer.name}: a {layer.type} layer has no {pass_name!r} pass "
                         f"(it has: {', '.join(passes) or 'none'})")
+    plan = _model_plan(layer, pass_name, arch, choice, bf16, amx, activations)
+    if plan.activations != activations:  # a conv kernel planned without them: say what it reads and writes
+        plan = dataclasses.replace(plan, activations=activations,
+                                   reason=plan.reason + explain.bf16_activations(pass_name, activations))
+    return plan
+
+
+def _model_plan(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, int] | None,
+                bf16: bool, amx: bool, activations: tuple[bool, bool]) -> KernelPlan:
     planner = _PLANNERS.get((layer.type, pass_name))
     if amx:
         if layer.type == "fc":
@@ -63,8 +73,7 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, 
                 plan_fc_tiles(layer, pass_name, arch, False)
         if layer.type != "conv":
             raise PlanError(f"{layer.name}: no bf16 kernels for a {layer.type} layer")
-        plan = _PLANNERS[("conv", pass_name)](layer, arch, choice, 2)  # type: ignore[call-arg]
-        return dataclasses.replace(plan, activations=activations) if any(activations) else plan
+        return _PLANNERS[("conv", pass_name)](layer, arch, choice, 2)  # type: ignore[call-arg]
     if planner:
         return planner(layer, arch, choice)
     if choice is not None:

@@ -7,6 +7,7 @@ from pcldnn_runtime.limits import AMX_PIXEL_BLOCK, AMX_ROWS, amx_conv_geometry, 
 
 from ..arch import Arch
 from ..netspec import LayerSpec
+from . import explain
 from .plans import AmxConvBwdWeightsPlan, AmxConvPlan, AmxPackedConvPlan, FcTileBwdWeightsPlan, FcTilePlan
 
 # tdpbf16ps of full tiles: 16 x 16 x 32 multiply-adds in 16 cycles (SPR; measured 3.4-3.6
@@ -69,20 +70,12 @@ def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch,
               f"Reduction chunk {chunk} of {geo.icb} 32-channel blocks: its A rows and B tiles, "
               f"{chunk * per_block // 1024} KiB, fit {L1_SHARE:.0%} of L1 ({arch.l1d_bytes // 1024} KiB). Bands of "
               f"{BAND} pixel blocks and the previous item's accumulators stored {STORE_DELAY} steps into the next "
-              f"(a tile store waits for its last tdpbf16ps): measured choices{_bf16_activations(pass_name, activations)}")
+              f"(a tile store waits for its last tdpbf16ps): measured choices{explain.bf16_activations(pass_name, activations)}")
     return AmxConvPlan(layer=layer.name, pass_name=pass_name, kind=f"conv_{pass_name}_amx", template="conv_amx.c.j2",
                        isa=arch.isa, vector_floats=arch.vector_floats, reason=reason,
                        predicted_efficiency=useful, l1_working_set=chunk * per_block,
                        l2_bytes_per_flop=b_bytes / (2 * AMX_PIXEL_BLOCK * 16 * 32 * kh * kw),
                        chunk=chunk, band=BAND, store_delay=STORE_DELAY, activations=activations)
-
-
-def _bf16_activations(pass_name: str, activations: tuple[bool, bool]) -> str:
-    """What a kernel reads or writes of the activations stored as bf16 (limits.bf16_outputs)."""
-    roles = {"fwd": ("x read", "y written"), "bwd_data": (None, "the ReLU mask y read"),
-             "bwd_weights": ("x read", "the ReLU mask y read")}[pass_name]
-    said = [role for role, bf16 in zip(roles, activations) if bf16 and role]
-    return f". bf16 activations: {', '.join(said)} as bf16, half the bytes" if said else ""
 
 
 def plan_conv_packed_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxPackedConvPlan:
@@ -132,7 +125,7 @@ def plan_conv_bwd_weights_amx(layer: LayerSpec, arch: Arch,
               f"{geo.wq} for {ow} outputs: {useful:.0%} of tile work useful). Groups of {units} "
               f"(image, 32-pixel block) units ({geo.pixel_blocks} an image): an item's dy rows and x pairs, "
               f"{per_unit // 1024} KiB a unit, fit {L2_SHARE:.0%} of L2 ({arch.l2_bytes // 1024} KiB) across its "
-              f"{kh * kw} taps{_bf16_activations('bwd_weights', activations)}")
+              f"{kh * kw} taps{explain.bf16_activations('bwd_weights', activations)}")
     return AmxConvBwdWeightsPlan(layer=layer.name, pass_name="bwd_weights", kind="conv_bwd_weights_amx",
                                  template="conv_bwd_weights_amx.c.j2", isa=arch.isa,
                                  vector_floats=arch.vector_floats, reason=reason, predicted_efficiency=useful,

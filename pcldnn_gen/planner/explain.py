@@ -145,3 +145,11 @@ def fc_bwd_weights(tile: RegisterTile, arch: Arch, rem_k: int, rem_n: int, batch
         f"K chunk {kc}/{k}: the input chunk is packed into contiguous {tile.width}-wide panels "
         f"({batch * kc * 4 // 1024} KiB, within half of L2) that every output-vector group reuses"
     )
+
+
+def bf16_activations(pass_name: str, activations: tuple[bool, bool]) -> str:
+    """What a conv kernel reads or writes of the activations stored as bf16 (limits.bf16_outputs)."""
+    roles = {"fwd": ("x read", "y written"), "bwd_data": (None, "the ReLU mask y read"),
+             "bwd_weights": ("x read", "the ReLU mask y read")}[pass_name]
+    said = [role for role, bf16 in zip(roles, activations) if bf16 and role]
+    return f". bf16 activations: {', '.join(said)} as bf16, half the bytes" if said else ""
