@@ -298,6 +298,22 @@ def test_amx_conv_backward_data_against_float64(tmp_path, source, layer, threads
     _check_backward_data(conv, layer, x, dy, dx, channel_block=32)
 
 
+@needs_amx
+def test_amx_conv_backward_data_where_no_window_reaches_the_input(tmp_path):
+    """A 1x1 stride-2 convolution padded by 1 over a 1-wide input reads columns -1 and 1 only:
+    no window reaches an input pixel, dx is zero and the per-phase geometry has no pixel block
+    (the planner divided by their count: found by benchmarks/random_nets.py, seed 94)."""
+    out = _conv_net(tmp_path, {"channels": 16, "height": 9, "width": 1},
+                    {"out_channels": 16, "kernel": 1, "stride": 2, "pad": 1}, "bf16", name="amx", arch=AMX_ARCH)
+    conv = pr.load(out, threads=2).layers["conv"]
+    assert conv.kernel_kind("bwd_data") == "conv_bwd_data_amx"
+    rng = np.random.default_rng(6)
+    y = conv.forward(rng.standard_normal((3, *conv.in_shape)).astype(np.float32))
+    np.testing.assert_array_equal(y, np.broadcast_to(conv.bias[None, :, None, None], y.shape))  # the bias only
+    dx = conv.backward_data(rng.standard_normal(y.shape).astype(np.float32))
+    assert dx.shape == (3, 16, 9, 1) and not np.any(dx)
+
+
 def _weights_gradient(conv, layer, images, seed):
     """(x, y, dy masked by the ReLU, dw, db) of `layer.backward_weights` on random x and dy; the
     caller's dy is left as it was (the kernels mask a copy, or the layer's own buffer)."""

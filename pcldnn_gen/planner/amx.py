@@ -59,7 +59,8 @@ def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch,
     chunk = -(-geo.icb // chunks)  # balanced: the last chunk is not a sliver
     (sc, _, _), (_, rh, rw) = geo.source, geo.result
     row = max(q.cols for q in geo.phases) if geo.phases else rw  # results of a flat row
-    useful = (rh * rw) / (geo.pixel_blocks * AMX_PIXEL_BLOCK) * sc / (geo.icb * 32)
+    # (no pixel blocks: a backward-data whose window never reaches the input, dx zero)
+    useful = (rh * rw) / (geo.pixel_blocks * AMX_PIXEL_BLOCK) * sc / (geo.icb * 32) if geo.pixel_blocks else 0.0
     phases = "" if geo.stride == (1, 1) else f"stride {geo.stride[0]}x{geo.stride[1]} on phase planes, "
     if geo.phases:
         count, (sh, sw) = len(geo.phases), geo.result_stride
