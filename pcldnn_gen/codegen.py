@@ -309,13 +309,16 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
         lines += [("precision: " if i == 0 else "           ") + w for i, w in enumerate(textwrap.wrap(text, 87))]
     text = template_env().get_template(plan.template).render(
         layer=layer, arch=arch, plan=plan, V=v, vec=BF16_ISA if bf16 else VECTOR_ISAS[arch.isa], symbol=symbol,
-        params=SIGNATURES[kind], version=__version__, plan_lines=lines,
+        params=SIGNATURES[kind], tile_params=SIGNATURES["conv_weight_tiles"], version=__version__, plan_lines=lines,
         elem="unsigned short" if bf16 else "float", lane_step=2 if bf16 else 1,
         R=plan.tile.vectors if plan.tile else 0, icb=icb, ocb=blocks(layer.out_shape[0], v),
         xv=input_pixel_floats(layer.index, layer.type, c, v),
         ic_tail=c - (icb - 1) * v, k=icb * v * h * w, size=icb * v * h * w, classes=c, ld=icb * v)
     flags = cpu.PRECISION_CFLAGS["bf16"] if bf16 or any(plan.activations) else ()
-    return Source(f"{layer.name}_{plan.pass_name}.c", text, {symbol: kind}, flags)
+    symbols = {symbol: kind}
+    if kind in ("conv_fwd_bf16", "conv_bwd_data_bf16"):  # and the function making its weight copy
+        symbols[symbol + "_tiles"] = "conv_weight_tiles"
+    return Source(f"{layer.name}_{plan.pass_name}.c", text, symbols, flags)
 
 
 def _render_tiled(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, lines: list[str]) -> Source:

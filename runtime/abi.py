@@ -37,15 +37,17 @@ SIGNATURES: dict[str, str] = {
     "softmax_cross_entropy_bwd_data":
         "const float *probs, const int *labels, float *dx, int batch, int nthreads",
     "act_layout": "const float *src, float *dst, int batch, int nthreads",
-    # bf16 builds: a conv forward kernel on bf16 input and weights (round-to-nearest-even copies
-    # made by the two conversions below, or the input stored as bf16), fp32 bias. The three
-    # vdpbf16ps conv kinds take the output y (`out`: the forward's result, the backward passes'
-    # ReLU mask) as fp32 or, where limits.bf16_outputs says, bf16 (the kernel knows which), and
+    # bf16 builds: a conv forward kernel on bf16 input (the input stored as bf16, or a
+    # round-to-nearest-even copy by act_to_bf16) and a bf16 copy of the weights (made by
+    # conv_weight_tiles after each change of the weights), fp32 bias. The three vdpbf16ps conv
+    # kinds take the output y (`out`: the forward's result, the backward passes' ReLU mask) as
+    # fp32 or, where limits.bf16_outputs says, bf16 (the kernel knows which), and
     # backward-weights its input x so too.
     "conv_fwd_bf16": "const unsigned short *in, const unsigned short *wt, const float *bias, void *out, "
                      "int batch, int nthreads",
-    # bwd_data converts dy (after the ReLU mask) and the transposed weights into bf16 scratch.
-    "conv_bwd_data_bf16": "float *dy, const void *out, const float *wt, unsigned short *scratch, float *dx, "
+    # bwd_data reads a bf16 copy of the transposed weights (conv_weight_tiles) and converts dy
+    # (after the ReLU mask) into bf16 scratch.
+    "conv_bwd_data_bf16": "float *dy, const void *out, const unsigned short *wt, unsigned short *scratch, float *dx, "
                           "int batch, int nthreads",
     # bwd_weights pairs neighbouring output pixels: bf16 pair copies of x and dy in scratch
     # (limits.bf16_weight_scratch), the bias gradient from the fp32 dy.
@@ -58,8 +60,8 @@ SIGNATURES: dict[str, str] = {
     # gradients are fp32.
     "conv_fwd_amx": "const void *in, const unsigned short *wt, const float *bias, void *out, unsigned short *scratch, "
                     "int batch, int nthreads",
-    # the fp32 blocked weights as the B tiles of an AMX conv forward or backward-data kernel
-    # (a second function of that kernel's library: the layout is its own)
+    # the fp32 blocked weights as the bf16 copy an AMX (B tiles) or vdpbf16ps conv forward or
+    # backward-data kernel reads (a second function of that kernel's library: the layout is its own)
     "conv_weight_tiles": "const float *wt, unsigned short *tiles, int nthreads",
     # and the packed few-channel first layer's forward pass over im2col rows (its weight tiles in
     # scratch: limits.amx_packed_weight_values)
@@ -89,7 +91,6 @@ SIGNATURES: dict[str, str] = {
     "fc_weight_tiles": "const float *src, unsigned short *fwd_tiles, unsigned short *data_tiles, int ocb_lo, "
                        "int ocb_hi, int nthreads",
     "act_to_bf16": "const float *src, unsigned short *dst, int batch, int nthreads",
-    "weight_to_bf16": "const float *src, unsigned short *dst",
     "peak": "long long iters, int nthreads, float *sink",
     # one SGD update of n parameters (templates/sgd.c.j2); decay NULL: decay_all for every one
     "sgd": "float *p, float *v, const float *g, const float *decay, float decay_all, float lr, float momentum, "

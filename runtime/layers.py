@@ -20,7 +20,6 @@ from .limits import (
     amx_conv_geometry,
     amx_packed_gradient_values,
     amx_packed_weight_values,
-    bf16_data_scratch,
     bf16_weight_scratch,
     blocks,
     fc_tile_geometry,
@@ -254,14 +253,14 @@ class WeightedLayer(Layer):
         self.runner = None
         # where the blocked weights and the bias start in the net's flat params / grads buffers
         self.param_offsets: tuple[int, int] = offsets
-        # bf16 builds: the forward kernel reads bf16 copies of the input and of the weights
-        # (limits.bf16_kernels), made by the layer's conversion kernels before each call; the
-        # fp32 weights stay the master copy that optimizers and the API see.
+        # bf16 builds (vdpbf16ps, limits.bf16_kernels): the forward kernel reads bf16 copies of
+        # the input (unless it is stored as bf16) and of the weights, backward-data a bf16 copy of
+        # the transposed weights; the fp32 weights stay the master copy that optimizers and the
+        # API see.
         self.bf16_forward = self.kernel_kind("fwd") == "conv_fwd_bf16"
         self.bf16_backward_data = self.kernel_kind("bwd_data") == "conv_bwd_data_bf16"
         self.bf16_backward_weights = self.kernel_kind("bwd_weights") == "conv_bwd_weights_bf16"
-        self._wt16 = empty_aligned(self._wt.shape, dtype=np.uint16) if self.bf16_forward else None
-        # AMX builds: the stride-1 passes on tiles convert their operands into their own scratch
+        # AMX builds: the passes on tiles convert their activations into their own scratch
         self._amx = {p: amx_conv_geometry(p, self.in_shape, self.out_shape, self.kernel, self.spec.pad, self.spec.stride)
                      for p in ("fwd", "bwd_data", "bwd_weights") if self.kernel_kind(p) == f"conv_{p}_amx"}
         # the packed few-channel first layer's passes on AMX tiles over im2col rows (forward: its
@@ -273,9 +272,12 @@ class WeightedLayer(Layer):
             if self.kernel_kind("fwd") in ("fc_fwd_amx", "fc_fwd_bf16") else None
         self._weight_tiles: tuple[np.ndarray, np.ndarray] | None = None
         self._tiles_made: tuple[int, int, int] | None = None  # (weights version, ocb_lo, ocb_hi) they hold
-        # AMX conv forward / backward-data: the B tiles of the weights each kernel reads, by
-        # pass, with the weights version they were made at (kept between calls, as the fc ones)
+        # bf16 conv forward / backward-data (AMX or vdpbf16ps): the bf16 copy of the weights each
+        # kernel reads, by pass, with the weights version it was made at (kept between calls, as
+        # the fc tiles): bf16 values of each
         self._conv_tiles: dict[str, tuple[np.ndarray, int]] = {}
+        self._conv_tile_values = {p: self._amx[p].weight_values if p in self._amx else self._wt.size
+                                  for p in ("fwd", "bwd_data") if f"{p}_tiles" in self._k}
 
     @property
     def blocked_weight_shape(self) -> tuple[int, ...]:
@@ -395,15 +397,16 @@ class WeightedLayer(Layer):
         return self._weight_tiles
 
     def conv_weight_tiles(self, pass_name: str) -> np.ndarray:
-        """An AMX conv pass's bf16 B tiles of the weights (its library's `<pass>_tiles` layout),
-        remade from the fp32 master weights when these changed since they were made
-        (Net.weights_version): once a training step, not once a call. Under MPI the layer's
-        pending part-broadcast was awaited before it runs (and moved the version)."""
+        """A bf16 conv forward or backward-data pass's copy of the weights (AMX B tiles or a
+        vdpbf16ps layout: its library's `<pass>_tiles` makes it), remade from the fp32 master
+        weights when these changed since it was made (Net.weights_version): once a training
+        step, not once a call. Under MPI the layer's pending part-broadcast was awaited before
+        it runs (and moved the version)."""
         made = self._conv_tiles.get(pass_name)
         version = self._net.weights_version
         if made is None or made[1] != version:
             tiles = made[0] if made is not None else \
-                empty_aligned((self._amx[pass_name].weight_values,), dtype=np.uint16)
+                empty_aligned((self._conv_tile_values[pass_name],), dtype=np.uint16)
             self._k[f"{pass_name}_tiles"](self._wt_ptr, ptr(tiles), self._net.threads)
             made = self._conv_tiles[pass_name] = (tiles, version)
         return made[0]
@@ -436,8 +439,7 @@ class WeightedLayer(Layer):
             if not self.in_bf16:
                 xb16 = self._buffer("bf16.x", xb.shape, np.uint16)
                 self._k["in_to_bf16"](ptr(xb), ptr(xb16), batch, team)
-            self._k["wt_to_bf16"](self._wt_ptr, ptr(self._wt16))
-            self._k["fwd"](ptr(xb16), ptr(self._wt16), self._bias_ptr, ptr(yb), batch, team)
+            self._k["fwd"](ptr(xb16), ptr(self.conv_weight_tiles("fwd")), self._bias_ptr, ptr(yb), batch, team)
             return
         self._k["fwd"](ptr(xb), self._wt_ptr, self._bias_ptr, ptr(yb), batch, team, *extra)
 
@@ -483,10 +485,12 @@ class WeightedLayer(Layer):
                 scratch = self._net.scratch(-(-self._amx["bwd_data"].scratch_values(batch) // 2)).view(np.uint16)
                 self._k["bwd_data"](ptr(dyb), ptr(mask), ptr(tiles), ptr(scratch), ptr(dxb), batch, threads)
                 return
-            if self.bf16_backward_data:
-                scratch = self._net.scratch(-(-bf16_data_scratch(self._wt.size, dyb.size) // 2)).view(np.uint16)
-            else:
-                scratch = self._net.scratch(self.scratch_floats)
+            if self.bf16_backward_data:  # scratch: dy as bf16
+                scratch = self._net.scratch(-(-dyb.size // 2)).view(np.uint16)
+                self._k["bwd_data"](ptr(dyb), ptr(mask), ptr(self.conv_weight_tiles("bwd_data")), ptr(scratch),
+                                    ptr(dxb), batch, threads)
+                return
+            scratch = self._net.scratch(self.scratch_floats)
             self._k["bwd_data"](ptr(dyb), ptr(mask), self._wt_ptr, ptr(scratch), ptr(dxb), batch, threads, *extra)
 
     def backward_weights(self, x: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -346,12 +346,6 @@ def fc_tile_geometry(in_shape: tuple[int, int, int], features: int, v: int = 16)
     return FcTileGeometry(k, f, -(-k // 32) * 32, -(-f // 32) * 32)
 
 
-def bf16_data_scratch(weight_values: int, dy_values: int) -> int:
-    """bf16 values of scratch a bf16 conv backward-data kernel needs: the transposed weights,
-    then dy from a cache line on (its template's WT_ELEMS)."""
-    return -(-weight_values // 32) * 32 + dy_values
-
-
 def bf16_weight_scratch(in_shape: tuple[int, int, int], out_shape: tuple[int, int, int], kernel: tuple[int, int],
                         stride: tuple[int, int], v: int, batch: int) -> int:
     """bf16 values of scratch a bf16 conv backward-weights kernel needs (its template's XP_CB and

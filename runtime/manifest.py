@@ -39,9 +39,9 @@ WINDOWED = ("conv", "maxpool", "avgpool")
 # Layout conversions (symbol suffix -> kernel kind); weighted layers also convert weights.
 ACT_LAYOUTS = ("in_to_blocked", "in_from_blocked", "out_to_blocked", "out_from_blocked")
 WEIGHT_LAYOUTS = ("wt_to_blocked", "wt_from_blocked")
-# bf16 builds: a layer with bf16 kernels (limits.bf16_kernels) also converts its blocked input
-# and weights to the bf16 copies those kernels read.
-BF16_LAYOUTS = {"in_to_bf16": "act_to_bf16", "wt_to_bf16": "weight_to_bf16"}
+# bf16 builds: a layer with a vdpbf16ps conv forward kernel also converts its blocked input to
+# the bf16 copy that kernel reads (where the input is not stored as bf16 already).
+BF16_LAYOUTS = {"in_to_bf16": "act_to_bf16"}
 # bf16 builds: an fc layer's weights as the bf16 tiles its kernels read (limits.FcTileGeometry)
 FC_TILE_LAYOUTS = {"wt_to_tiles": "fc_weight_tiles"}
 
@@ -51,15 +51,16 @@ def kernel_kinds(ltype: str, bf16_passes: tuple[str, ...], amx_passes: tuple[str
     """{pass or "layout": {symbol suffix: kernel kind}} of one layer: the one list generator
     and manifest reader share. A pass in `amx_passes` (limits.amx_kernels) is *_amx (a first
     layer's packed few-channel input, `packed`: *_packed_amx), else one in `bf16_passes` *_bf16;
-    the bf16 copies are converted by the layout library only for a vdpbf16ps conv forward
-    kernel (the others convert their own operands) and for an fc layer's weight tiles, and by
-    an AMX conv forward or backward-data kernel's library (`<pass>_tiles`) for its weight
-    tiles (both kept between calls: made once after each change of the weights)."""
+    the bf16 copies are converted by the layout library for a vdpbf16ps conv forward kernel's
+    input and an fc layer's weight tiles, by a conv forward or backward-data kernel's library
+    (`<pass>_tiles`, AMX or vdpbf16ps) for its weight copy (weight copies are kept between
+    calls: made once after each change of the weights); the other kernels convert their own
+    operands."""
     amx = "_packed_amx" if packed else "_amx"
     out = {p: {p: f"{ltype}_{p}" + (amx if p in amx_passes else "_bf16" if p in bf16_passes else "")}
            for p in LAYER_PASSES[ltype]}
     for p in ("fwd", "bwd_data"):  # their weight tiles, made by a function of their own library
-        if ltype == "conv" and out[p][p] == f"conv_{p}_amx":
+        if ltype == "conv" and out[p][p] in (f"conv_{p}_amx", f"conv_{p}_bf16"):
             out[p][f"{p}_tiles"] = "conv_weight_tiles"
     roles = ACT_LAYOUTS + (WEIGHT_LAYOUTS if ltype in WEIGHTED else ())
     out["layout"] = {r: ("weight_layout" if r.startswith("wt_") else "act_layout") for r in roles}

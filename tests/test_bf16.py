@@ -37,6 +37,9 @@ needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU lacks AMX bf16 tile
 # An L2 of 64 KiB: the backward-weights kernel then reduces a few pixel blocks per residency of
 # its accumulators and reloads them between groups (the path large layers take).
 AMX_ARCH = dataclasses.replace(get_arch("avx512"), name="avx512-amx", amx=True, l2_bytes=64 * 1024)
+# bf16 builds of either kind: AMX tiles, and vdpbf16ps (no AMX: an AVX512_BF16 CPU such as Zen 4/5)
+BF16_BUILDS = [pytest.param(AMX_ARCH, marks=needs_amx, id="amx"),
+               pytest.param(get_arch("avx512"), marks=needs_bf16, id="vdpbf16ps")]
 
 
 def bf16_reference(x: np.ndarray) -> np.ndarray:
@@ -92,7 +95,7 @@ void round_all(const float *src, unsigned short *dst, long n)
         dst[i] = bf16_round(src[i]);
 }
 {{ b.act_to_bf16("act_to_bf16", params.act_to_bf16, c, h, w) }}
-{{ b.wt_to_bf16("wt_to_bf16", params.weight_to_bf16, rows) }}
+{{ b.wt_to_bf16("wt_to_bf16", params.conv_weight_tiles, rows) }}
 """
 C, H, W, ROWS = 21, 3, 5, 7  # 21 channels: two blocks of 16, the second with 5 real lanes
 
@@ -105,7 +108,7 @@ def _conversions(flags: str):
     library = compile_source(source, get_arch("avx512" if flags == "bf16" else "scalar")).library
     ffi = cffi.FFI()
     ffi.cdef(f"void round_all(const float *src, unsigned short *dst, long n);"
-             f"void act_to_bf16({SIGNATURES['act_to_bf16']}); void wt_to_bf16({SIGNATURES['weight_to_bf16']});")
+             f"void act_to_bf16({SIGNATURES['act_to_bf16']}); void wt_to_bf16({SIGNATURES['conv_weight_tiles']});")
     return ffi, ffi.dlopen(str(library))
 
 
@@ -138,7 +141,7 @@ def test_weight_copy_pairs_input_channels(flags):
     ffi, lib = _conversions(flags)
     w = np.random.default_rng(2).standard_normal((ROWS, 16, 16)).astype(np.float32)
     out = np.zeros(w.size, dtype=np.uint16)
-    lib.wt_to_bf16(*_buffers(ffi, w, out))
+    lib.wt_to_bf16(*_buffers(ffi, w, out), 2)
     want = bf16_reference(w.ravel()).reshape(ROWS, 8, 2, 16).transpose(0, 1, 3, 2)
     np.testing.assert_array_equal(out.reshape(ROWS, 8, 16, 2), want)
 
@@ -514,15 +517,16 @@ def test_bf16_fc_weight_tiles_follow_every_change_of_the_weights(tmp_path, arch)
     assert made[0] == (0, 2)  # the whole layer's output blocks
 
 
-@needs_amx
-def test_amx_conv_weight_tiles_follow_every_change_of_the_weights(tmp_path):
-    """An AMX convolution's forward and backward-data B tiles are made once after each change of
-    the weights, not once a call, and the next call sees every route that changes them: the
-    weights setter, a write through net.params, an optimizer step, loading a state dict."""
+@pytest.mark.parametrize("arch", BF16_BUILDS)
+def test_conv_weight_copies_follow_every_change_of_the_weights(tmp_path, arch):
+    """A bf16 convolution's forward and backward-data weight copies (AMX B tiles, or the
+    vdpbf16ps pair layouts) are made once after each change of the weights, not once a call,
+    and the next call sees every route that changes them: the weights setter, a write through
+    net.params, an optimizer step, loading a state dict."""
     layers = [{"name": "conv", "type": "conv", "out_channels": 24, "kernel": 3, "pad": 1},
               {"name": "fc", "type": "fc", "out_features": 5}, {"name": "loss", "type": "softmax_cross_entropy"}]
     spec = parse_netspec({"name": "t", "input": {"channels": 16, "height": 6, "width": 7}, "layers": layers})
-    build(spec, AMX_ARCH, tmp_path / "t", precision="bf16")
+    build(spec, arch, tmp_path / "t", precision="bf16")
     net = pr.load(tmp_path / "t", threads=2)
     conv = net.layers["conv"]
     made = []
@@ -607,8 +611,10 @@ def test_amx_builds_put_every_convolution_pass_on_tiles(tmp_path):
     # without AMX the same net is all vdpbf16ps
     build(spec, get_arch("avx512"), tmp_path / "u", precision="bf16")
     doc = json.loads((tmp_path / "u" / "manifest.json").read_text())
-    assert doc["layers"][0]["kernels"]["fwd"]["symbols"] == {"pcldnn_c1_fwd": "conv_fwd_bf16"}
-    assert doc["layers"][1]["kernels"]["bwd_data"]["symbols"] == {"pcldnn_c2_bwd_data": "conv_bwd_data_bf16"}
+    assert doc["layers"][0]["kernels"]["fwd"]["symbols"] == {"pcldnn_c1_fwd": "conv_fwd_bf16",
+                                                               "pcldnn_c1_fwd_tiles": "conv_weight_tiles"}
+    assert doc["layers"][1]["kernels"]["bwd_data"]["symbols"] == {"pcldnn_c2_bwd_data": "conv_bwd_data_bf16",
+                                                                    "pcldnn_c2_bwd_data_tiles": "conv_weight_tiles"}
 
 
 def test_amx_build_is_refused_where_tiles_are_unavailable(tmp_path, monkeypatch):
@@ -623,7 +629,8 @@ def test_amx_build_is_refused_where_tiles_are_unavailable(tmp_path, monkeypatch)
     with pytest.raises(BuildDirError, match="arch.amx: must be true or false"):
         parse_manifest(doc, "manifest.json")
     doc["arch"]["amx"] = False  # the kinds must then be the vdpbf16ps ones
-    with pytest.raises(BuildDirError, match=r"kernels\.fwd\.symbols\.pcldnn_conv_fwd_tiles: unknown field"):
+    with pytest.raises(BuildDirError, match=r"kernels\.fwd\.symbols\.pcldnn_conv_fwd: must be 'conv_fwd_bf16', "
+                                            r"got 'conv_fwd_amx'"):
         parse_manifest(doc, "manifest.json")
 
 
@@ -757,8 +764,8 @@ def test_manifest_precision_is_validated(tmp_path):
     out = _conv_net(tmp_path, *CONV_CASES[0], "bf16")
     doc = json.loads((out / "manifest.json").read_text())
     for change, message in ((lambda m: m.update(precision="fp8"), "precision: must be one of fp32, bf16"),
-                            (lambda m: m.update(precision="fp32"), r"kernels\.fwd\.symbols\.pcldnn_conv_fwd: must be "
-                                                                    "'conv_fwd'"),
+                            (lambda m: m.update(precision="fp32"), r"kernels\.fwd\.symbols\.pcldnn_conv_fwd_tiles: "
+                                                                    "unknown field"),
                             (lambda m: m.pop("precision"), r"kernels\.fwd\.symbols")):
         bad = json.loads(json.dumps(doc))
         change(bad)
@@ -823,11 +830,6 @@ def test_manifest_must_agree_on_bf16_activations(tmp_path):
             bad["layers"][index]["output"] = value
         with pytest.raises(BuildDirError, match=message):
             parse_manifest(bad, "manifest.json")
-
-
-# bf16 builds of either kind: AMX tiles, and vdpbf16ps (no AMX: an AVX512_BF16 CPU such as Zen 4/5)
-BF16_BUILDS = [pytest.param(AMX_ARCH, marks=needs_amx, id="amx"),
-               pytest.param(get_arch("avx512"), marks=needs_bf16, id="vdpbf16ps")]
 
 
 def _with_and_without_bf16_activations(tmp_path, monkeypatch, spec, arch=AMX_ARCH):
