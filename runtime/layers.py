@@ -276,7 +276,9 @@ class WeightedLayer(Layer):
         # kernel reads, by pass, with the weights version it was made at (kept between calls, as
         # the fc tiles): bf16 values of each
         self._conv_tiles: dict[str, tuple[np.ndarray, int]] = {}
-        self._conv_tile_values = {p: self._amx[p].weight_values if p in self._amx else self._wt.size
+        self._conv_tile_values = {p: self._amx[p].weight_values if p in self._amx else
+                                  amx_packed_weight_values(self.in_shape, self.out_shape[0], self.kernel)
+                                  if p in self._packed_amx else self._wt.size
                                   for p in ("fwd", "bwd_data") if f"{p}_tiles" in self._k}
 
     @property
@@ -425,9 +427,7 @@ class WeightedLayer(Layer):
                            team, *part)
             return
         if "fwd" in self._packed_amx:
-            values = amx_packed_weight_values(self.in_shape, self.out_shape[0], self.kernel)
-            scratch = self._net.scratch(-(-values // 2)).view(np.uint16)
-            self._k["fwd"](ptr(xb), self._wt_ptr, self._bias_ptr, ptr(yb), ptr(scratch), batch, team)
+            self._k["fwd"](ptr(xb), ptr(self.conv_weight_tiles("fwd")), self._bias_ptr, ptr(yb), batch, team)
             return
         if "fwd" in self._amx:
             tiles = self.conv_weight_tiles("fwd")

@@ -297,7 +297,7 @@ def amx_packed_reduction(in_shape: tuple[int, int, int], kernel: tuple[int, int]
 
 
 def amx_packed_weight_values(in_shape: tuple[int, int, int], out_channels: int, kernel: tuple[int, int]) -> int:
-    """bf16 values of that kernel's scratch: its weights as B tiles (OC/16 x KP/32 tiles of 512)."""
+    """bf16 values of that kernel's weights as B tiles (OC/16 x KP/32 tiles of 512)."""
     return blocks(out_channels, 16) * amx_packed_reduction(in_shape, kernel) // 32 * 512
 
 

@@ -60,7 +60,7 @@ def kernel_kinds(ltype: str, bf16_passes: tuple[str, ...], amx_passes: tuple[str
     out = {p: {p: f"{ltype}_{p}" + (amx if p in amx_passes else "_bf16" if p in bf16_passes else "")}
            for p in LAYER_PASSES[ltype]}
     for p in ("fwd", "bwd_data"):  # their weight tiles, made by a function of their own library
-        if ltype == "conv" and out[p][p] in (f"conv_{p}_amx", f"conv_{p}_bf16"):
+        if ltype == "conv" and out[p][p] in (f"conv_{p}_amx", f"conv_{p}_packed_amx", f"conv_{p}_bf16"):
             out[p][f"{p}_tiles"] = "conv_weight_tiles"
     roles = ACT_LAYOUTS + (WEIGHT_LAYOUTS if ltype in WEIGHTED else ())
     out["layout"] = {r: ("weight_layout" if r.startswith("wt_") else "act_layout") for r in roles}

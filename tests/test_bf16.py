@@ -517,24 +517,27 @@ def test_bf16_fc_weight_tiles_follow_every_change_of_the_weights(tmp_path, arch)
     assert made[0] == (0, 2)  # the whole layer's output blocks
 
 
-@pytest.mark.parametrize("arch", BF16_BUILDS)
-def test_conv_weight_copies_follow_every_change_of_the_weights(tmp_path, arch):
-    """A bf16 convolution's forward and backward-data weight copies (AMX B tiles, or the
-    vdpbf16ps pair layouts) are made once after each change of the weights, not once a call,
-    and the next call sees every route that changes them: the weights setter, a write through
-    net.params, an optimizer step, loading a state dict."""
+@pytest.mark.parametrize("arch,channels", [pytest.param(p.values[0], 16, marks=p.marks, id=p.id) for p in BF16_BUILDS] +
+                         [pytest.param(AMX_ARCH, 3, marks=needs_amx, id="amx-packed")])
+def test_conv_weight_copies_follow_every_change_of_the_weights(tmp_path, arch, channels):
+    """A bf16 convolution's forward and backward-data weight copies (AMX B tiles, the packed
+    first layer's forward tiles, or the vdpbf16ps pair layouts) are made once after each change
+    of the weights, not once a call, and the next call sees every route that changes them: the
+    weights setter, a write through net.params, an optimizer step, loading a state dict."""
     layers = [{"name": "conv", "type": "conv", "out_channels": 24, "kernel": 3, "pad": 1},
               {"name": "fc", "type": "fc", "out_features": 5}, {"name": "loss", "type": "softmax_cross_entropy"}]
-    spec = parse_netspec({"name": "t", "input": {"channels": 16, "height": 6, "width": 7}, "layers": layers})
+    spec = parse_netspec({"name": "t", "input": {"channels": channels, "height": 6, "width": 7}, "layers": layers})
     build(spec, arch, tmp_path / "t", precision="bf16")
     net = pr.load(tmp_path / "t", threads=2)
     conv = net.layers["conv"]
     made = []
-    for role in ("fwd_tiles", "bwd_data_tiles"):
+    roles = ["fwd_tiles", "bwd_data_tiles"] if channels == 16 else ["fwd_tiles"]  # packed: fp32 backward-data
+    assert [r for r in ("fwd_tiles", "bwd_data_tiles") if r in conv._k] == roles
+    for role in roles:
         real = conv._k[role]
         conv._k[role] = lambda *args, role=role, real=real: (made.append(role), real(*args))
     rng = np.random.default_rng(5)
-    x = rng.standard_normal((3, 16, 6, 7)).astype(np.float32)
+    x = rng.standard_normal((3, channels, 6, 7)).astype(np.float32)
     dy = rng.standard_normal((3, 24, 6, 7)).astype(np.float32)
 
     def check():  # both passes against the fp32 weights of now (bf16 rounding: a loose bound)
@@ -544,8 +547,8 @@ def test_conv_weight_copies_follow_every_change_of_the_weights(tmp_path, arch):
         dx, ref = conv.backward_data(dy), conv2d_bwd_data(dy, w, (1, 1), (1, 1), x.shape)
         np.testing.assert_allclose(dx, ref, rtol=0, atol=0.03 * np.abs(ref).max())
 
-    _every_change_of_the_weights_is_seen(net, conv, check, made, 2, x, rng.integers(0, 5, 3))
-    assert made[:2] == ["fwd_tiles", "bwd_data_tiles"]
+    _every_change_of_the_weights_is_seen(net, conv, check, made, len(roles), x, rng.integers(0, 5, 3))
+    assert made[:len(roles)] == roles
 
 
 def test_amx_and_bf16_kernels_take_the_models_plan_with_a_tuning_database():
