@@ -367,8 +367,9 @@ def padded(channels: int, v: int = 16) -> int:
 def training_bytes(layers: Iterable[tuple[tuple[int, int, int], tuple[int, int, int], int]]) -> int:
     """Bytes to train at minibatch 1, from (in_shape, out_shape, weight count) per layer:
     parameters, their gradients, momentum and conv backward-data's transposed copy (4x the
-    weights), each layer's output kept for the backward pass, and two gradient buffers the
-    size of the largest activation."""
+    weights; in a bf16 build the two 2-byte weight copies take that copy's place), each layer's
+    output kept for the backward pass (an upper bound where bf16 builds store it as bf16), and
+    two gradient buffers the size of the largest activation."""
     weights = acts = largest = 0
     for (c, h, w), (oc, oh, ow), nweights in layers:
         weights += nweights + oc
