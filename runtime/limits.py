@@ -350,13 +350,15 @@ def bf16_weight_scratch(in_shape: tuple[int, int, int], out_shape: tuple[int, in
                         stride: tuple[int, int], v: int, batch: int) -> int:
     """bf16 values of scratch a bf16 conv backward-weights kernel needs (its template's XP_CB and
     GP_CB): x in pairs (IH rows of (2 ceil(OW/2) - 2) SW + KW columns, stored in 2 SW phases of
-    equal length) from a cache line, then dy in pairs (OH rows of ceil(OW/2))."""
+    equal length) from a cache line, then dy in pairs (OH rows of ceil(OW/2)), then each dy
+    row's fp32 sum (V floats: 2V values) for the bias gradient."""
     c, ih, _ = in_shape
     oc, oh, ow = out_shape
     pairs, phases = -(-ow // 2), 2 * stride[1]
     columns = -(-((2 * pairs - 2) * stride[1] + kernel[1]) // phases) * phases
     x_pairs = batch * blocks(c, v) * ih * columns * v * 2
-    return -(-x_pairs // 32) * 32 + batch * blocks(oc, v) * oh * pairs * v * 2
+    rows = batch * blocks(oc, v) * oh
+    return -(-x_pairs // 32) * 32 + rows * pairs * v * 2 + rows * v * 2
 
 
 def padded(channels: int, v: int = 16) -> int:
