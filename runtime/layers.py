@@ -274,12 +274,8 @@ class WeightedLayer(Layer):
         self._tiles_made: tuple[int, int, int] | None = None  # (weights version, ocb_lo, ocb_hi) they hold
         # bf16 conv forward / backward-data (AMX or vdpbf16ps): the bf16 copy of the weights each
         # kernel reads, by pass, with the weights version it was made at (kept between calls, as
-        # the fc tiles): bf16 values of each
+        # the fc tiles)
         self._conv_tiles: dict[str, tuple[np.ndarray, int]] = {}
-        self._conv_tile_values = {p: self._amx[p].weight_values if p in self._amx else
-                                  amx_packed_weight_values(self.in_shape, self.out_shape[0], self.kernel)
-                                  if p in self._packed_amx else self._wt.size
-                                  for p in ("fwd", "bwd_data") if f"{p}_tiles" in self._k}
 
     @property
     def blocked_weight_shape(self) -> tuple[int, ...]:
@@ -407,8 +403,13 @@ class WeightedLayer(Layer):
         made = self._conv_tiles.get(pass_name)
         version = self._net.weights_version
         if made is None or made[1] != version:
-            tiles = made[0] if made is not None else \
-                empty_aligned((self._conv_tile_values[pass_name],), dtype=np.uint16)
+            if pass_name in self._amx:
+                values = self._amx[pass_name].weight_values
+            elif pass_name in self._packed_amx:
+                values = amx_packed_weight_values(self.in_shape, self.out_shape[0], self.kernel)
+            else:  # vdpbf16ps: the blocked weights re-laid in pairs
+                values = self._wt.size
+            tiles = made[0] if made is not None else empty_aligned((values,), dtype=np.uint16)
             self._k[f"{pass_name}_tiles"](self._wt_ptr, ptr(tiles), self._net.threads)
             made = self._conv_tiles[pass_name] = (tiles, version)
         return made[0]

@@ -80,7 +80,7 @@ class LayerShape(Protocol):
 
 
 # Layers whose kernels take a bf16 activation as well as an fp32 one, in and out, in a bf16
-# build (AVX-512: their backward passes read no activation but the ReLU's output)
+# build (their backward passes read no activation but a standalone ReLU's own output)
 BF16_ACTIVATION_LAYERS = ("maxpool", "avgpool", "relu", "dropout")
 
 
