@@ -45,12 +45,13 @@ SIGNATURES: dict[str, str] = {
     # backward-weights its input x so too.
     "conv_fwd_bf16": "const unsigned short *in, const unsigned short *wt, const float *bias, void *out, "
                      "int batch, int nthreads",
-    # bwd_data reads a bf16 copy of the transposed weights (conv_weight_tiles) and converts dy
-    # (after the ReLU mask) into bf16 scratch.
+    # bwd_data reads a bf16 copy of the transposed weights (conv_weight_tiles) and converts dy,
+    # masked by the ReLU as it is copied (dy itself left as it is), into bf16 scratch.
     "conv_bwd_data_bf16": "float *dy, const void *out, const unsigned short *wt, unsigned short *scratch, float *dx, "
                           "int batch, int nthreads",
-    # bwd_weights pairs neighbouring output pixels: bf16 pair copies of x and dy in scratch
-    # (limits.bf16_weight_scratch), the bias gradient from the fp32 dy.
+    # bwd_weights pairs neighbouring output pixels: bf16 pair copies of x and of dy (masked by
+    # the ReLU as it is copied; dy itself left as it is) in scratch (limits.bf16_weight_scratch),
+    # the bias gradient from the masked fp32 dy.
     "conv_bwd_weights_bf16": "const void *in, float *dy, const void *out, unsigned short *scratch, float *dwt, "
                              "float *dbias, int batch, int nthreads",
     # AMX builds: a conv forward on tiles, converting its input into its bf16 scratch itself

@@ -639,8 +639,9 @@ def test_amx_build_is_refused_where_tiles_are_unavailable(tmp_path, monkeypatch)
 
 def _forward_and_gradient(tmp_path, source, layer, pass_name, images, seed):
     """A one-conv bf16 net's layer (its `pass_name` kernel a bf16 one), a random input, its
-    forward output, a random output gradient, zero where a fused ReLU's output is not
-    positive (what the kernels mask), and the net."""
+    forward output, a random output gradient as given to the kernel and as the kernel must
+    see it (zero where a fused ReLU's output is not positive: the kernels mask it as they
+    copy it), and the net."""
     net = pr.load(_conv_net(tmp_path, source, layer, "bf16"), threads=2)
     conv = net.layers["conv"]
     assert conv.kernel_kind(pass_name) == f"conv_{pass_name}_bf16"
@@ -648,9 +649,8 @@ def _forward_and_gradient(tmp_path, source, layer, pass_name, images, seed):
     x = rng.standard_normal((images, *conv.in_shape)).astype(np.float32)
     y = conv.forward(x)
     dy = rng.standard_normal(y.shape).astype(np.float32)
-    if layer.get("activation") == "relu":
-        dy = np.where(y > 0, dy, np.float32(0))
-    return conv, x, y, dy, net
+    masked = np.where(y > 0, dy, np.float32(0)) if layer.get("activation") == "relu" else dy
+    return conv, x, y, dy, masked, net
 
 
 @needs_bf16
@@ -658,8 +658,8 @@ def _forward_and_gradient(tmp_path, source, layer, pass_name, images, seed):
 def test_bf16_conv_backward_data_against_float64(tmp_path, source, layer):
     """dx = sum of bf16(dy masked by the ReLU) bf16(w) over oc, kh, kw: the same bound, n the
     output channels (padded) times the taps, and again off by more against unrounded inputs."""
-    conv, x, y, dy, _ = _forward_and_gradient(tmp_path, source, layer, "bwd_data", images=2, seed=6)
-    _check_backward_data(conv, layer, x, dy, conv.backward_data(dy), channel_block=16)
+    conv, x, y, dy, masked, _ = _forward_and_gradient(tmp_path, source, layer, "bwd_data", images=2, seed=6)
+    _check_backward_data(conv, layer, x, masked, conv.backward_data(dy), channel_block=16)
 
 
 def test_few_channel_first_layer_stays_fp32(tmp_path):
@@ -1005,9 +1005,9 @@ def test_bf16_conv_backward_weights_against_float64(tmp_path, source, layer):
     padding); db sums the fp32 dy (fp32 bound). The extra shape: stride 2 without padding and
     4 output columns from 9 (a pair copy column past the input on the right). Threads own
     disjoint weight tiles and db sums the rows in a fixed order: 1 and 3 threads give the same bits."""
-    conv, x, y, dy, net = _forward_and_gradient(tmp_path, source, layer, "bwd_weights", images=3, seed=7)
+    conv, x, y, dy, masked, net = _forward_and_gradient(tmp_path, source, layer, "bwd_weights", images=3, seed=7)
     dw, db = conv.backward_weights(x, dy)
-    _check_backward_weights(layer, x, dy, dw, db, n=x.shape[0] * y.shape[2] * (y.shape[3] + 1))
+    _check_backward_weights(layer, x, masked, dw, db, n=x.shape[0] * y.shape[2] * (y.shape[3] + 1))
     for threads in (1, 3):
         net.threads = threads
         for got, want in zip(conv.backward_weights(x, dy), (dw, db)):
