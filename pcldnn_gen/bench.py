@@ -101,19 +101,24 @@ class KernelTimer:
 
 def kernel_timers(layer, batch: int) -> dict[str, KernelTimer]:
     """{pass: a KernelTimer of the layer's kernel} on blocked buffers of random values (fixed
-    seed): what the benchmarks time, without layout conversions; activations stored as bf16 in
-    the net (limits.bf16_outputs) are bf16 here too."""
+    seed): what the benchmarks time, without layout conversions; activations and gradients
+    stored as bf16 in the net (limits.bf16_outputs, bf16_gradients) are bf16 here too."""
     rng = np.random.default_rng(0)
-    xb = empty_aligned(layer.input_shape(batch))
-    xb[...] = rng.standard_normal(xb.shape)
-    dxb = empty_aligned(xb.shape)
-    if layer.in_bf16:
-        bits = empty_aligned(xb.shape, dtype=np.uint16)
-        bf16_bits(xb, bits, flush_subnormals=True)
-        xb = bits
+
+    def random(shape: tuple[int, ...], bf16: bool) -> np.ndarray:
+        values = empty_aligned(shape)
+        values[...] = rng.standard_normal(shape)
+        if not bf16:
+            return values
+        bits = empty_aligned(shape, dtype=np.uint16)
+        bf16_bits(values, bits, flush_subnormals=True)
+        return bits
+
+    xb = random(layer.input_shape(batch), layer.in_bf16)
+    dxb = empty_aligned(xb.shape, dtype=np.uint16 if layer.in_grad_bf16 else np.float32)
     shape = layer.blocked_shape(layer.out_shape, batch)
-    yb, dyb = empty_aligned(shape, dtype=np.uint16 if layer.out_bf16 else np.float32), empty_aligned(shape)
-    dyb[...] = rng.standard_normal(dyb.shape)
+    yb = empty_aligned(shape, dtype=np.uint16 if layer.out_bf16 else np.float32)
+    dyb = random(shape, layer.out_grad_bf16)
     grads = tuple(empty_aligned(g.shape) for g in layer.grad_buffers)
     runs = {"fwd": lambda: layer.forward_blocked(xb, yb),
             "bwd_data": lambda: layer.backward_blocked(xb, None, None, dyb, dxb),

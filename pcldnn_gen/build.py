@@ -19,7 +19,7 @@ import numpy as np
 from filelock import FileLock
 
 from pcldnn_runtime import cpu
-from pcldnn_runtime.limits import bf16_outputs, input_pixel_floats
+from pcldnn_runtime.limits import bf16_gradients, bf16_outputs, input_pixel_floats
 from pcldnn_runtime.manifest import FORMAT, FORMAT_FAMILY, MANIFEST, WEIGHTS_FILE, file_sha256, kernel_kinds
 from pcldnn_runtime.state_io import check_state, expected_state
 
@@ -62,22 +62,22 @@ def plan_net(net: NetSpec, arch: Arch, tuning: TuningDB | None = None,
     """Every (layer, pass) plan: the model's, the tuning database's measured tile where an
     entry matches, or a forced candidate tile from `choices` (the tuner's trial builds). The
     database holds fp32 measurements: bf16 kernels take the model's plan. Each plan's kernel
-    kind, and the bf16 activations it reads and writes (limits.bf16_outputs), are the ones the
-    runtime will ask of the build (manifest.kernel_kinds), checked here so that the generator
-    never writes a build its own loader refuses or misreads."""
+    kind, and the bf16 activations and gradients it reads and writes (limits.bf16_outputs,
+    bf16_gradients), are the ones the runtime will ask of the build (manifest.kernel_kinds),
+    checked here so that the generator never writes a build its own loader refuses or misreads."""
     plans = {}
-    activations = net_activations(net, arch, precision)
+    activations, gradients = net_activations(net, arch, precision), net_gradients(net, arch, precision)
     for layer in net.layers:
         packed = input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats
         kinds = kernel_kinds(layer.type, layer_bf16(layer, arch, precision), layer_amx(layer, arch, precision), packed)
         for p in LAYER_PASSES[layer.type]:
             plan = plans[(layer.name, p)] = plan_kernel(layer, p, arch, tuning, (choices or {}).get((layer.name, p)),
-                                                        precision, activations[layer.name])
-            expected = pass_activations(activations[layer.name], p)
-            if plan.kind != kinds[p][p] or plan.activations != expected:
+                                                        precision, activations[layer.name], gradients[layer.name])
+            expected = pass_activations(activations[layer.name], p), pass_gradients(gradients[layer.name], p)
+            if plan.kind != kinds[p][p] or (plan.activations, plan.gradients) != expected:
                 raise AssertionError(f"internal error: layer {layer.name} {p}: the planner chose a {plan.kind} kernel "
-                                     f"on {plan.activations} bf16 activations where the runtime expects "
-                                     f"{kinds[p][p]} on {expected}")
+                                     f"on {plan.activations} bf16 activations and {plan.gradients} gradients where "
+                                     f"the runtime expects {kinds[p][p]} on {expected}")
     return plans
 
 
@@ -85,6 +85,18 @@ def net_activations(net: NetSpec, arch: Arch, precision: str) -> dict[str, tuple
     """Per layer, whether its (input, output) activations are stored as bf16 (limits.bf16_outputs)."""
     outputs = bf16_outputs(precision, arch.amx, arch.vector_floats, net.layers)
     return {layer.name: (i > 0 and outputs[i - 1], outputs[i]) for i, layer in enumerate(net.layers)}
+
+
+def net_gradients(net: NetSpec, arch: Arch, precision: str) -> dict[str, tuple[bool, bool]]:
+    """Per layer, whether the gradients of its (input, output) are stored as bf16 (limits.bf16_gradients)."""
+    grads = bf16_gradients(precision, arch.amx, arch.vector_floats, net.layers)
+    return {layer.name: (i > 0 and grads[i - 1], grads[i]) for i, layer in enumerate(net.layers)}
+
+
+def pass_gradients(gradients: tuple[bool, bool], pass_name: str) -> tuple[bool, bool]:
+    """Which of a layer's (input, output) bf16 gradients a pass touches: backward-data reads dy
+    and writes dx, backward-weights reads dy, the forward pass neither."""
+    return {"fwd": (False, False), "bwd_data": gradients, "bwd_weights": (False, gradients[1])}[pass_name]
 
 
 def pass_activations(activations: tuple[bool, bool], pass_name: str) -> tuple[bool, bool]:
@@ -96,14 +108,15 @@ def pass_activations(activations: tuple[bool, bool], pass_name: str) -> tuple[bo
 
 def plan_kernel(layer: LayerSpec, pass_name: str, arch: Arch, tuning: TuningDB | None = None,
                 choice: tuple[int, int] | None = None, precision: str = "fp32",
-                activations: tuple[bool, bool] = (False, False)) -> KernelPlan:
+                activations: tuple[bool, bool] = (False, False),
+                gradients: tuple[bool, bool] = (False, False)) -> KernelPlan:
     """One kernel's plan by plan_net's rule (compile and `inspect` alike): a forced tile, else
     the database's measured one, else the model's; bf16 and AMX kernels always the model's
-    (`activations`: net_activations of the layer)."""
+    (`activations`, `gradients`: net_activations and net_gradients of the layer)."""
     bf16, amx = pass_name in layer_bf16(layer, arch, precision), pass_name in layer_amx(layer, arch, precision)
-    activations = pass_activations(activations, pass_name)
-    if choice or tuning is None or bf16 or amx or any(activations):
-        return plan_layer(layer, pass_name, arch, choice, bf16, amx, activations)
+    activations, gradients = pass_activations(activations, pass_name), pass_gradients(gradients, pass_name)
+    if choice or tuning is None or bf16 or amx or any(activations) or any(gradients):
+        return plan_layer(layer, pass_name, arch, choice, bf16, amx, activations, gradients)
     return tuning.plan(layer, pass_name, arch)
 
 
@@ -177,9 +190,10 @@ def _write_build(net: NetSpec, arch: Arch, out_dir: Path, sources: list[tuple[La
 
 def _manifest(net: NetSpec, arch: Arch, kernels: dict[str, dict], precision: str) -> dict:
     """The build's manifest.json (runtime/manifest.py reads it); a layer whose output activation
-    is stored as bf16 (limits.bf16_outputs) says `"output": "bf16"`."""
+    is stored as bf16 (limits.bf16_outputs) says `"output": "bf16"`, one whose output's gradient
+    is (limits.bf16_gradients) `"gradient": "bf16"`."""
     layers = []
-    activations = net_activations(net, arch, precision)
+    activations, gradients = net_activations(net, arch, precision), net_gradients(net, arch, precision)
     for layer in net.layers:
         layers.append({
             "name": layer.name, "type": layer.type,
@@ -190,6 +204,7 @@ def _manifest(net: NetSpec, arch: Arch, kernels: dict[str, dict], precision: str
             "kernels": kernels.get(layer.name, {}),
             **({} if layer.bias else {"bias": False}),
             **({"output": "bf16"} if activations[layer.name][1] else {}),
+            **({"gradient": "bf16"} if gradients[layer.name][1] else {}),
         })
     return {
         "format": FORMAT, "generator": f"pcldnn-gen {__version__}",

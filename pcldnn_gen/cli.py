@@ -13,7 +13,7 @@ from pcldnn_runtime.cpu import PRECISIONS
 
 from . import __version__
 from .arch import get_arch
-from .build import build, check_precision, net_activations, plan_kernel
+from .build import build, check_precision, net_activations, net_gradients, plan_kernel
 from .codegen import render_kernel
 from .errors import PcldnnError
 from .netspec import load_netspec
@@ -68,7 +68,8 @@ def _inspect(args: argparse.Namespace) -> int:
     layer = net.layer(args.layer)
     check_precision(args.precision, arch)
     plan = plan_kernel(layer, args.pass_name, arch, _tuning(args), None, args.precision,
-                       net_activations(net, arch, args.precision)[layer.name])
+                       net_activations(net, arch, args.precision)[layer.name],
+                       net_gradients(net, arch, args.precision)[layer.name])
     if args.explain:
         print(f"{layer.name} {plan.pass_name} on {arch.name}: {plan.reason}")
         if plan.tile is not None:

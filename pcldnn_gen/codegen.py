@@ -304,7 +304,7 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
     if bf16:
         pairs = "neighbouring output pixels" if plan.pass_name == "bwd_weights" else (
             "output channels" if plan.pass_name == "bwd_data" else "input channels")
-        text = (f"bf16 operands, a pair of {pairs} per 32-bit lane (vdpbf16ps), fp32 accumulation and results; "
+        text = (f"bf16 operands, a pair of {pairs} per 32-bit lane (vdpbf16ps), fp32 accumulation; "
                 "blocks planned for 2-byte operands")
         lines += [("precision: " if i == 0 else "           ") + w for i, w in enumerate(textwrap.wrap(text, 87))]
     text = template_env().get_template(plan.template).render(
@@ -314,7 +314,7 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
         R=plan.tile.vectors if plan.tile else 0, icb=icb, ocb=blocks(layer.out_shape[0], v),
         xv=input_pixel_floats(layer.index, layer.type, c, v),
         ic_tail=c - (icb - 1) * v, k=icb * v * h * w, size=icb * v * h * w, classes=c, ld=icb * v)
-    flags = cpu.PRECISION_CFLAGS["bf16"] if bf16 or any(plan.activations) else ()
+    flags = cpu.PRECISION_CFLAGS["bf16"] if bf16 or any(plan.activations) or any(plan.gradients) else ()
     symbols = {symbol: kind}
     if kind in ("conv_fwd_bf16", "conv_bwd_data_bf16"):  # and the function making its weight copy
         symbols[symbol + "_tiles"] = "conv_weight_tiles"

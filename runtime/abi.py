@@ -23,15 +23,16 @@ SIGNATURES: dict[str, str] = {
     "conv_bwd_weights": _BWD_WEIGHTS.replace("const float *out", "const void *out"),
     "fc_bwd_weights": _BWD_WEIGHTS + _SLICE,
     # pooling, ReLU and dropout take their activations (in, out) as fp32 or, where
-    # limits.bf16_outputs says, bf16 (the kernel knows which); gradients are fp32
+    # limits.bf16_outputs says, bf16, and the gradients (dy, dx) as fp32 or, where
+    # limits.bf16_gradients says, bf16 (the kernel knows which)
     "maxpool_fwd": "const void *in, void *out, int *argmax, int batch, int nthreads",
-    "maxpool_bwd_data": "const float *dy, const int *argmax, float *dx, int batch, int nthreads",
+    "maxpool_bwd_data": "const void *dy, const int *argmax, void *dx, int batch, int nthreads",
     "avgpool_fwd": "const void *in, void *out, int batch, int nthreads",
-    "avgpool_bwd_data": "const float *dy, float *dx, int batch, int nthreads",
+    "avgpool_bwd_data": "const void *dy, void *dx, int batch, int nthreads",
     "relu_fwd": "const void *in, void *out, int batch, int nthreads",
-    "relu_bwd_data": "const float *dy, const void *out, float *dx, int batch, int nthreads",
+    "relu_bwd_data": "const void *dy, const void *out, void *dx, int batch, int nthreads",
     "dropout_fwd": "const void *in, void *out, unsigned long long seed, int batch, int nthreads",
-    "dropout_bwd_data": "const float *dy, float *dx, unsigned long long seed, int batch, int nthreads",
+    "dropout_bwd_data": "const void *dy, void *dx, unsigned long long seed, int batch, int nthreads",
     "softmax_cross_entropy_fwd":
         "const float *logits, const int *labels, float *probs, double *loss, int batch, int nthreads",
     "softmax_cross_entropy_bwd_data":
@@ -47,18 +48,20 @@ SIGNATURES: dict[str, str] = {
                      "int batch, int nthreads",
     # bwd_data reads a bf16 copy of the transposed weights (conv_weight_tiles) and converts dy,
     # masked by the ReLU as it is copied (dy itself left as it is), into bf16 scratch.
-    "conv_bwd_data_bf16": "float *dy, const void *out, const unsigned short *wt, unsigned short *scratch, float *dx, "
+    # The backward kinds of bf16 and AMX convolutions take the gradients (dy, dx) as fp32 or,
+    # where limits.bf16_gradients says, bf16 (the kernel knows which).
+    "conv_bwd_data_bf16": "void *dy, const void *out, const unsigned short *wt, unsigned short *scratch, void *dx, "
                           "int batch, int nthreads",
     # bwd_weights pairs neighbouring output pixels: bf16 pair copies of x and of dy (masked by
     # the ReLU as it is copied; dy itself left as it is) in scratch (limits.bf16_weight_scratch),
-    # the bias gradient from the masked fp32 dy.
-    "conv_bwd_weights_bf16": "const void *in, float *dy, const void *out, unsigned short *scratch, float *dwt, "
+    # the bias gradient from the masked dy, in fp32.
+    "conv_bwd_weights_bf16": "const void *in, void *dy, const void *out, unsigned short *scratch, float *dwt, "
                              "float *dbias, int batch, int nthreads",
     # AMX builds: a conv forward on tiles, converting its input into its bf16 scratch itself
     # (limits.AmxConvGeometry), its weights the layer's B tiles (made by conv_weight_tiles after
     # each change of the weights). The three AMX conv kinds take their activations (x, y: `in`,
-    # `out`) as fp32 or, where limits.bf16_outputs says, bf16 (the kernel knows which);
-    # gradients are fp32.
+    # `out`) as fp32 or, where limits.bf16_outputs says, bf16, and the backward ones the
+    # gradients (dy, dx) as limits.bf16_gradients says (the kernel knows which).
     "conv_fwd_amx": "const void *in, const unsigned short *wt, const float *bias, void *out, unsigned short *scratch, "
                     "int batch, int nthreads",
     # the fp32 blocked weights as the bf16 copy an AMX (B tiles) or vdpbf16ps conv forward or
@@ -73,10 +76,10 @@ SIGNATURES: dict[str, str] = {
     "conv_bwd_weights_packed_amx": "const float *in, float *dy, const void *out, unsigned short *scratch, "
                                    "float *dwt, float *dbias, int batch, int nthreads",
     # and backward-data: dy masked by the ReLU's output as it is copied
-    "conv_bwd_data_amx": "float *dy, const void *out, const unsigned short *wt, unsigned short *scratch, float *dx, "
+    "conv_bwd_data_amx": "void *dy, const void *out, const unsigned short *wt, unsigned short *scratch, void *dx, "
                          "int batch, int nthreads",
     # and backward-weights: x and dy (masked as it is copied; dy itself left as it is) copied into scratch
-    "conv_bwd_weights_amx": "const void *in, float *dy, const void *out, unsigned short *scratch, float *dwt, "
+    "conv_bwd_weights_amx": "const void *in, void *dy, const void *out, unsigned short *scratch, float *dwt, "
                             "float *dbias, int batch, int nthreads",
     # and an fc layer's passes on tiles; bf16 builds without AMX have vdpbf16ps kernels of the
     # same signatures (*_bf16). The weights are the layer's bf16 tile copies

@@ -69,6 +69,9 @@ class Layer:
         # canonical API converts at its boundary and stays float32
         self.in_bf16 = False
         self.out_bf16 = False
+        # and the gradients of the input / output are stored as bf16 (limits.bf16_gradients)
+        self.in_grad_bf16 = False
+        self.out_grad_bf16 = False
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}: {self.in_shape} -> {self.out_shape}>"
@@ -170,8 +173,16 @@ class Layer:
     def input_blocked(self, x: np.ndarray, use: str) -> np.ndarray:
         """A checked canonical input batch, blocked as this layer reads it: float32, or bf16 bits
         rounded as the kernels round where its input is stored as bf16."""
-        xb = self._to_blocked("in", x, self.in_shape, use)
-        if not self.in_bf16:
+        return self._rounded(self._to_blocked("in", x, self.in_shape, use), use, self.in_bf16)
+
+    def output_gradient_blocked(self, dy: np.ndarray, use: str) -> np.ndarray:
+        """A checked canonical output gradient, blocked as this layer's backward kernels read
+        it: float32, or bf16 bits rounded as the kernels round where it is stored as bf16."""
+        return self._rounded(self._to_blocked("out", dy, self.out_shape, use), use, self.out_grad_bf16)
+
+    def _rounded(self, xb: np.ndarray, use: str, bf16: bool) -> np.ndarray:
+        """xb, or its bf16 bits (in a buffer of its own) where `bf16`."""
+        if not bf16:
             return xb
         bits = self._buffer(use + ".bf16", xb.shape, np.uint16)
         bf16_bits(xb, bits, flush_subnormals=True)
@@ -218,9 +229,11 @@ class Layer:
         if dy.shape[0] != xb.shape[0]:
             raise PcldnnError(f"layer {self.name}: output gradient minibatch {dy.shape[0]} differs from "
                               f"the last forward's {xb.shape[0]}")
-        dyb = self._to_blocked("out", dy, self.out_shape, "dy")
-        dxb = self._buffer("dx", xb.shape)
+        dyb = self.output_gradient_blocked(dy, "dy")
+        dxb = self._buffer("dx", xb.shape, np.uint16 if self.in_grad_bf16 else np.float32)
         self.backward_blocked(xb, yb, aux, dyb, dxb)
+        if dxb.dtype == np.uint16:
+            dxb = bf16_values(dxb)
         return self._from_blocked("in", dxb, self.in_shape, False).reshape(self._given_shape)
 
 
@@ -504,7 +517,7 @@ class WeightedLayer(Layer):
             raise PcldnnError(f"layer {self.name}: minibatch of x ({x.shape[0]}) and dy ({dy.shape[0]}) differ")
         # own buffers: the last forward's x and y stay for backward_data
         xb = self.input_blocked(x, "weights.x")
-        dyb = self._to_blocked("out", dy, self.out_shape, "weights.dy")
+        dyb = self.output_gradient_blocked(dy, "weights.dy")
         yb = None
         if self.relu:  # the mask needs this input's forward output
             yb = self.output_buffer("weights.y", x.shape[0])

@@ -92,8 +92,8 @@ def bf16_outputs(precision: str, amx: bool, v: int, layers: Sequence[LayerShape]
     ReLU or dropout layer; its reader is a convolution whose forward and backward-weights passes
     are bf16 kernels (AMX tiles, or vdpbf16ps without AMX: bf16_passes; they read it as x) or
     one of those layers. Every other activation (the net's input, into and out of fc layers, the
-    input of a convolution with fp32 kernels), and every gradient, stays fp32 (the generator
-    and the runtime both ask here)."""
+    input of a convolution with fp32 kernels) stays fp32; its gradient is bf16 where
+    bf16_gradients says (the generator and the runtime both ask here)."""
     if precision != "bf16":
         return (False,) * len(layers)
 
@@ -108,6 +108,30 @@ def bf16_outputs(precision: str, amx: bool, v: int, layers: Sequence[LayerShape]
         return layer.type == "conv" and {"fwd", "bwd_weights"} <= set(passes)
 
     return tuple(writes(layer) and i + 1 < len(layers) and reads(layers[i + 1]) for i, layer in enumerate(layers))
+
+
+def bf16_gradients(precision: str, amx: bool, v: int, layers: Sequence[LayerShape]) -> tuple[bool, ...]:
+    """Per layer, whether the gradient of its output activation is stored as bf16: where the
+    activation itself is (bf16_outputs) and every kernel that touches the gradient takes bf16,
+    as PyTorch's autocast and oneDNN's bf16 training keep an activation's gradient in the
+    activation's type (half the bytes of the backward pass). Its writer is the next layer's
+    backward-data pass: a pooling, ReLU or dropout layer's, or a convolution's bf16 kernel
+    (bf16_passes); its readers are this layer's backward passes: a pooling, ReLU or dropout
+    layer's, or a convolution whose backward-data and backward-weights passes are both bf16
+    kernels (the packed first layer's fp32 or AMX backward-weights reads fp32). Rounded once
+    where written, so a bf16 kernel reading it sees what it rounded itself before; what
+    changes are the sums of gradients in fp32 (a bias gradient, overlapping pooling windows),
+    which now add bf16-rounded terms, as oneDNN's do. Weight gradients stay fp32."""
+    outputs = bf16_outputs(precision, amx, v, layers)
+
+    def passes(layer: LayerShape) -> set[str]:
+        if layer.type in BF16_ACTIVATION_LAYERS:
+            return {"bwd_data", "bwd_weights"}
+        return set(bf16_passes(precision, amx, layer.index, layer.type, layer.in_shape[0], v, layer.stride,
+                               layer.kernel, layer.pad)) if layer.type == "conv" else set()
+
+    return tuple(outputs[i] and "bwd_data" in passes(layers[i + 1]) and {"bwd_data", "bwd_weights"} <= passes(layer)
+                 for i, layer in enumerate(layers))
 
 
 # The packed first layer's backward-weights pass goes on tiles from windows of this many values

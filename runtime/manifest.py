@@ -174,15 +174,21 @@ def parse_manifest(data: Any, origin: str) -> Manifest:
             f.fail(f"layers[{i}].name", f"duplicate layer name {layer.name!r}")
         layers.append(layer)
         shape = layer.out_shape
-    # Activations stored as bf16: the build's kernels read and write what limits.bf16_outputs
-    # says, so the manifest must say the same (a build from a generator with another rule would
-    # have its activations misread).
+    # Activations and gradients stored as bf16: the build's kernels read and write what
+    # limits.bf16_outputs and bf16_gradients say, so the manifest must say the same (a build
+    # from a generator with another rule would have its activations misread).
     for i, bf16 in enumerate(limits.bf16_outputs(precision, arch.get("amx") is True, v, layers)):
         want = "bf16" if bf16 else "fp32"
         got = f.choice(raw_layers[i].get("output", "fp32"), f"layers[{i}].output", ("fp32", "bf16"))
         if got != want:
             f.fail(f"layers[{i}].output", f"is {got} but this runtime stores that activation as {want}: "
                    "compile the net again with this version")
+    for i, bf16 in enumerate(limits.bf16_gradients(precision, arch.get("amx") is True, v, layers)):
+        want = "bf16" if bf16 else "fp32"
+        got = f.choice(raw_layers[i].get("gradient", "fp32"), f"layers[{i}].gradient", ("fp32", "bf16"))
+        if got != want:
+            f.fail(f"layers[{i}].gradient", f"is {got} but this runtime stores that activation's gradient as "
+                   f"{want}: compile the net again with this version")
     weights = None
     if "weights" in data:
         entry = f.obj(data["weights"], "weights", {"file", "sha256"})
@@ -236,7 +242,7 @@ def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: i
     where = f"layers[{index}]"
     keys = {"name", "type", "in_shape", "out_shape", "kernel", "stride", "pad", "relu", "rate",
             "weight_shape", "kernels"}
-    f.obj(raw, where, keys, {"bias", "output"})
+    f.obj(raw, where, keys, {"bias", "output", "gradient"})
     name = f.string(raw["name"], f"{where}.name", NAME_RE, "a layer name")
     ltype = f.choice(raw["type"], f"{where}.type", tuple(LAYER_PASSES))
     got_in = _shape(f, raw["in_shape"], f"{where}.in_shape", limits.MAX_FEATURES)

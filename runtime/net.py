@@ -22,7 +22,7 @@ from .kernels import (
     zeros_aligned,
 )
 from .layers import AvgPoolLayer, DropoutLayer, Layer, LossLayer, MaxPoolLayer, ReluLayer, WeightedLayer
-from .limits import bf16_outputs
+from .limits import bf16_gradients, bf16_outputs
 from .manifest import PEAK_SYMBOL, SGD_SYMBOL, WEIGHTS_FILE, LayerEntry, Manifest, inside, read_manifest
 from .state_io import StateKeys, check_state, expected_state, read_npz
 
@@ -37,8 +37,8 @@ MAX_WORKSPACES = 2  # minibatch sizes whose buffers a Net keeps (see Net.workspa
 class _Workspace:
     """Everything a forward + backward pass of one minibatch size needs, allocated once:
     every layer's blocked output (kept for the backward pass; bf16 where limits.bf16_outputs
-    says), argmax / dropout state, two ping-pong buffers for activation gradients (fp32),
-    softmax probabilities and labels."""
+    says), argmax / dropout state, two ping-pong buffers for activation gradients (each fp32, or
+    bf16 where limits.bf16_gradients says), softmax probabilities and labels."""
 
     def __init__(self, net: "Net", batch: int):
         chain = net.chain
@@ -53,9 +53,11 @@ class _Workspace:
         self.probs = np.empty((batch, classes), dtype=np.float32)
         self.labels = np.empty(batch, dtype=np.int32)
 
-    def grad(self, which: int, like: np.ndarray) -> np.ndarray:
-        """Ping-pong gradient buffer `which` viewed with the shape of `like`."""
-        return self._grads[which][: like.size].reshape(like.shape)
+    def grad(self, which: int, like: np.ndarray, bf16: bool = False) -> np.ndarray:
+        """Ping-pong gradient buffer `which` viewed with the shape of `like`, as float32 or as
+        bf16 bits."""
+        buf = self._grads[which].view(np.uint16) if bf16 else self._grads[which]
+        return buf[: like.size].reshape(like.shape)
 
 
 class Net:
@@ -135,9 +137,12 @@ class Net:
         # bf16 builds with AMX: an activation whose writer and reader kernels all take bf16 is
         # stored so (limits.bf16_outputs; the manifest says the same)
         outputs = bf16_outputs(self.precision, manifest.arch.get("amx") is True, v, specs)
+        gradients = bf16_gradients(self.precision, manifest.arch.get("amx") is True, v, specs)
         for i, spec in enumerate(specs):
             self.layers[spec.name].out_bf16 = outputs[i]
             self.layers[spec.name].in_bf16 = i > 0 and outputs[i - 1]
+            self.layers[spec.name].out_grad_bf16 = gradients[i]
+            self.layers[spec.name].in_grad_bf16 = i > 0 and gradients[i - 1]
 
     def _load_kernels(self, spec: LayerEntry) -> dict:
         """{role: callable}: 'fwd', 'bwd_data', 'bwd_weights' and the layout roles
@@ -378,7 +383,7 @@ class Net:
         for i in range(len(self.chain) - 1, first - 1, -1):
             layer = self.chain[i]
             start = time.perf_counter()
-            dx = ws.grad((len(self.chain) - i) % 2, ws.acts[i]) if i > first else None
+            dx = ws.grad((len(self.chain) - i) % 2, ws.acts[i], layer.in_grad_bf16) if i > first else None
             grads = layer.grad_buffers if isinstance(layer, WeightedLayer) else None
             layer.backward_blocked(ws.acts[i], ws.acts[i + 1], ws.aux[i], dy, dx, grads)
             if timings is not None:

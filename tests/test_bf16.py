@@ -26,7 +26,7 @@ from pcldnn_gen.netspec import parse_netspec
 from pcldnn_runtime import cpu
 from pcldnn_runtime.abi import SIGNATURES
 from pcldnn_runtime.errors import ArchError, BuildDirError
-from pcldnn_runtime.limits import bf16_outputs
+from pcldnn_runtime.limits import bf16_gradients, bf16_outputs
 from pcldnn_runtime.manifest import parse_manifest
 
 HAS_BF16 = cpu.supports("avx512") and "avx512_bf16" in cpu.cpu_flags()
@@ -194,13 +194,18 @@ def _pair(value) -> tuple[int, int]:
 def _check_backward_data(conv, layer, x, dy, dx, channel_block):
     """dx = sum of bf16(dy, masked by the ReLU) bf16(w) over oc, kh, kw: the same bound, n the
     output channels padded to `channel_block` times the taps; off by more against unrounded
-    inputs. dy: the masked gradient."""
+    inputs. dy: the masked gradient. Where dx is stored as bf16 (limits.bf16_gradients) that sum
+    is rounded once more, to nearest even: within 2^-8 of itself, relative."""
     stride, pad, kernel = _pair(layer["stride"]), _pair(layer["pad"]), _pair(layer["kernel"])
     dyr, wr = as_float(bf16_reference(dy)), as_float(bf16_reference(conv.weights))
     ref = conv2d_bwd_data(dyr, wr, stride, pad, x.shape)
     magnitude = conv2d_bwd_data(np.abs(dyr), np.abs(wr), stride, pad, x.shape)
     n = -(-layer["out_channels"] // channel_block) * channel_block * kernel[0] * kernel[1]
     bound = (n + 2) * U32 * magnitude
+    if conv.in_grad_bf16:
+        np.testing.assert_array_equal(dx, as_float(bf16_reference(dx)))  # bf16 values
+        assert np.all(np.abs(dx - ref) <= bound + 2.0 ** -8 * (np.abs(ref) + bound))
+        return
     assert np.all(np.abs(dx - ref) <= bound)
     assert np.any(np.abs(dx - conv2d_bwd_data(dy, conv.weights, stride, pad, x.shape)) > bound)
 
@@ -816,6 +821,28 @@ def test_bf16_outputs_where_every_kernel_takes_bf16():
     assert bf16_outputs("bf16", True, 16, few_first) == (False, False)
 
 
+def test_bf16_gradients_where_every_kernel_takes_bf16():
+    """An activation's gradient is stored as bf16 where the activation is, its writer (the next
+    layer's backward-data: a bf16 convolution kernel, or a pooling, ReLU or dropout layer) and
+    its readers (this layer's backward passes: a convolution's bf16 backward-data and
+    backward-weights, or one of those layers) all take bf16. Not into the packed first layer
+    (its backward-weights reads fp32), not from a few-channel convolution's fp32 backward-data
+    (vdpbf16ps builds), nowhere in fp32."""
+    layers = _activation_spec().layers
+    for amx in (True, False):
+        assert bf16_gradients("bf16", amx, 16, layers) == (False,) + (True,) * 5 + (False,) * 3
+    assert not any(bf16_gradients("fp32", True, 16, layers)) and not any(bf16_gradients("fp32", False, 16, layers))
+    few = _activation_spec([{"name": "c0", "type": "conv", "out_channels": 16, "kernel": 1},
+                            {"name": "c1", "type": "conv", "out_channels": 5, "kernel": 1},
+                            {"name": "c2", "type": "conv", "out_channels": 16, "kernel": 1},
+                            {"name": "c3", "type": "conv", "out_channels": 16, "kernel": 1},
+                            {"name": "f", "type": "fc", "out_features": 3}], channels=16).layers
+    # c2 reads 5 channels: without AMX its backward-data is the fp32 few-channel kernel, which
+    # neither writes c1's output gradient nor lets c2 read its own as bf16
+    assert bf16_gradients("bf16", False, 16, few) == (True, False, False, False, False)
+    assert bf16_gradients("bf16", True, 16, few) == (True, True, True, False, False)
+
+
 def test_manifest_must_agree_on_bf16_activations(tmp_path):
     """A build says which activations its kernels read and write as bf16; a manifest that
     disagrees with the runtime's rule (another generator version, an edit) is refused."""
@@ -823,33 +850,40 @@ def test_manifest_must_agree_on_bf16_activations(tmp_path):
     doc = json.loads((tmp_path / "acts" / "manifest.json").read_text())
     assert [layer.get("output", "fp32") for layer in doc["layers"]] == ["bf16"] * 6 + ["fp32"] * 3
     parse_manifest(doc, "manifest.json")
-    for index, value, message in ((1, None, "layers\\[1\\].output: is fp32 but this runtime stores that activation as bf16"),
-                                  (6, "bf16", "layers\\[6\\].output: is bf16 but this runtime stores that activation as fp32"),
-                                  (2, "fp16", "layers\\[2\\].output: must be one of fp32, bf16")):
+    assert [layer.get("gradient", "fp32") for layer in doc["layers"]] == ["fp32"] + ["bf16"] * 5 + ["fp32"] * 3
+    for key, index, value, message in (
+            ("output", 1, None, "layers\\[1\\].output: is fp32 but this runtime stores that activation as bf16"),
+            ("output", 6, "bf16", "layers\\[6\\].output: is bf16 but this runtime stores that activation as fp32"),
+            ("output", 2, "fp16", "layers\\[2\\].output: must be one of fp32, bf16"),
+            ("gradient", 3, None, "layers\\[3\\].gradient: is fp32 but this runtime stores that activation's gradient "
+                                  "as bf16"),
+            ("gradient", 0, "bf16", "layers\\[0\\].gradient: is bf16 but this runtime stores that activation's "
+                                    "gradient as fp32")):
         bad = json.loads(json.dumps(doc))
         if value is None:
-            del bad["layers"][index]["output"]
+            del bad["layers"][index][key]
         else:
-            bad["layers"][index]["output"] = value
+            bad["layers"][index][key] = value
         with pytest.raises(BuildDirError, match=message):
             parse_manifest(bad, "manifest.json")
 
 
-def _with_and_without_bf16_activations(tmp_path, monkeypatch, spec, arch=AMX_ARCH):
-    """The same bf16 build for `arch` made twice: every activation fp32 (the rule switched off
-    in generator and runtime), and as limits.bf16_outputs says."""
+def _bf16_storage_builds(tmp_path, monkeypatch, spec, arch=AMX_ARCH, modes=("fp32", "bf16")):
+    """The same bf16 build for `arch` made once per mode, the rules switched off in generator and
+    runtime as the mode says: "fp32", every activation and gradient fp32; "activations", the
+    activations as limits.bf16_outputs says and every gradient fp32; "bf16", both rules on."""
     import pcldnn_gen.build as generator
     import pcldnn_runtime.limits as limits
     import pcldnn_runtime.net as runtime_net
     nets = {}
-    for mode in ("fp32", "bf16"):
-        if mode == "fp32":
-            for module in (generator, limits, runtime_net):
-                monkeypatch.setattr(module, "bf16_outputs", lambda precision, amx, v, layers: (False,) * len(layers))
-        else:
-            monkeypatch.undo()
+    for mode in modes:
+        monkeypatch.undo()
+        for module in (generator, limits, runtime_net):
+            for rule in {"fp32": ("bf16_outputs", "bf16_gradients"), "activations": ("bf16_gradients",)}.get(mode, ()):
+                monkeypatch.setattr(module, rule, lambda precision, amx, v, layers: (False,) * len(layers))
         build(spec, arch, tmp_path / mode, precision="bf16")
         nets[mode] = pr.load(tmp_path / mode, threads=2, seed=4)
+    monkeypatch.undo()
     return nets
 
 
@@ -866,7 +900,8 @@ def test_bf16_activations_between_convolutions_change_no_bit(tmp_path, monkeypat
     activation fp32, while those buffers are half the size; and the layer API of a layer reading
     and writing bf16 matches too (its output rounded)."""
     layers = ACTIVATION_NET if first is None else [first] + ACTIVATION_NET[1:]
-    nets = _with_and_without_bf16_activations(tmp_path, monkeypatch, _activation_spec(layers), arch)
+    nets = _bf16_storage_builds(tmp_path, monkeypatch, _activation_spec(layers), arch, ("fp32", "activations"))
+    nets["bf16"] = nets.pop("activations")  # activations bf16, gradients fp32 (the next test's subject)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((5, 3, 12, 11)).astype(np.float32)
     labels = rng.integers(0, 5, 5)
@@ -889,6 +924,41 @@ def test_bf16_activations_between_convolutions_change_no_bit(tmp_path, monkeypat
         dy = rng.standard_normal(y["fp32"].shape).astype(np.float32)
         np.testing.assert_array_equal(conv["bf16"].backward_data(dy), conv["fp32"].backward_data(dy))
         for got, want in zip(conv["bf16"].backward_weights(xin, dy), conv["fp32"].backward_weights(xin, dy)):
+            np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("arch", BF16_BUILDS)
+def test_bf16_gradients_round_once_where_written(tmp_path, monkeypatch, arch):
+    """An activation gradient stored as bf16 (limits.bf16_gradients) is its fp32 value rounded
+    once, where written: each convolution's backward-data fed bf16 values of dy gives exactly
+    the rounded dx of the same kernel writing fp32 (which rounds those dy values to the same
+    bf16 itself), and its backward-weights the same dw and bias gradient, bit for bit. In the
+    net the gradients of the weights then move by the roundings of the activation gradients
+    only: the loss is the same, and each layer's weight gradient is within D 2^-8 of the fp32
+    one in norm, D the bf16 gradients on its path from the loss (each rounding perturbs a
+    gradient by at most 2^-8 relative; the backward layers are linear in it)."""
+    nets = _bf16_storage_builds(tmp_path, monkeypatch, _activation_spec(), arch, ("activations", "bf16"))
+    net, ref = nets["bf16"], nets["activations"]
+    flags = [(layer.in_grad_bf16, layer.out_grad_bf16) for layer in net.chain]
+    assert flags == [(False, False), (False, True)] + [(True, True)] * 4 + [(True, False), (False, False)]
+    assert not any(layer.in_grad_bf16 or layer.out_grad_bf16 for layer in ref.chain)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((5, 3, 12, 11)).astype(np.float32)
+    labels = rng.integers(0, 5, 5)
+    assert net.loss_and_grad(x, labels) == ref.loss_and_grad(x, labels)
+    assert np.any(net.grads != ref.grads) and np.all(np.isfinite(net.grads))
+    for depth, name in enumerate(["c6", "c5", "c3", "c2", "c1", "c0"]):
+        got, want = (np.concatenate([n.layers[name].grad_weights.ravel(), n.layers[name].grad_bias]) for n in (net, ref))
+        assert np.linalg.norm(got - want) <= depth * 2.0 ** -8 * np.linalg.norm(want), name
+    for name in ("c1", "c2", "c5", "c6"):
+        conv = {mode: n.layers[name] for mode, n in nets.items()}
+        xin = rng.standard_normal((2, *conv["bf16"].in_shape)).astype(np.float32)
+        y = {mode: layer.forward(xin) for mode, layer in conv.items()}
+        dy = as_float(bf16_reference(rng.standard_normal(y["bf16"].shape).astype(np.float32)))
+        dx = conv["activations"].backward_data(dy)
+        np.testing.assert_array_equal(conv["bf16"].backward_data(dy),
+                                      as_float(bf16_reference(dx)) if conv["bf16"].in_grad_bf16 else dx)
+        for got, want in zip(conv["bf16"].backward_weights(xin, dy), conv["activations"].backward_weights(xin, dy)):
             np.testing.assert_array_equal(got, want)
 
 
@@ -916,19 +986,20 @@ def test_pooling_relu_dropout_on_bf16_activations(tmp_path, monkeypatch, arch):
     even. In a net, the forward pass (max, ReLU: exact) and training run on bf16 buffers."""
     spec = _activation_spec(BETWEEN_NET, channels=16)
     assert bf16_outputs("bf16", arch.amx, 16, spec.layers) == (True,) * 7 + (False,) * 3
-    nets = _with_and_without_bf16_activations(tmp_path, monkeypatch, spec, arch)
+    nets = _bf16_storage_builds(tmp_path, monkeypatch, spec, arch)
     rng = np.random.default_rng(5)
     for name in ("m1", "a3", "r5", "d6"):
         got, ref = nets["bf16"].layers[name], nets["fp32"].layers[name]
-        assert (got.in_bf16, got.out_bf16) == (True, True)
+        assert (got.in_bf16, got.out_bf16, got.in_grad_bf16, got.out_grad_bf16) == (True,) * 4
         x = as_float(bf16_reference(rng.standard_normal((3, *got.in_shape)).astype(np.float32)))
         x[0, 0, 0, :2] = x[0, 0, 0, 2]  # ties
         for net in nets.values():
             net.dropout_draws = 7  # the same mask on both sides
         y = got.forward(x)
         np.testing.assert_array_equal(y, as_float(bf16_reference(ref.forward(x))))
-        dy = rng.standard_normal(y.shape).astype(np.float32)
-        np.testing.assert_array_equal(got.backward_data(dy), ref.backward_data(dy))
+        # dy and dx bf16: dy's values (bf16) summed or scaled in fp32, rounded once
+        dy = as_float(bf16_reference(rng.standard_normal(y.shape).astype(np.float32)))
+        np.testing.assert_array_equal(got.backward_data(dy), as_float(bf16_reference(ref.backward_data(dy))))
     x = rng.standard_normal((4, 16, 12, 11)).astype(np.float32)
     labels = rng.integers(0, 3, 4)
     net = nets["bf16"]

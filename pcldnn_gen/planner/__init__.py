@@ -36,12 +36,14 @@ _PLANNERS: dict[tuple[str, str], Callable[[LayerSpec, Arch, tuple[int, int] | No
 
 
 def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, int] | None = None,
-               bf16: bool = False, amx: bool = False, activations: tuple[bool, bool] = (False, False)) -> KernelPlan:
+               bf16: bool = False, amx: bool = False, activations: tuple[bool, bool] = (False, False),
+               gradients: tuple[bool, bool] = (False, False)) -> KernelPlan:
     """The model's plan; with `choice` = (width, vectors), the plan built around that register
     tile instead (a measured choice: it must be one of the planner's own candidates). bf16: a
     conv kernel on bf16 operands (2-byte values, two multiply-adds per dot-product lane); amx:
     its AMX tile kernel (limits.amx_kernels); either reads and writes the (input, output)
-    activations as bf16 where `activations` says (limits.bf16_outputs)."""
+    activations as bf16 where `activations` says (limits.bf16_outputs), and a backward pass the
+    (input, output) gradients where `gradients` says (limits.bf16_gradients)."""
     passes = LAYER_PASSES.get(layer.type, ())
     if pass_name not in passes:
         raise PlanError(f"{layer.name}: a {layer.type} layer has no {pass_name!r} pass "
@@ -50,6 +52,9 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, 
     if plan.activations != activations:  # a conv kernel planned without them: say what it reads and writes
         plan = dataclasses.replace(plan, activations=activations,
                                    reason=plan.reason + explain.bf16_activations(pass_name, activations))
+    if any(gradients):
+        plan = dataclasses.replace(plan, gradients=gradients,
+                                   reason=plan.reason + explain.bf16_gradients(pass_name, gradients))
     return plan
 
 

@@ -153,3 +153,9 @@ def bf16_activations(pass_name: str, activations: tuple[bool, bool]) -> str:
              "bwd_weights": ("x read", "the ReLU mask y read")}[pass_name]
     said = [role for role, bf16 in zip(roles, activations) if bf16 and role]
     return f". bf16 activations: {', '.join(said)} as bf16, half the bytes" if said else ""
+
+
+def bf16_gradients(pass_name: str, gradients: tuple[bool, bool]) -> str:
+    """What a backward kernel reads or writes of the gradients stored as bf16 (limits.bf16_gradients)."""
+    said = [role for role, bf16 in zip(("dx written", "dy read"), gradients) if bf16]
+    return f". bf16 gradients: {', '.join(said)} as bf16, half the bytes" if said else ""

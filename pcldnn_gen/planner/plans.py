@@ -54,6 +54,8 @@ class KernelPlan:
     measured: Measured | None = None    # set when the tuning database chose the tile
     # (input, output) activations stored as bf16 (limits.bf16_outputs): read and written as such
     activations: tuple[bool, bool] = (False, False)
+    # (input, output) gradients dx, dy stored as bf16 (limits.bf16_gradients): backward passes only
+    gradients: tuple[bool, bool] = (False, False)
 
     def reduction_chunk(self) -> str:
         """The reduction chunk with its unit, for the header; empty when the kernel has none."""
