@@ -928,7 +928,9 @@ def test_bf16_activations_between_convolutions_change_no_bit(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("arch", BF16_BUILDS)
-def test_bf16_gradients_round_once_where_written(tmp_path, monkeypatch, arch):
+@pytest.mark.parametrize("c3", [ACTIVATION_NET[3], {**ACTIVATION_NET[3], "stride": 2}],
+                         ids=["1x1", "1x1s2"])  # stride 2: dx pixels no tap reaches (AMX: zeroed phases)
+def test_bf16_gradients_round_once_where_written(tmp_path, monkeypatch, arch, c3):
     """An activation gradient stored as bf16 (limits.bf16_gradients) is its fp32 value rounded
     once, where written: each convolution's backward-data fed bf16 values of dy gives exactly
     the rounded dx of the same kernel writing fp32 (which rounds those dy values to the same
@@ -937,7 +939,8 @@ def test_bf16_gradients_round_once_where_written(tmp_path, monkeypatch, arch):
     only: the loss is the same, and each layer's weight gradient is within D 2^-8 of the fp32
     one in norm, D the bf16 gradients on its path from the loss (each rounding perturbs a
     gradient by at most 2^-8 relative; the backward layers are linear in it)."""
-    nets = _bf16_storage_builds(tmp_path, monkeypatch, _activation_spec(), arch, ("activations", "bf16"))
+    layers = ACTIVATION_NET[:3] + [c3] + ACTIVATION_NET[4:]
+    nets = _bf16_storage_builds(tmp_path, monkeypatch, _activation_spec(layers), arch, ("activations", "bf16"))
     net, ref = nets["bf16"], nets["activations"]
     flags = [(layer.in_grad_bf16, layer.out_grad_bf16) for layer in net.chain]
     assert flags == [(False, False), (False, True)] + [(True, True)] * 4 + [(True, False), (False, False)]
@@ -950,7 +953,7 @@ def test_bf16_gradients_round_once_where_written(tmp_path, monkeypatch, arch):
     for depth, name in enumerate(["c6", "c5", "c3", "c2", "c1", "c0"]):
         got, want = (np.concatenate([n.layers[name].grad_weights.ravel(), n.layers[name].grad_bias]) for n in (net, ref))
         assert np.linalg.norm(got - want) <= depth * 2.0 ** -8 * np.linalg.norm(want), name
-    for name in ("c1", "c2", "c5", "c6"):
+    for name in ("c1", "c2", "c3", "c5", "c6"):
         conv = {mode: n.layers[name] for mode, n in nets.items()}
         xin = rng.standard_normal((2, *conv["bf16"].in_shape)).astype(np.float32)
         y = {mode: layer.forward(xin) for mode, layer in conv.items()}
