@@ -26,7 +26,9 @@ SIGNATURES: dict[str, str] = {
     # limits.bf16_outputs says, bf16, and the gradients (dy, dx) as fp32 or, where
     # limits.bf16_gradients says, bf16 (the kernel knows which)
     "maxpool_fwd": "const void *in, void *out, int *argmax, int batch, int nthreads",
-    "maxpool_bwd_data": "const void *dy, const int *argmax, void *dx, int batch, int nthreads",
+    # max pooling's backward takes its own forward output `out` (or NULL): where given, it
+    # routes no gradient to inputs that were not positive (the fused ReLU of the layer below)
+    "maxpool_bwd_data": "const void *dy, const int *argmax, const void *out, void *dx, int batch, int nthreads",
     "avgpool_fwd": "const void *in, void *out, int batch, int nthreads",
     "avgpool_bwd_data": "const void *dy, void *dx, int batch, int nthreads",
     "relu_fwd": "const void *in, void *out, int batch, int nthreads",

@@ -117,7 +117,9 @@ class Layer:
 
     def backward_blocked(self, xb, yb, aux, dyb: np.ndarray, dxb: np.ndarray | None, grads=None) -> None:
         """Gradient w.r.t. the input into dxb (skipped when None); weighted layers also write
-        (dw, db) into `grads` when given. dyb may be modified in place (ReLU mask)."""
+        (dw, db) into `grads` when given. dyb may be modified in place (ReLU mask). In a Net's
+        chain a max pooling above a convolution with a fused ReLU applies that ReLU's mask
+        (MaxPoolLayer: mask_input, WeightedLayer: dy_masked)."""
         raise NotImplementedError
 
     def kernel_kind(self, pass_name: str) -> str:
@@ -385,11 +387,13 @@ class WeightedLayer(Layer):
         else:
             self.run_forward(xb, yb, self.ocb_range)
 
-    def backward_blocked(self, xb, yb, aux, dyb, dxb, grads=None) -> None:
+    def backward_blocked(self, xb, yb, aux, dyb, dxb, grads=None, dy_masked: bool = False) -> None:
+        """dy_masked: dyb already carries this layer's fused ReLU mask (the max pooling above
+        applied it, MaxPoolLayer.backward_blocked), so the kernels skip reading y for it."""
         if self.runner is not None:
             self.runner.backward(dyb, dxb)
         else:
-            self.run_backward(xb, yb, dyb, dxb, grads, self.ocb_range)
+            self.run_backward(xb, yb, dyb, dxb, grads, self.ocb_range, dy_masked)
 
     def weight_tiles(self, part: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
         """A bf16 fc layer's (forward, backward-data) tile copies of the weights, holding
@@ -457,12 +461,12 @@ class WeightedLayer(Layer):
             return
         self._k["fwd"](ptr(xb), self._wt_ptr, self._bias_ptr, ptr(yb), batch, team, *extra)
 
-    def run_backward(self, xb, yb, dyb, dxb, grads, part: tuple[int, int] | None) -> None:
+    def run_backward(self, xb, yb, dyb, dxb, grads, part: tuple[int, int] | None, dy_masked: bool = False) -> None:
         """The backward kernels on this process's data (dxb / grads None: skip that pass)."""
         batch = xb.shape[0]
         threads = self.team(batch)
         extra = part if part is not None else ()
-        mask = yb if self.relu else None
+        mask = yb if self.relu and not dy_masked else None
         if self._fc_tiles is not None and part is not None:
             if grads is not None:  # dy masked in place, as the fp32 kernels do
                 self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(self._tile_scratch("bwd_weights", batch)),
@@ -536,8 +540,13 @@ class MaxPoolLayer(Layer):
             aux = self.aux_buffer(xb.shape[0])
         self._k["fwd"](ptr(xb), ptr(yb), ptr(aux), xb.shape[0], self.team(xb.shape[0]))
 
-    def backward_blocked(self, xb, yb, aux, dyb, dxb, grads=None) -> None:
-        self._k["bwd_data"](ptr(dyb), ptr(aux), ptr(dxb), dyb.shape[0], self.team(dyb.shape[0]))
+    def backward_blocked(self, xb, yb, aux, dyb, dxb, grads=None, mask_input: bool = False) -> None:
+        """mask_input: the input is a fused ReLU's output (the convolution below, in a Net):
+        inputs that were not positive get no gradient, decided from this layer's own output
+        (the max routed to each input is that input's value), so the convolution need not
+        read its own, four times larger, output for the mask. The layer API leaves it off."""
+        self._k["bwd_data"](ptr(dyb), ptr(aux), ptr(yb) if mask_input else ptr(None), ptr(dxb), dyb.shape[0],
+                            self.team(dyb.shape[0]))
 
 
 class AvgPoolLayer(Layer):

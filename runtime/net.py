@@ -129,6 +129,11 @@ class Net:
         self.chain: list[Layer] = [l for l in self.layers.values() if not isinstance(l, LossLayer)]
         losses = [l for l in self.layers.values() if isinstance(l, LossLayer)]
         self.loss_layer: LossLayer | None = losses[0] if losses else None
+        # Chain positions of max poolings right above a convolution with a fused ReLU: in the
+        # backward pass the pooling masks the gradient it routes by that ReLU (from its own,
+        # smaller, output) and the convolution's kernels read no mask (Net.backward).
+        self.relu_pools = frozenset(i for i in range(1, len(self.chain)) if isinstance(self.chain[i], MaxPoolLayer)
+                                    and isinstance(below := self.chain[i - 1], WeightedLayer) and below.relu)
         seen_fc = False
         for layer in self.layers.values():
             layer.flat_input = layer.flat_input or seen_fc
@@ -385,7 +390,9 @@ class Net:
             start = time.perf_counter()
             dx = ws.grad((len(self.chain) - i) % 2, ws.acts[i], layer.in_grad_bf16) if i > first else None
             grads = layer.grad_buffers if isinstance(layer, WeightedLayer) else None
-            layer.backward_blocked(ws.acts[i], ws.acts[i + 1], ws.aux[i], dy, dx, grads)
+            # a max pooling over a fused ReLU's output applies that ReLU's mask for the layer below
+            fused = {"mask_input": True} if i in self.relu_pools else {"dy_masked": True} if i + 1 in self.relu_pools else {}
+            layer.backward_blocked(ws.acts[i], ws.acts[i + 1], ws.aux[i], dy, dx, grads, **fused)
             if timings is not None:
                 timings[layer.name] = time.perf_counter() - start
             if after_layer is not None:

@@ -68,3 +68,43 @@ def assert_dot_close(got: np.ndarray, ref: np.ndarray, abs_ref: np.ndarray, term
     err = np.abs(got.astype(np.float64) - ref)
     worst = np.unravel_index(np.argmax(err / bound), err.shape)
     assert np.all(err <= bound), f"error {err[worst]:.3g} > bound {bound[worst]:.3g} at {worst}"
+
+
+# Convolutions with a fused ReLU under max poolings (2x2, and 3x3 stride 2: overlapping windows),
+# and one without a ReLU under a pooling: Net.relu_pools says where the pooling masks.
+RELU_POOL_LAYERS = [
+    {"name": "c1", "type": "conv", "out_channels": 16, "kernel": 3, "pad": 1, "activation": "relu"},
+    {"name": "p1", "type": "maxpool", "kernel": 2, "stride": 2},
+    {"name": "c2", "type": "conv", "out_channels": 32, "kernel": 3, "pad": 1, "activation": "relu"},
+    {"name": "p2", "type": "maxpool", "kernel": 3, "stride": 2},
+    {"name": "c3", "type": "conv", "out_channels": 16, "kernel": 1},
+    {"name": "p3", "type": "maxpool", "kernel": 2, "stride": 1},
+    {"name": "f4", "type": "fc", "out_features": 5},
+    {"name": "loss", "type": "softmax_cross_entropy"},
+]
+
+
+def check_relu_pool_masks(tmp_path, monkeypatch, arch, precision: str = "fp32") -> None:
+    """A max pooling above a convolution with a fused ReLU masks the gradient it routes by that
+    ReLU (from its own output: the max routed to an input is that input's value) and the
+    convolution's backward kernels read no mask: the same loss and gradients, bit for bit, as
+    the convolution masking dy itself. And the mask matters on this data (some windows are all
+    zero after the ReLU): a pooling that did not apply it would change the gradients."""
+    build(parse_netspec({"name": "relu_pools", "input": {"channels": 3, "height": 14, "width": 13},
+                         "layers": RELU_POOL_LAYERS}), arch, tmp_path / "b", precision=precision)
+    net = pr.load(tmp_path / "b", threads=2, seed=5)
+    assert net.relu_pools == {1, 3}  # p1 over c1, p2 over c2; not p3 (c3 has no ReLU)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((4, 3, 14, 13)).astype(np.float32)
+    labels = rng.integers(0, 5, 4)
+    fused = net.loss_and_grad(x, labels), net.grads.copy()
+    pools = net.relu_pools
+    net.relu_pools = frozenset()
+    plain = net.loss_and_grad(x, labels), net.grads.copy()
+    assert fused[0] == plain[0] and np.any(plain[1] != 0)
+    np.testing.assert_array_equal(fused[1], plain[1])
+    net.relu_pools = pools  # the convolutions told dy is masked, the poolings not masking it
+    original = pr.layers.MaxPoolLayer.backward_blocked
+    monkeypatch.setattr(pr.layers.MaxPoolLayer, "backward_blocked",
+                        lambda self, *args, mask_input=False, **kw: original(self, *args, **kw))
+    assert np.any(net.loss_and_grad(x, labels) != fused[0]) or np.any(net.grads != fused[1])

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 import reference as ref
-from helpers import NETS, REPO, RUNNABLE_ISAS
+from helpers import ISA_PARAMS, NETS, REPO, RUNNABLE_ISAS, check_relu_pool_masks
 
 import pcldnn_runtime as pr
 from pcldnn_gen.arch import get_arch
@@ -207,3 +207,8 @@ def test_layers_below_the_first_weighted_layer_are_skipped_backward(tmp_path, be
         got = net.layers[layer].grad_weights
         assert np.any(got != 0)
         np.testing.assert_array_equal(got, nets["without"].layers[layer].grad_weights)
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+def test_max_pooling_applies_the_relu_mask_of_the_convolution_below(tmp_path, monkeypatch, isa):
+    check_relu_pool_masks(tmp_path, monkeypatch, get_arch(isa))

@@ -14,7 +14,7 @@ from pathlib import Path
 import cffi
 import numpy as np
 import pytest
-from helpers import U32, build_and_load
+from helpers import U32, build_and_load, check_relu_pool_masks
 from reference import conv2d, conv2d_bwd_data, conv2d_bwd_weights
 
 import pcldnn_runtime as pr
@@ -963,6 +963,13 @@ def test_bf16_gradients_round_once_where_written(tmp_path, monkeypatch, arch, c3
                                       as_float(bf16_reference(dx)) if conv["bf16"].in_grad_bf16 else dx)
         for got, want in zip(conv["bf16"].backward_weights(xin, dy), conv["activations"].backward_weights(xin, dy)):
             np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("arch", BF16_BUILDS)
+def test_max_pooling_applies_the_relu_mask_in_bf16_builds(tmp_path, monkeypatch, arch):
+    """As in fp32 builds (test_backward_net.py), with the poolings' outputs (the masks) and the
+    gradients bf16, and the convolutions' AMX or vdpbf16ps kernels skipping their mask."""
+    check_relu_pool_masks(tmp_path, monkeypatch, arch, "bf16")
 
 
 # pooling, ReLU and dropout between convolutions on tiles: each reads and writes bf16
