@@ -49,7 +49,8 @@ SIGNATURES: dict[str, str] = {
     "conv_fwd_bf16": "const unsigned short *in, const unsigned short *wt, const float *bias, void *out, "
                      "int batch, int nthreads",
     # bwd_data reads a bf16 copy of the transposed weights (conv_weight_tiles) and converts dy,
-    # masked by the ReLU as it is copied (dy itself left as it is), into bf16 scratch.
+    # masked by the ReLU as it is copied (dy itself left as it is), into bf16 scratch; a bf16 dy
+    # with no mask to apply it reads in place.
     # The backward kinds of bf16 and AMX convolutions take the gradients (dy, dx) as fp32 or,
     # where limits.bf16_gradients says, bf16 (the kernel knows which).
     "conv_bwd_data_bf16": "void *dy, const void *out, const unsigned short *wt, unsigned short *scratch, void *dx, "

@@ -124,13 +124,15 @@ def bf16_gradients(precision: str, amx: bool, v: int, layers: Sequence[LayerShap
     which now add bf16-rounded terms, as oneDNN's do. Weight gradients stay fp32."""
     outputs = bf16_outputs(precision, amx, v, layers)
 
-    def passes(layer: LayerShape) -> set[str]:
+    def bf16_backward(layer: LayerShape, needed: set[str]) -> bool:
         if layer.type in BF16_ACTIVATION_LAYERS:
-            return {"bwd_data", "bwd_weights"}
-        return set(bf16_passes(precision, amx, layer.index, layer.type, layer.in_shape[0], v, layer.stride,
-                               layer.kernel, layer.pad)) if layer.type == "conv" else set()
+            return True
+        return layer.type == "conv" and needed <= set(bf16_passes(precision, amx, layer.index, layer.type,
+                                                                  layer.in_shape[0], v, layer.stride, layer.kernel,
+                                                                  layer.pad))
 
-    return tuple(outputs[i] and "bwd_data" in passes(layers[i + 1]) and {"bwd_data", "bwd_weights"} <= passes(layer)
+    return tuple(outputs[i] and bf16_backward(layers[i + 1], {"bwd_data"})  # the writer
+                 and bf16_backward(layer, {"bwd_data", "bwd_weights"})        # the readers
                  for i, layer in enumerate(layers))
 
 

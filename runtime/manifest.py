@@ -177,18 +177,14 @@ def parse_manifest(data: Any, origin: str) -> Manifest:
     # Activations and gradients stored as bf16: the build's kernels read and write what
     # limits.bf16_outputs and bf16_gradients say, so the manifest must say the same (a build
     # from a generator with another rule would have its activations misread).
-    for i, bf16 in enumerate(limits.bf16_outputs(precision, arch.get("amx") is True, v, layers)):
-        want = "bf16" if bf16 else "fp32"
-        got = f.choice(raw_layers[i].get("output", "fp32"), f"layers[{i}].output", ("fp32", "bf16"))
-        if got != want:
-            f.fail(f"layers[{i}].output", f"is {got} but this runtime stores that activation as {want}: "
-                   "compile the net again with this version")
-    for i, bf16 in enumerate(limits.bf16_gradients(precision, arch.get("amx") is True, v, layers)):
-        want = "bf16" if bf16 else "fp32"
-        got = f.choice(raw_layers[i].get("gradient", "fp32"), f"layers[{i}].gradient", ("fp32", "bf16"))
-        if got != want:
-            f.fail(f"layers[{i}].gradient", f"is {got} but this runtime stores that activation's gradient as "
-                   f"{want}: compile the net again with this version")
+    for key, rule, what in (("output", limits.bf16_outputs, "that activation"),
+                            ("gradient", limits.bf16_gradients, "that activation's gradient")):
+        for i, bf16 in enumerate(rule(precision, arch.get("amx") is True, v, layers)):
+            want = "bf16" if bf16 else "fp32"
+            got = f.choice(raw_layers[i].get(key, "fp32"), f"layers[{i}].{key}", ("fp32", "bf16"))
+            if got != want:
+                f.fail(f"layers[{i}].{key}", f"is {got} but this runtime stores {what} as {want}: "
+                       "compile the net again with this version")
     weights = None
     if "weights" in data:
         entry = f.obj(data["weights"], "weights", {"file", "sha256"})
