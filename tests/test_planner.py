@@ -10,7 +10,7 @@ from pcldnn_gen.arch import PRESETS
 from pcldnn_gen.build import plan_net
 from pcldnn_gen.netspec import load_netspec, parse_netspec
 from pcldnn_gen.planner import L1_BUDGET, LATENCY_HEADROOM, LAYER_PASSES, RegisterTile, plan_layer
-from pcldnn_gen.planner.conv import WEIGHT_STREAMS
+from pcldnn_gen.planner.conv import STREAM_PIXELS, STREAMED_VECTORS, WEIGHT_STREAMS
 from pcldnn_gen.planner.tiles import WHOLE_ROW_MAX
 from pcldnn_runtime.limits import blocks
 
@@ -192,6 +192,36 @@ def test_conv_fwd_reuses_a_weight_chunk_over_several_rows():
     one_row = (32 * t.vectors * v * v * 9 * 4 + 32 * 3 * 28 * v * 4 + 2 * 28 * t.vectors * v * 4) / row_flops
     assert plan.l2_bytes_per_flop < 0.6 * one_row
     assert f"x {plan.rows} output rows" in plan.reason
+
+
+@pytest.mark.parametrize("value_bytes", [4, 2])
+def test_conv_bwd_weights_blocks_amortise_the_accumulators(value_bytes):
+    """Backward-weights pixel blocks (AVX-512, VGG-A and a 1x1 layer): where the slice a tile
+    reads in half of L1 allows fewer than STREAM_PIXELS pixels, a tile of at most
+    STREAMED_VECTORS oc vectors takes a block of at least that many (its slice beyond L1,
+    streamed) unless half of L2 stops it, a wider tile grows only within L1_BUDGET of L1, a 1x1
+    layer not at all; each block stays within half of L2 and the blocks are equal."""
+    arch = PRESETS["avx512"]
+    spec = load_netspec(NETS / "vgg_a.json")
+    one_by_one = parse_netspec({"name": "p", "input": {"channels": 256, "height": 14, "width": 14}, "layers": [
+        {"name": "c", "type": "conv", "out_channels": 512, "kernel": 1}]}).layers[0]
+    seen = set()
+    for layer in [*[l for l in spec.layers if l.type == "conv"][1:], one_by_one]:
+        plan = plan_layer(layer, "bwd_weights", arch, bf16=value_bytes == 2)
+        oh, ow = layer.out_shape[1:]
+        rows, t = plan.block_rows, plan.tile
+        assert -(-oh // rows) * rows - oh < -(-oh // rows)  # equal blocks, the last at most one row short
+        assert rows == 1 or plan.l1_working_set <= arch.l2_bytes // 2
+        streamed = "streamed from L2" in plan.reason
+        if layer.kernel == (1, 1):
+            assert not streamed and rows * ow < STREAM_PIXELS  # the half-L1 block, not grown
+        elif t.vectors <= STREAMED_VECTORS and plan.block_cols == ow and rows * ow < STREAM_PIXELS:
+            # short of STREAM_PIXELS only where the next bigger equal blocks would overflow L2
+            bigger = -(-oh // (-(-oh // rows) - 1))
+            assert bigger * plan.l1_working_set // rows > arch.l2_bytes // 2, (layer.name, rows)
+        seen.add((t.vectors <= STREAMED_VECTORS, streamed))
+    # VGG-A's 8x3 tiles on 28 and 14 columns stream; its 4x4 tiles (56 columns) stay in L1
+    assert seen >= {(True, True), (False, False)}
 
 
 @settings(max_examples=300, deadline=None)

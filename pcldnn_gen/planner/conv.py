@@ -26,7 +26,22 @@ WEIGHT_STREAMS = 4
 # blocks: 45% of peak).
 MIN_BLOCK_COLUMNS = 32
 
-# Share of L1 a conv forward block (weight slice, input rows, partial sums) may fill; the rest
+# Backward-weights blocks of fewer pixels than this spend a measurable share of every tile on
+# loading and storing its accumulators (_conv_bwd_weights_block); a tile of at most
+# STREAMED_VECTORS oc vectors (dy streams) then reads a block bigger than L1 from L2. Measured on
+# the Xeon VM (fp32 AVX-512, one thread, mb 16, `benchmarks/ab.py`, interleaved): VGG-A conv7 ran
+# 1.66x faster with 14-row blocks than with 1-row ones, conv5 1.16x with 5 rows than 1, and no
+# faster with 10; 8x3 tiles streaming 7-14 rows ran 1.03-1.07x the L1-sized blocks, 112-column
+# rows 1.00x. Streaming lost 8-20% for 4-vector tiles (4x4 on 56 and 220 columns: they grow only
+# within L1), for tiles over a few-channel first layer's lanes and taps (VGG-A's 6x4, a 9x2),
+# for whole-plane blocks of 1x1 layers (0.81-0.93: their next block is prefetched into L2 too)
+# and 64x64 planes (8x2). The rule as a whole: VGG-A conv2-8 1.00-1.07x, OverFeat-FAST conv2-5
+# 1.00-1.05x, resnet_plain 1.00-1.07x, alexnet_small 1.00-1.03x, VGG-A AVX2 0.99-1.01x.
+STREAM_PIXELS = 128
+STREAMED_VECTORS = 3
+
+# Share of L1 a conv forward block (weight slice, input rows, partial sums), or a backward-weights
+# tile slice grown past half of L1, may fill; the rest
 # absorbs conflict misses between its streams.
 L1_BUDGET = 0.75
 
@@ -349,6 +364,44 @@ def _valid_range(out_size: int, in_size: int, k: int, stride: int, pad: int) -> 
     return lo, hi
 
 
+@dataclass(frozen=True)
+class ConvBwdWeightsBlock:
+    rows: int                   # output rows per pixel block
+    cols: int                   # output columns per pixel block (< OW: a wide row cut into column blocks)
+    streams: bool               # the slice a tile reads (its dy vectors, input rows) streams from L2
+
+
+def _conv_bwd_weights_block(layer: LayerSpec, tile: RegisterTile, lanes: int, arch: Arch, per_row: int,
+                            per_row_tile: int, per_col: int) -> ConvBwdWeightsBlock:
+    """Output pixels per block for backward-weights. The block's gradients and inputs stay in
+    half of L2 while every tile reduces over them, and the slice one tile reads (its dy vectors,
+    the input rows) in half of L1, where the next tiles (other taps and lanes of the same oc
+    vectors) find it again; a single row too big for that is cut into column blocks (the tile
+    then reads the input rows of all its kernel taps from L1 as well). Every tile loads its
+    accumulators, runs a chain of FMAs per pixel of the block and stores them, so a block of
+    fewer than STREAM_PIXELS pixels grows: a tile of at most STREAMED_VECTORS oc vectors over
+    whole channel blocks to STREAM_PIXELS, its slice streaming from L2 (the block still within
+    half of L2), other tiles as far as their slice stays within L1_BUDGET of L1. Not 1x1 layers, whose next
+    block is prefetched into L2 as well."""
+    oh, ow = layer.out_shape[1:]
+    half_l1 = arch.l1d_bytes // 2
+    rows, cols = max(1, min(oh, (arch.l2_bytes // 2) // per_row, half_l1 // per_row_tile)), ow
+    if per_row_tile > half_l1:
+        # equal blocks within half of L1, none narrower than MIN_BLOCK_COLUMNS
+        cols = -(-ow // max(1, ow // max(MIN_BLOCK_COLUMNS, min(ow, half_l1 // per_col))))
+    if cols < ow or rows * ow >= STREAM_PIXELS or layer.kernel == (1, 1):
+        return ConvBwdWeightsBlock(-(-oh // -(-oh // rows)), cols, False)  # 28 rows as 10 + 9 + 9, not 11 + 11 + 6
+    need = -(-STREAM_PIXELS // ow)
+    budget = int(L1_BUDGET * arch.l1d_bytes)
+    streams = tile.vectors <= STREAMED_VECTORS and lanes == arch.vector_floats
+    if streams:  # blocks of at least `need` rows (12 rows as one block of 12, not 6 + 6)
+        grown = min(-(-oh // max(1, oh // need)), max(1, (arch.l2_bytes // 2) // per_row))
+    else:
+        grown = min(oh, need, budget // per_row_tile)
+    rows = -(-oh // -(-oh // max(rows, grown)))
+    return ConvBwdWeightsBlock(rows, cols, streams and rows * per_row_tile > budget)
+
+
 def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | None = None,
                           value_bytes: int = 4) -> ConvBwdWeightsPlan:
     v = arch.vector_floats
@@ -391,14 +444,11 @@ def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch, choice: tuple[int, int] 
     scored = put_first(scored, choice, lambda s: s[3])
     eff, _, _, tile, taps = scored[0]
     rem_n = ocb % tile.vectors
-    # Output rows per pixel block: the block's output gradients and inputs stay in half of L2
-    # while every weight tile (spread over the threads) reduces over them, and the slice one
-    # tile streams (its oc vectors of dy, one input channel block) stays in half of L1, where
-    # the next tiles (other kernel taps and lanes of the same oc vectors) find it again.
     xv = input_pixel_floats(layer.index, layer.type, ic, v)
     if value_bytes == 4:
         per_row = (ocb * ow * v + icb * sh * iw * xv) * 4
         per_row_tile = (tile.vectors * ow * v + sh * iw * xv) * 4
+        per_col = (tile.vectors * v + kh * sw * xv) * 4
     else:  # bf16 pair copies (conv_bwd_weights_bf16.c.j2): dy in pixel pairs, x rows of column pairs
         # stored in 2 SW phases, of which a tile reads one per kernel column
         pairs = -(-ow // 2)
@@ -406,22 +456,17 @@ def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch, choice: tuple[int, int] 
         dy_row = 2 * pairs * v * value_bytes
         per_row = ocb * dy_row + icb * sh * 2 * sw * phase
         per_row_tile = tile.vectors * dy_row + sh * min(taps, 2 * sw) * phase
-    rows = max(1, min(oh, (arch.l2_bytes // 2) // per_row, (arch.l1d_bytes // 2) // per_row_tile))
-    # A single row still too big for L1 (wide early layers) is cut into column blocks; the
-    # tile then reads the input rows of all its kernel taps (kh) from L1 as well.
-    cols = ow
-    if rows == 1 and per_row_tile > arch.l1d_bytes // 2:
-        per_col = (tile.vectors * v + kh * sw * xv) * 4
-        widest = max(MIN_BLOCK_COLUMNS, min(ow, (arch.l1d_bytes // 2) // per_col))
-        cols = -(-ow // max(1, ow // widest))  # equal blocks, none narrower than `widest`
+        per_col = (tile.vectors * v + kh * sw * v) * value_bytes
+    block = _conv_bwd_weights_block(layer, tile, lanes, arch, per_row, per_row_tile, per_col)
+    rows, cols = block.rows, block.cols
     flops_px = 2 * tile.width * tile.vectors * v
     return ConvBwdWeightsPlan(
         # bf16 pairs neighbouring pixels, not channels: loops of their own
         layer=layer.name, pass_name="bwd_weights", kind="conv_bwd_weights" + _BF16_KIND[value_bytes],
         template="conv_bwd_weights_bf16.c.j2" if value_bytes == 2 else "conv_bwd_weights.c.j2",
         isa=arch.isa, vector_floats=v,
-        reason=explain.conv_bwd_weights(tile, arch, eff, lanes, rem_n, taps, kw, rows, oh, per_row, per_row_tile,
-                                        cols, ow),
+        reason=explain.conv_bwd_weights(tile, arch, eff, lanes, rem_n, taps, kw, oh, ow, per_row, per_row_tile, rows, cols,
+                                        block.streams),
         tile=tile, tile_widths=tuple(sorted({tile.width, tile.width // taps * (kw % taps or taps)}, reverse=True)),
         predicted_efficiency=eff, l1_working_set=rows * per_row,
         l2_bytes_per_flop=(tile.vectors * v + tile.width) * 4 / flops_px, rejected=tuple(s[3] for s in scored[1:6]),
