@@ -244,10 +244,23 @@ class AmxConvGeometry:
     result_stride: tuple[int, int] = (1, 1)
     empty_phases: tuple[tuple[int, int], ...] = ()  # (a, b) of phases with pixels and no taps: dx zero
 
+    @property
+    def banded(self) -> bool:
+        """Stride 1, one phase: the kernel copies each band's source rows into a buffer of its
+        own thread's (templates/conv_amx.c.j2), not the whole padded source into the scratch."""
+        return self.stride == (1, 1) and not self.phases
+
+    def band_rows(self, band: int, kernel: tuple[int, int]) -> int:
+        """Padded source rows a banded kernel's band of `band` pixel blocks reads: from the row of
+        its first result (anywhere in that row) to the row of its last tap's pixel; at most the
+        plane's (rows past HP are zero)."""
+        span = band * AMX_PIXEL_BLOCK - 1 + (kernel[0] - 1) * self.wp + kernel[1] - 1 + self.wp
+        return min(-(-span // self.wp), -(-self.plane // self.wp))
+
     def scratch_values(self, batch: int) -> int:
-        """bf16 values of the kernel's scratch: the padded source copy (its weight tiles,
-        `weight_values`, are the layer's own buffer)."""
-        return batch * self.icb * self.plane * 32
+        """bf16 values of the kernel's scratch: the padded source copy, where the kernel is not
+        banded (its weight tiles, `weight_values`, are the layer's own buffer)."""
+        return 0 if self.banded else batch * self.icb * self.plane * 32
 
     def gradient_scratch_values(self, batch: int, taps: int) -> int:
         """bf16 values of the backward-weights kernel's scratch (templates/conv_bwd_weights_amx.c.j2,

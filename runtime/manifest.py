@@ -20,7 +20,10 @@ from .validate import LABEL_RE, NAME_RE, SHA256_RE, Fields, read_json
 
 # 2: the first layer's few-channel input is packed (limits.input_pixel_floats); a /1 build's
 # kernels read it padded to V lanes, so it is refused rather than fed the wrong layout.
-FORMAT = "pcldnn-build/2"
+# 3: stride-1 AMX conv forward and backward-data kernels copy each band's source rows into a
+# buffer of their own (limits.AmxConvGeometry.banded); a /2 build's wrote the whole padded source
+# into a scratch the runtime no longer sizes for them.
+FORMAT = "pcldnn-build/3"
 FORMAT_FAMILY = "pcldnn-build/"
 MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.npz"  # initial weights recorded by `compile --weights` (canonical layouts)

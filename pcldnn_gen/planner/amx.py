@@ -71,7 +71,11 @@ def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch,
               f"Reduction chunk {chunk} of {geo.icb} 32-channel blocks: its A rows and B tiles, "
               f"{chunk * per_block // 1024} KiB, fit {L1_SHARE:.0%} of L1 ({arch.l1d_bytes // 1024} KiB). Bands of "
               f"{BAND} pixel blocks and the previous item's accumulators stored {STORE_DELAY} steps into the next "
-              f"(a tile store waits for its last tdpbf16ps): measured choices{explain.bf16_activations(pass_name, activations)}")
+              f"(a tile store waits for its last tdpbf16ps): measured choices"
+              + (f"; each band first copies the {geo.band_rows(BAND, layer.kernel)} padded source rows it reads into its "
+                 f"thread's buffer ({geo.icb * geo.band_rows(BAND, layer.kernel) * geo.wp * 64 // 1024} KiB, in L2 for the "
+                 f"band's tiles)" if geo.banded else "")
+              + explain.bf16_activations(pass_name, activations))
     return AmxConvPlan(layer=layer.name, pass_name=pass_name, kind=f"conv_{pass_name}_amx", template="conv_amx.c.j2",
                        isa=arch.isa, vector_floats=arch.vector_floats, reason=reason,
                        predicted_efficiency=useful, l1_working_set=chunk * per_block,
