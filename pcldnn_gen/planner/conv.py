@@ -41,8 +41,7 @@ STREAM_PIXELS = 128
 STREAMED_VECTORS = 3
 
 # Share of L1 a conv forward block (weight slice, input rows, partial sums), or a backward-weights
-# tile slice grown past half of L1, may fill; the rest
-# absorbs conflict misses between its streams.
+# tile slice grown past half of L1, may fill; the rest absorbs conflict misses between its streams.
 L1_BUDGET = 0.75
 
 
@@ -381,8 +380,8 @@ def _conv_bwd_weights_block(layer: LayerSpec, tile: RegisterTile, lanes: int, ar
     accumulators, runs a chain of FMAs per pixel of the block and stores them, so a block of
     fewer than STREAM_PIXELS pixels grows: a tile of at most STREAMED_VECTORS oc vectors over
     whole channel blocks to STREAM_PIXELS, its slice streaming from L2 (the block still within
-    half of L2), other tiles as far as their slice stays within L1_BUDGET of L1. Not 1x1 layers, whose next
-    block is prefetched into L2 as well."""
+    half of L2), other tiles as far as their slice stays within L1_BUDGET of L1. Not 1x1
+    layers, whose next block is prefetched into L2 as well."""
     oh, ow = layer.out_shape[1:]
     half_l1 = arch.l1d_bytes // 2
     rows, cols = max(1, min(oh, (arch.l2_bytes // 2) // per_row, half_l1 // per_row_tile)), ow
@@ -448,7 +447,6 @@ def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch, choice: tuple[int, int] 
     if value_bytes == 4:
         per_row = (ocb * ow * v + icb * sh * iw * xv) * 4
         per_row_tile = (tile.vectors * ow * v + sh * iw * xv) * 4
-        per_col = (tile.vectors * v + kh * sw * xv) * 4
     else:  # bf16 pair copies (conv_bwd_weights_bf16.c.j2): dy in pixel pairs, x rows of column pairs
         # stored in 2 SW phases, of which a tile reads one per kernel column
         pairs = -(-ow // 2)
@@ -456,7 +454,7 @@ def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch, choice: tuple[int, int] 
         dy_row = 2 * pairs * v * value_bytes
         per_row = ocb * dy_row + icb * sh * 2 * sw * phase
         per_row_tile = tile.vectors * dy_row + sh * min(taps, 2 * sw) * phase
-        per_col = (tile.vectors * v + kh * sw * v) * value_bytes
+    per_col = (tile.vectors * v + kh * sw * xv) * 4  # a column block's slice, counted as fp32
     block = _conv_bwd_weights_block(layer, tile, lanes, arch, per_row, per_row_tile, per_col)
     rows, cols = block.rows, block.cols
     flops_px = 2 * tile.width * tile.vectors * v
