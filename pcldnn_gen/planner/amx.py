@@ -61,6 +61,7 @@ def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch,
     row = max(q.cols for q in geo.phases) if geo.phases else rw  # results of a flat row
     # (no pixel blocks: a backward-data whose window never reaches the input, dx zero)
     useful = (rh * rw) / (geo.pixel_blocks * AMX_PIXEL_BLOCK) * sc / (geo.icb * 32) if geo.pixel_blocks else 0.0
+    band_rows = geo.band_rows(BAND, layer.kernel)
     phases = "" if geo.stride == (1, 1) else f"stride {geo.stride[0]}x{geo.stride[1]} on phase planes, "
     if geo.phases:
         count, (sh, sw) = len(geo.phases), geo.result_stride
@@ -72,9 +73,8 @@ def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch,
               f"{chunk * per_block // 1024} KiB, fit {L1_SHARE:.0%} of L1 ({arch.l1d_bytes // 1024} KiB). Bands of "
               f"{BAND} pixel blocks and the previous item's accumulators stored {STORE_DELAY} steps into the next "
               f"(a tile store waits for its last tdpbf16ps): measured choices"
-              + (f"; each band first copies the {geo.band_rows(BAND, layer.kernel)} padded source rows it reads into its "
-                 f"thread's buffer ({geo.icb * geo.band_rows(BAND, layer.kernel) * geo.wp * 64 // 1024} KiB, in L2 for the "
-                 f"band's tiles)" if geo.banded else "")
+              + (f"; each band first copies the {band_rows} padded source rows it reads into its thread's buffer "
+                 f"({geo.icb * band_rows * geo.wp * 64 // 1024} KiB, in L2 for the band's tiles)" if geo.banded else "")
               + explain.bf16_activations(pass_name, activations))
     return AmxConvPlan(layer=layer.name, pass_name=pass_name, kind=f"conv_{pass_name}_amx", template="conv_amx.c.j2",
                        isa=arch.isa, vector_floats=arch.vector_floats, reason=reason,

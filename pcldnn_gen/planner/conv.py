@@ -32,10 +32,10 @@ MIN_BLOCK_COLUMNS = 32
 # the Xeon VM (fp32 AVX-512, one thread, mb 16, `benchmarks/ab.py`, interleaved): VGG-A conv7 ran
 # 1.66x faster with 14-row blocks than with 1-row ones, conv5 1.16x with 5 rows than 1, and no
 # faster with 10; 8x3 tiles streaming 7-14 rows ran 1.03-1.07x the L1-sized blocks, 112-column
-# rows 1.00x. Streaming lost 8-20% for 4-vector tiles (4x4 on 56 and 220 columns: they grow only
-# within L1), for tiles over a few-channel first layer's lanes and taps (VGG-A's 6x4, a 9x2),
-# for whole-plane blocks of 1x1 layers (0.81-0.93: their next block is prefetched into L2 too)
-# and 64x64 planes (8x2). The rule as a whole: VGG-A conv2-8 1.00-1.07x, OverFeat-FAST conv2-5
+# rows 1.00x. Streaming lost up to 10% for 4-vector tiles (4x4 on 56 and 220 columns: they grow
+# only within L1), up to 20% for tiles over a few-channel first layer's lanes and taps (VGG-A's
+# 6x4, a 9x2), 7-19% for whole-plane blocks of 1x1 layers (their next block is prefetched into L2
+# too) and 8-10% on 64x64 planes (8x2). The rule as a whole: VGG-A conv2-8 1.00-1.07x, OverFeat-FAST conv2-5
 # 1.00-1.05x, resnet_plain 1.00-1.07x, alexnet_small 1.00-1.03x, VGG-A AVX2 0.99-1.01x.
 STREAM_PIXELS = 128
 STREAMED_VECTORS = 3
@@ -388,17 +388,17 @@ def _conv_bwd_weights_block(layer: LayerSpec, tile: RegisterTile, lanes: int, ar
     if per_row_tile > half_l1:
         # equal blocks within half of L1, none narrower than MIN_BLOCK_COLUMNS
         cols = -(-ow // max(1, ow // max(MIN_BLOCK_COLUMNS, min(ow, half_l1 // per_col))))
-    if cols < ow or rows * ow >= STREAM_PIXELS or layer.kernel == (1, 1):
-        return ConvBwdWeightsBlock(-(-oh // -(-oh // rows)), cols, False)  # 28 rows as 10 + 9 + 9, not 11 + 11 + 6
-    need = -(-STREAM_PIXELS // ow)
     budget = int(L1_BUDGET * arch.l1d_bytes)
     streams = tile.vectors <= STREAMED_VECTORS and lanes == arch.vector_floats
-    if streams:  # blocks of at least `need` rows (12 rows as one block of 12, not 6 + 6)
-        grown = min(-(-oh // max(1, oh // need)), max(1, (arch.l2_bytes // 2) // per_row))
-    else:
-        grown = min(oh, need, budget // per_row_tile)
-    rows = -(-oh // -(-oh // max(rows, grown)))
-    return ConvBwdWeightsBlock(rows, cols, streams and rows * per_row_tile > budget)
+    grows = cols == ow and rows * ow < STREAM_PIXELS and layer.kernel != (1, 1)
+    if grows:
+        need = -(-STREAM_PIXELS // ow)
+        if streams:  # blocks of at least `need` rows (12 rows as one block of 12, not 6 + 6)
+            rows = max(rows, min(-(-oh // max(1, oh // need)), max(1, (arch.l2_bytes // 2) // per_row)))
+        else:
+            rows = max(rows, min(oh, need, budget // per_row_tile))
+    rows = -(-oh // -(-oh // rows))  # equal blocks: 28 rows as 10 + 9 + 9, not 11 + 11 + 6
+    return ConvBwdWeightsBlock(rows, cols, grows and streams and rows * per_row_tile > budget)
 
 
 def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | None = None,
