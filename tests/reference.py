@@ -66,14 +66,25 @@ def conv2d_bwd_weights(x, dy, kernel, stride, pad):
     return dw, dy.sum(axis=(0, 2, 3))
 
 
+FC_ROWS = 256  # weight rows converted to float64 at a time: VGG-A's fc6 whole would take 820 MB
+
+
 def fc(x, w, b, relu=False):
     """x (N, ...) flattened in C order, w (OC, IC), b (OC,)."""
-    y = np.asarray(x, np.float64).reshape(x.shape[0], -1) @ np.asarray(w, np.float64).T + b
+    x = np.asarray(x, np.float64).reshape(x.shape[0], -1)
+    y = np.empty((x.shape[0], w.shape[0]))
+    for r in range(0, w.shape[0], FC_ROWS):
+        y[:, r:r + FC_ROWS] = x @ np.asarray(w[r:r + FC_ROWS], np.float64).T
+    y += b
     return np.maximum(y, 0) if relu else y
 
 
 def fc_bwd_data(dy, w, in_shape):
-    return (np.asarray(dy, np.float64) @ np.asarray(w, np.float64)).reshape(in_shape)
+    dy = np.asarray(dy, np.float64)
+    dx = np.zeros((dy.shape[0], w.shape[1]))
+    for r in range(0, w.shape[0], FC_ROWS):
+        dx += dy[:, r:r + FC_ROWS] @ np.asarray(w[r:r + FC_ROWS], np.float64)
+    return dx.reshape(in_shape)
 
 
 def fc_bwd_weights(x, dy):

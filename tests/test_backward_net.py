@@ -139,9 +139,9 @@ def test_vgg_a_forward_backward_matches_numpy(tmp_path):
         if layer.weighted:
             for got, ref_grad in zip((net.layers[layer.name].grad_weights, net.layers[layer.name].grad_bias),
                                      want[layer.name]):
-                scale = np.abs(ref_grad).max()
+                scale = max(ref_grad.max(), -ref_grad.min())
                 assert scale > 0, layer.name
-                err = np.abs(got - ref_grad).max()
+                err = np.abs(np.subtract(ref_grad, got, out=ref_grad), out=ref_grad).max()  # in place: fc6's is 820 MB
                 assert err <= 1e-4 * scale, f"{layer.name}: error {err:.3g} against largest gradient {scale:.3g}"
 
 
