@@ -35,6 +35,7 @@ from .compiler import Source
 from .errors import PlanError
 from .netspec import LayerSpec
 from .planner import KernelPlan
+from .planner.plans import ConvBwdWeightsPlan
 
 
 @dataclass(frozen=True)
@@ -306,6 +307,11 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
             "output channels" if plan.pass_name == "bwd_data" else "input channels")
         text = (f"bf16 operands, a pair of {pairs} per 32-bit lane (vdpbf16ps), fp32 accumulation; "
                 "blocks planned for 2-byte operands")
+        if isinstance(plan, ConvBwdWeightsPlan):
+            rows = plan.block_rows
+            text += (f"; x and dy paired band by band ({rows} output rows) into rings of two bands' rows "
+                     f"({(2 * rows - 1) * layer.stride[0] + 2 * layer.kernel[0]} input, {2 * rows} output rows "
+                     "per channel block), read by the band's tiles from L2")
         lines += [("precision: " if i == 0 else "           ") + w for i, w in enumerate(textwrap.wrap(text, 87))]
     text = template_env().get_template(plan.template).render(
         layer=layer, arch=arch, plan=plan, V=v, vec=BF16_ISA if bf16 else VECTOR_ISAS[arch.isa], symbol=symbol,

@@ -386,18 +386,23 @@ def fc_tile_geometry(in_shape: tuple[int, int, int], features: int, v: int = 16)
 
 
 def bf16_weight_scratch(in_shape: tuple[int, int, int], out_shape: tuple[int, int, int], kernel: tuple[int, int],
-                        stride: tuple[int, int], v: int, batch: int) -> int:
-    """bf16 values of scratch a bf16 conv backward-weights kernel needs (its template's XP_CB and
-    GP_CB): x in pairs (IH rows of (2 ceil(OW/2) - 2) SW + KW columns, stored in 2 SW phases of
-    equal length) from a cache line, then dy in pairs (OH rows of ceil(OW/2)), then each dy
-    row's fp32 sum (V floats: 2V values) for the bias gradient."""
+                        stride: tuple[int, int], v: int, batch: int, block_rows: int | None = None) -> int:
+    """bf16 values of scratch a bf16 conv backward-weights kernel needs (its template's rings):
+    x in pairs (rows of (2 ceil(OW/2) - 2) SW + KW columns, stored in 2 SW phases of equal
+    length; (2 block_rows - 1) SH + 2 KH rows per channel block, at most the minibatch's) from a
+    cache line, then dy in pairs (2 block_rows rows of ceil(OW/2) per channel block, at most the
+    minibatch's), then each dy row's fp32 sum (V floats: 2V values) for the bias gradient. The
+    runtime, which does not read the plan, passes no block_rows: whole-image bands, the most any
+    plan's kernel takes."""
     c, ih, _ = in_shape
     oc, oh, ow = out_shape
+    band = oh if block_rows is None else block_rows
     pairs, phases = -(-ow // 2), 2 * stride[1]
     columns = -(-((2 * pairs - 2) * stride[1] + kernel[1]) // phases) * phases
-    x_pairs = batch * blocks(c, v) * ih * columns * v * 2
-    rows = batch * blocks(oc, v) * oh
-    return -(-x_pairs // 32) * 32 + rows * pairs * v * 2 + rows * v * 2
+    x_rows = min((2 * band - 1) * stride[0] + 2 * kernel[0], batch * ih)
+    dy_rows = min(2 * band, batch * oh)
+    x_pairs = blocks(c, v) * x_rows * columns * v * 2
+    return -(-x_pairs // 32) * 32 + blocks(oc, v) * dy_rows * pairs * v * 2 + batch * blocks(oc, v) * oh * v * 2
 
 
 def padded(channels: int, v: int = 16) -> int:

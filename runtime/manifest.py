@@ -23,7 +23,9 @@ from .validate import LABEL_RE, NAME_RE, SHA256_RE, Fields, read_json
 # 3: stride-1 AMX conv forward and backward-data kernels copy each band's source rows into a
 # buffer of their own (limits.AmxConvGeometry.banded); a /2 build's wrote the whole padded source
 # into a scratch the runtime no longer sizes for them.
-FORMAT = "pcldnn-build/3"
+# 4: vdpbf16ps conv backward-weights kernels pair x and dy rows per band into rings
+# (limits.bf16_weight_scratch); a /3 build's paired the whole minibatch into a scratch that big.
+FORMAT = "pcldnn-build/4"
 FORMAT_FAMILY = "pcldnn-build/"
 MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.npz"  # initial weights recorded by `compile --weights` (canonical layouts)

@@ -1095,6 +1095,36 @@ def test_bf16_conv_backward_weights_against_float64(tmp_path, source, layer):
 
 
 @needs_bf16
+@pytest.mark.parametrize("source,layer", [
+    ({"channels": 32, "height": 13, "width": 40}, {"out_channels": 40, "kernel": 3, "stride": 1, "pad": 1, "activation": "relu"}),
+    ({"channels": 24, "height": 23, "width": 33}, {"out_channels": 32, "kernel": 3, "stride": 2, "pad": 0}),
+    ({"channels": 16, "height": 21, "width": 36}, {"out_channels": 16, "kernel": 5, "stride": 1, "pad": 2})])
+def test_bf16_backward_weights_in_bands_of_a_few_rows(tmp_path, source, layer):
+    """On a CPU with small caches the pixel blocks are a few output rows, so each image is
+    several bands and the rings of x and dy pair rows (templates/conv_bwd_weights_bf16.c.j2)
+    wrap within images and across them; with 2 and 3 threads a band's copy runs while other
+    threads still read the previous band. The bound of the test above, and the same bits for
+    any thread count."""
+    small = dataclasses.replace(get_arch("avx512"), l1d_bytes=4 << 10, l2_bytes=64 << 10)
+    net = pr.load(_conv_net(tmp_path, source, layer, "bf16", arch=small), threads=1)
+    conv = net.layers["conv"]
+    assert conv.kernel_kind("bwd_weights") == "conv_bwd_weights_bf16"
+    plan = json.loads((net.build_dir / "manifest.json").read_text())["layers"][0]["kernels"]["bwd_weights"]["plan"]
+    assert 2 * plan["blocks"]["block_rows"] < conv.out_shape[1]  # three bands or more per image
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((3, *conv.in_shape)).astype(np.float32)
+    y = conv.forward(x)
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    masked = np.where(y > 0, dy, np.float32(0)) if layer.get("activation") == "relu" else dy
+    dw, db = conv.backward_weights(x, dy)
+    _check_backward_weights(layer, x, masked, dw, db, n=x.shape[0] * y.shape[2] * (y.shape[3] + 1))
+    for threads in (2, 3):
+        net.threads = threads
+        for got, want in zip(conv.backward_weights(x, dy), (dw, db)):
+            np.testing.assert_array_equal(got, want)
+
+
+@needs_bf16
 def test_digits_demo_in_bf16_matches_its_fp32_accuracy(tmp_path, monkeypatch, capsys):
     """The issue's bar: the digits demo net trained in bf16 (its conv2 runs bf16 kernels) ends
     within 0.5 points of the fp32 build's test accuracy, with the same defaults and seed."""

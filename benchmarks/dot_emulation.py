@@ -1,0 +1,63 @@
+"""vdpbf16ps kernels at the FMA rate: judging them on a CPU whose vdpbf16ps is slower.
+
+On the Xeon VM vdpbf16ps issues at half the fp32 FMA rate, so every vdpbf16ps kernel there, ours
+and oneDNN's alike, is bound by that rate and its loads, ramps and memory traffic cannot be
+judged. Zen 4 runs a 512-bit vdpbf16ps at its FMA rate next to one 512-bit load per cycle: the
+ratios of a Xeon's two FMAs and two loads per cycle (and of their L2 bandwidth per FMA). So
+`compile` makes a bf16 build whose every vdpbf16ps is a vfmadd231ps on the same registers (the
+numbers are garbage; the instructions, registers and memory traffic are the kernel's), and `ab`
+times two builds as `benchmarks/ab.py` does with denormals flushed to zero (a bf16 pair read as
+fp32 is denormal where its high half is zero, and the assists would dominate). Such a build's
+efficiency is its nominal FLOPs over twice the fp32 FMA peak. AMX kernels are left as they are.
+
+    python benchmarks/dot_emulation.py compile examples/nets/vgg_a.json --arch zen4 -o /tmp/b
+    python benchmarks/dot_emulation.py ab /tmp/a /tmp/b --batch 16 --threads 1 --passes bwd_weights
+
+(`compile` takes `pcldnn-gen compile`'s arguments and adds `--precision bf16`; `ab` takes
+ab.py's.) Checked against Zen 4: VGG-A conv3-6 backward-weights ran at 70-83% of the bf16 peak
+there (RESULTS.md, bf16) and at 72-85% of the emulated peak here with the same plans.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import sys
+from pathlib import Path
+
+FMA_FOR_DOT = "_mm512_fmadd_ps((__m512)({a}), (__m512)({b}), {c})"
+DAZ_FTZ = """#include <immintrin.h>
+void pcldnn_flush_denormals(void) { _mm_setcsr(_mm_getcsr() | 0x8040); }
+"""
+
+
+def compile_build(argv: list[str]) -> int:
+    from pcldnn_gen import cli, codegen
+    codegen.BF16_ISA = dataclasses.replace(codegen.BF16_ISA, _fma=FMA_FOR_DOT)
+    return cli.main(["compile", *argv, "--precision", "bf16"])
+
+
+def flush_denormals() -> None:
+    """DAZ and FTZ in this thread before any OpenMP region: the runtime's worker threads,
+    created at the first one, inherit the MXCSR."""
+    from pcldnn_gen.arch import get_arch
+    from pcldnn_gen.compiler import Source, compile_source
+    lib = compile_source(Source("flush_denormals.c", DAZ_FTZ, {"pcldnn_flush_denormals": "helper"}), get_arch("avx2"))
+    ctypes.CDLL(str(lib.library)).pcldnn_flush_denormals()
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] not in ("compile", "ab"):
+        raise SystemExit(__doc__)
+    command, rest = sys.argv[1], sys.argv[2:]
+    if command == "compile":
+        return compile_build(rest)
+    flush_denormals()
+    sys.path.insert(0, str(Path(__file__).parent))
+    import ab
+    sys.argv = ["ab.py", *rest]
+    ab.main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
