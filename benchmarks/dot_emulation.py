@@ -12,9 +12,11 @@ efficiency is its nominal FLOPs over twice the fp32 FMA peak. AMX kernels are le
 
     python benchmarks/dot_emulation.py compile examples/nets/vgg_a.json --arch zen4 -o /tmp/b
     python benchmarks/dot_emulation.py ab /tmp/a /tmp/b --batch 16 --threads 1 --passes bwd_weights
+    python benchmarks/dot_emulation.py bench --zoo benchmarks/zoo/zoo.json --arch zen4 --threads 1
 
-(`compile` takes `pcldnn-gen compile`'s arguments and adds `--precision bf16`; `ab` takes
-ab.py's.) Checked against Zen 4: VGG-A conv3-6 backward-weights ran at 70-83% of the bf16 peak
+(`compile` and `bench` take `pcldnn-gen compile`'s and `bench`'s arguments and add
+`--precision bf16`; bench's %peak is then against the fp32 peak, so 200% is the emulated
+peak. `ab` takes ab.py's.) Checked against Zen 4: VGG-A conv3-6 backward-weights ran at 70-83% of the bf16 peak
 there (RESULTS.md, bf16) and at 72-85% of the emulated peak here with the same plans.
 """
 from __future__ import annotations
@@ -30,10 +32,11 @@ void pcldnn_flush_denormals(void) { _mm_setcsr(_mm_getcsr() | 0x8040); }
 """
 
 
-def compile_build(argv: list[str]) -> int:
+def emulated(command: str, argv: list[str]) -> int:
+    """`pcldnn-gen command argv --precision bf16` with the dot products spelled as FMAs."""
     from pcldnn_gen import cli, codegen
     codegen.BF16_ISA = dataclasses.replace(codegen.BF16_ISA, _fma=FMA_FOR_DOT)
-    return cli.main(["compile", *argv, "--precision", "bf16"])
+    return cli.main([command, *argv, "--precision", "bf16"])
 
 
 def flush_denormals() -> None:
@@ -46,12 +49,14 @@ def flush_denormals() -> None:
 
 
 def main() -> int:
-    if len(sys.argv) < 2 or sys.argv[1] not in ("compile", "ab"):
+    if len(sys.argv) < 2 or sys.argv[1] not in ("compile", "ab", "bench"):
         raise SystemExit(__doc__)
     command, rest = sys.argv[1], sys.argv[2:]
     if command == "compile":
-        return compile_build(rest)
+        return emulated(command, rest)
     flush_denormals()
+    if command == "bench":
+        return emulated(command, rest)
     sys.path.insert(0, str(Path(__file__).parent))
     import ab
     sys.argv = ["ab.py", *rest]
