@@ -642,12 +642,12 @@ def test_amx_build_is_refused_where_tiles_are_unavailable(tmp_path, monkeypatch)
         parse_manifest(doc, "manifest.json")
 
 
-def _forward_and_gradient(tmp_path, source, layer, pass_name, images, seed):
+def _forward_and_gradient(tmp_path, source, layer, pass_name, images, seed, arch=None):
     """A one-conv bf16 net's layer (its `pass_name` kernel a bf16 one), a random input, its
     forward output, a random output gradient as given to the kernel and as the kernel must
     see it (zero where a fused ReLU's output is not positive: the kernels mask it as they
     copy it), and the net."""
-    net = pr.load(_conv_net(tmp_path, source, layer, "bf16"), threads=2)
+    net = pr.load(_conv_net(tmp_path, source, layer, "bf16", arch=arch), threads=2)
     conv = net.layers["conv"]
     assert conv.kernel_kind(pass_name) == f"conv_{pass_name}_bf16"
     rng = np.random.default_rng(seed)
@@ -1086,9 +1086,15 @@ def test_bf16_conv_backward_weights_against_float64(tmp_path, source, layer):
     4 output columns from 9 (a pair copy column past the input on the right). Threads own
     disjoint weight tiles and db sums the rows in a fixed order: 1 and 3 threads give the same bits."""
     conv, x, y, dy, masked, net = _forward_and_gradient(tmp_path, source, layer, "bwd_weights", images=3, seed=7)
+    _check_backward_weights_any_threads(conv, net, layer, x, y, dy, masked, (1, 3))
+
+
+def _check_backward_weights_any_threads(conv, net, layer, x, y, dy, masked, thread_counts):
+    """The bf16 backward-weights bound on the net's thread count, then the same bits on each of
+    `thread_counts`."""
     dw, db = conv.backward_weights(x, dy)
     _check_backward_weights(layer, x, masked, dw, db, n=x.shape[0] * y.shape[2] * (y.shape[3] + 1))
-    for threads in (1, 3):
+    for threads in thread_counts:
         net.threads = threads
         for got, want in zip(conv.backward_weights(x, dy), (dw, db)):
             np.testing.assert_array_equal(got, want)
@@ -1106,22 +1112,11 @@ def test_bf16_backward_weights_in_bands_of_a_few_rows(tmp_path, source, layer):
     threads still read the previous band. The bound of the test above, and the same bits for
     any thread count."""
     small = dataclasses.replace(get_arch("avx512"), l1d_bytes=4 << 10, l2_bytes=64 << 10)
-    net = pr.load(_conv_net(tmp_path, source, layer, "bf16", arch=small), threads=1)
-    conv = net.layers["conv"]
-    assert conv.kernel_kind("bwd_weights") == "conv_bwd_weights_bf16"
+    conv, x, y, dy, masked, net = _forward_and_gradient(tmp_path, source, layer, "bwd_weights", images=3, seed=11,
+                                                        arch=small)
     plan = json.loads((net.build_dir / "manifest.json").read_text())["layers"][0]["kernels"]["bwd_weights"]["plan"]
     assert 2 * plan["blocks"]["block_rows"] < conv.out_shape[1]  # three bands or more per image
-    rng = np.random.default_rng(11)
-    x = rng.standard_normal((3, *conv.in_shape)).astype(np.float32)
-    y = conv.forward(x)
-    dy = rng.standard_normal(y.shape).astype(np.float32)
-    masked = np.where(y > 0, dy, np.float32(0)) if layer.get("activation") == "relu" else dy
-    dw, db = conv.backward_weights(x, dy)
-    _check_backward_weights(layer, x, masked, dw, db, n=x.shape[0] * y.shape[2] * (y.shape[3] + 1))
-    for threads in (2, 3):
-        net.threads = threads
-        for got, want in zip(conv.backward_weights(x, dy), (dw, db)):
-            np.testing.assert_array_equal(got, want)
+    _check_backward_weights_any_threads(conv, net, layer, x, y, dy, masked, (1, 3))
 
 
 @needs_bf16
