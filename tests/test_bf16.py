@@ -1120,6 +1120,16 @@ def test_bf16_backward_weights_in_bands_of_a_few_rows(tmp_path, source, layer):
 
 
 @needs_bf16
+def test_bf16_backward_weights_with_padding_deeper_than_the_minibatch(tmp_path):
+    """A single image of 8 rows under an 11-row padding: the first band's rows start 11 rows
+    before the minibatch's first, more than the ring holds (found by benchmarks/random_nets.py,
+    seed 733: NaN from rows outside the ring)."""
+    source, layer = {"channels": 33, "height": 8, "width": 20}, {"out_channels": 16, "kernel": 11, "stride": 3, "pad": 11}
+    conv, x, y, dy, masked, net = _forward_and_gradient(tmp_path, source, layer, "bwd_weights", images=1, seed=12)
+    _check_backward_weights_any_threads(conv, net, layer, x, y, dy, masked, (1, 3))
+
+
+@needs_bf16
 def test_digits_demo_in_bf16_matches_its_fp32_accuracy(tmp_path, monkeypatch, capsys):
     """The issue's bar: the digits demo net trained in bf16 (its conv2 runs bf16 kernels) ends
     within 0.5 points of the fp32 build's test accuracy, with the same defaults and seed."""
