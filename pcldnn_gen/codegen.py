@@ -22,6 +22,7 @@ from pcldnn_runtime.limits import (
     amx_kernels,
     amx_packed_reduction,
     bf16_passes,
+    bf16_weight_ring_rows,
     blocks,
     fc_tile_geometry,
     input_pixel_floats,
@@ -246,6 +247,7 @@ def template_env() -> jinja2.Environment:
     env.filters["c_float"] = c_float
     env.filters["c_hex_ull"] = c_hex_ull
     env.globals["blocks"] = blocks  # channel blocks of V lanes: the one rounding rule
+    env.globals["bf16_weight_ring_rows"] = bf16_weight_ring_rows  # the runtime sizes the rings' scratch by it
     return env
 
 
@@ -308,10 +310,10 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
         text = (f"bf16 operands, a pair of {pairs} per 32-bit lane (vdpbf16ps), fp32 accumulation; "
                 "blocks planned for 2-byte operands")
         if isinstance(plan, ConvBwdWeightsPlan):
-            rows = plan.block_rows
-            text += (f"; x and dy paired band by band ({rows} output rows) into rings of two bands' rows "
-                     f"({(2 * rows - 1) * layer.stride[0] + 2 * layer.kernel[0]} input, {2 * rows} output rows "
-                     "per channel block), read by the band's tiles from L2")
+            x_ring, dy_ring = bf16_weight_ring_rows(plan.block_rows, layer.stride, layer.kernel)
+            text += (f"; x and dy paired band by band ({plan.block_rows} output rows) into rings of two bands' "
+                     f"rows ({x_ring} input, {dy_ring} output rows per channel block), read by the band's tiles "
+                     "from L2")
         lines += [("precision: " if i == 0 else "           ") + w for i, w in enumerate(textwrap.wrap(text, 87))]
     text = template_env().get_template(plan.template).render(
         layer=layer, arch=arch, plan=plan, V=v, vec=BF16_ISA if bf16 else VECTOR_ISAS[arch.isa], symbol=symbol,

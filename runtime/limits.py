@@ -385,24 +385,29 @@ def fc_tile_geometry(in_shape: tuple[int, int, int], features: int, v: int = 16)
     return FcTileGeometry(k, f, -(-k // 32) * 32, -(-f // 32) * 32)
 
 
+def bf16_weight_ring_rows(block_rows: int, stride: tuple[int, int], kernel: tuple[int, int]) -> tuple[int, int]:
+    """(input, output) rows per channel block of the rings a bf16 conv backward-weights kernel
+    pairs x and dy into (templates/conv_bwd_weights_bf16.c.j2, XRING_ROWS and DRING_ROWS): two
+    bands of block_rows output rows, counted across images, before the minibatch's own rows cap
+    them."""
+    return (2 * block_rows - 1) * stride[0] + 2 * kernel[0], 2 * block_rows
+
+
 def bf16_weight_scratch(in_shape: tuple[int, int, int], out_shape: tuple[int, int, int], kernel: tuple[int, int],
-                        stride: tuple[int, int], v: int, batch: int, block_rows: int | None = None) -> int:
-    """bf16 values of scratch a bf16 conv backward-weights kernel needs (its template's rings):
-    x in pairs (rows of (2 ceil(OW/2) - 2) SW + KW columns, stored in 2 SW phases of equal
-    length; (2 block_rows - 1) SH + 2 KH rows per channel block, at most the minibatch's) from a
-    cache line, then dy in pairs (2 block_rows rows of ceil(OW/2) per channel block, at most the
-    minibatch's), then each dy row's fp32 sum (V floats: 2V values) for the bias gradient. The
-    runtime, which does not read the plan, passes no block_rows: whole-image bands, the most any
-    plan's kernel takes."""
+                        stride: tuple[int, int], v: int, batch: int) -> int:
+    """bf16 values of scratch a bf16 conv backward-weights kernel needs: its rings (x in pairs,
+    rows of (2 ceil(OW/2) - 2) SW + KW columns stored in 2 SW phases of equal length, from a
+    cache line; dy in pairs, rows of ceil(OW/2)), each at most the minibatch's rows, then each
+    dy row's fp32 sum (V floats: 2V values) for the bias gradient. The runtime reads no plan, so
+    the rings are sized for whole-image bands: the most any plan's kernel takes."""
     c, ih, _ = in_shape
     oc, oh, ow = out_shape
-    band = oh if block_rows is None else block_rows
+    x_ring, dy_ring = bf16_weight_ring_rows(oh, stride, kernel)
     pairs, phases = -(-ow // 2), 2 * stride[1]
     columns = -(-((2 * pairs - 2) * stride[1] + kernel[1]) // phases) * phases
-    x_rows = min((2 * band - 1) * stride[0] + 2 * kernel[0], batch * ih)
-    dy_rows = min(2 * band, batch * oh)
-    x_pairs = blocks(c, v) * x_rows * columns * v * 2
-    return -(-x_pairs // 32) * 32 + blocks(oc, v) * dy_rows * pairs * v * 2 + batch * blocks(oc, v) * oh * v * 2
+    x_pairs = blocks(c, v) * min(x_ring, batch * ih) * columns * v * 2
+    return (-(-x_pairs // 32) * 32 + blocks(oc, v) * min(dy_ring, batch * oh) * pairs * v * 2
+            + batch * blocks(oc, v) * oh * v * 2)
 
 
 def padded(channels: int, v: int = 16) -> int:
