@@ -172,19 +172,16 @@ _ffi = cffi.FFI()
 CACHE_LINE_FLOATS = 16  # floats in a 64-byte cache line: parameter blocks and MPI parts start on one
 
 
-def empty_aligned(shape: tuple[int, ...], align: int = 64, dtype=np.float32) -> np.ndarray:
+def empty_aligned(shape: tuple[int, ...], align: int = 64, dtype=np.float32, zeroed: bool = False) -> np.ndarray:
     """An uninitialised array (float32 unless said) whose data starts on an `align`-byte
-    boundary (cache line), so vector loads never split lines at the start of a buffer."""
+    boundary (cache line), so vector loads never split lines at the start of a buffer.
+    `zeroed`: through calloc, so a large buffer's pages are mapped zero and first written by
+    whoever uses them (no pass over a net's parameters at load)."""
     count, size = int(np.prod(shape)), np.dtype(dtype).itemsize
-    raw = np.empty(count + align // size, dtype=dtype)
+    raw = (np.zeros if zeroed else np.empty)(count + align // size, dtype=dtype)
     offset = (-raw.ctypes.data % align) // size
     return raw[offset:offset + count].reshape(shape)
 
 
 def zeros_aligned(shape: tuple[int, ...], align: int = 64) -> np.ndarray:
-    """Like empty_aligned, zeroed: through calloc, so a large buffer's pages are mapped zero
-    and first written by whoever uses them (no pass over a net's parameters at load)."""
-    count = int(np.prod(shape))
-    raw = np.zeros(count + align // 4, dtype=np.float32)
-    offset = (-raw.ctypes.data % align) // 4
-    return raw[offset:offset + count].reshape(shape)
+    return empty_aligned(shape, align, zeroed=True)
