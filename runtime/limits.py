@@ -257,6 +257,13 @@ class AmxConvGeometry:
         span = band * AMX_PIXEL_BLOCK - 1 + (kernel[0] - 1) * self.wp + kernel[1] - 1 + self.wp
         return min(-(-span // self.wp), -(-self.plane // self.wp))
 
+    def odd_gradient_pairs(self, kernel: tuple[int, int]) -> bool:
+        """Backward-weights: whether some tap's pixel pairs start on an odd flat pixel of its
+        phase plane (flat offset (kh / SH) WQ + kw / SW odd), so the x copy from odd pixels is
+        made; a 1x1 window, or every offset even, reads the even copy only."""
+        sh, sw = self.stride
+        return any((kh // sh * self.wq + kw // sw) % 2 for kh in range(kernel[0]) for kw in range(kernel[1]))
+
     def scratch_values(self, batch: int) -> int:
         """bf16 values of the kernel's scratch: the padded source copy, where the kernel is not
         banded (its weight tiles, `weight_values`, are the layer's own buffer)."""

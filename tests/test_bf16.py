@@ -26,7 +26,7 @@ from pcldnn_gen.netspec import parse_netspec
 from pcldnn_runtime import cpu
 from pcldnn_runtime.abi import SIGNATURES
 from pcldnn_runtime.errors import ArchError, BuildDirError
-from pcldnn_runtime.limits import bf16_gradients, bf16_outputs
+from pcldnn_runtime.limits import amx_conv_geometry, bf16_gradients, bf16_outputs
 from pcldnn_runtime.manifest import parse_manifest
 
 HAS_BF16 = cpu.supports("avx512") and "avx512_bf16" in cpu.cpu_flags()
@@ -354,6 +354,34 @@ def test_amx_conv_backward_weights_against_float64(tmp_path, source, layer):
     assert group < 7 * blocks
     x, y, dy, dw, db = _weights_gradient(conv, layer, images=7, seed=7)
     _check_backward_weights(layer, x, dy, dw, db, n=x.shape[0] * y.shape[2] * y.shape[3])
+
+
+@needs_amx
+@pytest.mark.parametrize("source,layer", AMX_CASES + AMX_STRIDED_CASES)
+def test_amx_conv_backward_weights_in_copy_spans(tmp_path, source, layer):
+    """The copies made per span of units (plan_conv_bwd_weights_amx, where MIN_COPY_SPAN units of
+    every channel block's copies fit half of L2): an L2 sized for spans of 9 units, which start
+    and end inside the 7 images (1-6 blocks each), so a span's copy of an image starts mid-row,
+    the rows at its edges are copied by two spans and their bias summed by one. The bound, the
+    bias, and the same bits on 1, 2 and 3 threads."""
+    spec = parse_netspec({"name": "spans", "input": source, "layers": [{"name": "conv", "type": "conv", **layer}]})
+    shape = spec.layers[0]
+    geo = amx_conv_geometry("bwd_weights", shape.in_shape, shape.out_shape, shape.kernel, shape.pad, shape.stride)
+    copy_kib = -(-shape.out_shape[0] // 16) + (1 + geo.odd_gradient_pairs(shape.kernel)) * -(
+        -shape.in_shape[0] // 16) * shape.stride[0] * shape.stride[1]
+    arch = dataclasses.replace(AMX_ARCH, l2_bytes=2 * 9 * copy_kib * 1024)
+    out = tmp_path / "spans"
+    build(spec, arch, out, precision="bf16")
+    c_text = (out / "src" / "conv_bwd_weights.c").read_text()
+    assert int(re.search(r"^#define COPY_UNITS (\d+) ", c_text, re.M)[1]) == max(9, min(geo.pixel_blocks, 64))
+    net = pr.load(out, threads=2)
+    conv = net.layers["conv"]
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((7, *conv.in_shape)).astype(np.float32)
+    y = conv.forward(x)
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    masked = np.where(y > 0, dy, np.float32(0)) if layer.get("activation") == "relu" else dy
+    _check_backward_weights_any_threads(conv, net, layer, x, y, dy, masked, (1, 3))
 
 
 @needs_amx

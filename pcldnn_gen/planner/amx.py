@@ -29,6 +29,13 @@ STORE_DELAY = 4
 # Share of L2 a backward-weights item's group of pixel blocks may take (dy rows of two output
 # blocks, x pairs of two input blocks): the group is re-read from L2 for every tap.
 L2_SHARE = 0.5
+# Backward-weights copy spans (plan_conv_bwd_weights_amx), measured (VGG-A conv2-8, OverFeat-FAST
+# conv2-5, zoo 1x1 layers, mb 16, Xeon VM): spans of 5 units (OverFeat conv5, 1024 channels) lost
+# 7% to the whole minibatch's copies, 8-16 gained 9-19% on 12x12-28x28 images; within 56x56
+# images spans of 16-32 units lost to the rows and pairs every span copies twice (0.98-1.03),
+# 64 gained 10-15%.
+MIN_COPY_SPAN = 8
+IMAGE_SPAN = 64
 # The minibatch the fc plan's reason quotes a chunk for (the largest the paper's and the issues'
 # fc figures use); the kernels size their chunks for the call's minibatch.
 FC_ROWS = 256
@@ -113,28 +120,48 @@ def plan_conv_bwd_weights_amx(layer: LayerSpec, arch: Arch,
                               activations: tuple[bool, bool] = (False, False)) -> AmxConvBwdWeightsPlan:
     """Work item: the four C tiles of two output x two input channel blocks for one tap; the
     reduction runs over a group of (image, 32-pixel block) units with the accumulators in the
-    tiles, which are reloaded from an fp32 buffer between groups. The group: as many units as
-    keep the item's dy rows and x pairs in L2_SHARE of L2 across the taps (a reload costs a
-    tile store's wait, ~1000 cycles, per item, tap and group)."""
+    tiles, which are reloaded from an fp32 buffer between groups (a reload costs a tile store's
+    wait per item, tap and group). The dy and x copies are made per span of units, the span
+    being the group, as many units as keep every channel block's copies in L2_SHARE of L2 (no
+    fewer than IMAGE_SPAN units of an image): a span's copies are written and read in L2, not
+    sent to L3 and read back. Where fewer than MIN_COPY_SPAN units fit, the copies of the
+    whole minibatch are made first and a group is as many units as keep one item's dy rows
+    and x pairs in L2_SHARE of L2 across its taps."""
     kh, kw = layer.kernel
     geo = amx_conv_geometry("bwd_weights", layer.in_shape, layer.out_shape, layer.kernel, layer.pad, layer.stride)
-    # per unit: dy of two output blocks (16 channels x 32 pixels, bf16), x pairs of two input
-    # blocks from even and odd pixels (16 pairs x 64 bytes) of every phase plane
     phases = layer.stride[0] * layer.stride[1]
-    per_unit = 2 * 16 * AMX_PIXEL_BLOCK * 2 + 2 * 2 * phases * 16 * 64
-    units = max(1, int(L2_SHARE * arch.l2_bytes) // per_unit)
+    # per unit, every channel block: dy (OCB tiles of 16 channels x 32 pixels) and x pairs (ICB x
+    # phase tiles of 16 pairs, from even pixels and, where a tap reads them, odd ones)
+    copy_per_unit = (-(-layer.out_shape[0] // 16) + (1 + geo.odd_gradient_pairs(layer.kernel))
+                     * -(-layer.in_shape[0] // 16) * phases) * TILE_BYTES
+    fit = int(L2_SHARE * arch.l2_bytes) // copy_per_unit
+    copy_units = max(fit, min(geo.pixel_blocks, IMAGE_SPAN)) if fit >= MIN_COPY_SPAN else 0
+    if copy_units:
+        units = copy_units
+        how = (f"copies made per span of {units} units (every channel block's dy and x pairs, "
+               f"{copy_per_unit // 1024} KiB a unit: {fit} fit {L2_SHARE:.0%} of L2 ({arch.l2_bytes // 1024} KiB); "
+               f"no fewer than {IMAGE_SPAN} of an image's, whose rows and pairs at a span's edges are copied twice), "
+               f"each span reduced while its copies are in L2")
+    else:
+        # per unit: dy of two output blocks (16 channels x 32 pixels, bf16), x pairs of two input
+        # blocks from even and odd pixels (16 pairs x 64 bytes) of every phase plane
+        per_unit = 2 * 16 * AMX_PIXEL_BLOCK * 2 + 2 * 2 * phases * 16 * 64
+        units = max(1, int(L2_SHARE * arch.l2_bytes) // per_unit)
+        how = (f"the minibatch's copies made first (a span of every channel block's copies, "
+               f"{copy_per_unit // 1024} KiB a unit, would hold {fit} units in {L2_SHARE:.0%} of L2, under "
+               f"{MIN_COPY_SPAN}); groups of {units} units: an item's dy rows and x pairs, {per_unit // 1024} KiB a "
+               f"unit, fit {L2_SHARE:.0%} of L2 across its {kh * kw} taps")
     oc, oh, ow = layer.out_shape
     useful = (oh * ow) / (geo.pixel_blocks * AMX_PIXEL_BLOCK)
     reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles, the reduction over flat pixels "
               f"({'' if phases == 1 else f'stride {geo.stride[0]}x{geo.stride[1]} on phase planes, '}rows of "
-              f"{geo.wq} for {ow} outputs: {useful:.0%} of tile work useful). Groups of {units} "
-              f"(image, 32-pixel block) units ({geo.pixel_blocks} an image): an item's dy rows and x pairs, "
-              f"{per_unit // 1024} KiB a unit, fit {L2_SHARE:.0%} of L2 ({arch.l2_bytes // 1024} KiB) across its "
-              f"{kh * kw} taps{explain.bf16_activations('bwd_weights', activations)}")
+              f"{geo.wq} for {ow} outputs: {useful:.0%} of tile work useful); (image, 32-pixel block) units "
+              f"({geo.pixel_blocks} an image): {how}{explain.bf16_activations('bwd_weights', activations)}")
     return AmxConvBwdWeightsPlan(layer=layer.name, pass_name="bwd_weights", kind="conv_bwd_weights_amx",
                                  template="conv_bwd_weights_amx.c.j2", isa=arch.isa,
                                  vector_floats=arch.vector_floats, reason=reason, predicted_efficiency=useful,
-                                 l1_working_set=4 * TILE_BYTES, pixel_blocks=units, activations=activations)
+                                 l1_working_set=4 * TILE_BYTES, pixel_blocks=units, activations=activations,
+                                 copy_units=copy_units)
 
 
 def plan_fc_tiles(layer: LayerSpec, pass_name: str, arch: Arch, amx: bool) -> FcTilePlan:

@@ -135,11 +135,12 @@ class AmxConvPlan(KernelPlan):
 @dataclass(frozen=True, kw_only=True)
 class AmxConvBwdWeightsPlan(KernelPlan):
     pixel_blocks: int               # (image, 32-pixel block) units one residency of an item's accumulators reduces
+    copy_units: int = 0             # units whose dy and x copies are made together, in L2 (0: the minibatch's, first)
 
     def blocks_summary(self) -> str:
         return (f"AMX tiles: 4 C tiles (2 output x 2 input channel blocks, one tap) per work item, "
                 f"2 A (16 output channels x 32 flat pixels of dy), 2 B (32 pixels x 16 input channels of x); "
-                f"groups of {self.pixel_blocks} pixel blocks")
+                f"{'copies per span of' if self.copy_units else 'groups of'} {self.pixel_blocks} pixel blocks")
 
 
 @dataclass(frozen=True, kw_only=True)
