@@ -955,6 +955,56 @@ def test_bf16_activations_between_convolutions_change_no_bit(tmp_path, monkeypat
             np.testing.assert_array_equal(got, want)
 
 
+# 1x1 convolutions on bf16 sources read in place by the AMX kernels (reads_source_in_place), on
+# 5x7 images (35 pixels: a last pixel block past the plane): c1 forward (16 channels; its
+# backward-data masks dy by its ReLU: copied), c2 forward (48) and backward-data (dy: 32), c5
+# backward-data into 40 channels (its forward's 40-channel source: copied), c7 forward into one
+# result block (its dy, the fc's input gradient, is fp32: copied)
+IN_PLACE_NET = [
+    {"name": "r0", "type": "relu"},
+    {"name": "c1", "type": "conv", "out_channels": 48, "kernel": 1, "activation": "relu"},
+    {"name": "c2", "type": "conv", "out_channels": 32, "kernel": 1},
+    {"name": "r3", "type": "relu"},
+    {"name": "c4", "type": "conv", "out_channels": 40, "kernel": 3, "pad": 1, "activation": "relu"},
+    {"name": "c5", "type": "conv", "out_channels": 16, "kernel": 1},
+    {"name": "r6", "type": "relu"},
+    {"name": "c7", "type": "conv", "out_channels": 16, "kernel": 1},
+    {"name": "f8", "type": "fc", "out_features": 5},
+    {"name": "loss", "type": "softmax_cross_entropy"},
+]
+
+
+@needs_amx
+def test_amx_1x1_layers_read_bf16_sources_in_place(tmp_path, monkeypatch):
+    """A tdpbf16ps of 16 channels (a 16-channel block read in place) then the next adds the
+    same products in the same order as one of 32 from the copy: the net's loss and gradients
+    are those of the build whose activations are fp32 (every kernel copying), bit for bit; and
+    with bf16 gradients each layer's backward-data is its fp32-gradient result rounded once."""
+    spec = parse_netspec({"name": "inplace", "input": {"channels": 16, "height": 5, "width": 7},
+                          "layers": IN_PLACE_NET})
+    nets = _bf16_storage_builds(tmp_path, monkeypatch, spec, AMX_ARCH, ("fp32", "activations", "bf16"))
+    in_place = {(name, p) for name in ("c1", "c2", "c4", "c5", "c7") for p in ("fwd", "bwd_data")
+                if "read in place" in (tmp_path / "bf16" / "src" / f"{name}_{p}.c").read_text()}
+    assert in_place == {("c1", "fwd"), ("c2", "fwd"), ("c2", "bwd_data"), ("c5", "bwd_data"), ("c7", "fwd")}
+    assert not any("read in place" in f.read_text() for f in (tmp_path / "fp32" / "src").glob("*.c"))
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((6, 16, 5, 7)).astype(np.float32)
+    labels = rng.integers(0, 5, 6)
+    assert nets["fp32"].loss_and_grad(x, labels) == nets["activations"].loss_and_grad(x, labels)
+    np.testing.assert_array_equal(nets["fp32"].grads, nets["activations"].grads)
+    assert np.any(nets["fp32"].grads != 0)
+    for name in ("c1", "c2", "c5", "c7"):
+        conv = {mode: n.layers[name] for mode, n in nets.items()}
+        xin = rng.standard_normal((3, *conv["bf16"].in_shape)).astype(np.float32)
+        y = {mode: layer.forward(xin) for mode, layer in conv.items()}
+        np.testing.assert_array_equal(y["bf16"], as_float(bf16_reference(y["fp32"])) if conv["bf16"].out_bf16
+                                      else y["fp32"])
+        dy = as_float(bf16_reference(rng.standard_normal(y["bf16"].shape).astype(np.float32)))
+        dx = conv["activations"].backward_data(dy)
+        np.testing.assert_array_equal(conv["bf16"].backward_data(dy),
+                                      as_float(bf16_reference(dx)) if conv["bf16"].in_grad_bf16 else dx)
+
+
 @pytest.mark.parametrize("arch", BF16_BUILDS)
 def test_bf16_gradients_round_once_where_written(tmp_path, monkeypatch, arch):
     """An activation gradient stored as bf16 (limits.bf16_gradients) is its fp32 value rounded

@@ -48,7 +48,7 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, 
     if pass_name not in passes:
         raise PlanError(f"{layer.name}: a {layer.type} layer has no {pass_name!r} pass "
                         f"(it has: {', '.join(passes) or 'none'})")
-    plan = _model_plan(layer, pass_name, arch, choice, bf16, amx, activations)
+    plan = _model_plan(layer, pass_name, arch, choice, bf16, amx, activations, gradients)
     if plan.activations != activations:  # a conv kernel planned without them: say what it reads and writes
         plan = dataclasses.replace(plan, activations=activations,
                                    reason=plan.reason + explain.bf16_activations(pass_name, activations))
@@ -59,7 +59,7 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, 
 
 
 def _model_plan(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, int] | None,
-                bf16: bool, amx: bool, activations: tuple[bool, bool]) -> KernelPlan:
+                bf16: bool, amx: bool, activations: tuple[bool, bool], gradients: tuple[bool, bool]) -> KernelPlan:
     planner = _PLANNERS.get((layer.type, pass_name))
     if amx:
         if layer.type == "fc":
@@ -71,7 +71,7 @@ def _model_plan(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int,
         if layer.type != "conv":
             raise PlanError(f"{layer.name}: AMX kernels exist for convolutions and fc layers only")
         return plan_conv_bwd_weights_amx(layer, arch, activations) if pass_name == "bwd_weights" else \
-            plan_conv_amx(layer, pass_name, arch, activations)
+            plan_conv_amx(layer, pass_name, arch, activations, gradients)
     if bf16:
         if layer.type == "fc":
             return plan_fc_tiles_bwd_weights(layer, arch, False) if pass_name == "bwd_weights" else \

@@ -35,6 +35,11 @@ L2_SHARE = 0.5
 # images spans of 16-32 units lost to the rows and pairs every span copies twice (0.98-1.03),
 # 64 gained 10-15%.
 MIN_COPY_SPAN = 8
+# 1x1 layers reading their bf16 source in place (reads_source_in_place), measured against the
+# copy (mb 16, one thread, Xeon VM): 16-128 result channels 1.14-1.75x (resnet50_layer1_reduce
+# forward 2.44 -> 1.54 ms), 192-2048 0.70-0.96x (resnet50_layer4_reduce forward, 2048 -> 512
+# channels on 7x7: 1.83 -> 2.61 ms, the halved tile rate).
+IN_PLACE_RESULT_CHANNELS = 128
 IMAGE_SPAN = 64
 # The minibatch the fc plan's reason quotes a chunk for (the largest the paper's and the issues'
 # fc figures use); the kernels size their chunks for the call's minibatch.
@@ -45,14 +50,35 @@ FC_ROWS = 256
 FC_SOURCE_SHARE = 0.5
 
 
-def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch,
-                  activations: tuple[bool, bool] = (False, False)) -> AmxConvPlan:
+def reads_source_in_place(layer: LayerSpec, pass_name: str, source_bf16: bool) -> bool:
+    """Whether the AMX forward / backward-data kernel reads its A tiles straight from the source
+    (x, or dy) instead of a padded copy in 32-channel pixels: a 1x1 window at stride 1 without
+    padding, whose result pixel is its source pixel, on a bf16 source of whole 16-channel blocks
+    that needs no ReLU mask (backward-data with a fused ReLU masks dy as it copies it). A tile
+    row is then one pixel's 16 channels (the layout's 32-byte pixel), so a tdpbf16ps does half
+    a full tile's reduction; the copy it saves was half the time of such a layer
+    (resnet50_layer1_reduce forward, 16x256x56x56 -> 64: copy 1.17 of 2.4 ms). The copy costs
+    per source value, the halved rate per product: up to IN_PLACE_RESULT_CHANNELS result
+    channels."""
+    source_channels, result_channels = (layer.in_shape[0], layer.out_shape[0]) if pass_name == "fwd" else \
+        (layer.out_shape[0], layer.in_shape[0])
+    return (layer.kernel == (1, 1) and layer.stride == (1, 1) and layer.pad == (0, 0) and source_bf16
+            and source_channels % 16 == 0 and result_channels <= IN_PLACE_RESULT_CHANNELS
+            and (pass_name == "fwd" or not layer.relu))
+
+
+def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch, activations: tuple[bool, bool] = (False, False),
+                  gradients: tuple[bool, bool] = (False, False)) -> AmxConvPlan:
     """Work item: 32 flat result pixels x 16 result channels, two C tiles (two A tiles of 16
     pixels share each B tile) accumulated over a chunk of source-channel blocks and all taps;
     the two other C tiles hold the previous item, stored while this one starts. `activations`:
-    whether the layer's input and output are stored as bf16 (limits.bf16_outputs)."""
+    whether the layer's input and output are stored as bf16 (limits.bf16_outputs), `gradients`
+    its (input, output) gradients (limits.bf16_gradients); a 1x1 layer's bf16 source may be
+    read in place (reads_source_in_place)."""
     kh, kw = layer.kernel
     geo = amx_conv_geometry(pass_name, layer.in_shape, layer.out_shape, layer.kernel, layer.pad, layer.stride)
+    if reads_source_in_place(layer, pass_name, activations[0] if pass_name == "fwd" else gradients[1]):
+        return _plan_conv_amx_in_place(layer, pass_name, arch, geo, activations)
     if geo.phases:  # backward-data per phase of dx: a phase's steps are its taps
         kh, kw = max(q.taps_h for q in geo.phases), max(q.taps_w for q in geo.phases)
     # one 32-channel block's A rows: a run of 32 + KW - 1 pixels in each of KH rows (one span
@@ -88,6 +114,28 @@ def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch,
                        predicted_efficiency=useful, l1_working_set=chunk * per_block,
                        l2_bytes_per_flop=b_bytes / (2 * AMX_PIXEL_BLOCK * 16 * 32 * kh * kw),
                        chunk=chunk, band=BAND, store_delay=STORE_DELAY, activations=activations)
+
+
+def _plan_conv_amx_in_place(layer: LayerSpec, pass_name: str, arch: Arch, geo,
+                            activations: tuple[bool, bool]) -> AmxConvPlan:
+    """reads_source_in_place: a work unit is 32 pixels; its items, one per 16-channel result
+    block, reduce over every source block in turn (the unit's A rows, SC x 64 bytes, stay in L1
+    across them), while the next unit's rows are prefetched."""
+    (sc, _, _), (rc, rh, rw) = geo.source, geo.result
+    a_bytes, b_bytes = sc // 16 * 2 * TILE_BYTES // 2, -(-rc // 16) * sc // 16 * TILE_BYTES // 2
+    useful = (rh * rw) / (geo.pixel_blocks * AMX_PIXEL_BLOCK)
+    reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; 1x1 at stride 1 on a bf16 source of "
+              f"{sc} channels: A tiles read in place, 16 pixels x 16 channels (half a tile's reduction a "
+              f"tdpbf16ps, {AMX_FLOPS_PER_CYCLE // 2} FLOP/cycle), instead of a copy in 32-channel pixels (half the "
+              f"time of such a layer: measured); {useful:.0%} of the pixel blocks' rows are results. A unit of 32 "
+              f"pixels: its A rows ({a_bytes // 1024} KiB) stay in L1 across its {-(-rc // 16)} result blocks, the "
+              f"next unit's are prefetched while they run; the previous item's accumulators stored {STORE_DELAY} "
+              f"steps into the next")
+    return AmxConvPlan(layer=layer.name, pass_name=pass_name, kind=f"conv_{pass_name}_amx", template="conv_amx.c.j2",
+                       isa=arch.isa, vector_floats=arch.vector_floats, reason=reason,
+                       predicted_efficiency=useful / 2, l1_working_set=a_bytes + b_bytes,
+                       l2_bytes_per_flop=b_bytes / (2 * AMX_PIXEL_BLOCK * rc * sc),
+                       chunk=geo.icb, band=1, store_delay=STORE_DELAY, activations=activations, direct=True)
 
 
 def plan_conv_packed_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxPackedConvPlan:

@@ -122,11 +122,16 @@ class AmxConvPlan(KernelPlan):
     chunk: int                      # 32-channel source blocks per reduction chunk (A rows and B tiles in L1)
     band: int                       # pixel blocks per band: the chunk's input rows reused across oc blocks
     store_delay: int                # steps into the next item before the previous item's tiles are stored
+    direct: bool = False            # A tiles read straight from the bf16 source, 16 channels a step (no copy)
 
     def reduction_chunk(self) -> str:
-        return f"{self.chunk} x 32 source channels"
+        return "every 16-channel source block" if self.direct else f"{self.chunk} x 32 source channels"
 
     def blocks_summary(self) -> str:
+        if self.direct:
+            return ("AMX tiles: 32 result pixels x 16 result channels per work item (2 C tiles, 2 A of 16 pixels x "
+                    "16 source channels read in place, 1 B; the other 2 C tiles drain the previous item), "
+                    "reduction over every 16-channel source block, a unit's result blocks in turn")
         return (f"AMX tiles: 32 result pixels x 16 result channels per work item (2 C tiles, "
                 f"2 A, 1 B; the other 2 C tiles drain the previous item), reduction chunk "
                 f"{self.reduction_chunk()}, bands of {self.band} pixel blocks")
