@@ -237,12 +237,14 @@ def format_curve(title: str, arch: Arch, threads: int, peak: float, curve: dict[
 
 def bench_zoo(shapes, arch: Arch, batch: int, threads: int, passes=PASSES, repeats: int = 5, compare=(),
               rounds: int = 1, tuning=None, precision: str = "fp32") -> tuple[float, list[PassResult]]:
-    """Every shape of a zoo (pcldnn_gen.zoo) as a one-layer net, like bench_net. The FMA peak is
-    measured before and after the whole zoo; the efficiencies use the higher of the two."""
+    """Every shape of a zoo (pcldnn_gen.zoo) as a one-layer net, like bench_net; in bf16, a
+    convolution as inside a net (ZooShape.inner: bf16 activations and gradients in and out). The
+    FMA peak is measured before and after the whole zoo; the efficiencies use the higher of the two."""
     peaks = [measure_peak(arch, threads)]
     rows: list[PassResult] = []
     for shape in shapes:
-        _, results = bench_net(shape.net, arch, batch, threads, passes, None, repeats, compare, peak=peaks[0],
+        _, results = bench_net(shape.inner if precision == "bf16" else shape.net, arch, batch, threads, passes, None,
+                               repeats, compare, peak=peaks[0],
                                rounds=rounds, tuning=tuning, precision=precision)
         rows += [replace(r, family=shape.family) for r in results]
     peaks.append(measure_peak(arch, threads))

@@ -349,6 +349,9 @@ def _render_tiled(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, l
                                "im2col rows in pixel pairs" if packed else
                                "the input channel-major with its zero padding, the output gradient, masked by the "
                                "ReLU, in pixel pairs"}[plan.pass_name]
+        if getattr(plan, "direct", False):  # planner.amx.reads_source_in_place
+            text = ("the input" if plan.pass_name == "fwd" else "the output gradient") + \
+                ", read in place as it is stored in bf16; the weights as B tiles"
     how = "AMX tdpbf16ps into fp32 tiles" if amx else "vdpbf16ps into fp32 registers"
     text = f"bf16 operands converted by the kernel ({text}), {how}; fp32 results"
     lines += [("precision: " if i == 0 else "           ") + w for i, w in enumerate(textwrap.wrap(text, 87))]

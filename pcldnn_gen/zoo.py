@@ -12,11 +12,22 @@ from .errors import NetSpecError
 from .netspec import NetSpec, parse_netspec
 
 
+# A convolution of at least this many input channels is timed inside a net in a bf16 bench
+# (ZooShape.inner); fewer is a first layer's packed RGB-like input, timed as the first layer.
+INNER_MIN_CHANNELS = 16
+
+
 @dataclass(frozen=True)
 class ZooShape:
     name: str
     family: str                 # the architecture it comes from
     net: NetSpec                # one conv or fc layer on the shape's input
+    # The same layer as inside a net: a convolution between two ReLU layers, so that a bf16
+    # build stores its input and output, and their gradients, as bf16 (limits.bf16_outputs,
+    # bf16_gradients), as a layer between convolutions has them and as oneDNN's bf16 primitives
+    # are given them; as a net's first and last layer it would convert an fp32 input and write
+    # fp32 (the bf16 bench times this one). fc layers and first-layer shapes: `net` itself.
+    inner: NetSpec
 
 
 def load_zoo(path: str | Path, max_memory: int | None = None) -> list[ZooShape]:
@@ -37,5 +48,12 @@ def load_zoo(path: str | Path, max_memory: int | None = None) -> list[ZooShape]:
         f.choice(layer["type"], f"{at}.layer.type", ("conv", "fc"))
         net = {"name": name, "input": {"channels": shape[0], "height": shape[1], "width": shape[2]},
                "layers": [{"name": name, **layer}]}
-        shapes.append(ZooShape(name, family, parse_netspec(net, f"{path}: {at}", max_memory)))
+        spec = parse_netspec(net, f"{path}: {at}", max_memory)
+        inner = spec
+        if layer["type"] == "conv" and spec.layers[0].in_shape[0] >= INNER_MIN_CHANNELS:
+            before, after = ("relu_before", "relu_after") if name not in ("relu_before", "relu_after") else \
+                ("relu_in", "relu_out")
+            inner = parse_netspec({**net, "layers": [{"name": before, "type": "relu"}, *net["layers"],
+                                                     {"name": after, "type": "relu"}]}, f"{path}: {at}", max_memory)
+        shapes.append(ZooShape(name, family, spec, inner))
     return shapes

@@ -224,6 +224,28 @@ def test_the_shipped_zoo_covers_what_users_train():
     assert max(l.in_shape[1] for l in conv) >= 224 and min(l.in_shape[1] for l in conv) <= 7
 
 
+def test_a_bf16_zoo_times_a_convolution_as_inside_a_net(tmp_path):
+    """ZooShape.inner: a convolution between two ReLU layers, so a bf16 build keeps its input and
+    output, and their gradients, in bf16 as between convolutions (with AMX or vdpbf16ps); a
+    first-layer shape (3 channels, packed) and an fc layer are benched as they are."""
+    from pcldnn_runtime.limits import bf16_gradients, bf16_outputs
+
+    from pcldnn_gen.zoo import load_zoo
+    zoo = tmp_path / "zoo.json"
+    zoo.write_text(json.dumps({"name": "z", "shapes": [
+        {"name": "relu_before", "family": "X", "input": [32, 6, 6], "layer": {"type": "conv", "out_channels": 16,
+                                                                              "kernel": 1}},
+        {"name": "rgb", "family": "X", "input": [3, 8, 8], "layer": {"type": "conv", "out_channels": 16, "kernel": 3}},
+        {"name": "f", "family": "X", "input": [64, 1, 1], "layer": {"type": "fc", "out_features": 10}}]}))
+    conv, rgb, fc = load_zoo(zoo)
+    assert [l.type for l in conv.inner.layers] == ["relu", "conv", "relu"] and conv.inner.layers[1].name == "relu_before"
+    for amx in (True, False):
+        outputs, grads = bf16_outputs("bf16", amx, 16, conv.inner.layers), bf16_gradients("bf16", amx, 16, conv.inner.layers)
+        assert outputs[:2] == grads[:2] == (True, True)  # the convolution's input and output
+        assert not any(bf16_outputs("bf16", amx, 16, conv.net.layers))
+    assert rgb.inner is rgb.net and fc.inner is fc.net
+
+
 @pytest.mark.parametrize("patch, fragment", [
     ({"shapes": []}, "shapes: must be a list of 1 to 10000 items"),
     ({"shapes": [{"name": "a", "family": "X", "input": [3, 8, 8], "layer": {"type": "pool"}}]},
