@@ -11,7 +11,6 @@ from pcldnn_runtime.validate import LABEL_RE, NAME_RE, Fields, read_json
 from .errors import NetSpecError
 from .netspec import NetSpec, parse_netspec
 
-
 # A convolution of at least this many input channels is timed inside a net in a bf16 bench
 # (ZooShape.inner); fewer is a first layer's packed RGB-like input, timed as the first layer.
 INNER_MIN_CHANNELS = 16

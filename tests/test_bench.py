@@ -228,9 +228,8 @@ def test_a_bf16_zoo_times_a_convolution_as_inside_a_net(tmp_path):
     """ZooShape.inner: a convolution between two ReLU layers, so a bf16 build keeps its input and
     output, and their gradients, in bf16 as between convolutions (with AMX or vdpbf16ps); a
     first-layer shape (3 channels, packed) and an fc layer are benched as they are."""
-    from pcldnn_runtime.limits import bf16_gradients, bf16_outputs
-
     from pcldnn_gen.zoo import load_zoo
+    from pcldnn_runtime.limits import bf16_gradients, bf16_outputs
     zoo = tmp_path / "zoo.json"
     zoo.write_text(json.dumps({"name": "z", "shapes": [
         {"name": "relu_before", "family": "X", "input": [32, 6, 6], "layer": {"type": "conv", "out_channels": 16,
