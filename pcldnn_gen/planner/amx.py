@@ -40,6 +40,13 @@ MIN_COPY_SPAN = 8
 # forward 2.44 -> 1.54 ms), 192-2048 0.70-0.96x (resnet50_layer4_reduce forward, 2048 -> 512
 # channels on 7x7: 1.83 -> 2.61 ms, the halved tile rate).
 IN_PLACE_RESULT_CHANNELS = 128
+# 1x1 layers whose source is copied: a pixel block's A rows (a tap's only rows) are read once per
+# result block, so each block runs every result block in turn with its rows in L1 (the B tiles
+# then come from L2), up to this many result channels. Measured (mb 16, one thread, Xeon VM):
+# 1.11-1.27x on the zoo's 1x1 layers of 192-1024 result channels, 0.88x at 2048
+# (resnet50_layer4_reduce backward-data); on 3x3 layers, whose taps reuse the A rows in L1
+# anyway, 0.81-1.00x (VGG-A, OverFeat-FAST).
+RESULT_BLOCKS_INNER_CHANNELS = 1024
 IMAGE_SPAN = 64
 # The minibatch the fc plan's reason quotes a chunk for (the largest the paper's and the issues'
 # fc figures use); the kernels size their chunks for the call's minibatch.
@@ -90,11 +97,12 @@ def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch, activations: tup
     chunk = max(1, min(geo.icb, int(L1_SHARE * arch.l1d_bytes) // per_block))
     chunks = -(-geo.icb // chunk)
     chunk = -(-geo.icb // chunks)  # balanced: the last chunk is not a sliver
-    (sc, _, _), (_, rh, rw) = geo.source, geo.result
+    (sc, _, _), (rc, rh, rw) = geo.source, geo.result
     row = max(q.cols for q in geo.phases) if geo.phases else rw  # results of a flat row
     # (no pixel blocks: a backward-data whose window never reaches the input, dx zero)
     useful = (rh * rw) / (geo.pixel_blocks * AMX_PIXEL_BLOCK) * sc / (geo.icb * 32) if geo.pixel_blocks else 0.0
     band_rows = geo.band_rows(BAND, layer.kernel)
+    inner = layer.kernel == (1, 1) and rc <= RESULT_BLOCKS_INNER_CHANNELS
     phases = "" if geo.stride == (1, 1) else f"stride {geo.stride[0]}x{geo.stride[1]} on phase planes, "
     if geo.phases:
         count, (sh, sw) = len(geo.phases), geo.result_stride
@@ -108,9 +116,11 @@ def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch, activations: tup
               f"(a tile store waits for its last tdpbf16ps): measured choices"
               + (f"; each band first copies the {band_rows} padded source rows it reads into its thread's buffer "
                  f"({geo.icb * band_rows * geo.wp * 64 // 1024} KiB, in L2 for the band's tiles)" if geo.banded else "")
+              + (f"; a pixel block runs its {-(-rc // 16)} result blocks in turn, its A rows in L1 (a 1x1 window "
+                 f"reads them once per result block)" if inner else "")
               + explain.bf16_activations(pass_name, activations))
     return AmxConvPlan(layer=layer.name, pass_name=pass_name, kind=f"conv_{pass_name}_amx", template="conv_amx.c.j2",
-                       isa=arch.isa, vector_floats=arch.vector_floats, reason=reason,
+                       isa=arch.isa, vector_floats=arch.vector_floats, reason=reason, result_blocks_inner=inner,
                        predicted_efficiency=useful, l1_working_set=chunk * per_block,
                        l2_bytes_per_flop=b_bytes / (2 * AMX_PIXEL_BLOCK * 16 * 32 * kh * kw),
                        chunk=chunk, band=BAND, store_delay=STORE_DELAY, activations=activations)

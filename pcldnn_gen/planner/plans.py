@@ -123,6 +123,7 @@ class AmxConvPlan(KernelPlan):
     band: int                       # pixel blocks per band: the chunk's input rows reused across oc blocks
     store_delay: int                # steps into the next item before the previous item's tiles are stored
     direct: bool = False            # A tiles read straight from the bf16 source, 16 channels a step (no copy)
+    result_blocks_inner: bool = False  # a pixel block runs every result block in turn (its A rows in L1)
 
     def reduction_chunk(self) -> str:
         return "every 16-channel source block" if self.direct else f"{self.chunk} x 32 source channels"
