@@ -32,8 +32,8 @@ L2_SHARE = 0.5
 # Backward-weights copy spans (plan_conv_bwd_weights_amx), measured (VGG-A conv2-8, OverFeat-FAST
 # conv2-5, zoo 1x1 layers, mb 16, Xeon VM): spans of 5 units (OverFeat conv5, 1024 channels) lost
 # 7% to the whole minibatch's copies, 8-16 gained 9-19% on 12x12-28x28 images; within 56x56
-# images spans of 16-32 units lost to the rows and pairs every span copies twice (0.98-1.03),
-# 64 gained 10-15%.
+# images (over IMAGE_SPAN units) spans of 16-32 units lost (0.98-1.03x) where 64 gained 10-15%,
+# while on 28x28 ones (27 units) a whole image's span lost to half of L2's (VGG-A conv6 0.81x).
 MIN_COPY_SPAN = 8
 # 1x1 layers reading their bf16 source in place (reads_source_in_place), measured against the
 # copy (mb 16, one thread, Xeon VM): 16-128 result channels 1.14-1.75x (resnet50_layer1_reduce
@@ -181,7 +181,7 @@ def plan_conv_bwd_weights_amx(layer: LayerSpec, arch: Arch,
     tiles, which are reloaded from an fp32 buffer between groups (a reload costs a tile store's
     wait per item, tap and group). The dy and x copies are made per span of units, the span
     being the group, as many units as keep every channel block's copies in L2_SHARE of L2 (no
-    fewer than IMAGE_SPAN units of an image): a span's copies are written and read in L2, not
+    fewer than IMAGE_SPAN in images of more units): a span's copies are written and read in L2, not
     sent to L3 and read back. Where fewer than MIN_COPY_SPAN units fit, the copies of the
     whole minibatch are made first and a group is as many units as keep one item's dy rows
     and x pairs in L2_SHARE of L2 across its taps."""
@@ -193,12 +193,12 @@ def plan_conv_bwd_weights_amx(layer: LayerSpec, arch: Arch,
     copy_per_unit = (-(-layer.out_shape[0] // 16) + (1 + geo.odd_gradient_pairs(layer.kernel))
                      * -(-layer.in_shape[0] // 16) * phases) * TILE_BYTES
     fit = int(L2_SHARE * arch.l2_bytes) // copy_per_unit
-    copy_units = max(fit, min(geo.pixel_blocks, IMAGE_SPAN)) if fit >= MIN_COPY_SPAN else 0
+    copy_units = 0 if fit < MIN_COPY_SPAN else max(fit, IMAGE_SPAN) if geo.pixel_blocks > IMAGE_SPAN else fit
     if copy_units:
         units = copy_units
         how = (f"copies made per span of {units} units (every channel block's dy and x pairs, "
                f"{copy_per_unit // 1024} KiB a unit: {fit} fit {L2_SHARE:.0%} of L2 ({arch.l2_bytes // 1024} KiB); "
-               f"no fewer than {IMAGE_SPAN} of an image's, whose rows and pairs at a span's edges are copied twice), "
+               f"no fewer than {IMAGE_SPAN} in images of more), "
                f"each span reduced while its copies are in L2")
     else:
         # per unit: dy of two output blocks (16 channels x 32 pixels, bf16), x pairs of two input
