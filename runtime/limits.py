@@ -257,6 +257,12 @@ class AmxConvGeometry:
         span = band * AMX_PIXEL_BLOCK - 1 + (kernel[0] - 1) * self.wp + kernel[1] - 1 + self.wp
         return min(-(-span // self.wp), -(-self.plane // self.wp))
 
+    def phases_read(self, kernel: tuple[int, int]) -> frozenset[tuple[int, int]]:
+        """The phase planes (a, b) some tap reads: tap (kh, kw) reads plane (kh % SH, kw % SW)
+        (a 1x1 window at stride 2 reads one of four)."""
+        sh, sw = self.stride
+        return frozenset((kh % sh, kw % sw) for kh in range(kernel[0]) for kw in range(kernel[1]))
+
     def odd_gradient_pairs(self, kernel: tuple[int, int]) -> bool:
         """Backward-weights: whether some tap's pixel pairs start on an odd flat pixel of its
         phase plane (flat offset (kh / SH) WQ + kw / SW odd), so the x copy from odd pixels is

@@ -3,7 +3,14 @@ reduction chunk that keeps a work item's operands in L1 (forward, backward-data)
 of pixel blocks whose copies a work item's accumulators reduce from L2 (backward-weights)."""
 from __future__ import annotations
 
-from pcldnn_runtime.limits import AMX_PIXEL_BLOCK, AMX_ROWS, amx_conv_geometry, amx_packed_reduction, fc_tile_geometry
+from pcldnn_runtime.limits import (
+    AMX_PIXEL_BLOCK,
+    AMX_ROWS,
+    AmxConvGeometry,
+    amx_conv_geometry,
+    amx_packed_reduction,
+    fc_tile_geometry,
+)
 
 from ..arch import Arch
 from ..netspec import LayerSpec
@@ -126,7 +133,7 @@ def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch, activations: tup
                        chunk=chunk, band=BAND, store_delay=STORE_DELAY, activations=activations)
 
 
-def _plan_conv_amx_in_place(layer: LayerSpec, pass_name: str, arch: Arch, geo,
+def _plan_conv_amx_in_place(layer: LayerSpec, pass_name: str, arch: Arch, geo: AmxConvGeometry,
                             activations: tuple[bool, bool]) -> AmxConvPlan:
     """reads_source_in_place: a work unit is 32 pixels; its items, one per 16-channel result
     block, reduce over every source block in turn (the unit's A rows, SC x 64 bytes, stay in L1
