@@ -42,6 +42,7 @@ L2_SHARE = 0.5
 # images (over IMAGE_SPAN units) spans of 16-32 units lost (0.98-1.03x) where 64 gained 10-15%,
 # while on 28x28 ones (27 units) a whole image's span lost to half of L2's (VGG-A conv6 0.81x).
 MIN_COPY_SPAN = 8
+IMAGE_SPAN = 64
 # 1x1 layers reading their bf16 source in place (reads_source_in_place), measured against the
 # copy (mb 16, one thread, Xeon VM): 16-128 result channels 1.14-1.75x (resnet50_layer1_reduce
 # forward 2.44 -> 1.54 ms), 192-2048 0.70-0.96x (resnet50_layer4_reduce forward, 2048 -> 512
@@ -54,7 +55,6 @@ IN_PLACE_RESULT_CHANNELS = 128
 # (resnet50_layer4_reduce backward-data); on 3x3 layers, whose taps reuse the A rows in L1
 # anyway, 0.81-1.00x (VGG-A, OverFeat-FAST).
 RESULT_BLOCKS_INNER_CHANNELS = 1024
-IMAGE_SPAN = 64
 # The minibatch the fc plan's reason quotes a chunk for (the largest the paper's and the issues'
 # fc figures use); the kernels size their chunks for the call's minibatch.
 FC_ROWS = 256
