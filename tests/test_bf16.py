@@ -146,6 +146,62 @@ def test_weight_copy_pairs_input_channels(flags):
     np.testing.assert_array_equal(out.reshape(ROWS, 8, 16, 2), want)
 
 
+
+_PAIRS = """{% import "_bf16.c.j2" as b with context %}#define V 16
+{{ b.round_fn() }}
+{{ b.interleave_fn() }}
+{{ b.dy_pairs_fn() }}
+void interleave(unsigned short live, const unsigned short *a, const unsigned short *b, unsigned short *dst)
+{
+    bf16_interleave(live, a, b, dst);
+}
+void dy_pairs(const unsigned short *dy, const unsigned short *y, int count, unsigned short *dst, float *sums)
+{
+    __m512 s0 = _mm512_loadu_ps(sums), s1 = _mm512_loadu_ps(sums + 16);
+    bf16_dy_pairs(dy, y, count, dst, &s0, &s1);
+    _mm512_storeu_ps(sums, s0);
+    _mm512_storeu_ps(sums + 16, s1);
+}
+"""
+
+
+@needs_bf16
+def test_pair_copies_on_bf16_words_match_the_widened_fp32_forms():
+    """The backward-weights pair copies permute bf16 words instead of widening them to fp32:
+    the x pairs (dst[2v] = a[v], dst[2v + 1] = b[v], lanes outside `live` zero) and the dy pairs
+    masked where the ReLU's bf16 output is not > 0 as an fp32 compare says, over every one of
+    the 65536 bf16 patterns of y (NaNs, infinities, signed zeros, subnormals), with the two
+    pixels' masked dy summed in fp32 for the bias."""
+    text = template_env().from_string(_PAIRS).render(V=16)
+    source = Source("bf16_pairs.c", text, {}, cpu.PRECISION_CFLAGS["bf16"])
+    ffi = cffi.FFI()
+    ffi.cdef("void interleave(unsigned short live, const unsigned short *a, const unsigned short *b, unsigned short *dst);"
+             "void dy_pairs(const unsigned short *dy, const unsigned short *y, int count, unsigned short *dst, float *sums);")
+    lib = ffi.dlopen(str(compile_source(source, get_arch("avx512")).library))
+    rng = np.random.default_rng(5)
+    u16 = "unsigned short[]"
+    for live in (0xFFFF, 0x001F, 0x8001):
+        a, b = (rng.integers(0, 2 ** 16, 16, dtype=np.uint16) for _ in range(2))
+        out = np.full(32, 0xAAAA, dtype=np.uint16)
+        lib.interleave(live, ffi.from_buffer(u16, a), ffi.from_buffer(u16, b), ffi.from_buffer(u16, out))
+        on = (live >> np.arange(16)) & 1 == 1
+        np.testing.assert_array_equal(out.reshape(16, 2), np.where(on[:, None], np.stack([a, b], 1), 0))
+    y_all = np.arange(2 ** 16, dtype=np.uint32).astype(np.uint16).reshape(-1, 2, 16)  # (pixel, channel)
+    dy_all = rng.integers(0, 2 ** 16, y_all.shape, dtype=np.uint16)
+    for count in (2, 1):  # 1: the last pixel of an odd row, its partner neither read nor summed
+        for masked in (True, False):
+            for dy, y in zip(dy_all, y_all):
+                dst = np.full(32, 0xAAAA, dtype=np.uint16)
+                sums = np.zeros(32, dtype=np.float32)
+                lib.dy_pairs(ffi.from_buffer(u16, dy), ffi.from_buffer(u16, y) if masked else ffi.NULL, count,
+                             ffi.from_buffer(u16, dst), ffi.from_buffer("float[]", sums))
+                keep = as_float(y) > 0 if masked else np.ones(y.shape, dtype=bool)
+                keep[count:] = False
+                want = np.where(keep, dy, 0).astype(np.uint16)
+                np.testing.assert_array_equal(dst.reshape(16, 2), want.T)
+                np.testing.assert_array_equal(sums.reshape(2, 16), as_float(want))
+
+
 # Convolutions of the bf16 forward kernel: stride, padding edges, odd last input block, 1x1,
 # and a first layer of few channels (packed input: stays fp32).
 CONV_CASES = [
