@@ -359,7 +359,7 @@ def _render_tiled(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, l
     text = template_env().get_template(plan.template).render(
         layer=layer, arch=arch, plan=plan, V=v, symbol=symbol, params=SIGNATURES[plan.kind],
         tile_params=SIGNATURES["conv_weight_tiles"],
-        version=__version__, plan_lines=lines, vec=VECTOR_ISAS[arch.isa], amx=amx,
+        version=__version__, plan_lines=lines, vec=VECTOR_ISAS[arch.isa], dot=BF16_ISA, amx=amx,
         icb=blocks(c, v), ocb=blocks(layer.out_shape[0], v), k=blocks(c, v) * v * h * w,
         geo=amx_conv_geometry(plan.pass_name, layer.in_shape, layer.out_shape, layer.kernel, layer.pad, layer.stride)
         if layer.type == "conv" else fc_tile_geometry(layer.in_shape, layer.out_shape[0], v),
