@@ -1013,10 +1013,12 @@ def test_bf16_activations_between_convolutions_change_no_bit(tmp_path, monkeypat
 
 
 # 1x1 convolutions on bf16 sources read in place by the AMX kernels (reads_source_in_place), on
-# 5x7 images (35 pixels: a last pixel block past the plane): c1 forward (16 channels; its
+# 5x71 images (355 pixels: a last pixel block past the plane): c1 forward (16 channels; its
 # backward-data masks dy by its ReLU: copied), c2 forward (48) and backward-data (dy: 32), c5
-# backward-data into 40 channels (its forward's 40-channel source: copied), c7 forward into one
-# result block (its dy, the fc's input gradient, is fp32: copied)
+# backward-data into 40 channels (its forward's 40-channel source: copied), c7 forward and
+# backward-data into one result block, c8 forward at stride 2 (3x36
+# results: rows of two units, the second 4 results and 28 dropped rows, a last unit whose rows
+# run past the plane)
 IN_PLACE_NET = [
     {"name": "r0", "type": "relu"},
     {"name": "c1", "type": "conv", "out_channels": 48, "kernel": 1, "activation": "relu"},
@@ -1026,7 +1028,8 @@ IN_PLACE_NET = [
     {"name": "c5", "type": "conv", "out_channels": 16, "kernel": 1},
     {"name": "r6", "type": "relu"},
     {"name": "c7", "type": "conv", "out_channels": 16, "kernel": 1},
-    {"name": "f8", "type": "fc", "out_features": 5},
+    {"name": "c8", "type": "conv", "out_channels": 32, "kernel": 1, "stride": 2},
+    {"name": "f9", "type": "fc", "out_features": 5},
     {"name": "loss", "type": "softmax_cross_entropy"},
 ]
 
@@ -1038,18 +1041,19 @@ def test_amx_1x1_layers_read_bf16_sources_in_place(tmp_path, monkeypatch):
     every activation and gradient fp32 (every kernel copying), the net's loss is the same, each
     layer's output its output rounded, and its backward-data on bf16 dy its result rounded
     where dx is bf16, bit for bit."""
-    spec = parse_netspec({"name": "inplace", "input": {"channels": 16, "height": 5, "width": 7},
+    spec = parse_netspec({"name": "inplace", "input": {"channels": 16, "height": 5, "width": 71},
                           "layers": IN_PLACE_NET})
     nets = _bf16_storage_builds(tmp_path, monkeypatch, spec, AMX_ARCH, ("fp32", "bf16"))
-    in_place = {(name, p) for name in ("c1", "c2", "c4", "c5", "c7") for p in ("fwd", "bwd_data")
+    in_place = {(name, p) for name in ("c1", "c2", "c4", "c5", "c7", "c8") for p in ("fwd", "bwd_data")
                 if "read in place" in (tmp_path / "bf16" / "src" / f"{name}_{p}.c").read_text()}
-    assert in_place == {("c1", "fwd"), ("c2", "fwd"), ("c2", "bwd_data"), ("c5", "bwd_data"), ("c7", "fwd")}
+    assert in_place == {("c1", "fwd"), ("c2", "fwd"), ("c2", "bwd_data"), ("c5", "bwd_data"), ("c7", "fwd"),
+                        ("c7", "bwd_data"), ("c8", "fwd")}
     assert not any("read in place" in f.read_text() for f in (tmp_path / "fp32" / "src").glob("*.c"))
     rng = np.random.default_rng(5)
-    x = rng.standard_normal((6, 16, 5, 7)).astype(np.float32)
+    x = rng.standard_normal((6, 16, 5, 71)).astype(np.float32)
     labels = rng.integers(0, 5, 6)
     assert nets["fp32"].loss_and_grad(x, labels) == nets["bf16"].loss_and_grad(x, labels)
-    for name in ("c1", "c2", "c5", "c7"):
+    for name in ("c1", "c2", "c5", "c7", "c8"):
         conv = {mode: n.layers[name] for mode, n in nets.items()}
         xin = rng.standard_normal((3, *conv["bf16"].in_shape)).astype(np.float32)
         y = {mode: layer.forward(xin) for mode, layer in conv.items()}

@@ -66,18 +66,19 @@ FC_SOURCE_SHARE = 0.5
 
 def reads_source_in_place(layer: LayerSpec, pass_name: str, source_bf16: bool) -> bool:
     """Whether the AMX forward / backward-data kernel reads its A tiles straight from the source
-    (x, or dy) instead of a padded copy in 32-channel pixels: a 1x1 window at stride 1 without
-    padding, whose result pixel is its source pixel, on a bf16 source of whole 16-channel blocks
-    that needs no ReLU mask (backward-data with a fused ReLU masks dy as it copies it). A tile
-    row is then one pixel's 16 channels (the layout's 32-byte pixel), so a tdpbf16ps does half
+    (x, or dy) instead of a padded copy in 32-channel pixels: a 1x1 window without padding, whose
+    result pixel is its source pixel (at stride 1) or every SH-th row's every SW-th pixel (a
+    forward at a stride: a strided A tile per result row), on a bf16 source of whole 16-channel
+    blocks that needs no ReLU mask (backward-data with a fused ReLU masks dy as it copies it). A
+    tile row is then one pixel's 16 channels (the layout's 32-byte pixel), so a tdpbf16ps does half
     a full tile's reduction; the copy it saves was half the time of such a layer
     (resnet50_layer1_reduce forward, 16x256x56x56 -> 64: copy 1.17 of 2.4 ms). The copy costs
     per source value, the halved rate per product: up to IN_PLACE_RESULT_CHANNELS result
     channels."""
     source_channels, result_channels = (layer.in_shape[0], layer.out_shape[0]) if pass_name == "fwd" else \
         (layer.out_shape[0], layer.in_shape[0])
-    return (layer.kernel == (1, 1) and layer.stride == (1, 1) and layer.pad == (0, 0) and source_bf16
-            and source_channels % 16 == 0 and result_channels <= IN_PLACE_RESULT_CHANNELS
+    return (layer.kernel == (1, 1) and (layer.stride == (1, 1) or pass_name == "fwd") and layer.pad == (0, 0)
+            and source_bf16 and source_channels % 16 == 0 and result_channels <= IN_PLACE_RESULT_CHANNELS
             and (pass_name == "fwd" or not layer.relu))
 
 
@@ -140,12 +141,17 @@ def _plan_conv_amx_in_place(layer: LayerSpec, pass_name: str, arch: Arch, geo: A
     across them), while the next unit's rows are prefetched."""
     (sc, _, _), (rc, rh, rw) = geo.source, geo.result
     a_bytes, b_bytes = sc // 16 * 2 * TILE_BYTES // 2, -(-rc // 16) * sc // 16 * TILE_BYTES // 2
-    useful = (rh * rw) / (geo.pixel_blocks * AMX_PIXEL_BLOCK)
-    reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; 1x1 at stride 1 on a bf16 source of "
+    sh, sw = layer.stride
+    if (sh, sw) == (1, 1):  # units of 32 flat pixels
+        useful, unit, where = (rh * rw) / (geo.pixel_blocks * AMX_PIXEL_BLOCK), "pixels", "1x1 at stride 1"
+    else:  # units of 32 results of one result row, A tile rows sw pixels apart
+        useful = rw / (-(-rw // AMX_PIXEL_BLOCK) * AMX_PIXEL_BLOCK)
+        unit, where = "results of a result row", f"1x1 at stride {sh}x{sw} (A tile rows {sw} pixels apart)"
+    reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; {where} on a bf16 source of "
               f"{sc} channels: A tiles read in place, 16 pixels x 16 channels (half a tile's reduction a "
               f"tdpbf16ps, {AMX_FLOPS_PER_CYCLE // 2} FLOP/cycle), instead of a copy in 32-channel pixels (half the "
-              f"time of such a layer: measured); {useful:.0%} of the pixel blocks' rows are results. A unit of 32 "
-              f"pixels: its A rows ({a_bytes // 1024} KiB) stay in L1 across its {-(-rc // 16)} result blocks, the "
+              f"time of such a layer: measured); {useful:.0%} of the units' rows are results. A unit of 32 "
+              f"{unit}: its A rows ({a_bytes // 1024} KiB) stay in L1 across its {-(-rc // 16)} result blocks, the "
               f"next unit's are prefetched while they run; the previous item's accumulators stored {STORE_DELAY} "
               f"steps into the next")
     return AmxConvPlan(layer=layer.name, pass_name=pass_name, kind=f"conv_{pass_name}_amx", template="conv_amx.c.j2",
