@@ -8,7 +8,8 @@ ratios of a Xeon's two FMAs and two loads per cycle (and of their L2 bandwidth p
 numbers are garbage; the instructions, registers and memory traffic are the kernel's), and `ab`
 times two builds as `benchmarks/ab.py` does with denormals flushed to zero (a bf16 pair read as
 fp32 is denormal where its high half is zero, and the assists would dominate). Such a build's
-efficiency is its nominal FLOPs over twice the fp32 FMA peak. AMX kernels are left as they are.
+efficiency is its nominal FLOPs over twice the fp32 FMA peak. The conv and fc kernels alike (every
+vdpbf16ps the templates spell through `codegen.BF16_ISA`); AMX kernels are left as they are.
 
     python benchmarks/dot_emulation.py compile examples/nets/vgg_a.json --arch zen4 -o /tmp/b
     python benchmarks/dot_emulation.py ab /tmp/a /tmp/b --batch 16 --threads 1 --passes bwd_weights

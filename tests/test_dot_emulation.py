@@ -2,6 +2,7 @@
 spelled differently, and its timing process flushes denormals (the assists it avoids)."""
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import subprocess
@@ -31,13 +32,13 @@ def test_emulated_build_differs_only_in_the_dot_product(tmp_path):
     _run("compile", str(tmp_path / "net.json"), "--arch", "avx512", "-o", str(tmp_path / "emu"))
     subprocess.run([sys.executable, "-m", "pcldnn_gen", "compile", str(tmp_path / "net.json"), "--arch", "avx512",
                     "--precision", "bf16", "-o", str(tmp_path / "real")], check=True, capture_output=True, cwd=REPO)
-    for pass_name in ("fwd", "bwd_data", "bwd_weights"):
-        real = (tmp_path / "real" / "src" / f"conv_{pass_name}.c").read_text()
-        emu = (tmp_path / "emu" / "src" / f"conv_{pass_name}.c").read_text()
-        assert "_mm512_dpbf16_ps(" in real and "_mm512_dpbf16_ps(" not in emu, pass_name
+    for layer, pass_name in itertools.product(("conv", "fc"), ("fwd", "bwd_data", "bwd_weights")):
+        real = (tmp_path / "real" / "src" / f"{layer}_{pass_name}.c").read_text()
+        emu = (tmp_path / "emu" / "src" / f"{layer}_{pass_name}.c").read_text()
+        assert "_mm512_dpbf16_ps(" in real and "_mm512_dpbf16_ps(" not in emu, (layer, pass_name)
         rewritten = re.sub(r"_mm512_dpbf16_ps\((\w+), (\w+), (\w+)\)", r"_mm512_fmadd_ps((__m512)(\2), (__m512)(\3), \1)",
                            real)
-        assert emu == rewritten, pass_name
+        assert emu == rewritten, (layer, pass_name)
 
 
 FLUSHED = """
