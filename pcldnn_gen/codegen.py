@@ -248,7 +248,15 @@ def template_env() -> jinja2.Environment:
     env.filters["c_hex_ull"] = c_hex_ull
     env.globals["blocks"] = blocks  # channel blocks of V lanes: the one rounding rule
     env.globals["bf16_weight_ring_rows"] = bf16_weight_ring_rows  # the runtime sizes the rings' scratch by it
+    env.globals["pair_column_phases"] = pair_column_phases
     return env
+
+
+def pair_column_phases(kernel_w: int, stride_w: int) -> tuple[int, ...]:
+    """The column phases (column mod 2 SW) of a vdpbf16ps backward-weights x pair copy that some
+    kernel column reads: kernel column kw reads columns 2 j SW + kw, phase kw mod 2 SW; only
+    those are copied (a 1x1 window reads one of 2 SW)."""
+    return tuple(sorted({kw % (2 * stride_w) for kw in range(kernel_w)}))
 
 
 def kernel_symbol(layer: str, pass_name: str) -> str:
