@@ -291,6 +291,19 @@ def test_bf16_conv_forward_against_float64(tmp_path, source, layer):
     _check_conv_forward(conv, source, layer, pairs_per_row=8)
 
 
+@needs_bf16
+def test_bf16_1x1_forward_keeps_the_whole_reduction(tmp_path):
+    """A bf16 1x1 layer whose weights do not fit L1 with its inputs (16 channel blocks) keeps the
+    whole reduction in the registers, each tile streaming its weights from L2 (planner.conv:
+    no partial sums between chunks): the same bound as the cases above."""
+    source = {"channels": 256, "height": 3, "width": 20}
+    layer = {"out_channels": 40, "kernel": 1, "stride": 1, "pad": 0, "activation": "relu"}
+    out = _conv_net(tmp_path, source, layer, "bf16")
+    assert re.search(r"#define IFB +16 ", (out / "src" / "conv_fwd.c").read_text())
+    conv = pr.load(out, threads=2).layers["conv"]
+    _check_conv_forward(conv, source, layer, pairs_per_row=8)
+
+
 # Stride-1 convolutions of the AMX forward kernel: the bf16 cases above, several reduction
 # chunks with an odd number of output blocks, and a layer whose band is one work item (its
 # partial sums are stored before the next chunk reads them back).

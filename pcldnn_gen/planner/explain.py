@@ -36,8 +36,18 @@ def tile_sentence(tile: RegisterTile, arch: Arch, rows: str, vectors: str) -> st
 
 def conv_fwd(tile: RegisterTile, arch: Arch, ow: int, cover: RowCover, row_eff: float, icb: int, ifb: int,
              rows: int, weight_bytes: int, input_bytes: int, partial_bytes: int, fits: bool, l2_bpf: float,
-             eff: float, streamed: bool) -> str:
+             eff: float, streamed: bool, weights_streamed: bool = False) -> str:
     working_set = weight_bytes + input_bytes + partial_bytes
+    blocking = (
+        f"; the whole reduction ({icb} channel blocks) in the registers, each tile streaming its "
+        f"{weight_bytes // 1024} KiB of weights from L2 ({l2_bpf:.3f} B/FLOP against L2's "
+        f"{arch.l2_bytes_per_cycle} B/cycle), no partial sums between chunks" if weights_streamed else
+        f"; ifm block {ifb}/{icb} channel blocks x {rows} output row{'s' if rows > 1 else ''}: "
+        f"{weight_bytes // 1024} KiB weight slice + {input_bytes // 1024} KiB input rows "
+        f"+ {partial_bytes // 1024} KiB partial sums = {working_set // 1024} KiB"
+        + (" within" if fits else " (does not fit) against")
+        + f" 3/4 of L1 ({arch.l1d_bytes // 1024} KiB), the weights read from L2 once per {rows} row"
+        + f"{'s' if rows > 1 else ''} ({l2_bpf:.3f} B/FLOP at {arch.l1_refill_cycles:g} cycles per 64 B refill)")
     return (
         f"register tile {tile.width} px x {tile.vectors} oc-vectors: {tile.width * tile.vectors} accumulators "
         f"+ {min(tile.width, tile.vectors)} held + 1 streamed = {tile.registers}/{arch.vector_registers} registers, "
@@ -52,13 +62,7 @@ def conv_fwd(tile: RegisterTile, arch: Arch, ow: int, cover: RowCover, row_eff: 
             + ([f"right edge tile of {tile.width}"] if cover.right else [])
             + ([f"{cover.border} border px"] if cover.border else []))
         + f" ({row_eff:.0%} of the tile's peak)"
-        + f"; ifm block {ifb}/{icb} channel blocks x {rows} output row{'s' if rows > 1 else ''}: "
-        f"{weight_bytes // 1024} KiB weight slice + {input_bytes // 1024} KiB input rows "
-        f"+ {partial_bytes // 1024} KiB partial sums = {working_set // 1024} KiB"
-        + (" within" if fits else " (does not fit) against")
-        + f" 3/4 of L1 ({arch.l1d_bytes // 1024} KiB), the weights read from L2 once per {rows} row"
-        + f"{'s' if rows > 1 else ''} ({l2_bpf:.3f} B/FLOP at {arch.l1_refill_cycles:g} cycles per 64 B refill) "
-        f"-> {eff:.0%} of peak predicted"
+        + blocking + f" -> {eff:.0%} of peak predicted"
         + ("; 1x1: each input pixel is read once per group, the next tile's prefetched into L2" if streamed else "")
     )
 
