@@ -143,9 +143,9 @@ def _conv_fwd_blocking(layer: LayerSpec, tile: RegisterTile, slice_bytes: int, l
         # bf16 1x1: the whole reduction in the registers, each tile streaming its weights from L2
         # (2 bytes per tile pixel and multiply-add pair) instead of a chunk that fits L1 and
         # reloads its partial sums every chunk: a dot product per input-channel pair leaves few
-        # of them per chunk (at Zen 4's dot rate, emulated: resnet50_layer1_reduce 1.17x,
-        # resnet50_layer3_expand 1.14x, mobilenet_pw4 / pw8 1.09 / 1.07x; 0.99-1.01 with 480 and
-        # 1024 input channels). The stream overlaps the dot products: its cost is L2's bandwidth,
+        # of them per chunk (at Zen 4's dot rate, emulated, the zoo's stride-1 1x1 layers: 1.00-1.25x,
+        # resnet50_layer1_reduce 1.25x, 1024 input channels 1.00x). The stream overlaps the dot
+        # products: its cost is L2's bandwidth,
         # not the serialized refills of the blockings above. Only where those could not take the
         # whole reduction, at stride 1 (ResNet-18's stride-2 projection, 4 blocks, took another
         # tile by this cost: 0.88x).
