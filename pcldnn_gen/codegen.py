@@ -21,6 +21,7 @@ from pcldnn_runtime.limits import (
     amx_conv_geometry,
     amx_kernels,
     amx_packed_reduction,
+    amx_packed_row_steps,
     bf16_passes,
     bf16_weight_ring_rows,
     blocks,
@@ -350,7 +351,9 @@ def _render_tiled(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, l
             text += "; the weights: the layer's tile copy, made once after each change of the weights"
     else:
         packed = plan.kind.endswith("_packed_amx")
-        text = {"fwd": "the input's windows as im2col rows, the weights as B tiles" if packed else
+        in_place = getattr(plan, "in_place", False)
+        text = {"fwd": ("the input as a padded bf16 copy whose kernel rows the A tiles read in place" if in_place else
+                        "the input's windows as im2col rows") + ", the weights as B tiles" if packed else
                 "the input with its zero padding, the weights as B tiles",
                 "bwd_data": "the output gradient, masked by the ReLU, with its zero padding, the weights as B tiles",
                 "bwd_weights": "the output gradient (masked by the ReLU) channel-major, the input's windows as "
@@ -371,7 +374,7 @@ def _render_tiled(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, l
         icb=blocks(c, v), ocb=blocks(layer.out_shape[0], v), k=blocks(c, v) * v * h * w,
         geo=amx_conv_geometry(plan.pass_name, layer.in_shape, layer.out_shape, layer.kernel, layer.pad, layer.stride)
         if layer.type == "conv" else fc_tile_geometry(layer.in_shape, layer.out_shape[0], v),
-        kp=amx_packed_reduction(layer.in_shape, layer.kernel))
+        kp=amx_packed_reduction(layer.in_shape, layer.kernel), row_steps=amx_packed_row_steps(layer.in_shape, layer.kernel))
     symbols = {symbol: plan.kind}
     if plan.kind in ("conv_fwd_amx", "conv_fwd_packed_amx", "conv_bwd_data_amx"):  # and the one making its weight tiles
         symbols[symbol + "_tiles"] = "conv_weight_tiles"

@@ -70,8 +70,8 @@ SIGNATURES: dict[str, str] = {
     # the fp32 blocked weights as the bf16 copy an AMX (B tiles) or vdpbf16ps conv forward or
     # backward-data kernel reads (a second function of that kernel's library: the layout is its own)
     "conv_weight_tiles": "const float *wt, unsigned short *tiles, int nthreads",
-    # and the packed few-channel first layer's forward pass over im2col rows (its weights: B
-    # tiles made by conv_weight_tiles, limits.amx_packed_weight_values)
+    # and the packed few-channel first layer's forward pass, its kernel rows read in place (its
+    # weights: B tiles made by conv_weight_tiles, limits.amx_packed_weight_values)
     "conv_fwd_packed_amx": "const float *in, const unsigned short *wt, const float *bias, void *out, "
                            "int batch, int nthreads",
     # and its backward-weights pass (dy masked in place first, as the fp32 kernels do; scratch:

@@ -278,8 +278,8 @@ class WeightedLayer(Layer):
         # AMX builds: the passes on tiles convert their activations into their own scratch
         self._amx = {p: amx_conv_geometry(p, self.in_shape, self.out_shape, self.kernel, self.spec.pad, self.spec.stride)
                      for p in ("fwd", "bwd_data", "bwd_weights") if self.kernel_kind(p) == f"conv_{p}_amx"}
-        # the packed few-channel first layer's passes on AMX tiles over im2col rows (forward: its
-        # weight tiles in scratch; backward-weights masks dy in place, as the fp32 kernels do)
+        # the packed few-channel first layer's passes on AMX tiles (forward: its weight tiles in
+        # scratch; backward-weights, over im2col rows, masks dy in place, as the fp32 kernels do)
         self._packed_amx = {p for p in ("fwd", "bwd_weights") if self.kernel_kind(p) == f"conv_{p}_packed_amx"}
         # bf16 fc layers (AMX or vdpbf16ps): all three passes read bf16 tile copies of the weights
         # (limits.FcTileGeometry) made on first use after each change of the weights

@@ -148,8 +148,9 @@ def amx_kernels(precision: str, amx: bool, index: int, layer_type: str, channels
                 stride: tuple[int, int], kernel: tuple[int, int], pad: tuple[int, int]) -> tuple[str, ...]:
     """The passes of a layer that run AMX tile kernels (kind *_amx) in a bf16 build for an arch
     with `amx`: a convolution's forward and backward-weights passes (strided ones on phase
-    planes: AmxConvGeometry), or for a first layer's packed few-channel input over im2col rows
-    (amx_packed_weight_values, amx_packed_gradient_values); a convolution's backward-data pass
+    planes: AmxConvGeometry), or for a first layer's packed few-channel input (forward: kernel
+    rows read in place, amx_packed_weight_values; backward-weights: im2col rows,
+    amx_packed_gradient_values); a convolution's backward-data pass
     (the convolution of dy with the flipped, transposed weights; strided or padded by the window
     side or more: per phase of dx, AmxResultPhase) unless its input is that packed image; the
     other passes run fp32 kernels (bf16_passes). An fc layer's three passes (FcTileGeometry)."""
@@ -157,7 +158,7 @@ def amx_kernels(precision: str, amx: bool, index: int, layer_type: str, channels
         return ()
     if layer_type == "fc":
         return ("fwd", "bwd_data", "bwd_weights")
-    if input_pixel_floats(index, layer_type, channels, v) < v:  # the packed first layer: im2col rows
+    if input_pixel_floats(index, layer_type, channels, v) < v:  # the packed first layer
         return ("fwd", "bwd_weights") if kernel[0] * kernel[1] * channels >= AMX_PACKED_GRADIENT_WINDOW else ("fwd",)
     if "fwd" not in bf16_kernels(precision, index, layer_type, channels, v):
         return ()
@@ -342,15 +343,25 @@ def _phased_geometry(in_shape: tuple[int, int, int], out_shape: tuple[int, int, 
 
 
 def amx_packed_reduction(in_shape: tuple[int, int, int], kernel: tuple[int, int]) -> int:
-    """The reduction of the packed few-channel first layer's AMX forward pass: one im2col row of
-    KH x KW x C values per output pixel, rounded up to a tile row of 32
+    """The reduction of the packed few-channel first layer's AMX backward-weights pass: one
+    im2col row of KH x KW x C values per output pixel, rounded up to a tile row of 32
     (templates/conv_packed_amx.c.j2)."""
     return -(-kernel[0] * kernel[1] * in_shape[0] // 32) * 32
 
 
+def amx_packed_row_steps(in_shape: tuple[int, int, int], kernel: tuple[int, int]) -> int:
+    """Tile steps a kernel row takes in the packed first layer's AMX forward pass: its KW x C
+    window values are contiguous in the image, read in place 32 at a time
+    (templates/conv_packed_amx.c.j2)."""
+    return -(-kernel[1] * in_shape[0] // 32)
+
+
 def amx_packed_weight_values(in_shape: tuple[int, int, int], out_channels: int, kernel: tuple[int, int]) -> int:
-    """bf16 values of that kernel's weights as B tiles (OC/16 x KP/32 tiles of 512)."""
-    return blocks(out_channels, 16) * amx_packed_reduction(in_shape, kernel) // 32 * 512
+    """bf16 values of that forward pass's weights as B tiles of 512: OC/16 x KH x row steps where
+    it reads kernel rows in place, OC/16 x KP/32 over im2col rows (the planner's choice: room
+    for either)."""
+    steps = max(kernel[0] * amx_packed_row_steps(in_shape, kernel), amx_packed_reduction(in_shape, kernel) // 32)
+    return blocks(out_channels, 16) * steps * 512
 
 
 def amx_packed_gradient_values(in_shape: tuple[int, int, int], out_shape: tuple[int, int, int],

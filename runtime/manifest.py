@@ -25,7 +25,7 @@ from .validate import LABEL_RE, NAME_RE, SHA256_RE, Fields, read_json
 # into a scratch the runtime no longer sizes for them.
 # 4: vdpbf16ps conv backward-weights kernels pair x and dy rows per band into rings
 # (limits.bf16_weight_scratch); a /3 build's paired the whole minibatch into a scratch that big.
-FORMAT = "pcldnn-build/4"
+FORMAT = "pcldnn-build/5"
 FORMAT_FAMILY = "pcldnn-build/"
 MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.npz"  # initial weights recorded by `compile --weights` (canonical layouts)

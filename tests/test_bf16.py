@@ -821,25 +821,41 @@ def test_few_channel_conv_inside_a_net_builds_and_matches_fp32(tmp_path, arch):
 
 
 # packed few-channel first layers (an RGB image): VGG's 3x3, AlexNet's 11x11 stride 4 (363
-# window values: 12 tile steps), a 7x7 stride-2 window over 5 channels with a ReLU
+# window values; a kernel row's 33: two forward steps), a 7x7 stride-2 window over 5 channels
+# with a ReLU (7 output rows of one 16-pixel piece: the image's last unit has one piece)
 PACKED_CASES = [
     ({"channels": 3, "height": 10, "width": 9}, {"out_channels": 40, "kernel": 3, "stride": 1, "pad": 1}),
     ({"channels": 3, "height": 27, "width": 31}, {"out_channels": 16, "kernel": 11, "stride": 4, "pad": 2}),
     ({"channels": 5, "height": 13, "width": 12}, {"out_channels": 24, "kernel": 7, "stride": 2, "pad": 3,
                                                    "activation": "relu"}),
 ]
+# and for the forward, whether it reads kernel rows in place (the 7x7 window over 5 channels:
+# B tiles per kernel row, 28 KiB, would not stay in AMX_ARCH's 32 KiB L1, so im2col rows): one
+# channel (a kernel row 5 of its 32 values), rows of 37 pixels (three pieces, the last of 5), 27
+# pieces an image; 100 output channels of a 5x5 window (35 KiB of B tiles: im2col rows)
+PACKED_FORWARD_CASES = [(*case, in_place) for case, in_place in zip(PACKED_CASES, (True, True, False))] + [
+    ({"channels": 1, "height": 9, "width": 37}, {"out_channels": 20, "kernel": 5, "stride": 1, "pad": 2}, True),
+    ({"channels": 3, "height": 11, "width": 13}, {"out_channels": 100, "kernel": 5, "stride": 2, "pad": 2}, False),
+]
 
 
 @needs_amx
-@pytest.mark.parametrize("source,layer", PACKED_CASES)
-def test_amx_packed_first_layer_forward_against_float64(tmp_path, source, layer):
-    """The packed first layer's AMX forward pass: im2col rows of KH x KW x C values padded to
-    32, the bound with n = that padded count (16 pixels of a tile, 32 images x pixels not a
-    multiple of 32: partial pixel blocks; 40 output channels: an odd last block)."""
+@pytest.mark.parametrize("source,layer,in_place", PACKED_FORWARD_CASES)
+def test_amx_packed_first_layer_forward_against_float64(tmp_path, source, layer, in_place):
+    """The packed first layer's AMX forward pass: per kernel row, runs of 32 values of the
+    padded bf16 image read in place, those past the window against zero weights; the bound
+    with n = KH x the row's KW x C values padded to 32. Pieces of 16 pixels of an output row
+    (rows of 9, 7, 6 and 37 pixels: the rest of a piece dropped), units of two pieces split
+    between two threads inside images (each converts the rows it reads), 40 output channels:
+    an odd last block. Where the B tiles per kernel row would not stay in L1, im2col rows of
+    the whole window padded to 32 (that n; partial 32-pixel blocks)."""
     out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
     conv = pr.load(out, threads=2).layers["conv"]
     assert conv.kernel_kind("fwd") == "conv_fwd_packed_amx"
-    _check_conv_forward(conv, source, layer, pairs_per_row=16, n=-(-source["channels"] * layer["kernel"] ** 2 // 32) * 32)
+    k, c = layer["kernel"], source["channels"]
+    assert ("read in place" in (out / "src" / "conv_fwd.c").read_text()) == in_place
+    n = k * -(-c * k // 32) * 32 if in_place else -(-c * k * k // 32) * 32
+    _check_conv_forward(conv, source, layer, pairs_per_row=16, n=n)
 
 
 @needs_amx

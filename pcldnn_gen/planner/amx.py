@@ -9,6 +9,8 @@ from pcldnn_runtime.limits import (
     AmxConvGeometry,
     amx_conv_geometry,
     amx_packed_reduction,
+    amx_packed_row_steps,
+    blocks,
     fc_tile_geometry,
 )
 
@@ -163,19 +165,39 @@ def _plan_conv_amx_in_place(layer: LayerSpec, pass_name: str, arch: Arch, geo: A
 
 def plan_conv_packed_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxPackedConvPlan:
     """The first layer's packed few-channel input (an RGB image: its pixels are not whole
-    channel pairs, so the flat-pixel scheme does not apply): each output pixel's window as one
-    im2col row of KH x KW x C values padded to 32. Forward: rows built per 32-pixel block in a
-    thread-local buffer times the weight tiles. Backward-weights: dy channel-major times the
-    rows in pixel pairs, over groups of (image, pixel block) units whose copies fit L2_SHARE of
-    L2, the accumulators reloaded between groups (as plan_conv_bwd_weights_amx)."""
+    channel pairs, so the flat-pixel scheme does not apply). Forward: a kernel row's KW x C
+    window values are contiguous in the image, so A tiles of 16 pixels of an output row are read
+    in place from a padded bf16 copy of the image, 32 values a step per kernel row (values past
+    the window against zero weights); building im2col rows instead took 70% of ResNet's 7x7
+    stride-2 layer (Xeon VM, minibatch 16), its tile work 14%. But that is a B tile per output
+    block, kernel row and step: where they do not stay in L1 (AlexNet's 11x11 window, 96
+    channels: 132 KiB; 256 channels of a 3x3 window on one) every work item reads them from L2
+    and the im2col rows (fewer, denser B tiles) are faster. Backward-weights: each output
+    pixel's window as one im2col row of KH x KW x C values padded to 32, dy channel-major times
+    the rows in pixel pairs, over groups of (image, pixel block) units whose copies fit L2_SHARE
+    of L2, the accumulators reloaded between groups (as plan_conv_bwd_weights_amx)."""
     c = layer.in_shape[0]
     kp = amx_packed_reduction(layer.in_shape, layer.kernel)
     k = layer.kernel[0] * layer.kernel[1] * c
+    run, steps = layer.kernel[1] * c, amx_packed_row_steps(layer.in_shape, layer.kernel)
+    row_tiles = blocks(layer.out_shape[0], 16) * layer.kernel[0] * steps * TILE_BYTES
+    if pass_name == "fwd" and row_tiles <= L1_SHARE * arch.l1d_bytes:
+        reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; {c} input channels: a kernel row's "
+                  f"{layer.kernel[1]}x{c} window values are contiguous in a padded bf16 copy of the image, read in "
+                  f"place as A tiles of 16 pixels of an output row x 32 values ({steps} step(s) a kernel row, "
+                  f"{run / (32 * steps):.0%} of tile work useful), no im2col rows; the {row_tiles // 1024} KiB of "
+                  f"B tiles (one per output block, kernel row and step) stay in L1; {layer.kernel[0] * steps} tile "
+                  f"steps a work item")
+        return AmxPackedConvPlan(layer=layer.name, pass_name=pass_name, kind="conv_fwd_packed_amx",
+                                 template="conv_packed_amx.c.j2", isa=arch.isa, vector_floats=arch.vector_floats,
+                                 reason=reason, predicted_efficiency=run / (32 * steps), l1_working_set=4 * TILE_BYTES,
+                                 reduction=layer.kernel[0] * steps * 32, pixel_blocks=1, in_place=True)
     # backward-weights, per unit: its dy as OC/16 A tiles and its rows' pixel pairs as KP/16 B
     # tiles (1 KiB each), all read by a thread's items
     per_unit = (-(-layer.out_shape[0] // 16) + kp // 16) * TILE_BYTES
     units = max(1, int(L2_SHARE * arch.l2_bytes) // per_unit)
-    how = (f"{kp // 32} tile step(s) a work item" if pass_name == "fwd" else
+    how = (f"{kp // 32} tile step(s) a work item; B tiles one per kernel row ({row_tiles // 1024} KiB) would "
+           f"not stay in L1, so im2col rows" if pass_name == "fwd" else
            f"groups of {units} (image, 32-pixel block) units, {per_unit // 1024} KiB a unit, within "
            f"{L2_SHARE:.0%} of L2 ({arch.l2_bytes // 1024} KiB)")
     reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; {c} input channels: a pixel's "

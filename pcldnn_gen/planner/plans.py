@@ -151,14 +151,19 @@ class AmxConvBwdWeightsPlan(KernelPlan):
 
 @dataclass(frozen=True, kw_only=True)
 class AmxPackedConvPlan(KernelPlan):
-    """A first layer's packed few-channel input on tiles: im2col rows of KP values a pixel."""
-    reduction: int                  # KP: the KH x KW x C values of a pixel's window, padded to 32
+    """A first layer's packed few-channel input on tiles: forward, kernel rows read in place from
+    a padded bf16 copy of the image where its weight tiles stay in L1, else (and backward-weights)
+    im2col rows of KP values a pixel."""
+    reduction: int                  # values a pixel's reduction runs over: in place KH x (KW x C padded to 32), else KP
     pixel_blocks: int               # backward-weights: (image, 32-pixel block) units a residency of the accumulators reduces
+    in_place: bool = False          # forward: A tiles read from a padded copy of the image (else im2col rows)
 
     def blocks_summary(self) -> str:
         if self.pass_name == "fwd":
-            return (f"AMX tiles: 32 output pixels x 32 output channels per work item (4 C tiles, 2 A of 16 pixels x "
-                    f"32 window values of their im2col rows, 2 B), reduction {self.reduction} values")
+            a = "16 pixels of an output row x 32 values of a kernel row, read in place" if self.in_place else \
+                "16 pixels x 32 window values of their im2col rows"
+            return (f"AMX tiles: 32 output pixels x 32 output channels per work item (4 C tiles, 2 A of {a}, 2 B), "
+                    f"reduction {self.reduction} values")
         return (f"AMX tiles: 32 output channels x 32 window values per work item (4 C tiles, 2 A of 16 output "
                 f"channels x 32 pixels of dy, 2 B of 32 pixels x 16 window values), groups of {self.pixel_blocks} "
                 f"pixel blocks")
