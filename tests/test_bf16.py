@@ -859,6 +859,23 @@ def test_amx_packed_first_layer_forward_against_float64(tmp_path, source, layer,
 
 
 @needs_amx
+def test_amx_packed_first_layer_keeps_a_broken_image_to_itself(tmp_path):
+    """The in-place forward's runs read up to 31 values past a window (against zero weights) from
+    one thread's buffer of padded rows, reused image after image: an image of NaN and Inf leaves
+    the next image's outputs as that image alone gives them, bit for bit."""
+    source, layer = {"channels": 3, "height": 12, "width": 21}, {"out_channels": 16, "kernel": 7, "stride": 2, "pad": 3}
+    out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
+    assert "read in place" in (out / "src" / "conv_fwd.c").read_text()
+    conv = pr.load(out, threads=1).layers["conv"]
+    rng = np.random.default_rng(4)
+    clean = rng.standard_normal((1, *conv.in_shape)).astype(np.float32)
+    broken = np.where(rng.random(clean.shape) < 0.5, np.float32(np.nan), np.float32(np.inf))
+    alone = conv.forward(clean)
+    assert np.all(np.isfinite(alone))
+    np.testing.assert_array_equal(conv.forward(np.concatenate([broken, clean]))[1:], alone)
+
+
+@needs_amx
 @pytest.mark.parametrize("source,layer", PACKED_CASES[1:] + [
     ({"channels": 3, "height": 10, "width": 9}, {"out_channels": 40, "kernel": 5, "stride": 1, "pad": 2})])
 def test_amx_packed_first_layer_backward_weights_against_float64(tmp_path, source, layer):
