@@ -355,7 +355,9 @@ def _render_tiled(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, l
         text = {"fwd": ("the input as a padded bf16 copy whose kernel rows the A tiles read in place" if in_place else
                         "the input's windows as im2col rows") + ", the weights as B tiles" if packed else
                 "the input with its zero padding, the weights as B tiles",
-                "bwd_data": "the output gradient, masked by the ReLU, with its zero padding, the weights as B tiles",
+                "bwd_data": "the output gradient, masked by the ReLU, a bf16 copy of each row whose pixels the A "
+                            "tiles read in place, the weights transposed as B tiles" if packed else
+                            "the output gradient, masked by the ReLU, with its zero padding, the weights as B tiles",
                 "bwd_weights": "the output gradient (masked by the ReLU) channel-major, the input's windows as "
                                "im2col rows in pixel pairs" if packed else
                                "the input channel-major with its zero padding, the output gradient, masked by the "
@@ -376,7 +378,7 @@ def _render_tiled(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, l
         if layer.type == "conv" else fc_tile_geometry(layer.in_shape, layer.out_shape[0], v),
         kp=amx_packed_reduction(layer.in_shape, layer.kernel), row_steps=amx_packed_row_steps(layer.in_shape, layer.kernel))
     symbols = {symbol: plan.kind}
-    if plan.kind in ("conv_fwd_amx", "conv_fwd_packed_amx", "conv_bwd_data_amx"):  # and the one making its weight tiles
+    if plan.kind in ("conv_fwd_amx", "conv_fwd_packed_amx", "conv_bwd_data_amx", "conv_bwd_data_packed_amx"):  # and the one making its weight tiles
         symbols[symbol + "_tiles"] = "conv_weight_tiles"
     return Source(f"{layer.name}_{plan.pass_name}.c", text, symbols,
                   cpu.PRECISION_CFLAGS["bf16"] + (cpu.AMX_CFLAGS if amx else ()))

@@ -78,6 +78,10 @@ SIGNATURES: dict[str, str] = {
     # limits.amx_packed_gradient_values)
     "conv_bwd_weights_packed_amx": "const float *in, float *dy, const void *out, unsigned short *scratch, "
                                    "float *dwt, float *dbias, int batch, int nthreads",
+    # and its backward-data pass (dy masked by the ReLU's output as it converts it; its weights: B
+    # tiles made by conv_weight_tiles, limits.amx_packed_data_weight_values; dx the packed image)
+    "conv_bwd_data_packed_amx": "const float *dy, const void *out, const unsigned short *wt, float *dx, int batch, "
+                                "int nthreads",
     # and backward-data: dy masked by the ReLU's output as it is copied
     "conv_bwd_data_amx": "void *dy, const void *out, const unsigned short *wt, unsigned short *scratch, void *dx, "
                          "int batch, int nthreads",
@@ -110,7 +114,7 @@ SIGNATURES: dict[str, str] = {
 REPEATED_KINDS = ("conv_fwd", "conv_bwd_data", "conv_bwd_weights", "fc_fwd", "fc_bwd_data", "fc_bwd_weights",
                   "conv_fwd_bf16", "conv_bwd_data_bf16", "conv_bwd_weights_bf16", "conv_fwd_amx",
                   "conv_bwd_data_amx", "conv_bwd_weights_amx", "conv_fwd_packed_amx",
-                  "conv_bwd_weights_packed_amx", "fc_fwd_amx", "fc_bwd_data_amx",
+                  "conv_bwd_data_packed_amx", "conv_bwd_weights_packed_amx", "fc_fwd_amx", "fc_bwd_data_amx",
                   "fc_bwd_weights_amx", "fc_fwd_bf16", "fc_bwd_data_bf16", "fc_bwd_weights_bf16")
 SIGNATURES |= {f"repeat_{kind}": "void *fn, long long reps, double *seconds, " + SIGNATURES[kind]
                for kind in REPEATED_KINDS}

@@ -18,6 +18,7 @@ from .errors import PcldnnError
 from .kernels import bf16_bits, bf16_values, empty_aligned, ptr
 from .limits import (
     amx_conv_geometry,
+    amx_packed_data_weight_values,
     amx_packed_gradient_values,
     amx_packed_weight_values,
     bf16_weight_scratch,
@@ -25,7 +26,7 @@ from .limits import (
     fc_tile_geometry,
     input_pixel_floats,
 )
-from .manifest import LayerEntry
+from .manifest import PASSES, LayerEntry
 
 
 def as_float32(x, what: str) -> np.ndarray:
@@ -278,9 +279,9 @@ class WeightedLayer(Layer):
         # AMX builds: the passes on tiles convert their activations into their own scratch
         self._amx = {p: amx_conv_geometry(p, self.in_shape, self.out_shape, self.kernel, self.spec.pad, self.spec.stride)
                      for p in ("fwd", "bwd_data", "bwd_weights") if self.kernel_kind(p) == f"conv_{p}_amx"}
-        # the packed few-channel first layer's passes on AMX tiles (forward: its weight tiles in
-        # scratch; backward-weights, over im2col rows, masks dy in place, as the fp32 kernels do)
-        self._packed_amx = {p for p in ("fwd", "bwd_weights") if self.kernel_kind(p) == f"conv_{p}_packed_amx"}
+        # the packed few-channel first layer's passes on AMX tiles (forward and backward-data: their
+        # weight tiles; backward-weights, over im2col rows, masks dy in place, as the fp32 kernels do)
+        self._packed_amx = {p for p in PASSES if self.kernel_kind(p) == f"conv_{p}_packed_amx"}
         # bf16 fc layers (AMX or vdpbf16ps): all three passes read bf16 tile copies of the weights
         # (limits.FcTileGeometry) made on first use after each change of the weights
         self._fc_tiles = fc_tile_geometry(self.in_shape, self.out_shape[0], v) \
@@ -423,7 +424,8 @@ class WeightedLayer(Layer):
             if pass_name in self._amx:
                 values = self._amx[pass_name].weight_values
             elif pass_name in self._packed_amx:
-                values = amx_packed_weight_values(self.in_shape, self.out_shape[0], self.kernel)
+                values = amx_packed_weight_values(self.in_shape, self.out_shape[0], self.kernel) if pass_name == "fwd" \
+                    else amx_packed_data_weight_values(self.out_shape[0], self.kernel, self.in_shape[0])
             else:  # vdpbf16ps: the blocked weights re-laid in pairs
                 values = self._wt.size
             tiles = made[0] if made is not None else empty_aligned((values,), dtype=np.uint16)
@@ -498,6 +500,10 @@ class WeightedLayer(Layer):
             if "bwd_weights" not in self._amx and not self.bf16_backward_weights:
                 mask = None  # dy is masked in place now (AMX and vdpbf16ps kernels mask their copies, leave dy)
         if dxb is not None:
+            if "bwd_data" in self._packed_amx:
+                self._k["bwd_data"](ptr(dyb), ptr(mask), ptr(self.conv_weight_tiles("bwd_data")), ptr(dxb), batch,
+                                    threads)
+                return
             if "bwd_data" in self._amx:
                 tiles = self.conv_weight_tiles("bwd_data")
                 scratch = self._net.scratch(-(-self._amx["bwd_data"].scratch_values(batch) // 2)).view(np.uint16)

@@ -118,7 +118,7 @@ def bf16_gradients(precision: str, amx: bool, v: int, layers: Sequence[LayerShap
     backward-data pass: a pooling, ReLU or dropout layer's, or a convolution's bf16 kernel
     (bf16_passes); its readers are this layer's backward passes: a pooling, ReLU or dropout
     layer's, or a convolution whose backward-data and backward-weights passes are both bf16
-    kernels (the packed first layer's fp32 or AMX backward-weights reads fp32). Rounded once
+    kernels (the packed first layer's backward passes read fp32, on tiles or not). Rounded once
     where written, so a bf16 kernel reading it sees what it rounded itself before; what
     changes are the sums of gradients in fp32 (a bias gradient, overlapping pooling windows),
     which now add bf16-rounded terms, as oneDNN's do. Weight gradients stay fp32."""
@@ -127,6 +127,8 @@ def bf16_gradients(precision: str, amx: bool, v: int, layers: Sequence[LayerShap
     def bf16_backward(layer: LayerShape, needed: set[str]) -> bool:
         if layer.type in BF16_ACTIVATION_LAYERS:
             return True
+        if input_pixel_floats(layer.index, layer.type, layer.in_shape[0], v) < v:
+            return False  # the packed first layer's AMX kernels read dy as fp32
         return layer.type == "conv" and needed <= set(bf16_passes(precision, amx, layer.index, layer.type,
                                                                   layer.in_shape[0], v, layer.stride, layer.kernel,
                                                                   layer.pad))
@@ -149,17 +151,19 @@ def amx_kernels(precision: str, amx: bool, index: int, layer_type: str, channels
     """The passes of a layer that run AMX tile kernels (kind *_amx) in a bf16 build for an arch
     with `amx`: a convolution's forward and backward-weights passes (strided ones on phase
     planes: AmxConvGeometry), or for a first layer's packed few-channel input (forward: kernel
-    rows read in place, amx_packed_weight_values; backward-weights: im2col rows,
-    amx_packed_gradient_values); a convolution's backward-data pass
-    (the convolution of dy with the flipped, transposed weights; strided or padded by the window
-    side or more: per phase of dx, AmxResultPhase) unless its input is that packed image; the
-    other passes run fp32 kernels (bf16_passes). An fc layer's three passes (FcTileGeometry)."""
+    rows read in place, amx_packed_weight_values; backward-data: each pixel's kernel-row runs
+    added into dx rows, amx_packed_data_weight_values; backward-weights: im2col rows,
+    amx_packed_gradient_values); a convolution's backward-data pass (the convolution of dy with
+    the flipped, transposed weights; strided or padded by the window side or more: per phase of
+    dx, AmxResultPhase); the other passes run fp32 kernels (bf16_passes). An fc layer's three
+    passes (FcTileGeometry)."""
     if not amx or precision != "bf16":
         return ()
     if layer_type == "fc":
         return ("fwd", "bwd_data", "bwd_weights")
     if input_pixel_floats(index, layer_type, channels, v) < v:  # the packed first layer
-        return ("fwd", "bwd_weights") if kernel[0] * kernel[1] * channels >= AMX_PACKED_GRADIENT_WINDOW else ("fwd",)
+        return ("fwd", "bwd_data", "bwd_weights") if kernel[0] * kernel[1] * channels >= AMX_PACKED_GRADIENT_WINDOW \
+            else ("fwd", "bwd_data")
     if "fwd" not in bf16_kernels(precision, index, layer_type, channels, v):
         return ()
     return ("fwd", "bwd_data", "bwd_weights")
@@ -362,6 +366,13 @@ def amx_packed_weight_values(in_shape: tuple[int, int, int], out_channels: int, 
     for either)."""
     steps = max(kernel[0] * amx_packed_row_steps(in_shape, kernel), amx_packed_reduction(in_shape, kernel) // 32)
     return blocks(out_channels, 16) * steps * 512
+
+
+def amx_packed_data_weight_values(out_channels: int, kernel: tuple[int, int], channels: int) -> int:
+    """bf16 values of the packed first layer's AMX backward-data weights as B tiles of 512: per
+    kernel row, 16-value block of its KW x C run and 32-channel step of dy
+    (templates/conv_bwd_data_packed_amx.c.j2)."""
+    return kernel[0] * -(-kernel[1] * channels // 16) * -(-out_channels // 32) * 512
 
 
 def amx_packed_gradient_values(in_shape: tuple[int, int, int], out_shape: tuple[int, int, int],

@@ -25,7 +25,11 @@ from .validate import LABEL_RE, NAME_RE, SHA256_RE, Fields, read_json
 # into a scratch the runtime no longer sizes for them.
 # 4: vdpbf16ps conv backward-weights kernels pair x and dy rows per band into rings
 # (limits.bf16_weight_scratch); a /3 build's paired the whole minibatch into a scratch that big.
-FORMAT = "pcldnn-build/5"
+# 5: the packed first layer's AMX forward reads kernel rows in place, its weight tiles sized for
+# either layout (limits.amx_packed_weight_values).
+# 6: the packed first layer's backward-data runs on AMX tiles (conv_bwd_data_packed_amx) in AMX
+# builds, where a /5 build has the fp32 kernel the manifest check would now refuse by kind.
+FORMAT = "pcldnn-build/6"
 FORMAT_FAMILY = "pcldnn-build/"
 MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.npz"  # initial weights recorded by `compile --weights` (canonical layouts)

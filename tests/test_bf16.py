@@ -624,7 +624,7 @@ def test_bf16_fc_weight_tiles_follow_every_change_of_the_weights(tmp_path, arch)
                          [pytest.param(AMX_ARCH, 3, marks=needs_amx, id="amx-packed")])
 def test_conv_weight_copies_follow_every_change_of_the_weights(tmp_path, arch, channels):
     """A bf16 convolution's forward and backward-data weight copies (AMX B tiles, the packed
-    first layer's forward tiles, or the vdpbf16ps pair layouts) are made once after each change
+    first layer's tiles of both passes, or the vdpbf16ps pair layouts) are made once after each change
     of the weights, not once a call, and the next call sees every route that changes them: the
     weights setter, a write through net.params, an optimizer step, loading a state dict."""
     layers = [{"name": "conv", "type": "conv", "out_channels": 24, "kernel": 3, "pad": 1},
@@ -634,7 +634,7 @@ def test_conv_weight_copies_follow_every_change_of_the_weights(tmp_path, arch, c
     net = pr.load(tmp_path / "t", threads=2)
     conv = net.layers["conv"]
     made = []
-    roles = ["fwd_tiles", "bwd_data_tiles"] if channels == 16 else ["fwd_tiles"]  # packed: fp32 backward-data
+    roles = ["fwd_tiles", "bwd_data_tiles"]
     assert [r for r in ("fwd_tiles", "bwd_data_tiles") if r in conv._k] == roles
     for role in roles:
         real = conv._k[role]
@@ -767,8 +767,9 @@ def test_bf16_conv_backward_data_against_float64(tmp_path, source, layer):
 
 def test_few_channel_first_layer_stays_fp32(tmp_path):
     """Without AMX the packed few-channel first layer runs fp32 kernels; with AMX its forward
-    pass is on tiles (im2col rows), and its backward-weights pass from windows of 64 values
-    (limits.AMX_PACKED_GRADIENT_WINDOW); its backward-data is fp32."""
+    and backward-data passes are on tiles, and its backward-weights pass from windows of 64
+    values (limits.AMX_PACKED_GRADIENT_WINDOW); its output gradient stays fp32 (those
+    backward-weights kernels read it so)."""
     source, layer = {"channels": 3, "height": 8, "width": 8}, {"out_channels": 16, "kernel": 3, "stride": 1, "pad": 1}
     out = _conv_net(tmp_path, source, layer, "bf16")
     manifest = json.loads((out / "manifest.json").read_text())
@@ -779,10 +780,12 @@ def test_few_channel_first_layer_stays_fp32(tmp_path):
     out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
     entry = json.loads((out / "manifest.json").read_text())["layers"][0]
     assert [next(iter(entry["kernels"][p]["symbols"].values())) for p in ("fwd", "bwd_data", "bwd_weights")] == \
-        ["conv_fwd_packed_amx", "conv_bwd_data", "conv_bwd_weights"]  # 27 window values: fp32 backward-weights
+        ["conv_fwd_packed_amx", "conv_bwd_data_packed_amx", "conv_bwd_weights"]  # 27 window values
     out = _conv_net(tmp_path, source, dict(layer, kernel=5), "bf16", name="amx5", arch=AMX_ARCH)
     entry = json.loads((out / "manifest.json").read_text())["layers"][0]
     assert next(iter(entry["kernels"]["bwd_weights"]["symbols"].values())) == "conv_bwd_weights_packed_amx"
+    spec = _activation_spec([dict(ACTIVATION_NET[0], kernel=5, pad=2)] + ACTIVATION_NET[1:]).layers
+    assert bf16_outputs("bf16", True, 16, spec)[0] and not bf16_gradients("bf16", True, 16, spec)[0]
 
 
 @pytest.mark.parametrize("arch", [pytest.param(get_arch("avx512"), marks=needs_bf16, id="vdpbf16ps"),
@@ -888,6 +891,67 @@ def test_amx_packed_first_layer_backward_weights_against_float64(tmp_path, sourc
     assert conv.kernel_kind("bwd_weights") == "conv_bwd_weights_packed_amx"
     x, y, dy, dw, db = _weights_gradient(conv, layer, images=7, seed=9)
     _check_backward_weights(layer, x, dy, dw, db, n=x.shape[0] * -(-y.shape[2] * y.shape[3] // 32) * 32)
+
+
+# its backward-data: PACKED_CASES (AlexNet's 33-value kernel-row run: three 16-value blocks, two
+# pieces a unit), one channel over 37-wide rows (one block, three pieces in one unit), 100
+# output channels (four 32-channel steps, the last partial) with a ReLU, a 2x2 window at stride 3
+# (dx rows and columns no window reaches: zero)
+PACKED_DATA_CASES = PACKED_CASES + [
+    ({"channels": 1, "height": 9, "width": 37}, {"out_channels": 20, "kernel": 5, "stride": 1, "pad": 2}),
+    ({"channels": 3, "height": 11, "width": 13}, {"out_channels": 100, "kernel": 5, "stride": 2, "pad": 2,
+                                                   "activation": "relu"}),
+    ({"channels": 2, "height": 10, "width": 11}, {"out_channels": 16, "kernel": 2, "stride": 3, "pad": 0}),
+]
+
+
+@needs_amx
+@pytest.mark.parametrize("source,layer", PACKED_DATA_CASES)
+def test_amx_packed_first_layer_backward_data_against_float64(tmp_path, source, layer):
+    """The packed first layer's AMX backward-data: per dx row, the C tiles of 16 dy pixels x 16
+    values of their kernel-row runs summed over the kernel rows reaching it and 32-channel
+    steps of dy, then each pixel's run added in at its column. The bound with n = the output
+    channels padded to 32 x the taps (every term of a dx value, in some order); three images
+    whose dx rows two threads split inside an image (each converts the dy rows it reads)."""
+    out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
+    conv = pr.load(out, threads=2).layers["conv"]
+    assert conv.kernel_kind("bwd_data") == "conv_bwd_data_packed_amx"
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((3, *conv.in_shape)).astype(np.float32)
+    y = conv.forward(x)
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    masked = np.where(y > 0, dy, np.float32(0)) if layer.get("activation") == "relu" else dy
+    _check_backward_data(conv, layer, x, masked, conv.backward_data(dy), channel_block=32)
+
+
+@needs_amx
+def test_amx_packed_first_layer_backward_data_reads_a_bf16_relu_mask_and_keeps_inf_to_its_window(tmp_path):
+    """Followed by a convolution on tiles, the packed layer's output is stored as bf16 and its
+    backward-data masks dy by it; its dy stays fp32. An infinite dy value makes exactly the dx
+    values its window reaches non-finite: a run's 16-value blocks pass its end, where zero
+    weights would make NaN of it, and those lanes must not be added."""
+    layers = [{"name": "conv1", "type": "conv", "out_channels": 20, "kernel": 7, "stride": 2, "pad": 3,
+               "activation": "relu"},
+              {"name": "conv2", "type": "conv", "out_channels": 16, "kernel": 3, "pad": 1}]
+    spec = parse_netspec({"name": "m", "input": {"channels": 3, "height": 15, "width": 19}, "layers": layers})
+    build(spec, AMX_ARCH, tmp_path / "m", precision="bf16")
+    conv = pr.load(tmp_path / "m", threads=1).layers["conv1"]
+    assert conv.kernel_kind("bwd_data") == "conv_bwd_data_packed_amx" and conv.out_bf16 and not conv.out_grad_bf16
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((2, *conv.in_shape)).astype(np.float32)
+    y = conv.forward(x)
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    masked = np.where(y > 0, dy, np.float32(0))
+    assert 0.2 < np.mean(masked == 0) < 0.8
+    layer = {"out_channels": 20, "kernel": 7, "stride": 2, "pad": 3}
+    _check_backward_data(conv, layer, x, masked, conv.backward_data(dy), channel_block=32)
+    c, oh, ow = np.argwhere(y[1] > 0)[len(np.argwhere(y[1] > 0)) // 2]
+    dy[1, c, oh, ow] = np.inf
+    dx = conv.backward_data(dy)
+    reach = np.zeros(x.shape[1:], dtype=bool)
+    reach[:, max(0, 2 * oh - 3):2 * oh + 4, max(0, 2 * ow - 3):2 * ow + 4] = True
+    np.testing.assert_array_equal(np.isfinite(dx[1]), ~reach)
+    assert np.all(np.isfinite(dx[0]))
 
 
 def test_bf16_build_is_refused_on_a_cpu_without_the_instructions(tmp_path, monkeypatch):

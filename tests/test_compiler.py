@@ -108,9 +108,9 @@ def test_a_build_of_an_older_format_is_refused_then_replaced(tmp_path, fresh_cac
     spec = load_netspec(NETS / "cifar_small.json")
     build(spec, get_arch("scalar"), out)
     manifest = json.loads((out / "manifest.json").read_text())
-    manifest["format"] = "pcldnn-build/4"
+    manifest["format"] = "pcldnn-build/5"
     (out / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(BuildDirError, match="format is 'pcldnn-build/4', expected 'pcldnn-build/5'; recompile"):
+    with pytest.raises(BuildDirError, match="format is 'pcldnn-build/5', expected 'pcldnn-build/6'; recompile"):
         pr.load(out)
     build(spec, get_arch("scalar"), out)
     assert pr.load(out).name == "cifar_small"

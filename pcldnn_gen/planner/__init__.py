@@ -65,7 +65,7 @@ def _model_plan(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int,
         if layer.type == "fc":
             return plan_fc_tiles_bwd_weights(layer, arch, amx) if pass_name == "bwd_weights" else \
                 plan_fc_tiles(layer, pass_name, arch, amx)
-        if layer.type == "conv" and pass_name != "bwd_data" and \
+        if layer.type == "conv" and \
                 input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats:
             return plan_conv_packed_amx(layer, pass_name, arch)
         if layer.type != "conv":

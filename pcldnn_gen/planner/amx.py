@@ -177,6 +177,8 @@ def plan_conv_packed_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxPac
     the rows in pixel pairs, over groups of (image, pixel block) units whose copies fit L2_SHARE
     of L2, the accumulators reloaded between groups (as plan_conv_bwd_weights_amx)."""
     c = layer.in_shape[0]
+    if pass_name == "bwd_data":
+        return _plan_conv_bwd_data_packed_amx(layer, arch)
     kp = amx_packed_reduction(layer.in_shape, layer.kernel)
     k = layer.kernel[0] * layer.kernel[1] * c
     run, steps = layer.kernel[1] * c, amx_packed_row_steps(layer.in_shape, layer.kernel)
@@ -207,6 +209,33 @@ def plan_conv_packed_amx(layer: LayerSpec, pass_name: str, arch: Arch) -> AmxPac
                              template="conv_packed_amx.c.j2", isa=arch.isa, vector_floats=arch.vector_floats,
                              reason=reason, predicted_efficiency=k / kp, l1_working_set=4 * TILE_BYTES, reduction=kp,
                              pixel_blocks=units)
+
+
+def _plan_conv_bwd_data_packed_amx(layer: LayerSpec, arch: Arch) -> AmxPackedConvPlan:
+    """dx of the packed first layer, by dx row: a pixel and kernel row reach a run of KW x C
+    contiguous dx values, so C tiles of 16 dy pixels x 16 values of their runs (A: the pixels'
+    dy read in place from a bf16 copy of its row; B: the weights transposed, per kernel row,
+    16-value block and 32-channel step) accumulate over every kernel row reaching the dx row and
+    are then added into it at each pixel's column (shifted in registers). The fp32 few-channel
+    kernel it replaces ran ResNet's and GoogLeNet's 7x7 stride-2 conv1 at 0.44-0.72x oneDNN's
+    AMX kernels (Xeon VM, minibatch 16)."""
+    c, oc = layer.in_shape[0], layer.out_shape[0]
+    (kh, kw), (sh, sw) = layer.kernel, layer.stride
+    run, steps = kw * c, -(-oc // 32)
+    column_blocks = -(-run // 16)
+    taps = -(-kh // sh)
+    tile_bytes = taps * column_blocks * steps * TILE_BYTES  # the B tiles one dx row reads
+    useful = run / (16 * column_blocks) * oc / (32 * steps)
+    reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; {c} input channels: an output pixel and "
+              f"kernel row reach {kw}x{c} contiguous dx values, {column_blocks} C tile(s) of 16 pixels x 16 of them, "
+              f"reduced over {oc} channels of dy ({steps} step(s) of 32) and the up to {taps} kernel row(s) reaching "
+              f"a dx row ({useful:.0%} of tile work useful); each pixel's run then added into the dx row "
+              f"{sw * c} values after the previous one (register shifts); the {tile_bytes // 1024} KiB of B tiles a "
+              f"dx row reads stay in L1")
+    return AmxPackedConvPlan(layer=layer.name, pass_name="bwd_data", kind="conv_bwd_data_packed_amx",
+                             template="conv_bwd_data_packed_amx.c.j2", isa=arch.isa, vector_floats=arch.vector_floats,
+                             reason=reason, predicted_efficiency=useful, l1_working_set=tile_bytes,
+                             reduction=steps * 32, pixel_blocks=1)
 
 
 def plan_conv_bwd_weights_amx(layer: LayerSpec, arch: Arch,

@@ -164,6 +164,10 @@ class AmxPackedConvPlan(KernelPlan):
                 "16 pixels x 32 window values of their im2col rows"
             return (f"AMX tiles: 32 output pixels x 32 output channels per work item (4 C tiles, 2 A of {a}, 2 B), "
                     f"reduction {self.reduction} values")
+        if self.pass_name == "bwd_data":
+            return ("AMX tiles: per dx row, 16 dy pixels x 16 values of their kernel-row runs a C tile (A: 16 pixels "
+                    f"x 32 channels of dy, read in place), reduction {self.reduction} channels x the kernel rows "
+                    "reaching the row")
         return (f"AMX tiles: 32 output channels x 32 window values per work item (4 C tiles, 2 A of 16 output "
                 f"channels x 32 pixels of dy, 2 B of 32 pixels x 16 window values), groups of {self.pixel_blocks} "
                 f"pixel blocks")
