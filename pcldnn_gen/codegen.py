@@ -378,7 +378,8 @@ def _render_tiled(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, l
         if layer.type == "conv" else fc_tile_geometry(layer.in_shape, layer.out_shape[0], v),
         kp=amx_packed_reduction(layer.in_shape, layer.kernel), row_steps=amx_packed_row_steps(layer.in_shape, layer.kernel))
     symbols = {symbol: plan.kind}
-    if plan.kind in ("conv_fwd_amx", "conv_fwd_packed_amx", "conv_bwd_data_amx", "conv_bwd_data_packed_amx"):  # and the one making its weight tiles
+    # and the function making its weight tiles
+    if plan.kind in ("conv_fwd_amx", "conv_fwd_packed_amx", "conv_bwd_data_amx", "conv_bwd_data_packed_amx"):
         symbols[symbol + "_tiles"] = "conv_weight_tiles"
     return Source(f"{layer.name}_{plan.pass_name}.c", text, symbols,
                   cpu.PRECISION_CFLAGS["bf16"] + (cpu.AMX_CFLAGS if amx else ()))
