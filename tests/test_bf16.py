@@ -896,12 +896,14 @@ def test_amx_packed_first_layer_backward_weights_against_float64(tmp_path, sourc
 # its backward-data: PACKED_CASES (AlexNet's 33-value kernel-row run: three 16-value blocks, two
 # pieces a unit), one channel over 37-wide rows (one block, three pieces in one unit), 100
 # output channels (four 32-channel steps, the last partial) with a ReLU, a 2x2 window at stride 3
-# (dx rows and columns no window reaches: zero)
+# (dx rows and columns no window reaches: zero), a 9x9 window over 9 channels (81-value runs: six
+# blocks, in two groups of C tiles)
 PACKED_DATA_CASES = PACKED_CASES + [
     ({"channels": 1, "height": 9, "width": 37}, {"out_channels": 20, "kernel": 5, "stride": 1, "pad": 2}),
     ({"channels": 3, "height": 11, "width": 13}, {"out_channels": 100, "kernel": 5, "stride": 2, "pad": 2,
                                                    "activation": "relu"}),
     ({"channels": 2, "height": 10, "width": 11}, {"out_channels": 16, "kernel": 2, "stride": 3, "pad": 0}),
+    ({"channels": 9, "height": 12, "width": 10}, {"out_channels": 24, "kernel": 9, "stride": 1, "pad": 4}),
 ]
 
 
