@@ -231,7 +231,7 @@ def _plan_conv_bwd_data_packed_amx(layer: LayerSpec, arch: Arch) -> AmxPackedCon
               f"reduced over {oc} channels of dy ({steps} step(s) of 32) and the up to {taps} kernel row(s) reaching "
               f"a dx row ({useful:.0%} of tile work useful); each pixel's run then added into the dx row "
               f"{sw * c} values after the previous one (register shifts); the {tile_bytes // 1024} KiB of B tiles a "
-              f"dx row reads stay in L1")
+              f"dx row reads {'stay in L1' if tile_bytes <= L1_SHARE * arch.l1d_bytes else 'come from L2'}")
     return AmxPackedConvPlan(layer=layer.name, pass_name="bwd_data", kind="conv_bwd_data_packed_amx",
                              template="conv_bwd_data_packed_amx.c.j2", isa=arch.isa, vector_floats=arch.vector_floats,
                              reason=reason, predicted_efficiency=useful, l1_working_set=tile_bytes,
