@@ -74,9 +74,9 @@ SIGNATURES: dict[str, str] = {
     # weights: B tiles made by conv_weight_tiles, limits.amx_packed_weight_values)
     "conv_fwd_packed_amx": "const float *in, const unsigned short *wt, const float *bias, void *out, "
                            "int batch, int nthreads",
-    # and its backward-weights pass (dy masked in place first, as the fp32 kernels do; scratch:
-    # limits.amx_packed_gradient_values)
-    "conv_bwd_weights_packed_amx": "const float *in, float *dy, const void *out, unsigned short *scratch, "
+    # and its backward-weights pass (dy masked by the ReLU's output as it is copied, dy itself left
+    # as it is; scratch: limits.amx_packed_gradient_values)
+    "conv_bwd_weights_packed_amx": "const float *in, const float *dy, const void *out, unsigned short *scratch, "
                                    "float *dwt, float *dbias, int batch, int nthreads",
     # and its backward-data pass (dy masked by the ReLU's output as it converts it; its weights: B
     # tiles made by conv_weight_tiles, limits.amx_packed_data_weight_values; dx the packed image)

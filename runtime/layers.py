@@ -280,7 +280,7 @@ class WeightedLayer(Layer):
         self._amx = {p: amx_conv_geometry(p, self.in_shape, self.out_shape, self.kernel, self.spec.pad, self.spec.stride)
                      for p in ("fwd", "bwd_data", "bwd_weights") if self.kernel_kind(p) == f"conv_{p}_amx"}
         # the packed few-channel first layer's passes on AMX tiles (forward and backward-data: their
-        # weight tiles; backward-weights, over im2col rows, masks dy in place, as the fp32 kernels do)
+        # weight tiles; backward-weights over im2col rows; the backward passes mask their dy copies)
         self._packed_amx = {p for p in PASSES if self.kernel_kind(p) == f"conv_{p}_packed_amx"}
         # bf16 fc layers (AMX or vdpbf16ps): all three passes read bf16 tile copies of the weights
         # (limits.FcTileGeometry) made on first use after each change of the weights
@@ -497,7 +497,7 @@ class WeightedLayer(Layer):
                 self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(dw), ptr(db), batch, threads, *extra)
             if not self.spec.bias:
                 db[...] = 0.0  # a bias-free layer's bias stays zero: no gradient, no update, no decay
-            if "bwd_weights" not in self._amx and not self.bf16_backward_weights:
+            if not ({"bwd_weights"} & (self._amx.keys() | self._packed_amx)) and not self.bf16_backward_weights:
                 mask = None  # dy is masked in place now (AMX and vdpbf16ps kernels mask their copies, leave dy)
         if dxb is not None:
             if "bwd_data" in self._packed_amx:

@@ -884,7 +884,7 @@ def test_amx_packed_first_layer_keeps_a_broken_image_to_itself(tmp_path):
 def test_amx_packed_first_layer_backward_weights_against_float64(tmp_path, source, layer):
     """Its backward-weights pass: dy channel-major times the im2col rows in pixel pairs, the bound
     with n = images x output pixels (padded to whole pixel blocks: zeros); dy masked by the ReLU
-    in place (as the fp32 kernels do); AMX_ARCH's small L2: groups of fewer units than the
+    as it is copied; AMX_ARCH's small L2: groups of fewer units than the
     minibatch has, the accumulators reloaded between them; the weights' padding lanes zero."""
     out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
     conv = pr.load(out, threads=2).layers["conv"]
@@ -954,6 +954,35 @@ def test_amx_packed_first_layer_backward_data_reads_a_bf16_relu_mask_and_keeps_i
     reach[:, max(0, 2 * oh - 3):2 * oh + 4, max(0, 2 * ow - 3):2 * ow + 4] = True
     np.testing.assert_array_equal(np.isfinite(dx[1]), ~reach)
     assert np.all(np.isfinite(dx[0]))
+
+
+@needs_amx
+def test_amx_packed_first_layer_backward_passes_share_one_unmasked_dy(tmp_path):
+    """Both backward passes of the packed layer on one blocked dy, as `backward_blocked` runs
+    them (backward-weights first): each masks its own copy by the ReLU's output and leaves dy as
+    it was (masking it in place had cost a pass over dy and y), so backward-data still gets the
+    mask: both results against float64."""
+    source, layer = {"channels": 3, "height": 13, "width": 12}, {"out_channels": 24, "kernel": 7, "stride": 2,
+                                                                 "pad": 3, "activation": "relu"}
+    conv = pr.load(_conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH), threads=2).layers["conv"]
+    assert [conv.kernel_kind(p) for p in ("bwd_data", "bwd_weights")] == ["conv_bwd_data_packed_amx",
+                                                                          "conv_bwd_weights_packed_amx"]
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((3, *conv.in_shape)).astype(np.float32)
+    y = conv.forward(x)
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    xb, yb, aux = conv._saved
+    dyb = conv.output_gradient_blocked(dy, "dy")
+    before = dyb.copy()
+    dxb = np.zeros(xb.shape, dtype=np.float32)
+    conv.backward_blocked(xb, yb, aux, dyb, dxb, conv.grad_buffers)
+    np.testing.assert_array_equal(dyb, before)
+    masked = np.where(y > 0, dy, np.float32(0))
+    assert 0.2 < np.mean(masked == 0) < 0.8
+    dx = conv._from_blocked("in", dxb, conv.in_shape, False).reshape(x.shape)
+    _check_backward_data(conv, layer, x, masked, dx, channel_block=32)
+    _check_backward_weights(layer, x, masked, conv.grad_weights, conv.grad_bias,
+                            n=x.shape[0] * -(-y.shape[2] * y.shape[3] // 32) * 32)
 
 
 def test_bf16_build_is_refused_on_a_cpu_without_the_instructions(tmp_path, monkeypatch):
