@@ -497,7 +497,8 @@ class WeightedLayer(Layer):
                 self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(dw), ptr(db), batch, threads, *extra)
             if not self.spec.bias:
                 db[...] = 0.0  # a bias-free layer's bias stays zero: no gradient, no update, no decay
-            if not ({"bwd_weights"} & (self._amx.keys() | self._packed_amx)) and not self.bf16_backward_weights:
+            if "bwd_weights" not in self._amx and "bwd_weights" not in self._packed_amx \
+                    and not self.bf16_backward_weights:
                 mask = None  # dy is masked in place now (AMX and vdpbf16ps kernels mask their copies, leave dy)
         if dxb is not None:
             if "bwd_data" in self._packed_amx:

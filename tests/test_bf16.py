@@ -765,7 +765,7 @@ def test_bf16_conv_backward_data_against_float64(tmp_path, source, layer):
     _check_backward_data(conv, layer, x, masked, conv.backward_data(dy), channel_block=16)
 
 
-def test_few_channel_first_layer_stays_fp32(tmp_path):
+def test_few_channel_first_layer_kernels_by_arch(tmp_path):
     """Without AMX the packed few-channel first layer runs fp32 kernels; with AMX its forward
     and backward-data passes are on tiles, and its backward-weights pass from windows of 64
     values (limits.AMX_PACKED_GRADIENT_WINDOW); its output gradient stays fp32 (those
