@@ -50,6 +50,11 @@ IMAGE_SPAN = 64
 # forward 2.44 -> 1.54 ms), 192-2048 0.70-0.96x (resnet50_layer4_reduce forward, 2048 -> 512
 # channels on 7x7: 1.83 -> 2.61 ms, the halved tile rate).
 IN_PLACE_RESULT_CHANNELS = 128
+# C tiles the packed first layer's backward-data accumulates at once (pieces of 16 dy pixels x
+# 16-value blocks of their runs; the other 3 tile registers: A tiles in turn, and 1 B): four
+# against six with one A register, 1.00-1.18x on five zoo first layers (mb 16, one thread, Xeon
+# VM: the A tile loads need not wait for the previous tdpbf16ps to release their register).
+PACKED_DATA_C_TILES = 4
 # 1x1 layers whose source is copied: a pixel block's A rows (a tap's only rows) are read once per
 # result block, so each block runs every result block in turn with its rows in L1 (the B tiles
 # then come from L2), up to this many result channels. Measured (mb 16, one thread, Xeon VM):
@@ -226,16 +231,20 @@ def _plan_conv_bwd_data_packed_amx(layer: LayerSpec, arch: Arch) -> AmxPackedCon
     taps = -(-kh // sh)
     tile_bytes = taps * column_blocks * steps * TILE_BYTES  # the B tiles one dx row reads
     useful = run / (16 * column_blocks) * oc / (32 * steps)
+    group = min(column_blocks, PACKED_DATA_C_TILES)
+    pieces = min(max(PACKED_DATA_C_TILES // group, 1), -(-layer.out_shape[2] // 16))
     reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; {c} input channels: an output pixel and "
               f"kernel row reach {kw}x{c} contiguous dx values, {column_blocks} C tile(s) of 16 pixels x 16 of them, "
               f"reduced over {oc} channels of dy ({steps} step(s) of 32) and the up to {taps} kernel row(s) reaching "
               f"a dx row ({useful:.0%} of tile work useful); each pixel's run then added into the dx row "
               f"{sw * c} values after the previous one (register shifts); the {tile_bytes // 1024} KiB of B tiles a "
-              f"dx row reads {'stay in L1' if tile_bytes <= L1_SHARE * arch.l1d_bytes else 'come from L2'}")
+              f"dx row reads {'stay in L1' if tile_bytes <= L1_SHARE * arch.l1d_bytes else 'come from L2'}. "
+              f"{pieces} piece(s) x {group} block(s) of C tiles at once, the pieces' A tiles in the other tile "
+              f"registers in turn (at most {PACKED_DATA_C_TILES} C tiles: measured)")
     return AmxPackedConvPlan(layer=layer.name, pass_name="bwd_data", kind="conv_bwd_data_packed_amx",
                              template="conv_bwd_data_packed_amx.c.j2", isa=arch.isa, vector_floats=arch.vector_floats,
                              reason=reason, predicted_efficiency=useful, l1_working_set=tile_bytes,
-                             reduction=steps * 32, pixel_blocks=1)
+                             reduction=steps * 32, pixel_blocks=1, pieces=pieces, column_group=group)
 
 
 def plan_conv_bwd_weights_amx(layer: LayerSpec, arch: Arch,

@@ -157,6 +157,8 @@ class AmxPackedConvPlan(KernelPlan):
     reduction: int                  # values a pixel's reduction runs over: in place KH x (KW x C padded to 32), else KP
     pixel_blocks: int               # backward-weights: (image, 32-pixel block) units a residency of the accumulators reduces
     in_place: bool = False          # forward: A tiles read from a padded copy of the image (else im2col rows)
+    pieces: int = 1                 # backward-data: 16-pixel pieces of a dy row whose C tiles accumulate together
+    column_group: int = 1           # backward-data: 16-value blocks of a run each piece's C tiles hold at once
 
     def blocks_summary(self) -> str:
         if self.pass_name == "fwd":
@@ -165,9 +167,10 @@ class AmxPackedConvPlan(KernelPlan):
             return (f"AMX tiles: 32 output pixels x 32 output channels per work item (4 C tiles, 2 A of {a}, 2 B), "
                     f"reduction {self.reduction} values")
         if self.pass_name == "bwd_data":
-            return ("AMX tiles: per dx row, 16 dy pixels x 16 values of their kernel-row runs a C tile (A: 16 pixels "
-                    f"x 32 channels of dy, read in place), reduction {self.reduction} channels x the kernel rows "
-                    "reaching the row")
+            return (f"AMX tiles: per dx row, {self.pieces} piece(s) of 16 dy pixels x {self.column_group} block(s) of 16 "
+                    f"values of their kernel-row runs ({self.pieces * self.column_group} C tiles; A: 16 pixels x 32 "
+                    f"channels of dy, read in place), reduction {self.reduction} channels x the kernel rows reaching "
+                    "the row")
         return (f"AMX tiles: 32 output channels x 32 window values per work item (4 C tiles, 2 A of 16 output "
                 f"channels x 32 pixels of dy, 2 B of 32 pixels x 16 window values), groups of {self.pixel_blocks} "
                 f"pixel blocks")
