@@ -17,7 +17,14 @@ vdpbf16ps the templates spell through `codegen.BF16_ISA`); AMX kernels are left 
 
 (`compile` and `bench` take `pcldnn-gen compile`'s and `bench`'s arguments and add
 `--precision bf16`; bench's %peak is then against the fp32 peak, so 200% is the emulated
-peak. `ab` takes ab.py's.) Checked against Zen 4: VGG-A conv3-6 backward-weights ran at 70-83% of the bf16 peak
+peak. `ab` takes ab.py's.)
+
+On an AVX-512 CPU without AVX512_BF16 (Ice Lake, Skylake-X: two FMAs and two 512-bit loads per
+cycle, the same ratios) `compile` and `bench` also spell the kernels' other bf16 instruction,
+vcvtneps2bf16, as a shift and a narrowing move (vpsrld + vpmovdw: truncation, 3 uops where
+vcvtneps2bf16 is 2 on Sapphire Rapids; the copies that convert cost a little more than on a bf16
+CPU), and `ab` and `bench` then load such builds, checking first that no bf16 instruction is
+left in them. Checked against Zen 4: VGG-A conv3-6 backward-weights ran at 70-83% of the bf16 peak
 there (RESULTS.md, bf16) and at 72-85% of the emulated peak here with the same plans.
 """
 from __future__ import annotations
@@ -28,16 +35,47 @@ import sys
 from pathlib import Path
 
 FMA_FOR_DOT = "_mm512_fmadd_ps((__m512)({a}), (__m512)({b}), {c})"
+CONVERSION = "_mm512_cvtneps_pbh("
+# Before a kernel's own text (immintrin.h's include guard keeps its later includes from
+# declaring the intrinsic again under the macro).
+CONVERSION_WITHOUT_BF16 = """#include <immintrin.h>
+/* dot_emulation.py on a CPU without AVX512_BF16: vcvtneps2bf16 as a truncating shift + narrow */
+#define _mm512_cvtneps_pbh(a) ((__m256bh)_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(a), 16)))
+"""
 DAZ_FTZ = """#include <immintrin.h>
 void pcldnn_flush_denormals(void) { _mm_setcsr(_mm_getcsr() | 0x8040); }
 """
 
 
+def cpu_has_bf16() -> bool:
+    from pcldnn_runtime import cpu
+    return "avx512_bf16" in cpu.cpu_flags()
+
+
 def emulated(command: str, argv: list[str]) -> int:
-    """`pcldnn-gen command argv --precision bf16` with the dot products spelled as FMAs."""
-    from pcldnn_gen import cli, codegen
+    """`pcldnn-gen command argv --precision bf16` with the dot products spelled as FMAs (and,
+    on a CPU without AVX512_BF16, the conversions as AVX-512F)."""
+    from pcldnn_gen import cli, codegen, compiler
     codegen.BF16_ISA = dataclasses.replace(codegen.BF16_ISA, _fma=FMA_FOR_DOT)
+    if not cpu_has_bf16():
+        def source(filename: str, text: str, symbols: dict[str, str], cflags: tuple[str, ...] = ()) -> compiler.Source:
+            return compiler.Source(filename, CONVERSION_WITHOUT_BF16 + text if CONVERSION in text else text, symbols, cflags)
+        codegen.Source = source  # type: ignore[assignment,misc]
+        load_without_bf16()
     return cli.main([command, *argv, "--precision", "bf16"])
+
+
+def load_without_bf16(*builds: Path) -> None:
+    """Let this process load bf16 builds on a CPU without AVX512_BF16, once each of `builds` is
+    known to hold no bf16 instruction (a build `bench` makes in this process is one)."""
+    for build in builds:
+        for c_file in sorted((build / "src").glob("*.c")):
+            text = c_file.read_text()
+            if "_mm512_dpbf16_ps(" in text or (CONVERSION in text and not text.startswith(CONVERSION_WITHOUT_BF16)):
+                raise SystemExit(f"{c_file}: bf16 instructions this CPU lacks; compile the build with "
+                                 f"dot_emulation.py compile on this CPU")
+    from pcldnn_runtime import cpu
+    cpu.require_precision = lambda precision, what: None
 
 
 def flush_denormals() -> None:
@@ -60,6 +98,8 @@ def main() -> int:
         return emulated(command, rest)
     sys.path.insert(0, str(Path(__file__).parent))
     import ab
+    if not cpu_has_bf16():
+        load_without_bf16(*(Path(arg) for arg in rest[:2]))
     sys.argv = ["ab.py", *rest]
     ab.main()
     return 0

@@ -1,5 +1,6 @@
 """benchmarks/dot_emulation.py: the emulated build is the bf16 build with only the dot product
-spelled differently, and its timing process flushes denormals (the assists it avoids)."""
+spelled differently (and, on a CPU without AVX512_BF16, the conversion), and its timing process
+flushes denormals (the assists it avoids)."""
 from __future__ import annotations
 
 import itertools
@@ -14,7 +15,11 @@ from helpers import REPO
 from pcldnn_runtime import cpu
 
 SCRIPT = REPO / "benchmarks" / "dot_emulation.py"
-HAS_BF16 = cpu.supports("avx512") and "avx512_bf16" in cpu.cpu_flags()
+HAS_AVX512 = cpu.supports("avx512")
+HAS_BF16 = HAS_AVX512 and "avx512_bf16" in cpu.cpu_flags()
+sys.path.insert(0, str(REPO / "benchmarks"))
+import dot_emulation  # noqa: E402
+
 NET = {"name": "emu", "input": {"channels": 32, "height": 6, "width": 8},
        "layers": [{"name": "conv", "type": "conv", "out_channels": 32, "kernel": 3, "pad": 1, "activation": "relu"},
                   {"name": "fc", "type": "fc", "out_features": 10},
@@ -36,6 +41,11 @@ def test_emulated_build_differs_only_in_the_dot_product(tmp_path):
         real = (tmp_path / "real" / "src" / f"{layer}_{pass_name}.c").read_text()
         emu = (tmp_path / "emu" / "src" / f"{layer}_{pass_name}.c").read_text()
         assert "_mm512_dpbf16_ps(" in real and "_mm512_dpbf16_ps(" not in emu, (layer, pass_name)
+        # without AVX512_BF16 here, the conversion is redefined ahead of the kernel's own text
+        converts = dot_emulation.CONVERSION in real
+        prelude = not HAS_BF16 and converts
+        assert emu.startswith(dot_emulation.CONVERSION_WITHOUT_BF16) == prelude, (layer, pass_name)
+        emu = emu.removeprefix(dot_emulation.CONVERSION_WITHOUT_BF16)
         rewritten = re.sub(r"_mm512_dpbf16_ps\((\w+), (\w+), (\w+)\)", r"_mm512_fmadd_ps((__m512)(\2), (__m512)(\3), \1)",
                            real)
         assert emu == rewritten, (layer, pass_name)
@@ -61,7 +71,7 @@ def test_timing_process_flushes_denormals():
     assert before > 0 and after == 0.0
 
 
-@pytest.mark.skipif(not HAS_BF16, reason="this CPU lacks AVX512_BF16: bf16 builds cannot load")
+@pytest.mark.skipif(not HAS_AVX512, reason="this CPU lacks AVX-512: the emulated kernels cannot run")
 def test_ab_times_two_emulated_builds(tmp_path):
     (tmp_path / "net.json").write_text(json.dumps(NET))
     for side in ("a", "b"):
@@ -71,3 +81,17 @@ def test_ab_times_two_emulated_builds(tmp_path):
     rows = [line.split() for line in out.stdout.splitlines() if line.startswith("conv ")]
     assert [r[1] for r in rows] == ["fwd", "bwd_data", "bwd_weights"]
     assert all(0 < float(r[4]) < 100 for r in rows)  # the ratio of two measured times
+
+
+@pytest.mark.skipif(not HAS_AVX512 or HAS_BF16, reason="only a CPU without AVX512_BF16 refuses bf16 builds")
+def test_ab_without_bf16_refuses_a_build_with_bf16_instructions(tmp_path):
+    """On a CPU without AVX512_BF16, `ab` loads emulated builds only: a real bf16 build would
+    die by SIGILL, so it names the kernel that holds bf16 instructions instead."""
+    (tmp_path / "net.json").write_text(json.dumps(NET))
+    _run("compile", str(tmp_path / "net.json"), "--arch", "avx512", "-o", str(tmp_path / "emu"))
+    subprocess.run([sys.executable, "-m", "pcldnn_gen", "compile", str(tmp_path / "net.json"), "--arch", "avx512",
+                    "--precision", "bf16", "-o", str(tmp_path / "real")], check=True, capture_output=True, cwd=REPO)
+    out = subprocess.run([sys.executable, str(SCRIPT), "ab", str(tmp_path / "emu"), str(tmp_path / "real"), "--batch", "2",
+                          "--rounds", "1", "--layers", "conv"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode != 0 and "bf16 instructions this CPU lacks" in out.stderr
+    assert str(tmp_path / "real" / "src") in out.stderr

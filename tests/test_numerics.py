@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import reference as ref
-from helpers import NETS, assert_dot_close, build_and_load
+from helpers import ISA_PARAMS, NETS, assert_dot_close, build_and_load
 
 from pcldnn_gen.arch import PRESETS
 from pcldnn_runtime import cpu
@@ -385,6 +385,33 @@ def test_groups_outside_images_match_numpy(tmp_path, isa):
     w, b = layer.weights, layer.bias
     assert_dot_close(y, ref.conv2d(x, w, b, (1, 1), (1, 1), relu=True),
                      ref.conv2d(np.abs(x), np.abs(w), np.abs(b), (1, 1), (1, 1)), 128 * 9)
+    dy = rng.standard_normal(y.shape).astype(np.float32) * (y > 0)
+    assert_dot_close(layer.backward_data(dy), ref.conv2d_bwd_data(dy, w, (1, 1), (1, 1), x.shape),
+                     ref.conv2d_bwd_data(np.abs(dy), np.abs(w), (1, 1), (1, 1), x.shape), 128 * 9)
+
+
+@pytest.mark.parametrize("isa", [p for p in ISA_PARAMS if p.values[0] != "scalar"])  # a scalar slice always fits L1
+def test_bwd_data_row_blocks_past_l1_match_numpy(tmp_path, isa):
+    """Weights beyond half of L2 and a weight slice that L1 cannot keep: backward-data's row
+    blocks take every input row (the slice read from L2 once per row), over several images
+    and 2 threads."""
+    import dataclasses
+
+    import pcldnn_runtime as pr
+    from pcldnn_gen.build import build
+    from pcldnn_gen.netspec import parse_netspec
+    arch = dataclasses.replace(PRESETS[isa], name=f"small-caches-{isa}", l1d_bytes=4096, l2_bytes=128 * 1024)
+    spec = parse_netspec({"name": "rows", "input": {"channels": 24, "height": 7, "width": 10}, "layers": [
+        {"name": "c", "type": "conv", "out_channels": 128, "kernel": 3, "pad": 1, "activation": "relu"}]})
+    result = build(spec, arch, tmp_path / "b")
+    plan = result.plans[("c", "bwd_data")]
+    assert plan.rows == 7 and "read from L2 once per row" in plan.reason and "once per row block" in plan.reason
+    layer = pr.load(tmp_path / "b", threads=2).layers["c"]
+    rng = np.random.default_rng(8)
+    layer.bias = rng.standard_normal(128).astype(np.float32)
+    x = rng.standard_normal((3, 24, 7, 10)).astype(np.float32)
+    y = layer.forward(x)
+    w = layer.weights
     dy = rng.standard_normal(y.shape).astype(np.float32) * (y > 0)
     assert_dot_close(layer.backward_data(dy), ref.conv2d_bwd_data(dy, w, (1, 1), (1, 1), x.shape),
                      ref.conv2d_bwd_data(np.abs(dy), np.abs(w), (1, 1), (1, 1), x.shape), 128 * 9)

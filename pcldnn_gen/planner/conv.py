@@ -43,6 +43,10 @@ STREAMED_VECTORS = 3
 # Share of L1 a conv forward block (weight slice, input rows, partial sums), or a backward-weights
 # tile slice grown past half of L1, may fill; the rest absorbs conflict misses between its streams.
 L1_BUDGET = 0.75
+# Core cycles a 64-byte line read from beyond L2 costs a streaming kernel: one core of the Ice
+# Lake VM read 26-32 GB/s from L3 and 11.4 GB/s from memory at a ~2.7 GHz clock (119 GB/s from
+# L2), i.e. 6 and 15 cycles a line; weights of tens of MB sit in either.
+BEYOND_L2_REFILL_CYCLES = 8.0
 
 
 def _fwd_edge(layer: LayerSpec, start: int, width: int) -> EdgeTile:
@@ -293,6 +297,8 @@ class ConvBwdDataBlocking:
     weight_bytes: int           # the chunk's transposed weight slice for one ic-vector group
     partial_bytes: int          # the rows' partial sums (dx)
     partials_stay: bool         # slice and partial sums fit L1 together: the sums never leave it
+    slice_kept: bool            # the slice stays in L1 over the rows (else read from L2 once per row)
+    weights_beyond_l2: bool     # an ic-vector group's weights exceed half of L2: once per row block from L3
     l2_bytes_per_flop: float
     overhead: float             # accumulator loads and stores per chunk, relative to the FMAs
     refill_cycles_per_flop: float
@@ -308,7 +314,14 @@ def _conv_bwd_data_blocking(layer: LayerSpec, tile: RegisterTile, arch: Arch, va
     (ResNet-18 layer4 stride-2 conv, AVX2: 49% of peak, 0.77x oneDNN). Choosing the chunk by
     the same cost as well picked 1-2 blocks on 1x1 layers (partial sums kept in L1) and ran
     0.80-0.94x the widest chunk (AVX-512, ab.py): the model undercounts what a chunk's
-    accumulator reloads cost. value_bytes 2: bf16 weights and dy, as in _conv_fwd_blocking."""
+    accumulator reloads cost. value_bytes 2: bf16 weights and dy, as in _conv_fwd_blocking.
+
+    An ic-vector group's whole transposed weights (every chunk's slice) are read once per row
+    block; where they do not fit half of L2 they come from L3 or memory, priced at
+    BEYOND_L2_REFILL_CYCLES a line, and row blocks grow past the point where the slice stays in
+    L1 (it is then read from L2 once per row): OverFeat-FAST conv4-5 (12x12, 512/1024 -> 1024
+    channels, a 36 KiB slice, 1.2-2.4 MB per group) read every group's weights from beyond L2
+    once per input row, 0.72x oneDNN; 12-row blocks 1.38x / 1.49x that (Ice Lake, AVX-512, ab.py)."""
     v = arch.vector_floats
     pair = 4 // value_bytes
     _, ih, iw = layer.in_shape
@@ -322,21 +335,28 @@ def _conv_bwd_data_blocking(layer: LayerSpec, tile: RegisterTile, arch: Arch, va
     best = None
     chunk = max(1, min(ocb, (arch.l1d_bytes // 2) // slice_bytes))
     weights, chunks = chunk * slice_bytes, -(-ocb // chunk)
+    group_bytes = ocb * slice_bytes  # every chunk's slice: read once per row block
+    beyond_l2 = group_bytes > arch.l2_bytes // 2
     for rows in range(1, ih + 1):
         partials = rows * iw * tile.vectors * v * 4
         # the output-gradient rows the block reads stream through L1 past the slice
         dy_rows = min(layer.out_shape[1], -(-rows // sh) + kh // sh)
         streamed = chunk * dy_rows * ow * v * value_bytes
-        if rows > 1 and (partials > arch.l2_bytes // 4 or weights + streamed > L1_BUDGET * arch.l1d_bytes):
+        kept = weights + streamed <= L1_BUDGET * arch.l1d_bytes  # the slice stays in L1 from row to row
+        if rows > 1 and (partials > arch.l2_bytes // 4 or not (kept or beyond_l2)):
             break
-        stay = weights + streamed + partials <= L1_BUDGET * arch.l1d_bytes
-        traffic = ocb * slice_bytes + ocb * dy_rows * ow * v * value_bytes + (0 if stay else 2 * partials * chunks)
+        stay = kept and weights + streamed + partials <= L1_BUDGET * arch.l1d_bytes
+        traffic = ((1 if kept else rows) * group_bytes + ocb * dy_rows * ow * v * value_bytes
+                   + (0 if stay else 2 * partials * chunks))
         bpf = traffic / (rows * row_flops)
         overhead = 1 + 2 * pair / (chunk * v * taps)
         refill = bpf / 64 * arch.l1_refill_cycles
+        if beyond_l2:
+            refill += group_bytes / (rows * row_flops) / 64 * BEYOND_L2_REFILL_CYCLES
         cost = overhead / (2 * v * arch.fma_units * pair) + refill
         if best is None or cost < best[0] - 1e-12:
-            best = (cost, ConvBwdDataBlocking(chunk, rows, weights, partials, stay, bpf, overhead, refill))
+            best = (cost, ConvBwdDataBlocking(chunk, rows, weights, partials, stay, kept, beyond_l2, bpf, overhead,
+                                              refill))
     assert best is not None
     rows = -(-ih // -(-ih // best[1].rows))  # equal blocks: 14 rows as 7 + 7, not 8 + 6 (no bigger, so still fits)
     return dataclasses.replace(best[1], rows=rows, partial_bytes=rows * iw * tile.vectors * v * 4)

@@ -75,11 +75,14 @@ def conv_bwd_data(tile: RegisterTile, arch: Arch, stride: int, phases: int, row_
         f"output gradient times transposed weights (IC/V, OC/V, KH, KW, V oc, V ic), written by this kernel's "
         f"prologue; stride {stride} splits each row into {phases} phase(s) with their own kernel "
         f"columns ({row_eff:.0%} of the tile's peak); reduction chunk {b.chunk}/{ocb} output-channel blocks x "
-        f"{b.rows} input row{'s' if b.rows > 1 else ''}: the {b.weight_bytes // 1024} KiB weight slice stays within "
-        f"half of L1 over the rows, their {b.partial_bytes // 1024} KiB of partial sums "
+        f"{b.rows} input row{'s' if b.rows > 1 else ''}: the {b.weight_bytes // 1024} KiB weight slice "
+        + ("stays in L1 over the rows" if b.slice_kept else "is read from L2 once per row")
+        + f", their {b.partial_bytes // 1024} KiB of partial sums "
         + ("stay in L1 beside it" if b.partials_stay else "pass through L2 once per chunk")
-        + f" ({b.l2_bytes_per_flop:.3f} B/FLOP from L2 at {arch.l1_refill_cycles:g} cycles per 64 B refill) "
-        f"-> {eff:.0%} of peak predicted"
+        + f" ({b.l2_bytes_per_flop:.3f} B/FLOP from L2 at {arch.l1_refill_cycles:g} cycles per 64 B refill)"
+        + (f"; an ic-vector group's {ocb * b.weight_bytes // b.chunk // 1024} KiB of weights, beyond half of L2, "
+           "once per row block" if b.weights_beyond_l2 else "")
+        + f" -> {eff:.0%} of peak predicted"
     )
 
 
