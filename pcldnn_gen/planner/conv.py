@@ -320,8 +320,8 @@ def _conv_bwd_data_blocking(layer: LayerSpec, tile: RegisterTile, arch: Arch, va
     block; where they do not fit half of L2 they come from L3 or memory, priced at
     BEYOND_L2_REFILL_CYCLES a line, and row blocks grow past the point where the slice stays in
     L1 (it is then read from L2 once per row): OverFeat-FAST conv4-5 (12x12, 512/1024 -> 1024
-    channels, a 36 KiB slice, 1.2-2.4 MB per group) read every group's weights from beyond L2
-    once per input row, 0.72x oneDNN; 12-row blocks 1.38x / 1.49x that (Ice Lake, AVX-512, ab.py)."""
+    channels, a 36 KiB slice, 2.3 MB per group) read every group's weights from beyond L2 once
+    per input row, 0.72x oneDNN; 12-row blocks 1.38x / 1.49x that (Ice Lake, AVX-512, ab.py)."""
     v = arch.vector_floats
     pair = 4 // value_bytes
     _, ih, iw = layer.in_shape
