@@ -61,7 +61,8 @@ def emulated(command: str, argv: list[str]) -> int:
         def source(filename: str, text: str, symbols: dict[str, str], cflags: tuple[str, ...] = ()) -> compiler.Source:
             return compiler.Source(filename, CONVERSION_WITHOUT_BF16 + text if CONVERSION in text else text, symbols, cflags)
         codegen.Source = source  # type: ignore[assignment,misc]
-        load_without_bf16()
+        if command == "bench":  # it loads the build it has just made
+            load_without_bf16()
     return cli.main([command, *argv, "--precision", "bf16"])
 
 
