@@ -362,32 +362,43 @@ def test_small_caches_force_several_reduction_chunks(tmp_path, isa):
     assert_dot_close(db, want_b, abs_b, 3 * 6 * 70)
 
 
+def _build_3x3_relu_conv(tmp_path, arch, c, h, w, oc, choices=None):
+    """A one-layer net, conv "c" (3x3, pad 1, ReLU), built for `arch` (small caches, for the planner)."""
+    from pcldnn_gen.build import build
+    from pcldnn_gen.netspec import parse_netspec
+    spec = parse_netspec({"name": "conv", "input": {"channels": c, "height": h, "width": w}, "layers": [
+        {"name": "c", "type": "conv", "out_channels": oc, "kernel": 3, "pad": 1, "activation": "relu"}]})
+    return build(spec, arch, tmp_path / "b", choices=choices)
+
+
+def _check_3x3_relu_conv(tmp_path, seed):
+    """Forward and backward-data of that net on 3 images with 2 threads, against numpy."""
+    import pcldnn_runtime as pr
+    layer = pr.load(tmp_path / "b", threads=2).layers["c"]
+    c, h, w = layer.in_shape
+    oc = layer.out_shape[0]
+    rng = np.random.default_rng(seed)
+    layer.bias = rng.standard_normal(oc).astype(np.float32)
+    x = rng.standard_normal((3, c, h, w)).astype(np.float32)
+    y = layer.forward(x)
+    wts, b = layer.weights, layer.bias
+    assert_dot_close(y, ref.conv2d(x, wts, b, (1, 1), (1, 1), relu=True),
+                     ref.conv2d(np.abs(x), np.abs(wts), np.abs(b), (1, 1), (1, 1)), c * 9)
+    dy = rng.standard_normal(y.shape).astype(np.float32) * (y > 0)
+    assert_dot_close(layer.backward_data(dy), ref.conv2d_bwd_data(dy, wts, (1, 1), (1, 1), x.shape),
+                     ref.conv2d_bwd_data(np.abs(dy), np.abs(wts), (1, 1), (1, 1), x.shape), oc * 9)
+
+
 def test_groups_outside_images_match_numpy(tmp_path, isa):
     """Weights far beyond L2 on a small plane: forward and backward-data loop over channel
     groups outside the images (images_inner), with 2 threads splitting the groups."""
     import dataclasses
-
-    import pcldnn_runtime as pr
-    from pcldnn_gen.build import build
-    from pcldnn_gen.netspec import parse_netspec
     # 128 -> 128 3x3 weights are 576 KiB, above 4 x this L2; a one-vector group's slice (V output
     # channels, 4.5 V KiB) fits 3/4 of it beside an image's 2 KiB input and outweighs that input
     arch = dataclasses.replace(PRESETS[isa], name=f"small-l2-{isa}", l2_bytes=128 * 1024)
-    spec = parse_netspec({"name": "groups", "input": {"channels": 128, "height": 2, "width": 2}, "layers": [
-        {"name": "c", "type": "conv", "out_channels": 128, "kernel": 3, "pad": 1, "activation": "relu"}]})
-    result = build(spec, arch, tmp_path / "b", choices={("c", "fwd"): (2, 1), ("c", "bwd_data"): (2, 1)})
+    result = _build_3x3_relu_conv(tmp_path, arch, 128, 2, 2, 128, choices={("c", "fwd"): (2, 1), ("c", "bwd_data"): (2, 1)})
     assert result.plans[("c", "fwd")].images_inner and result.plans[("c", "bwd_data")].images_inner
-    layer = pr.load(tmp_path / "b", threads=2).layers["c"]
-    rng = np.random.default_rng(5)
-    layer.bias = rng.standard_normal(128).astype(np.float32)
-    x = rng.standard_normal((3, 128, 2, 2)).astype(np.float32)
-    y = layer.forward(x)
-    w, b = layer.weights, layer.bias
-    assert_dot_close(y, ref.conv2d(x, w, b, (1, 1), (1, 1), relu=True),
-                     ref.conv2d(np.abs(x), np.abs(w), np.abs(b), (1, 1), (1, 1)), 128 * 9)
-    dy = rng.standard_normal(y.shape).astype(np.float32) * (y > 0)
-    assert_dot_close(layer.backward_data(dy), ref.conv2d_bwd_data(dy, w, (1, 1), (1, 1), x.shape),
-                     ref.conv2d_bwd_data(np.abs(dy), np.abs(w), (1, 1), (1, 1), x.shape), 128 * 9)
+    _check_3x3_relu_conv(tmp_path, seed=5)
 
 
 @pytest.mark.parametrize("isa", [p for p in ISA_PARAMS if p.values[0] != "scalar"])  # a scalar slice always fits L1
@@ -396,25 +407,10 @@ def test_bwd_data_row_blocks_past_l1_match_numpy(tmp_path, isa):
     blocks take every input row (the slice read from L2 once per row), over several images
     and 2 threads."""
     import dataclasses
-
-    import pcldnn_runtime as pr
-    from pcldnn_gen.build import build
-    from pcldnn_gen.netspec import parse_netspec
     arch = dataclasses.replace(PRESETS[isa], name=f"small-caches-{isa}", l1d_bytes=4096, l2_bytes=128 * 1024)
-    spec = parse_netspec({"name": "rows", "input": {"channels": 24, "height": 7, "width": 10}, "layers": [
-        {"name": "c", "type": "conv", "out_channels": 128, "kernel": 3, "pad": 1, "activation": "relu"}]})
-    result = build(spec, arch, tmp_path / "b")
-    plan = result.plans[("c", "bwd_data")]
+    plan = _build_3x3_relu_conv(tmp_path, arch, 24, 7, 10, 128).plans[("c", "bwd_data")]
     assert plan.rows == 7 and "read from L2 once per row" in plan.reason and "once per row block" in plan.reason
-    layer = pr.load(tmp_path / "b", threads=2).layers["c"]
-    rng = np.random.default_rng(8)
-    layer.bias = rng.standard_normal(128).astype(np.float32)
-    x = rng.standard_normal((3, 24, 7, 10)).astype(np.float32)
-    y = layer.forward(x)
-    w = layer.weights
-    dy = rng.standard_normal(y.shape).astype(np.float32) * (y > 0)
-    assert_dot_close(layer.backward_data(dy), ref.conv2d_bwd_data(dy, w, (1, 1), (1, 1), x.shape),
-                     ref.conv2d_bwd_data(np.abs(dy), np.abs(w), (1, 1), (1, 1), x.shape), 128 * 9)
+    _check_3x3_relu_conv(tmp_path, seed=8)
 
 
 def test_whole_net_forward_matches_layer_by_layer_reference(tmp_path, isa):

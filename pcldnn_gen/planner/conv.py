@@ -298,7 +298,8 @@ class ConvBwdDataBlocking:
     partial_bytes: int          # the rows' partial sums (dx)
     partials_stay: bool         # slice and partial sums fit L1 together: the sums never leave it
     slice_kept: bool            # the slice stays in L1 over the rows (else read from L2 once per row)
-    weights_beyond_l2: bool     # an ic-vector group's weights exceed half of L2: once per row block from L3
+    beyond_l2_bytes: int        # an ic-vector group's weights where they exceed half of L2 (read from L3 once
+                                # per row block), else 0
     l2_bytes_per_flop: float
     overhead: float             # accumulator loads and stores per chunk, relative to the FMAs
     refill_cycles_per_flop: float
@@ -345,7 +346,7 @@ def _conv_bwd_data_blocking(layer: LayerSpec, tile: RegisterTile, arch: Arch, va
         kept = weights + streamed <= L1_BUDGET * arch.l1d_bytes  # the slice stays in L1 from row to row
         if rows > 1 and (partials > arch.l2_bytes // 4 or not (kept or beyond_l2)):
             break
-        stay = kept and weights + streamed + partials <= L1_BUDGET * arch.l1d_bytes
+        stay = weights + streamed + partials <= L1_BUDGET * arch.l1d_bytes
         traffic = ((1 if kept else rows) * group_bytes + ocb * dy_rows * ow * v * value_bytes
                    + (0 if stay else 2 * partials * chunks))
         bpf = traffic / (rows * row_flops)
@@ -355,8 +356,8 @@ def _conv_bwd_data_blocking(layer: LayerSpec, tile: RegisterTile, arch: Arch, va
             refill += group_bytes / (rows * row_flops) / 64 * BEYOND_L2_REFILL_CYCLES
         cost = overhead / (2 * v * arch.fma_units * pair) + refill
         if best is None or cost < best[0] - 1e-12:
-            best = (cost, ConvBwdDataBlocking(chunk, rows, weights, partials, stay, kept, beyond_l2, bpf, overhead,
-                                              refill))
+            best = (cost, ConvBwdDataBlocking(chunk, rows, weights, partials, stay, kept,
+                                              group_bytes if beyond_l2 else 0, bpf, overhead, refill))
     assert best is not None
     rows = -(-ih // -(-ih // best[1].rows))  # equal blocks: 14 rows as 7 + 7, not 8 + 6 (no bigger, so still fits)
     return dataclasses.replace(best[1], rows=rows, partial_bytes=rows * iw * tile.vectors * v * 4)

@@ -80,8 +80,8 @@ def conv_bwd_data(tile: RegisterTile, arch: Arch, stride: int, phases: int, row_
         + f", their {b.partial_bytes // 1024} KiB of partial sums "
         + ("stay in L1 beside it" if b.partials_stay else "pass through L2 once per chunk")
         + f" ({b.l2_bytes_per_flop:.3f} B/FLOP from L2 at {arch.l1_refill_cycles:g} cycles per 64 B refill)"
-        + (f"; an ic-vector group's {ocb * b.weight_bytes // b.chunk // 1024} KiB of weights, beyond half of L2, "
-           "once per row block" if b.weights_beyond_l2 else "")
+        + (f"; an ic-vector group's {b.beyond_l2_bytes // 1024} KiB of weights, beyond half of L2, "
+           "once per row block" if b.beyond_l2_bytes else "")
         + f" -> {eff:.0%} of peak predicted"
     )
 
