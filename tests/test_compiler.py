@@ -17,6 +17,11 @@ from pcldnn_gen.errors import BuildDirError, CompileError
 from pcldnn_gen.netspec import load_netspec
 
 
+def _is_gcc_cc() -> bool:
+    from pcldnn_gen.compiler import _is_gcc, c_compiler
+    return _is_gcc(c_compiler())
+
+
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
@@ -116,3 +121,89 @@ def test_a_build_of_an_older_format_is_refused_then_replaced(tmp_path, fresh_cac
     assert pr.load(out).name == "cifar_small"
 
 
+
+
+def _simd_source(tag: str) -> Source:
+    return Source(f"{tag}_fwd.c", f"/* {tag} */\n#include <immintrin.h>\n"
+                  "void zero(float *x) { _mm256_storeu_ps(x, _mm256_setzero_ps()); }\n", {})
+
+
+def _same_as_plain_compile(lib, arch, tmp_path) -> bool:
+    """Whether a cached library is the one the compiler makes from its source alone, with no
+    precompiled header (compiled under the same file name: the name is in the library)."""
+    from pcldnn_gen.compiler import c_compiler, compile_flags
+    (tmp_path / "plain").mkdir(exist_ok=True)
+    src, out = tmp_path / "plain" / lib.with_suffix(".c").name, tmp_path / "plain" / lib.name
+    src.write_text(lib.with_suffix(".c").read_text())
+    subprocess.run([c_compiler(), *compile_flags(arch), "-o", str(out), str(src)], check=True)
+    return out.read_bytes() == lib.read_bytes()
+
+
+def _uses_precompiled_header(c_file, arch, cache) -> bool:
+    """GCC's `-H` lists the headers a compile reads and marks a precompiled one it used with '!'
+    (one it rejected, for other flags say, would cost its full parse again)."""
+    from pcldnn_gen.compiler import c_compiler, compile_flags, prelude_args
+    flags = compile_flags(arch)
+    run = subprocess.run([c_compiler(), *flags, *prelude_args(c_compiler(), flags, cache), "-H", "-fsyntax-only",
+                          str(c_file)], capture_output=True, text=True, check=True)
+    return "! " + str((cache / "pch").resolve()) in run.stderr
+
+
+@pytest.mark.skipif(not _is_gcc_cc(), reason="precompiled headers are used with GCC only")
+def test_simd_kernels_share_one_valid_precompiled_header_and_the_same_libraries(tmp_path, fresh_cache):
+    """Every SIMD kernel of a build is compiled with <immintrin.h> precompiled for its flags: one
+    .gch for the build's flag set, which GCC accepts for those flags, and the libraries are the
+    ones the sources alone give."""
+    arch = get_arch("avx2")
+    build(load_netspec(NETS / "cifar_small.json"), arch, tmp_path / "b")
+    assert len(list((fresh_cache / "pch").glob("*/prelude.h.gch"))) == 1
+    kernels = [c for c in sorted(fresh_cache.glob("*/*.c")) if "#include <immintrin.h>" in c.read_text()]
+    assert len(kernels) >= 5 and _uses_precompiled_header(kernels[0], arch, fresh_cache)
+    assert all(_same_as_plain_compile(c.with_suffix(".so"), arch, tmp_path) for c in kernels[:3])
+
+
+@pytest.mark.skipif(not _is_gcc_cc(), reason="precompiled headers are used with GCC only")
+def test_a_broken_precompiled_header_never_breaks_or_changes_a_kernel(tmp_path, fresh_cache):
+    """A truncated .gch (its digest no longer matches) is rebuilt; one that is garbage yet carries
+    a matching digest is ignored by GCC; one removed under a running process makes the compile
+    fall back to parsing the header, and the next compile builds it again. Each time the library
+    is the source's own. (A .gch is not byte-reproducible: rebuilt ones are checked by use.)"""
+    import shutil
+
+    from pcldnn_gen import compiler
+    arch = get_arch("avx2")
+    first = compile_source(_simd_source("first"), arch).library
+    (folder,) = [p for p in (fresh_cache / "pch").iterdir() if p.is_dir()]
+    gch, digest = folder / "prelude.h.gch", folder / "prelude.h.gch.sha256"
+
+    gch.write_bytes(gch.read_bytes()[:100_000])
+    compiler._prelude_memo.clear()  # a new process
+    lib = compile_source(_simd_source("truncated"), arch).library
+    assert digest.read_text() == compiler.file_sha256(gch)
+    assert _uses_precompiled_header(first.with_suffix(".c"), arch, fresh_cache)
+    assert _same_as_plain_compile(lib, arch, tmp_path)
+
+    gch.write_bytes(b"not a precompiled header")
+    digest.write_text(compiler.file_sha256(gch))
+    compiler._prelude_memo.clear()
+    lib = compile_source(_simd_source("garbage"), arch).library
+    assert _same_as_plain_compile(lib, arch, tmp_path)
+
+    shutil.rmtree(folder)  # the memo still points at it
+    lib = compile_source(_simd_source("removed"), arch).library
+    assert _same_as_plain_compile(lib, arch, tmp_path)
+    compile_source(_simd_source("again"), arch)  # looks again: builds a new one
+    assert _uses_precompiled_header(first.with_suffix(".c"), arch, fresh_cache)
+
+
+def test_other_compilers_parse_the_header_themselves(tmp_path, fresh_cache, monkeypatch):
+    """A compiler that is not GCC (its --version says clang here) gets no -include and no .gch
+    is built: other compilers' precompiled headers work differently."""
+    import shutil
+    fake = tmp_path / "clang"
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then echo "clang version 17.0.6"; exit 0; fi\n'
+                    f'exec {shutil.which("gcc") or "cc"} "$@"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    lib = compile_source(_simd_source("clang"), get_arch("avx2")).library
+    assert lib.is_file() and not (fresh_cache / "pch").exists()
