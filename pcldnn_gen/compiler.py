@@ -35,7 +35,7 @@ from pcldnn_runtime.manifest import file_sha256
 from pcldnn_runtime.validate import write_atomic
 
 from .arch import Arch
-from .errors import CompileError
+from .errors import CompileError, CompilerWarning
 
 
 @dataclass(frozen=True)
@@ -247,6 +247,9 @@ def _compile_cached(source: Source, arch: Arch, cache: Path) -> CompileResult:
                 raise CompileError(
                     f"compiling {source.filename} failed (source kept at {c_file})\n"
                     f"command: {shlex.join(cmd)}\n{proc.stderr.strip()}")
+            if proc.stderr.strip():
+                warnings.warn(f"the C compiler warned about {source.filename} (a pcldnn-gen bug: please report it "
+                              f"with {c_file}):\n{proc.stderr.strip()}", CompilerWarning, stacklevel=2)
             digest = file_sha256(Path(tmp))
             os.replace(tmp, lib)
         except subprocess.TimeoutExpired:

@@ -207,3 +207,13 @@ def test_other_compilers_parse_the_header_themselves(tmp_path, fresh_cache, monk
     monkeypatch.setenv("CC", str(fake))
     lib = compile_source(_simd_source("clang"), get_arch("avx2")).library
     assert lib.is_file() and not (fresh_cache / "pch").exists()
+
+
+def test_a_compiler_warning_about_generated_code_is_reported(fresh_cache):
+    """Generated C is meant to compile cleanly under -Wall: a warning reaches the user as a
+    CompilerWarning naming the file and the kept source (the suite makes it an error), and the
+    kernel is still built."""
+    from pcldnn_gen.errors import CompilerWarning
+    with pytest.warns(CompilerWarning, match=r"(?s)warns_fwd\.c .*unused variable"):
+        result = compile_source(Source("warns_fwd.c", "int f(void) { int unused; return 0; }\n", {}), get_arch("scalar"))
+    assert result.compiled and result.library.is_file()
