@@ -16,6 +16,7 @@ only runs kernels needs no compiler.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import hashlib
 import os
@@ -23,11 +24,11 @@ import shlex
 import shutil
 import subprocess
 import tempfile
-import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from filelock import FileLock
 
@@ -134,6 +135,26 @@ def _valid_entry(lib: Path, digest_file: Path) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _temp_file(folder: Path, prefix: str, suffix: str) -> Iterator[str]:
+    """A temporary name in the entry's folder (same filesystem: the rename is atomic), removed
+    on the way out unless _install took it."""
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=folder)
+    os.close(fd)
+    try:
+        yield tmp
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _install(tmp: str, entry: Path, digest_file: Path) -> None:
+    """Rename a finished file into place, then record its digest (checked by _valid_entry)."""
+    digest = file_sha256(Path(tmp))
+    os.replace(tmp, entry)
+    write_atomic(digest_file, digest.encode())
+
+
 # The header every SIMD kernel includes and whose parse dominates its compile; precompiled per flag set.
 PRELUDE_INCLUDE = "#include <immintrin.h>"
 
@@ -149,58 +170,37 @@ def _is_gcc(cc: str) -> bool:
     return "Free Software Foundation" in out
 
 
-_prelude_memo: dict[tuple[str, ...], list[str]] = {}
-_prelude_lock = threading.Lock()
-
-
-def prelude_args(cc: str, flags: list[str], cache: Path) -> list[str]:
-    """`-include` of <immintrin.h> precompiled with exactly these flags, or [] where there is
+@functools.lru_cache(maxsize=None)
+def prelude_args(cc: str, flags: tuple[str, ...], cache: Path) -> tuple[str, ...]:
+    """`-include` of <immintrin.h> precompiled with exactly these flags, or () where there is
     none to be had (not GCC, the build failed): the kernel then parses the header itself. The
     .gch is built once per cache (file lock, atomic rename), its digest checked once per
     process. GCC uses a .gch only when it matches the compile (flags, compiler build) and
     otherwise reads the header, so a stale one cannot change a library, only its compile time."""
-    key = _prelude_key(cc, flags, cache)
-    with _prelude_lock:
-        if key not in _prelude_memo:
-            _prelude_memo[key] = _build_prelude(cc, flags, cache) if _is_gcc(cc) else []
-        return _prelude_memo[key]
+    return _build_prelude(cc, flags, cache) if _is_gcc(cc) else ()
 
 
-def _prelude_key(cc: str, flags: list[str], cache: Path) -> tuple[str, ...]:
-    return (cc, str(cache), *flags)
-
-
-def _build_prelude(cc: str, flags: list[str], cache: Path) -> list[str]:
-    folder = (cache / "pch" / cache_key(PRELUDE_INCLUDE, cc, flags)).resolve()
+def _build_prelude(cc: str, flags: tuple[str, ...], cache: Path) -> tuple[str, ...]:
+    folder = (cache / "pch" / cache_key(PRELUDE_INCLUDE, cc, list(flags))).resolve()
     header, gch, digest_file = folder / "prelude.h", folder / "prelude.h.gch", folder / "prelude.h.gch.sha256"
     try:
         if not (folder.is_dir() and not folder.is_symlink()):
             _clear(folder)
             folder.mkdir(parents=True, exist_ok=True)
-        if _valid_entry(gch, digest_file):
-            return ["-include", str(header)]
         with FileLock(str(folder.parent / f"{folder.name}.lock"), timeout=900):
             if not _valid_entry(gch, digest_file):
                 for entry in (gch, digest_file):
                     _clear(entry)
                 write_atomic(header, (PRELUDE_INCLUDE + "\n").encode())
-                fd, tmp = tempfile.mkstemp(prefix=".prelude.", suffix=".gch.tmp", dir=folder)
-                os.close(fd)
-                try:
-                    flags_pch = [f for f in flags if f != "-shared"]
-                    proc = subprocess.run([cc, *flags_pch, "-x", "c-header", "-o", tmp, str(header)],
-                                          capture_output=True, timeout=600)
-                    if proc.returncode != 0:
-                        return []
-                    digest = file_sha256(Path(tmp))
-                    os.replace(tmp, gch)
-                finally:
-                    if os.path.exists(tmp):
-                        os.unlink(tmp)
-                write_atomic(digest_file, digest.encode())
+                with _temp_file(folder, ".prelude.", ".gch.tmp") as tmp:
+                    pch_flags = [f for f in flags if f != "-shared"]
+                    if subprocess.run([cc, *pch_flags, "-x", "c-header", "-o", tmp, str(header)],
+                                      capture_output=True, timeout=600).returncode != 0:
+                        return ()
+                    _install(tmp, gch, digest_file)
     except (OSError, subprocess.SubprocessError):
-        return []
-    return ["-include", str(header)]
+        return ()
+    return ("-include", str(header))
 
 
 def compile_source(source: Source, arch: Arch, cache: Path | None = None) -> CompileResult:
@@ -232,17 +232,17 @@ def _compile_cached(source: Source, arch: Arch, cache: Path) -> CompileResult:
         for entry in (lib, digest_file, c_file):
             _clear(entry)
         write_atomic(c_file, source.text.encode())
-        fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".so.tmp", dir=folder)
-        os.close(fd)
-        cmd = [cc, *flags, "-o", tmp, str(c_file)]
-        prelude = prelude_args(cc, flags, cache) if PRELUDE_INCLUDE in source.text else []
-        try:
-            proc = subprocess.run(cmd[:1] + prelude + cmd[1:], capture_output=True, text=True, timeout=600)
-            if proc.returncode != 0 and prelude:  # say what the source itself does, without the .gch
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-                if proc.returncode == 0:  # the .gch was at fault (removed underneath us?): look again next time
-                    with _prelude_lock:
-                        _prelude_memo.pop(_prelude_key(cc, flags, cache), None)
+        prelude = prelude_args(cc, tuple(flags), cache) if PRELUDE_INCLUDE in source.text else ()
+        with _temp_file(folder, f".{key[:16]}.", ".so.tmp") as tmp:
+            cmd = [cc, *flags, "-o", tmp, str(c_file)]
+            try:
+                proc = subprocess.run([cc, *prelude, *cmd[1:]], capture_output=True, text=True, timeout=600)
+                if proc.returncode != 0 and prelude:  # say what the source itself does, without the .gch
+                    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+                    if proc.returncode == 0:  # the .gch was at fault (removed underneath us?): look again next time
+                        prelude_args.cache_clear()
+            except subprocess.TimeoutExpired:
+                raise CompileError(f"compiling {source.filename} timed out after 600 s: {shlex.join(cmd)}") from None
             if proc.returncode != 0:
                 raise CompileError(
                     f"compiling {source.filename} failed (source kept at {c_file})\n"
@@ -250,14 +250,7 @@ def _compile_cached(source: Source, arch: Arch, cache: Path) -> CompileResult:
             if proc.stderr.strip():
                 warnings.warn(f"the C compiler warned about {source.filename} (a pcldnn-gen bug: please report it "
                               f"with {c_file}):\n{proc.stderr.strip()}", CompilerWarning, stacklevel=2)
-            digest = file_sha256(Path(tmp))
-            os.replace(tmp, lib)
-        except subprocess.TimeoutExpired:
-            raise CompileError(f"compiling {source.filename} timed out after 600 s: {shlex.join(cmd)}") from None
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        write_atomic(digest_file, digest.encode())
+            _install(tmp, lib, digest_file)
     return CompileResult(lib, compiled=True)
 
 

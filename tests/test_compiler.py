@@ -144,7 +144,7 @@ def _uses_precompiled_header(c_file, arch, cache) -> bool:
     (one it rejected, for other flags say, would cost its full parse again)."""
     from pcldnn_gen.compiler import c_compiler, compile_flags, prelude_args
     flags = compile_flags(arch)
-    run = subprocess.run([c_compiler(), *flags, *prelude_args(c_compiler(), flags, cache), "-H", "-fsyntax-only",
+    run = subprocess.run([c_compiler(), *flags, *prelude_args(c_compiler(), tuple(flags), cache), "-H", "-fsyntax-only",
                           str(c_file)], capture_output=True, text=True, check=True)
     return "! " + str((cache / "pch").resolve()) in run.stderr
 
@@ -177,7 +177,7 @@ def test_a_broken_precompiled_header_never_breaks_or_changes_a_kernel(tmp_path, 
     gch, digest = folder / "prelude.h.gch", folder / "prelude.h.gch.sha256"
 
     gch.write_bytes(gch.read_bytes()[:100_000])
-    compiler._prelude_memo.clear()  # a new process
+    compiler.prelude_args.cache_clear()  # a new process
     lib = compile_source(_simd_source("truncated"), arch).library
     assert digest.read_text() == compiler.file_sha256(gch)
     assert _uses_precompiled_header(first.with_suffix(".c"), arch, fresh_cache)
@@ -185,7 +185,7 @@ def test_a_broken_precompiled_header_never_breaks_or_changes_a_kernel(tmp_path, 
 
     gch.write_bytes(b"not a precompiled header")
     digest.write_text(compiler.file_sha256(gch))
-    compiler._prelude_memo.clear()
+    compiler.prelude_args.cache_clear()
     lib = compile_source(_simd_source("garbage"), arch).library
     assert _same_as_plain_compile(lib, arch, tmp_path)
 
