@@ -150,7 +150,9 @@ def fc_bwd_weights(tile: RegisterTile, arch: Arch, rem_k: int, rem_n: int, batch
         + (f"; the last group {rem_n} vector(s)" if rem_n else "")
         + f"; broadcast inputs times output-gradient vectors, reduced over the minibatch -> "
         f"{tile.efficiency:.0%} of peak predicted; the tile's dy slice ({batch} rows x {tile.vectors} "
-        f"vectors = {batch * tile.vectors * v * 4 // 1024} KiB at minibatch {batch}) stays within half of L1; "
+        f"vectors = {batch * tile.vectors * v * 4 // 1024} KiB at minibatch {batch}) and its panel stream from L2 "
+        f"where they outgrow L1 ({(tile.width + tile.vectors * v) * 4 / (2 * tile.width * tile.vectors * v):.2f} "
+        f"bytes per FLOP); "
         f"K chunk {kc}/{k}: the input chunk is packed into contiguous {tile.width}-wide panels "
         f"({batch * kc * 4 // 1024} KiB, within half of L2) that every output-vector group reuses"
     )

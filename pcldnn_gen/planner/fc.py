@@ -9,7 +9,7 @@ from ..arch import Arch
 from ..netspec import LayerSpec
 from . import explain
 from .plans import FcBwdDataPlan, FcBwdWeightsPlan, FcFwdPlan
-from .tiles import RegisterTile, best_first, candidates, divisors, pieces_efficiency, put_first
+from .tiles import RegisterTile, candidates, divisors, pieces_efficiency, put_first
 
 # Concurrent sequential streams the hardware prefetchers follow (Intel's L2 streamer tracks
 # 32). Kernels whose reduction walks across rows of a large matrix chunk the reduction so that
@@ -31,18 +31,22 @@ FC_PLAN_BATCH = 256
 SCORE_BATCHES = (16, 32, 64, 128, 256)
 
 
+def _l2_roof(t: RegisterTile, arch: Arch) -> float:
+    """The fraction of the FMA peak a tile reaches when both its streams (vectors and
+    broadcasts) come from L2 at every step: arch.l2_bytes_per_cycle over the bytes it needs."""
+    v = arch.vector_floats
+    bytes_per_flop = (t.vectors * v + t.width) * 4 / (2 * t.width * t.vectors * v)
+    return arch.l2_bytes_per_cycle / (bytes_per_flop * 2 * v * arch.fma_units)
+
+
 def _rows_scored(tiles: list[RegisterTile], arch: Arch) -> list[RegisterTile]:
     """Tiles whose width is minibatch rows, best first: mean over SCORE_BATCHES of the
     work-weighted efficiency of full and remainder row tiles, capped by the L2 roofline of the
     panel a tile streams (every row tile reads its vectors' weights again: few rows, many
     bytes per FLOP), then more accumulators."""
-    peak = 2 * arch.vector_floats * arch.fma_units
-
     def score(t: RegisterTile) -> float:
-        bytes_per_flop = (t.vectors * arch.vector_floats + t.width) * 4 / (2 * t.width * t.vectors * arch.vector_floats)
-        roof = arch.l2_bytes_per_cycle / (bytes_per_flop * peak)
-        return statistics.fmean(min(roof, pieces_efficiency([(t.width, b // t.width), (b % t.width, 1)], t.vectors,
-                                                            arch)) for b in SCORE_BATCHES)
+        return statistics.fmean(min(_l2_roof(t, arch), pieces_efficiency([(t.width, b // t.width), (b % t.width, 1)],
+                                                                          t.vectors, arch)) for b in SCORE_BATCHES)
     return sorted(tiles, key=lambda t: (round(score(t), 6), t.width * t.vectors, -t.registers), reverse=True)
 
 
@@ -106,11 +110,15 @@ def plan_fc_bwd_weights(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | 
     v = arch.vector_floats
     k, ocb = _k(layer, v), blocks(layer.out_shape[0], v)
     # Neither side of the tile needs to divide its dimension: the last K panel and the last
-    # output-vector group get narrower tiles. A tile reduces over the whole minibatch, so the
-    # output-gradient slice it loads (minibatch x vectors) must stay in half of L1 to be reused
-    # by the next panel's tile; sized for FC_PLAN_BATCH rows.
-    max_vectors = max(1, min(ocb, (arch.l1d_bytes // 2) // (FC_PLAN_BATCH * v * 4)))
-    scored = put_first(best_first(candidates(arch.vector_registers, range(1, max_vectors + 1), arch)), choice)
+    # output-vector group get narrower tiles. A tile reduces over the whole minibatch; its dy
+    # slice (minibatch x vectors) and its panel stream from L2 where they outgrow L1, so tiles
+    # rank by the register model capped by that L2 roofline. Keeping the dy slice within half of
+    # L1 instead (one vector at minibatch 256 on a 32-48 KiB L1: 30x1 tiles, a broadcast per FMA)
+    # measured 1.3-1.7x slower than 14x2 on VGG-A fc6-fc8 at minibatch 16-256 (Ice Lake VM,
+    # interleaved A/B; RESULTS.md "fc backward-weights tiles").
+    scored = put_first(sorted(candidates(arch.vector_registers, range(1, ocb + 1), arch),
+                              key=lambda t: (round(min(t.efficiency, _l2_roof(t, arch)), 6), t.width * t.vectors,
+                                             -t.registers), reverse=True), choice)
     tile = scored[0]
     rem_k, rem_n = k % tile.width, ocb % tile.vectors
     # K chunk: the packed input panels (minibatch x chunk) fill at most half of L2 at the
