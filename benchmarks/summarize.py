@@ -2,6 +2,7 @@
 
     python benchmarks/summarize.py benchmarks/results/vgg_a_1t.json benchmarks/results/vgg_a_2t.json
     python benchmarks/summarize.py --markdown benchmarks/results/vgg_a_1t.json ...   # RESULTS.md's tables
+    python benchmarks/summarize.py vgg_a_bf16.json vgg_a_fp32.json overfeat_fast_bf16.json ...  # issue 18's figures
 
 Files are grouped by (net, minibatch, threads); within a group every (layer, pass) row comes from
 exactly one file, so a run of a few layers can sit beside the full run of other layers, and two
@@ -10,7 +11,9 @@ replacing the other. Per group and pass: median and worst % of peak and x oneDNN
 mid/deep conv layers (every conv layer but the first), the first conv layer's x oneDNN, and for
 fc layers % of peak and x numpy; with 1- and 2-thread groups of the same net and minibatch, the
 2t/1t time ratios over matching conv rows. --markdown prints each group's figures against the
-targets and its per-layer table.
+targets and its per-layer table. bf16 runs (`bench --precision bf16`) are groups of their own;
+beside fp32 runs of the same layers they add the bf16 figures: fp32 time / bf16 time and x oneDNN
+bf16 over every conv row benched, pooled over the nets, and the fc rows x oneDNN.
 """
 from __future__ import annotations
 
@@ -30,15 +33,23 @@ FIRST_LAYER_TARGET = 2.0         # first conv layer x oneDNN, every pass
 THREADS_TARGET = 1.85            # 2 threads / 1 thread, median over conv rows
 FC_PEAK_TARGET = 0.80            # every fc row
 FC_NUMPY_TARGET = 1.0            # every fc row, x numpy (OpenBLAS)
+# bf16 builds (issue 18), over the conv rows benched (the issue names VGG-A conv2-8 and
+# OverFeat-FAST conv2-5: `bench --layers`), pooled over the nets of a (ISA, minibatch,
+# threads): median fp32 time / bf16 time, median x oneDNN's bf16 kernel; fc rows each x
+# oneDNN's bf16 matmul.
+BF16_SPEEDUP_TARGET = 1.7
+BF16_ONEDNN_TARGET = 1.0
+BF16_FC_ONEDNN_TARGET = 1.0
 
 
 @dataclass
 class Group:
-    """The rows of one (net, ISA, minibatch, threads), possibly from several files."""
+    """The rows of one (net, ISA, minibatch, threads, precision), possibly from several files."""
     net: str
     isa: str
     batch: int
     threads: int
+    precision: str = "fp32"
     rows: dict[tuple[str, str], dict] = field(default_factory=dict)   # (layer, pass) -> row, in file order
     source: dict[tuple[str, str], Path] = field(default_factory=dict)
     peaks: dict[Path, float] = field(default_factory=dict)
@@ -46,7 +57,8 @@ class Group:
 
     @property
     def title(self) -> str:
-        return f"{self.net}, {self.isa}, minibatch {self.batch}, {self.threads} thread(s)"
+        bf16 = "" if self.precision == "fp32" else f", {self.precision} build"
+        return f"{self.net}, {self.isa}{bf16}, minibatch {self.batch}, {self.threads} thread(s)"
 
 
 def _layer_type(row: dict) -> str:
@@ -55,13 +67,18 @@ def _layer_type(row: dict) -> str:
     return row.get("layer_type") or ("conv" if name.startswith("conv") else "fc" if name.startswith("fc") else "?")
 
 
+BF16_TITLE = " (bf16 build"  # how bench files before the "precision" key marked a bf16 run, in the net's title
+
+
 def load(paths: list[Path]) -> list[Group]:
-    groups: dict[tuple[str, str, int, int], Group] = {}
+    groups: dict[tuple[str, str, int, int, str], Group] = {}
     for path in paths:
         d = json.loads(path.read_text())
-        isa = d["arch"]["isa"]
-        g = groups.setdefault((d["net"], isa, d["batch"], d["threads"]),
-                              Group(d["net"], isa, d["batch"], d["threads"], zoo=bool(d.get("zoo"))))
+        isa, net = d["arch"]["isa"], d["net"]
+        precision = d.get("precision") or ("bf16" if BF16_TITLE in net else "fp32")
+        net = net.split(BF16_TITLE)[0]
+        g = groups.setdefault((net, isa, d["batch"], d["threads"], precision),
+                              Group(net, isa, d["batch"], d["threads"], precision, zoo=bool(d.get("zoo"))))
         g.peaks[path] = d["peak_gflops"]
         for row in d["results"]:
             key = (row["layer"], row["pass_name"])
@@ -97,6 +114,59 @@ def pass_figures(g: Group, p: str) -> dict:
     return {"conv_peak": _spread(mid, "peak_fraction"), "conv_onednn": _spread(mid, "vs_onednn"),
             "first_layer": first, "first_onednn": first_row.get("vs_onednn") if first_row else None,
             "fc": [r for r in rows if _layer_type(r) == "fc"]}
+
+
+@dataclass(frozen=True)
+class Bf16Figures:
+    """One pass of the bf16 builds of a (ISA, minibatch, threads), against their fp32 builds:
+    every conv row the files hold (the layers benched), fc rows apart."""
+    speedup: Spread | None          # fp32 ms / bf16 ms
+    onednn: Spread | None           # the bf16 rows' x oneDNN
+    fc_onednn: Spread | None
+    impls: tuple[str, ...]          # oneDNN's implementations on the bf16 rows
+
+
+def bf16_figures(groups: list[Group]) -> dict[tuple[str, int, int], dict[str, Bf16Figures]]:
+    """{(isa, batch, threads): {pass: figures}} over every bf16 group, its conv rows matched to
+    the fp32 group of the same net, ISA, minibatch and threads (rows without a match count for
+    x oneDNN only), pooled over nets."""
+    fp32 = {(g.net, g.isa, g.batch, g.threads): g for g in groups if g.precision == "fp32"}
+    pooled: dict[tuple[str, int, int], dict[str, tuple[list, list, list]]] = {}
+    for g in (g for g in groups if g.precision == "bf16"):
+        other = fp32.get((g.net, g.isa, g.batch, g.threads))
+        for p in PASSES:
+            conv = [r for r in g.rows.values() if r["pass_name"] == p and _layer_type(r) == "conv"]
+            fc = [r for r in g.rows.values() if r["pass_name"] == p and _layer_type(r) == "fc"]
+            speed, vs, fcs = pooled.setdefault((g.isa, g.batch, g.threads), {}).setdefault(p, ([], [], []))
+            speed += [{"layer": f"{g.net} {r['layer']}", "x": other.rows[(r["layer"], p)]["ms"] / r["ms"]}
+                      for r in conv if other and (r["layer"], p) in other.rows]
+            vs += [{**r, "layer": f"{g.net} {r['layer']}"} for r in conv]
+            fcs += [{**r, "layer": f"{g.net} {r['layer']}"} for r in fc]
+    return {key: {p: Bf16Figures(_spread(speed, "x"), _spread(vs, "vs_onednn"), _spread(fc, "vs_onednn"),
+                                 tuple(sorted({i for r in vs + fc for i in (r.get("onednn_impl") or "").split()})))
+                  for p, (speed, vs, fc) in passes.items()}
+            for key, passes in pooled.items()}
+
+
+def bf16_markdown(groups: list[Group]) -> list[str]:
+    out = []
+    for (isa, batch, threads), passes in bf16_figures(groups).items():
+        out += [f"### bf16 against fp32 and oneDNN bf16, {isa}, minibatch {batch}, {threads} thread(s)", "",
+                "| figure | target | measured | met |", "|---|---|---|---|"]
+        for p, f in passes.items():
+            for what, s, target in ((f"{p} fp32 time / bf16 time, conv", f.speedup,
+                                     BF16_SPEEDUP_TARGET),
+                                    (f"{p} × oneDNN bf16, conv", f.onednn, BF16_ONEDNN_TARGET)):
+                if s:
+                    out.append(f"| {what} | median ≥ {target} | median {_x(s.median)}, worst {_x(s.worst)} "
+                               f"({s.worst_layer}) | {_met(s.median >= target)} |")
+            if f.fc_onednn:
+                s = f.fc_onednn
+                out.append(f"| {p} × oneDNN bf16 matmul, fc | each ≥ {BF16_FC_ONEDNN_TARGET} | median {_x(s.median)}, "
+                           f"worst {_x(s.worst)} ({s.worst_layer}) | {_met(s.worst >= BF16_FC_ONEDNN_TARGET)} |")
+        impls = sorted({i for f in passes.values() for i in f.impls})
+        out += ["", f"oneDNN: {', '.join(impls) or 'not compared'}.", ""]
+    return out
 
 
 def thread_ratios(groups: list[Group]) -> dict[tuple[str, str, int], list[float]]:
@@ -187,7 +257,7 @@ def markdown(groups: list[Group]) -> str:
         out += [f"### {g.title}", "", f"From {files}.", ""]
         out += targets_markdown(g, ratios.get((g.net, g.isa, g.batch)) if g.threads == 1 else None) + [""]
         out += table_markdown(g) + [""]
-    return "\n".join(out)
+    return "\n".join(out + bf16_markdown(groups))
 
 
 def text(groups: list[Group]) -> str:
@@ -210,6 +280,13 @@ def text(groups: list[Group]) -> str:
                              (f" x numpy {_x(r['vs_numpy'])}" if r.get("vs_numpy") else ""))
             if parts:
                 out.append(f"  {p:12s} " + "; ".join(parts))
+    for (isa, batch, threads), passes in bf16_figures(groups).items():
+        out.append(f"bf16 builds, {isa}, minibatch {batch}, {threads} thread(s), the conv rows benched, pooled over nets:")
+        for p, f in passes.items():
+            parts = [f"{what} median {_x(s.median)} worst {_x(s.worst)} ({s.worst_layer})"
+                     for what, s in (("fp32/bf16 time", f.speedup), ("x oneDNN bf16", f.onednn),
+                                     ("fc x oneDNN bf16", f.fc_onednn)) if s]
+            out.append(f"  {p:12s} " + "; ".join(parts))
     for (net, isa, batch), r in thread_ratios(groups).items():
         out.append(f"{net}, {isa}, minibatch {batch}: 2 threads / 1 thread over conv rows: median {statistics.median(r):.2f}, "
                    f"range {r[0]:.2f}-{r[-1]:.2f}")

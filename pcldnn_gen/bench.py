@@ -314,10 +314,11 @@ def format_table(title: str, arch: Arch, batch: int, threads: int, peak: float, 
 
 
 def results_json(title: str, arch: Arch, batch: int | list[int], threads: int, peak: float, results: list[PassResult],
-                 zoo: bool = False) -> dict:
-    """The run as JSON; `zoo`: the rows are independent shapes, not the layers of one net."""
-    return {"net": title, "zoo": zoo, "arch": arch.to_json(), "batch": batch, "threads": threads, "peak_gflops": peak,
-            "results": [asdict(r) for r in results]}
+                 zoo: bool = False, precision: str = "fp32") -> dict:
+    """The run as JSON; `zoo`: the rows are independent shapes, not the layers of one net;
+    `precision`: the build's (a bf16 run's peak_fraction is against the fp32 FMA peak)."""
+    return {"net": title, "zoo": zoo, "precision": precision, "arch": arch.to_json(), "batch": batch,
+            "threads": threads, "peak_gflops": peak, "results": [asdict(r) for r in results]}
 
 
 def plot(path: Path, title: str, arch: Arch, results: list[PassResult]) -> None:

@@ -183,14 +183,13 @@ def _bench(args: argparse.Namespace) -> int:
         layers = args.layers.split(",") if args.layers else None
         peak, results = bench.bench_net(net, arch, args.batch, threads, passes, layers, args.repeats, compare,
                                         rounds=args.rounds, tuning=_tuning(args), precision=args.precision)
-    if args.precision != "fp32":
-        title += f" ({args.precision} build: %peak against the fp32 FMA peak)"
-    print(bench.format_table(title, arch, args.batch, threads, peak, results))
+    shown = title if args.precision == "fp32" else f"{title} ({args.precision} build: %peak against the fp32 FMA peak)"
+    print(bench.format_table(shown, arch, args.batch, threads, peak, results))
     if args.json:
         Path(args.json).write_text(json.dumps(bench.results_json(title, arch, args.batch, threads, peak, results,
-                                                                 zoo=bool(args.zoo)), indent=1))
+                                                                 zoo=bool(args.zoo), precision=args.precision), indent=1))
     if args.plot:
-        bench.plot(Path(args.plot), title, arch, results)
+        bench.plot(Path(args.plot), shown, arch, results)
     return 0
 
 

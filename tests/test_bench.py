@@ -131,6 +131,7 @@ def test_cli_bench_json_and_errors(tmp_path, capsys):
                  "--repeats", "1", "--passes", "fwd", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["batch"] == 2 and [r["pass_name"] for r in data["results"]] == ["fwd"]
+    assert (data["net"], data["precision"]) == ("tiny", "fp32")
     assert main(["bench", str(net), "--passes", "sideways"]) == 2
     assert "unknown pass sideways" in capsys.readouterr().err
     assert main(["bench", str(net), "--layers", "nope", "--arch", RUNNABLE_ISAS[-1]]) == 2
@@ -207,6 +208,41 @@ def test_summarize_keys_rows_by_layer_and_refuses_a_second_timing(tmp_path):
     # the same net on another ISA is a group of its own
     wide = summarize.load([full, run("wide.json", 1, [("a", 3.0, 0.6, 2.0)], isa="avx512")])
     assert sorted((g.isa, len(g.rows)) for g in wide) == [("avx2", 3), ("avx512", 1)]
+
+
+def test_summarize_judges_bf16_runs_against_their_fp32_runs(tmp_path):
+    """bf16 and fp32 runs of the same layers are groups of their own (a bench file's "precision",
+    or the title older bf16 files carried); the bf16 figures pool the nets' conv rows: fp32 time
+    over bf16 time matched by layer, x oneDNN of the bf16 rows, and each fc row x oneDNN."""
+    summarize = _summarize()
+
+    def run(name, net, precision, rows, title_only=False):
+        path = tmp_path / name
+        head = {"net": f"{net} (bf16 build: %peak against the fp32 FMA peak)"} if title_only else \
+            {"net": net, "precision": precision}
+        path.write_text(json.dumps({**head, "arch": {"isa": "avx512"}, "batch": 16, "threads": 1, "peak_gflops": 100.0,
+                                    "results": [{"layer": layer, "pass_name": "fwd", "ms": ms, "gflops": 1.0,
+                                                 "peak_fraction": 0.5, "vs_onednn": x, "onednn_impl": impl,
+                                                 "layer_type": layer[:-1]} for layer, ms, x, impl in rows]}))
+        return path
+
+    files = [run("a32.json", "a", "fp32", [("conv2", 4.0, 1.5, "jit"), ("conv3", 3.0, 1.1, "jit")]),
+             run("a16.json", "a", "bf16", [("conv2", 2.0, 1.2, "jit_bf16"), ("conv3", 2.0, 0.8, "jit_bf16"),
+                                           ("fc6", 1.0, 1.3, "brg_matmul")]),
+             run("b32.json", "b", "fp32", [("conv2", 9.0, 1.0, "jit")]),
+             run("b16.json", "b", "bf16", [("conv2", 5.0, 1.0, "jit_bf16"), ("fc7", 1.0, 0.9, "brg_matmul")],
+                 title_only=True)]
+    groups = summarize.load(files)
+    assert sorted((g.net, g.precision, len(g.rows)) for g in groups) == \
+        [("a", "bf16", 3), ("a", "fp32", 2), ("b", "bf16", 2), ("b", "fp32", 1)]
+    f = summarize.bf16_figures(groups)[("avx512", 16, 1)]["fwd"]
+    # fp32 / bf16 times: a conv2 2.0, a conv3 1.5, b conv2 1.8
+    assert (f.speedup.median, f.speedup.worst, f.speedup.worst_layer) == (1.8, 1.5, "a conv3")
+    assert (f.onednn.median, f.onednn.worst, f.onednn.worst_layer) == (1.0, 0.8, "a conv3")
+    assert (f.fc_onednn.worst, f.fc_onednn.worst_layer) == (0.9, "b fc7") and f.impls == ("brg_matmul", "jit_bf16")
+    text = summarize.markdown(groups)
+    assert "| fwd fp32 time / bf16 time, conv | median ≥ 1.7 | median 1.80, worst 1.50 (a conv3) | yes |" in text
+    assert "| fwd × oneDNN bf16 matmul, fc | each ≥ 1.0 | median 1.10, worst 0.90 (b fc7) | **no** |" in text
 
 
 def test_the_shipped_zoo_covers_what_users_train():

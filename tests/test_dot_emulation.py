@@ -83,6 +83,18 @@ def test_ab_times_two_emulated_builds(tmp_path):
     assert all(0 < float(r[4]) < 100 for r in rows)  # the ratio of two measured times
 
 
+@pytest.mark.skipif(not HAS_AVX512, reason="this CPU lacks AVX-512: the emulated kernels cannot run")
+def test_bench_json_of_an_emulated_build_says_bf16(tmp_path):
+    """`bench --json` records the build's precision beside the net's own name (summarize.py keys
+    bf16 runs apart from fp32 runs of the same layers by it)."""
+    (tmp_path / "net.json").write_text(json.dumps(NET))
+    _run("bench", str(tmp_path / "net.json"), "--arch", "avx512", "--batch", "2", "--threads", "1", "--repeats", "1",
+         "--passes", "fwd", "--json", str(tmp_path / "r.json"))
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert (data["net"], data["precision"]) == ("emu", "bf16")
+    assert [(r["layer"], r["pass_name"]) for r in data["results"]] == [("conv", "fwd"), ("fc", "fwd")]
+
+
 @pytest.mark.skipif(not HAS_AVX512 or HAS_BF16, reason="only a CPU without AVX512_BF16 refuses bf16 builds")
 def test_ab_without_bf16_refuses_a_build_with_bf16_instructions(tmp_path):
     """On a CPU without AVX512_BF16, `ab` loads emulated builds only: a real bf16 build would
