@@ -209,6 +209,8 @@ CONV_CASES = [
     ({"channels": 16, "height": 10, "width": 7}, {"out_channels": 35, "kernel": 3, "stride": 2, "pad": 1}),
     ({"channels": 19, "height": 6, "width": 6}, {"out_channels": 24, "kernel": 5, "stride": 1, "pad": 2}),
     ({"channels": 48, "height": 7, "width": 7}, {"out_channels": 24, "kernel": 1, "stride": 1, "pad": 0}),
+    # 13 input-channel blocks: backward-data's last ic group is narrower than its tiles
+    ({"channels": 208, "height": 5, "width": 9}, {"out_channels": 16, "kernel": 3, "stride": 1, "pad": 1, "activation": "relu"}),
 ]
 
 
@@ -763,6 +765,18 @@ def test_bf16_conv_backward_data_against_float64(tmp_path, source, layer):
     output channels (padded) times the taps, and again off by more against unrounded inputs."""
     conv, x, y, dy, masked, _ = _forward_and_gradient(tmp_path, source, layer, "bwd_data", images=2, seed=6)
     _check_backward_data(conv, layer, x, masked, conv.backward_data(dy), channel_block=16)
+
+
+def test_bf16_backward_data_with_a_narrower_last_group_builds(tmp_path):
+    """Compiled on every CPU (warning-free, the suite's CompilerWarning filter): the vdpbf16ps
+    backward-data of 13 ic blocks emits the last group's own tiles; its numbers are checked
+    with CONV_CASES where the CPU has AVX512_BF16."""
+    source, layer = CONV_CASES[-1]
+    spec = parse_netspec({"name": "b", "input": source, "layers": [{"name": "conv", "type": "conv", **layer}]})
+    plan = build(spec, get_arch("avx512"), tmp_path / "b", precision="bf16").plans[("conv", "bwd_data")]
+    assert plan.kind == "conv_bwd_data_bf16" and plan.rem_vectors == 13 % plan.tile.vectors > 0
+    text = (tmp_path / "b" / "src" / "conv_bwd_data.c").read_text()
+    assert f"static inline void tile_{plan.tile.width}_v{plan.rem_vectors}(" in text
 
 
 def test_few_channel_first_layer_kernels_by_arch(tmp_path):

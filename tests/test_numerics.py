@@ -413,6 +413,31 @@ def test_bwd_data_row_blocks_past_l1_match_numpy(tmp_path, isa):
     _check_3x3_relu_conv(tmp_path, seed=8)
 
 
+@pytest.mark.parametrize("stride,tile", [(1, (4, 3)), (2, (3, 4)), (1, (1, 2))])
+def test_bwd_data_narrower_last_ic_group_matches_numpy(tmp_path, isa, stride, tile):
+    """13 input-channel blocks (208 channels on AVX-512): backward-data tiles of 2-4 ic vectors
+    and a last group of 1 (its own tiles, edges and border pixels), stride 1 and 2 (phases),
+    over 3 images and 2 threads; ReLU'd like a mid-net layer."""
+    import pcldnn_runtime as pr
+    from pcldnn_gen.build import build
+    from pcldnn_gen.netspec import parse_netspec
+    arch = PRESETS[isa]
+    c = 13 * arch.vector_floats
+    spec = parse_netspec({"name": "rem", "input": {"channels": c, "height": 7, "width": 11}, "layers": [
+        {"name": "c", "type": "conv", "out_channels": 24, "kernel": 3, "stride": stride, "pad": 1, "activation": "relu"}]})
+    plan = build(spec, arch, tmp_path / "b", choices={("c", "bwd_data"): tile}).plans[("c", "bwd_data")]
+    assert (plan.tile.width, plan.tile.vectors, plan.rem_vectors) == (*tile, 13 % tile[1])
+    layer = pr.load(tmp_path / "b", threads=2).layers["c"]
+    rng = np.random.default_rng(13 + stride)
+    x = rng.standard_normal((3, c, 7, 11)).astype(np.float32)
+    y = layer.forward(x)
+    wts = layer.weights
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    dy_eff = dy * (y > 0)
+    assert_dot_close(layer.backward_data(dy), ref.conv2d_bwd_data(dy_eff, wts, (stride, stride), (1, 1), x.shape),
+                     ref.conv2d_bwd_data(np.abs(dy_eff), np.abs(wts), (stride, stride), (1, 1), x.shape), 24 * 9)
+
+
 def test_whole_net_forward_matches_layer_by_layer_reference(tmp_path, isa):
     import pcldnn_runtime as pr
     from pcldnn_gen.arch import get_arch

@@ -68,10 +68,12 @@ def conv_fwd(tile: RegisterTile, arch: Arch, ow: int, cover: RowCover, row_eff: 
 
 
 def conv_bwd_data(tile: RegisterTile, arch: Arch, stride: int, phases: int, row_eff: float, eff: float, ocb: int,
-                  blocking) -> str:
+                  blocking, rem_n: int = 0) -> str:
     b = blocking
     return (
-        f"input-gradient {tile_sentence(tile, arch, 'same-phase input px', 'ic-vectors')}; broadcasts of the "
+        f"input-gradient {tile_sentence(tile, arch, 'same-phase input px', 'ic-vectors')}"
+        + (f" (the last group of {rem_n} vector(s) with {tile.width}x{rem_n} tiles)" if rem_n else "")
+        + "; broadcasts of the "
         f"output gradient times transposed weights (IC/V, OC/V, KH, KW, V oc, V ic), written by this kernel's "
         f"prologue; stride {stride} splits each row into {phases} phase(s) with their own kernel "
         f"columns ({row_eff:.0%} of the tile's peak); reduction chunk {b.chunk}/{ocb} output-channel blocks x "

@@ -32,7 +32,7 @@ def parallel_loop(layer: LayerSpec, plan: KernelPlan) -> ParallelLoop:
     if isinstance(plan, ConvBwdDataPlan):
         if plan.few_channels:                           # (image, input row)
             return ParallelLoop(ih, 1, 0)
-        return ParallelLoop(icb // tile.vectors * _ceil(ih, plan.rows), 1, 0)   # (image, ic group, row block)
+        return ParallelLoop(_ceil(icb, tile.vectors) * _ceil(ih, plan.rows), 1, 0)   # (image, ic group, row block)
     if isinstance(plan, ConvBwdWeightsPlan):            # weight tiles; images and pixel blocks in sequence
         kh, kw = layer.kernel
         lanes_per_tile = tile.width // plan.kw_taps

@@ -225,6 +225,13 @@ class ConvBwdDataPlan(KernelPlan):
     few_channels: bool              # fewer input channels than a vector: vectors run over output channels
     images_inner: bool              # loop over ic-vector groups outside the images (weights beyond L2)
     phases: tuple[BwdDataPhase, ...]
+    rem_vectors: int = 0            # ic vectors of the last, narrower group (0: none)
+
+    @property
+    def vector_counts(self) -> tuple[int, ...]:
+        """ic-vector counts of the tiles emitted: the full group, then the last if narrower."""
+        assert self.tile is not None
+        return (self.tile.vectors, *((self.rem_vectors,) if self.rem_vectors else ()))
 
     def reduction_chunk(self) -> str:
         return f"{self.ofm_chunk} output-channel blocks x {self.rows} input rows"
