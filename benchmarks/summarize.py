@@ -170,9 +170,10 @@ def bf16_markdown(groups: list[Group]) -> list[str]:
 
 
 def thread_ratios(groups: list[Group]) -> dict[tuple[str, str, int], list[float]]:
-    """{(net, isa, batch): sorted 1-thread / 2-thread time ratios over the conv rows both groups have}."""
+    """{(net, isa, batch): sorted 1-thread / 2-thread time ratios over the conv rows both groups have
+    (fp32 runs)}."""
     out = {}
-    by_key = {(g.net, g.isa, g.batch, g.threads): g for g in groups}
+    by_key = {(g.net, g.isa, g.batch, g.threads): g for g in groups if g.precision == "fp32"}
     for (net, isa, batch, threads), one in by_key.items():
         two = by_key.get((net, isa, batch, 2))
         if threads == 1 and two is not None:
@@ -255,7 +256,8 @@ def markdown(groups: list[Group]) -> str:
     for g in groups:
         files = ", ".join(f"`{p.name}` (peak {peak:.1f} GFLOP/s)" for p, peak in g.peaks.items())
         out += [f"### {g.title}", "", f"From {files}.", ""]
-        out += targets_markdown(g, ratios.get((g.net, g.isa, g.batch)) if g.threads == 1 else None) + [""]
+        if g.precision == "fp32":  # a bf16 group is judged by bf16_markdown, against its fp32 runs
+            out += targets_markdown(g, ratios.get((g.net, g.isa, g.batch)) if g.threads == 1 else None) + [""]
         out += table_markdown(g) + [""]
     return "\n".join(out + bf16_markdown(groups))
 

@@ -243,6 +243,7 @@ def test_summarize_judges_bf16_runs_against_their_fp32_runs(tmp_path):
     text = summarize.markdown(groups)
     assert "| fwd fp32 time / bf16 time, conv | median ≥ 1.7 | median 1.80, worst 1.50 (a conv3) | yes |" in text
     assert "| fwd × oneDNN bf16 matmul, fc | each ≥ 1.0 | median 1.10, worst 0.90 (b fc7) | **no** |" in text
+    assert text.count("| fwd % peak, conv after the first |") == 1  # the fp32 run's; bf16 runs are judged above
 
 
 def test_the_shipped_zoo_covers_what_users_train():
