@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import statistics
+from typing import Callable
 
 from pcldnn_runtime.limits import blocks
 
@@ -47,6 +48,11 @@ def _rows_scored(tiles: list[RegisterTile], arch: Arch) -> list[RegisterTile]:
     def score(t: RegisterTile) -> float:
         return statistics.fmean(min(_l2_roof(t, arch), pieces_efficiency([(t.width, b // t.width), (b % t.width, 1)],
                                                                           t.vectors, arch)) for b in SCORE_BATCHES)
+    return _ranked(tiles, score)
+
+
+def _ranked(tiles: list[RegisterTile], score: Callable[[RegisterTile], float]) -> list[RegisterTile]:
+    """Best score first; ties: more accumulators, then fewer registers."""
     return sorted(tiles, key=lambda t: (round(score(t), 6), t.width * t.vectors, -t.registers), reverse=True)
 
 
@@ -116,9 +122,8 @@ def plan_fc_bwd_weights(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | 
     # L1 instead (one vector at minibatch 256 on a 32-48 KiB L1: 30x1 tiles, a broadcast per FMA)
     # measured 1.3-1.7x slower than 14x2 on VGG-A fc6-fc8 at minibatch 16-256 (Ice Lake VM,
     # interleaved A/B; RESULTS.md "fc backward-weights tiles").
-    scored = put_first(sorted(candidates(arch.vector_registers, range(1, ocb + 1), arch),
-                              key=lambda t: (round(min(t.efficiency, _l2_roof(t, arch)), 6), t.width * t.vectors,
-                                             -t.registers), reverse=True), choice)
+    scored = put_first(_ranked(candidates(arch.vector_registers, range(1, ocb + 1), arch),
+                               lambda t: min(t.efficiency, _l2_roof(t, arch))), choice)
     tile = scored[0]
     rem_k, rem_n = k % tile.width, ocb % tile.vectors
     # K chunk: the packed input panels (minibatch x chunk) fill at most half of L2 at the
