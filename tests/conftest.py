@@ -25,3 +25,10 @@ from helpers import ISA_PARAMS  # noqa: E402
 @pytest.fixture(params=ISA_PARAMS)
 def isa(request) -> str:
     return request.param
+
+
+def pytest_report_header(config) -> str | None:
+    from bf16_emulation import CAN_EMULATE
+    if CAN_EMULATE:
+        return "bf16: this CPU lacks AVX512_BF16; tests marked bf16_kernels run the vdpbf16ps kernels emulated in AVX-512F"
+    return None

@@ -14,6 +14,7 @@ from pathlib import Path
 import cffi
 import numpy as np
 import pytest
+from bf16_emulation import CAN_EMULATE, HAS_BF16, WHY_NOT, emulate
 from helpers import U32, build_and_load, check_relu_pool_masks
 from reference import conv2d, conv2d_bwd_data, conv2d_bwd_weights
 
@@ -29,17 +30,31 @@ from pcldnn_runtime.errors import ArchError, BuildDirError
 from pcldnn_runtime.limits import amx_conv_geometry, bf16_gradients, bf16_outputs
 from pcldnn_runtime.manifest import parse_manifest
 
-HAS_BF16 = cpu.supports("avx512") and "avx512_bf16" in cpu.cpu_flags()
-needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="this CPU lacks AVX512_BF16: bf16 kernels cannot run here")
+# vdpbf16ps kernels run on AVX512_BF16, and on other AVX-512 CPUs with its two instructions
+# emulated exactly in AVX-512F (bf16_emulation.py; the `_bf16_kernels` fixture below)
+bf16_kernels = pytest.mark.bf16_kernels
+needs_real_bf16 = pytest.mark.skipif(not HAS_BF16, reason="this CPU lacks AVX512_BF16 and the test runs the "
+                                                         "kernels in a process of their own, where nothing emulates it")
 HAS_AMX = HAS_BF16 and cpu.request_amx() is None
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU lacks AMX bf16 tiles (or Linux does not grant "
                                                   "their state): AMX kernels cannot run here")
 # An L2 of 64 KiB: the backward-weights kernel then reduces a few pixel blocks per residency of
 # its accumulators and reloads them between groups (the path large layers take).
 AMX_ARCH = dataclasses.replace(get_arch("avx512"), name="avx512-amx", amx=True, l2_bytes=64 * 1024)
+
+@pytest.fixture(autouse=True)
+def _bf16_kernels(request, monkeypatch):
+    """A test marked bf16_kernels runs on real AVX512_BF16, else on emulated instructions."""
+    if request.node.get_closest_marker("bf16_kernels") is None or HAS_BF16:
+        return
+    if not CAN_EMULATE:
+        pytest.skip(WHY_NOT)
+    emulate(monkeypatch)
+
+
 # bf16 builds of either kind: AMX tiles, and vdpbf16ps (no AMX: an AVX512_BF16 CPU such as Zen 4/5)
 BF16_BUILDS = [pytest.param(AMX_ARCH, marks=needs_amx, id="amx"),
-               pytest.param(get_arch("avx512"), marks=needs_bf16, id="vdpbf16ps")]
+               pytest.param(get_arch("avx512"), marks=bf16_kernels, id="vdpbf16ps")]
 
 
 def bf16_reference(x: np.ndarray) -> np.ndarray:
@@ -116,7 +131,7 @@ def _buffers(ffi, *arrays):
     return [ffi.from_buffer("float[]" if a.dtype == np.float32 else "unsigned short[]", a) for a in arrays]
 
 
-@pytest.mark.parametrize("flags", ["scalar", pytest.param("bf16", marks=needs_bf16)])
+@pytest.mark.parametrize("flags", ["scalar", pytest.param("bf16", marks=bf16_kernels)])
 def test_rounding_matches_the_reference_bit_for_bit(flags):
     ffi, lib = _conversions(flags)
     rng = np.random.default_rng(1)
@@ -135,7 +150,7 @@ def test_rounding_matches_the_reference_bit_for_bit(flags):
     np.testing.assert_array_equal(act, want)
 
 
-@pytest.mark.parametrize("flags", ["scalar", pytest.param("bf16", marks=needs_bf16)])
+@pytest.mark.parametrize("flags", ["scalar", pytest.param("bf16", marks=bf16_kernels)])
 def test_weight_copy_pairs_input_channels(flags):
     """(rows, V ic, V oc) -> (rows, V/2, V oc, 2): lane oc of pair k holds ic 2k and 2k + 1."""
     ffi, lib = _conversions(flags)
@@ -165,7 +180,60 @@ void dy_pairs(const unsigned short *dy, const unsigned short *y, int count, unsi
 """
 
 
-@needs_bf16
+_DOT = """#include <immintrin.h>
+void dot(const float *acc, const unsigned short *a, const unsigned short *b, float *out, const float *wide,
+         unsigned short *narrow, long n)
+{
+    for (long i = 0; i < n; i += 16) {
+        __m512bh va = (__m512bh)_mm512_loadu_si512(a + 2 * i), vb = (__m512bh)_mm512_loadu_si512(b + 2 * i);
+        _mm512_storeu_ps(out + i, _mm512_dpbf16_ps(_mm512_loadu_ps(acc + i), va, vb));
+        _mm256_storeu_si256((__m256i *)(narrow + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(wide + i)));
+    }
+}
+"""
+
+
+@pytest.mark.skipif(not cpu.supports("avx512"), reason=WHY_NOT)
+def test_emulated_bf16_instructions(tmp_path):
+    """bf16_emulation.py's vdpbf16ps is acc + a_odd * b_odd + a_even * b_even within the two fp32
+    roundings the instruction makes (bf16 products are exact in fp32; each add rounds once:
+    |error| <= 2 u (|acc| + |p_odd| + |p_even|)), bf16 subnormals read as zero; its vcvtneps2bf16
+    is the reference rounding bit for bit. Where AVX512_BF16 exists, the real instructions are
+    held to the same."""
+    from bf16_emulation import HEADER
+    ffi = cffi.FFI()
+    ffi.cdef("void dot(const float *acc, const unsigned short *a, const unsigned short *b, float *out, "
+             "const float *wide, unsigned short *narrow, long n);")
+    rng = np.random.default_rng(11)
+    n = 4096
+    # bf16 of either sign and magnitudes 2^-47 .. 2^48: no product overflows or leaves the normal
+    # range (neither has a bound); in the first 64 lanes a subnormal (or zero) times 2^33 .. 2^48
+    # added to about 2^-100, where reading it as anything but zero is far outside the bound
+    exponent = rng.integers(0x50, 0xAF, (2, n, 2))
+    exponent[0, :64], exponent[1, :64] = 0, rng.integers(0xA0, 0xAF, (64, 2))
+    words = (rng.integers(0, 2, (2, n, 2)) << 15 | exponent << 7 | rng.integers(0, 0x80, (2, n, 2))).astype(np.uint16)
+    a, b = words
+    acc = (rng.standard_normal(n) * 2.0 ** rng.integers(-60, 60, n)).astype(np.float32)
+    acc[:64] *= np.float32(2.0 ** -100)
+    wide = np.concatenate([SPECIAL, rng.integers(0, 2 ** 32, n - SPECIAL.size, dtype=np.uint64).astype(np.uint32)]
+                          ).view(np.float32)
+    values = as_float(words).astype(np.float64)
+    values[(words & 0x7F80) == 0] = 0.0  # read as zero
+    products = values[0] * values[1]  # (n, 2): exact
+    exact = acc.astype(np.float64) + products.sum(axis=1)
+    bound = 2 * U32 * (np.abs(acc) + np.abs(products).sum(axis=1))
+    for kind in ("emulated", "real") if HAS_BF16 else ("emulated",):
+        text = (HEADER if kind == "emulated" else "") + _DOT
+        source = Source(f"bf16_dot_{kind}.c", text, {}, cpu.PRECISION_CFLAGS["bf16"])
+        lib = ffi.dlopen(str(compile_source(source, get_arch("avx512")).library))
+        out, narrow = np.zeros(n, dtype=np.float32), np.zeros(n, dtype=np.uint16)
+        lib.dot(*_buffers(ffi, acc, a, b, out, wide, narrow), n)
+        error = np.abs(out.astype(np.float64) - exact)
+        assert np.all(error <= bound), (kind, np.max(error / np.maximum(bound, 1e-300)))
+        np.testing.assert_array_equal(narrow, bf16_reference(wide), err_msg=kind)
+
+
+@bf16_kernels
 def test_pair_copies_on_bf16_words_match_the_widened_fp32_forms():
     """The backward-weights pair copies permute bf16 words instead of widening them to fp32:
     the x pairs (dst[2v] = a[v], dst[2v + 1] = b[v], lanes outside `live` zero) and the dy pairs
@@ -283,7 +351,7 @@ def _check_backward_weights(layer, x, dy, dw, db, n):
     assert np.all(np.abs(db - exact_db) <= (n + 2) * U32 * db_scale)
 
 
-@needs_bf16
+@bf16_kernels
 @pytest.mark.parametrize("source,layer", CONV_CASES)
 def test_bf16_conv_forward_against_float64(tmp_path, source, layer):
     """The vdpbf16ps kernel: input channels in blocks of 8 pairs (see _check_conv_forward)."""
@@ -293,7 +361,7 @@ def test_bf16_conv_forward_against_float64(tmp_path, source, layer):
     _check_conv_forward(conv, source, layer, pairs_per_row=8)
 
 
-@needs_bf16
+@bf16_kernels
 def test_bf16_1x1_forward_keeps_the_whole_reduction(tmp_path):
     """A bf16 1x1 layer whose weights do not fit L1 with its inputs (16 channel blocks) keeps the
     whole reduction in the registers, each tile streaming its weights from L2 (planner.conv:
@@ -483,7 +551,7 @@ FC_CASES = [((20, 3, 3), 40, "relu"), ((16, 3, 3), 24, None)]
 # fc kernels of a bf16 build: AMX where the arch has it, vdpbf16ps without (the same copies and
 # work items); both archs with a 64 KiB L2, so the small test layers take several chunks
 FC_ARCHS = [pytest.param(AMX_ARCH, marks=needs_amx, id="amx"),
-            pytest.param(dataclasses.replace(AMX_ARCH, name="avx512-small-l2", amx=False), marks=needs_bf16,
+            pytest.param(dataclasses.replace(AMX_ARCH, name="avx512-small-l2", amx=False), marks=bf16_kernels,
                          id="vdpbf16ps")]
 
 
@@ -758,7 +826,7 @@ def _forward_and_gradient(tmp_path, source, layer, pass_name, images, seed, arch
     return conv, x, y, dy, masked, net
 
 
-@needs_bf16
+@bf16_kernels
 @pytest.mark.parametrize("source,layer", CONV_CASES)
 def test_bf16_conv_backward_data_against_float64(tmp_path, source, layer):
     """dx = sum of bf16(dy masked by the ReLU) bf16(w) over oc, kh, kw: the same bound, n the
@@ -802,7 +870,7 @@ def test_few_channel_first_layer_kernels_by_arch(tmp_path):
     assert bf16_outputs("bf16", True, 16, spec)[0] and not bf16_gradients("bf16", True, 16, spec)[0]
 
 
-@pytest.mark.parametrize("arch", [pytest.param(get_arch("avx512"), marks=needs_bf16, id="vdpbf16ps"),
+@pytest.mark.parametrize("arch", [pytest.param(get_arch("avx512"), marks=bf16_kernels, id="vdpbf16ps"),
                                   pytest.param(AMX_ARCH, marks=needs_amx, id="amx")])
 def test_few_channel_conv_inside_a_net_builds_and_matches_fp32(tmp_path, arch):
     """A convolution of fewer input channels than a vector that is not the first layer: its
@@ -1108,7 +1176,7 @@ def test_manifest_must_agree_on_bf16_activations(tmp_path):
             parse_manifest(bad, "manifest.json")
 
 
-def _bf16_storage_builds(tmp_path, monkeypatch, spec, arch=AMX_ARCH, modes=("fp32", "bf16")):
+def _bf16_storage_builds(tmp_path, spec, arch=AMX_ARCH, modes=("fp32", "bf16")):
     """The same bf16 build for `arch` made once per mode, the rules switched off in generator and
     runtime as the mode says: "fp32", every activation and gradient fp32; "activations", the
     activations as limits.bf16_outputs says and every gradient fp32; "bf16", both rules on."""
@@ -1117,13 +1185,12 @@ def _bf16_storage_builds(tmp_path, monkeypatch, spec, arch=AMX_ARCH, modes=("fp3
     import pcldnn_runtime.net as runtime_net
     nets = {}
     for mode in modes:
-        monkeypatch.undo()
-        for module in (generator, limits, runtime_net):
-            for rule in {"fp32": ("bf16_outputs", "bf16_gradients"), "activations": ("bf16_gradients",)}.get(mode, ()):
-                monkeypatch.setattr(module, rule, lambda precision, amx, v, layers: (False,) * len(layers))
-        build(spec, arch, tmp_path / mode, precision="bf16")
-        nets[mode] = pr.load(tmp_path / mode, threads=2, seed=4)
-    monkeypatch.undo()
+        with pytest.MonkeyPatch.context() as rules:
+            for module in (generator, limits, runtime_net):
+                for rule in {"fp32": ("bf16_outputs", "bf16_gradients"), "activations": ("bf16_gradients",)}.get(mode, ()):
+                    rules.setattr(module, rule, lambda precision, amx, v, layers: (False,) * len(layers))
+            build(spec, arch, tmp_path / mode, precision="bf16")
+            nets[mode] = pr.load(tmp_path / mode, threads=2, seed=4)
     return nets
 
 
@@ -1140,7 +1207,7 @@ def test_bf16_activations_between_convolutions_change_no_bit(tmp_path, monkeypat
     activation fp32, while those buffers are half the size; and the layer API of a layer reading
     and writing bf16 matches too (its output rounded)."""
     layers = ACTIVATION_NET if first is None else [first] + ACTIVATION_NET[1:]
-    nets = _bf16_storage_builds(tmp_path, monkeypatch, _activation_spec(layers), arch, ("fp32", "activations"))
+    nets = _bf16_storage_builds(tmp_path, _activation_spec(layers), arch, ("fp32", "activations"))
     nets["bf16"] = nets.pop("activations")  # activations bf16, gradients fp32 (the next test's subject)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((5, 3, 12, 11)).astype(np.float32)
@@ -1198,7 +1265,7 @@ def test_amx_1x1_layers_read_bf16_sources_in_place(tmp_path, monkeypatch):
     where dx is bf16, bit for bit."""
     spec = parse_netspec({"name": "inplace", "input": {"channels": 16, "height": 5, "width": 71},
                           "layers": IN_PLACE_NET})
-    nets = _bf16_storage_builds(tmp_path, monkeypatch, spec, AMX_ARCH, ("fp32", "bf16"))
+    nets = _bf16_storage_builds(tmp_path, spec, AMX_ARCH, ("fp32", "bf16"))
     in_place = {(name, p) for name in ("c1", "c2", "c4", "c5", "c7", "c8") for p in ("fwd", "bwd_data")
                 if "read in place" in (tmp_path / "bf16" / "src" / f"{name}_{p}.c").read_text()}
     assert in_place == {("c1", "fwd"), ("c2", "fwd"), ("c2", "bwd_data"), ("c5", "bwd_data"), ("c7", "fwd"),
@@ -1233,7 +1300,7 @@ def test_bf16_gradients_round_once_where_written(tmp_path, monkeypatch, arch):
     gradient by at most 2^-8 relative; the backward layers are linear in it)."""
     # c3 1x1 with stride 2: dx pixels no tap reaches (the AMX backward-data zeroes those phases)
     layers = ACTIVATION_NET[:3] + [{**ACTIVATION_NET[3], "stride": 2}] + ACTIVATION_NET[4:]
-    nets = _bf16_storage_builds(tmp_path, monkeypatch, _activation_spec(layers), arch, ("activations", "bf16"))
+    nets = _bf16_storage_builds(tmp_path, _activation_spec(layers), arch, ("activations", "bf16"))
     net, ref = nets["bf16"], nets["activations"]
     flags = [(layer.in_grad_bf16, layer.out_grad_bf16) for layer in net.chain]
     assert flags == [(False, False), (False, True)] + [(True, True)] * 4 + [(True, False), (False, False)]
@@ -1289,7 +1356,7 @@ def test_pooling_relu_dropout_on_bf16_activations(tmp_path, monkeypatch, arch):
     even. In a net, the forward pass (max, ReLU: exact) and training run on bf16 buffers."""
     spec = _activation_spec(BETWEEN_NET, channels=16)
     assert bf16_outputs("bf16", arch.amx, 16, spec.layers) == (True,) * 7 + (False,) * 3
-    nets = _bf16_storage_builds(tmp_path, monkeypatch, spec, arch)
+    nets = _bf16_storage_builds(tmp_path, spec, arch)
     rng = np.random.default_rng(5)
     for name in ("m1", "a3", "r5", "d6"):
         got, ref = nets["bf16"].layers[name], nets["fp32"].layers[name]
@@ -1336,7 +1403,7 @@ TRAIN_NET = [
 ]
 
 
-@needs_bf16
+@bf16_kernels
 def test_bf16_build_trains_like_fp32_and_shares_checkpoints(tmp_path):
     """Same start, same data: the bf16 build's losses follow the fp32 build's (bf16 rounding of
     conv2's inputs: well under 1% of the first loss at any step), both fall, and a bf16 build's
@@ -1370,7 +1437,7 @@ def test_builds_without_precision_say_fp32(tmp_path):
     assert json.loads((net.build_dir / "manifest.json").read_text())["precision"] == "fp32"
 
 
-@needs_bf16
+@bf16_kernels
 @pytest.mark.parametrize("source,layer", CONV_CASES + [
     ({"channels": 22, "height": 5, "width": 9}, {"out_channels": 20, "kernel": 3, "stride": 2, "pad": 0})])
 def test_bf16_conv_backward_weights_against_float64(tmp_path, source, layer):
@@ -1394,7 +1461,7 @@ def _check_backward_weights_any_threads(conv, net, layer, x, y, dy, masked, thre
             np.testing.assert_array_equal(got, want)
 
 
-@needs_bf16
+@bf16_kernels
 @pytest.mark.parametrize("source,layer", [
     ({"channels": 32, "height": 13, "width": 40}, {"out_channels": 40, "kernel": 3, "stride": 1, "pad": 1, "activation": "relu"}),
     ({"channels": 24, "height": 23, "width": 33}, {"out_channels": 32, "kernel": 3, "stride": 2, "pad": 0}),
@@ -1413,7 +1480,7 @@ def test_bf16_backward_weights_in_bands_of_a_few_rows(tmp_path, source, layer):
     _check_backward_weights_any_threads(conv, net, layer, x, y, dy, masked, (1, 3))
 
 
-@needs_bf16
+@bf16_kernels
 def test_bf16_backward_weights_with_padding_deeper_than_the_minibatch(tmp_path):
     """A single image of 8 rows under an 11-row padding: the first band's rows start 11 rows
     before the minibatch's first, more than the ring holds (found by benchmarks/random_nets.py,
@@ -1423,7 +1490,7 @@ def test_bf16_backward_weights_with_padding_deeper_than_the_minibatch(tmp_path):
     _check_backward_weights_any_threads(conv, net, layer, x, y, dy, masked, (1, 3))
 
 
-@needs_bf16
+@bf16_kernels
 def test_digits_demo_in_bf16_matches_its_fp32_accuracy(tmp_path, monkeypatch, capsys):
     """The issue's bar: the digits demo net trained in bf16 (its conv2 runs bf16 kernels) ends
     within 0.5 points of the fp32 build's test accuracy, with the same defaults and seed."""
@@ -1443,7 +1510,7 @@ def test_digits_demo_in_bf16_matches_its_fp32_accuracy(tmp_path, monkeypatch, ca
     assert abs(accuracy["bf16"] - accuracy["fp32"]) <= 0.005
 
 
-@needs_bf16
+@bf16_kernels
 def test_small_gradients_need_no_loss_scaling(tmp_path):
     """bf16 keeps fp32's exponent range: an output gradient scaled by 2^-100 (far below fp16's
     smallest value, 6e-8, where fp16 training needs loss scaling) gives exactly the scaled
@@ -1476,7 +1543,7 @@ def test_inspect_shows_the_bf16_kernel(capsys):
     assert "_mm512_dpbf16_ps(" in text and "_mm512_fmadd_ps(" not in text
 
 
-@needs_bf16
+@needs_real_bf16
 def test_verbose_lines_of_a_bf16_build(tmp_path):
     """PCLDNN_VERBOSE names the ISA of the bf16 kernels and copies (avx512_bf16) and leaves out weight copies."""
     out = _conv_net(tmp_path, *CONV_CASES[0], "bf16")
