@@ -133,6 +133,48 @@ def _peak(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cache(args: argparse.Namespace) -> int:
+    from pcldnn_runtime.limits import format_bytes
+
+    from .compiler import cache_dir, cache_entries, prune_cache
+    cache = cache_dir()
+    if cache.exists() and not cache.is_dir():
+        raise PcldnnError(f"{cache}: the kernel cache is not a directory (PCLDNN_CACHE_DIR names it)")
+    limits = args.max_size is not None or args.older_than is not None
+    if args.action != "prune" and limits:
+        raise PcldnnError(f"cache {args.action}: --max-size and --older-than go with prune")
+    if args.action == "info":
+        if args.dry_run:
+            raise PcldnnError("cache info: --dry-run goes with prune and clear")
+        entries = cache_entries(cache)
+        now = time.time()
+        for kind, what in (("kernel", "kernel libraries"), ("header", "precompiled headers")):
+            some = [e for e in entries if e.kind == kind]
+            ages = [now - e.last_used for e in some]
+            used = f", last used {_ago(min(ages))} to {_ago(max(ages))} ago" if some else ""
+            print(f"{cache}: {len(some)} {what}, {format_bytes(sum(e.size for e in some))}{used}")
+        tuning = cache / "tuning.json"
+        if tuning.is_file():
+            print(f"{tuning}: the tuning database (prune and clear keep it)")
+        return 0
+    if args.action == "prune" and not limits:
+        raise PcldnnError("cache prune: give --max-size SIZE and/or --older-than DAYS (or use `cache clear`)")
+    result = prune_cache(cache, 0 if args.action == "clear" else args.max_size,
+                         None if args.older_than is None else args.older_than * 86400, dry_run=args.dry_run)
+    print(f"{cache}: {'would remove' if args.dry_run else 'removed'} {len(result.removed)} entries "
+          f"({format_bytes(result.freed)}), kept {len(result.kept)} ({format_bytes(sum(e.size for e in result.kept))})"
+          + (f", {len(result.busy)} in use by a compile (kept)" if result.busy else "")
+          + (f", {result.temporaries} leftover temporaries removed" if result.temporaries else ""))
+    return 0
+
+
+def _ago(seconds: float) -> str:
+    for unit, size in (("days", 86400), ("hours", 3600), ("minutes", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{max(seconds, 0):.0f} seconds"
+
+
 def _cores() -> int:
     from pcldnn_runtime import cpu
     return cpu.usable_cores()
@@ -299,6 +341,15 @@ def parser() -> argparse.ArgumentParser:
     _max_memory_option(t)
     t.set_defaults(func=_tune)
 
+    ca = sub.add_parser("cache", help="the kernel cache: its size (info), prune it least recently used first, or "
+                                      "clear it (the tuning database is kept)")
+    ca.add_argument("action", nargs="?", choices=("info", "prune", "clear"), default="info")
+    ca.add_argument("--max-size", type=_size("--max-size"), metavar="SIZE",
+                    help="prune: remove the least recently used entries until the cache takes at most SIZE (e.g. 2G)")
+    ca.add_argument("--older-than", type=_days, metavar="DAYS", help="prune: remove entries unused for more than DAYS")
+    ca.add_argument("--dry-run", action="store_true", help="prune, clear: say what would go, remove nothing")
+    ca.set_defaults(func=_cache)
+
     pl = sub.add_parser("plan", help="predict multi-node scaling and choose data / model / hybrid parallelism per layer")
     pl.add_argument("net")
     pl.add_argument("--machine", required=True,
@@ -340,17 +391,30 @@ def _no_tuning_option(p: argparse.ArgumentParser) -> None:
 
 
 def _max_memory_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-memory", type=_memory, default=None, metavar="SIZE",
+    p.add_argument("--max-memory", type=_size("--max-memory"), default=None, metavar="SIZE",
                    help="refuse nets that need more memory than SIZE to train at minibatch 1 (e.g. 64G; "
                         "default PCLDNN_MAX_MEMORY or 16G)")
 
 
-def _memory(text: str) -> int:
-    from pcldnn_runtime.limits import parse_bytes
+def _size(option: str):
+    """argparse type: a byte count as `option` takes it (1M to 1024T, K/M/G/T binary)."""
+    def parse(text: str) -> int:
+        from pcldnn_runtime.limits import parse_bytes
+        try:
+            return parse_bytes(text, option)
+        except PcldnnError as e:
+            raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from None
+    return parse
+
+
+def _days(text: str) -> float:
     try:
-        return parse_bytes(text, "--max-memory")
-    except PcldnnError as e:
-        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from None
+        value = float(text) if len(text) <= 20 else -1.0
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 36500:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a number of days in [0, 36500], got {text[:40]!r}")
+    return value
 
 
 def _int_in(lo: int, hi: int):

@@ -20,17 +20,19 @@ import contextlib
 import functools
 import hashlib
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from pcldnn_runtime.manifest import file_sha256
 from pcldnn_runtime.validate import write_atomic
@@ -148,6 +150,13 @@ def _temp_file(folder: Path, prefix: str, suffix: str) -> Iterator[str]:
             os.unlink(tmp)
 
 
+def _mark_used(entry: Path) -> None:
+    """Renew an entry's mtime on a hit: `prune_cache` removes the least recently used first
+    (atime is not kept on most mounts). Best effort: a read-only cache still serves."""
+    with contextlib.suppress(OSError):
+        os.utime(entry)
+
+
 def _install(tmp: str, entry: Path, digest_file: Path) -> None:
     """Rename a finished file into place, then record its digest (checked by _valid_entry)."""
     digest = file_sha256(Path(tmp))
@@ -188,7 +197,9 @@ def _build_prelude(cc: str, flags: tuple[str, ...], cache: Path) -> tuple[str, .
             _clear(folder)
             folder.mkdir(parents=True, exist_ok=True)
         with FileLock(str(folder.parent / f"{folder.name}.lock"), timeout=900):
-            if not _valid_entry(gch, digest_file):
+            if _valid_entry(gch, digest_file):
+                _mark_used(gch)
+            else:
                 for entry in (gch, digest_file):
                     _clear(entry)
                 write_atomic(header, (PRELUDE_INCLUDE + "\n").encode())
@@ -223,6 +234,7 @@ def _compile_cached(source: Source, arch: Arch, cache: Path) -> CompileResult:
     folder.mkdir(parents=True, exist_ok=True)
     lib, digest_file, c_file = folder / f"{key}.so", folder / f"{key}.so.sha256", folder / f"{key}.c"
     if _valid_entry(lib, digest_file):
+        _mark_used(lib)
         return CompileResult(lib, compiled=False)
     lock = folder / f"{key}.lock"
     _clear(lock)  # a directory or link there is no lock anybody holds
@@ -264,3 +276,130 @@ def compile_all(sources: list[Source], arch: Arch, jobs: int | None = None,
         return list(pool.map(lambda s: compile_source(s, arch, cache), sources))
 
 
+# Keeping the cache's size in check (`pcldnn-gen cache`). A build directory holds copies of its
+# libraries, so removing cache entries never breaks a build: it only makes the next compile of
+# those kernels compile again.
+KERNEL_FOLDER = re.compile(r"[0-9a-f]{2}")
+KERNEL_FILE = re.compile(r"([0-9a-f]{64})\.(so|so\.sha256|c)")
+HEADER_FOLDER = re.compile(r"[0-9a-f]{64}")
+STALE_TEMP_S = 3600.0  # a temporary older than this belongs to a compile that died
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """What prune removes as one: a kernel (library, digest, source) or a precompiled header's
+    folder. last_used: the library's mtime (a hit renews it; a failed compile's lone source: its
+    own), a header folder's newest."""
+    kind: str            # "kernel" or "header"
+    key: str
+    files: tuple[Path, ...]
+    size: int
+    last_used: float
+    lock: Path           # held by a compile of this entry
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    removed: tuple[CacheEntry, ...]
+    kept: tuple[CacheEntry, ...]
+    busy: tuple[CacheEntry, ...]   # to be removed, but a compile held its lock: kept
+    temporaries: int               # leftovers of compiles that died, removed
+
+    @property
+    def freed(self) -> int:
+        return sum(e.size for e in self.removed)
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    try:
+        return path.lstat()
+    except OSError:  # removed underneath us
+        return None
+
+
+def cache_entries(cache: Path) -> list[CacheEntry]:
+    """Every kernel and precompiled header in `cache`, least recently used first. Files the
+    cache does not name (the tuning database, anything a user put there) are not entries."""
+    entries = []
+    for folder in sorted(cache.iterdir()) if cache.is_dir() else ():
+        if KERNEL_FOLDER.fullmatch(folder.name) and folder.is_dir() and not folder.is_symlink():
+            by_key: dict[str, list[tuple[Path, os.stat_result]]] = {}
+            for path in folder.iterdir():
+                match, st = KERNEL_FILE.fullmatch(path.name), _stat(path)
+                if match and st is not None:
+                    by_key.setdefault(match.group(1), []).append((path, st))
+            for key, files in sorted(by_key.items()):
+                used = [s.st_mtime for p, s in files if p.suffix == ".so"] or [s.st_mtime for _, s in files]
+                entries.append(CacheEntry("kernel", key, tuple(p for p, _ in files), sum(s.st_size for _, s in files),
+                                          max(used), folder / f"{key}.lock"))
+    headers = cache / "pch"
+    for folder in sorted(headers.iterdir()) if headers.is_dir() and not headers.is_symlink() else ():
+        if HEADER_FOLDER.fullmatch(folder.name) and folder.is_dir() and not folder.is_symlink():
+            files = [(p, st) for p in folder.iterdir() if (st := _stat(p)) is not None]
+            entries.append(CacheEntry("header", folder.name, (folder, *(p for p, _ in files)),
+                                      sum(s.st_size for _, s in files),
+                                      max((s.st_mtime for _, s in files), default=folder.stat().st_mtime),
+                                      headers / f"{folder.name}.lock"))
+    return sorted(entries, key=lambda e: (e.last_used, e.key))
+
+
+def prune_cache(cache: Path, max_bytes: int | None = None, max_age_s: float | None = None,
+                dry_run: bool = False, now: float | None = None) -> PruneResult:
+    """Remove entries last used more than `max_age_s` ago, then the least recently used until
+    the entries take at most `max_bytes`. Each is removed under its compile lock; one a compile
+    holds is kept (busy). Also removes temporaries of compiles that died and empty folders."""
+    now = time.time() if now is None else now
+    entries = cache_entries(cache)
+    total = sum(e.size for e in entries)
+    removed, kept, busy = [], [], []
+    for entry in entries:  # oldest first
+        old = max_age_s is not None and now - entry.last_used > max_age_s
+        if not (old or (max_bytes is not None and total > max_bytes)):
+            kept.append(entry)
+            continue
+        if dry_run or _remove_entry(entry):
+            removed.append(entry)
+            total -= entry.size
+        else:
+            busy.append(entry)
+    temporaries = 0 if dry_run else _remove_temporaries(cache, now)
+    return PruneResult(tuple(removed), tuple(kept), tuple(busy), temporaries)
+
+
+def _remove_entry(entry: CacheEntry) -> bool:
+    """Remove an entry's files under its lock (False: a compile holds it). The lock file goes
+    too: a compile that opened it before may then race one that creates it anew, and both
+    write the same bytes by atomic renames."""
+    try:
+        with FileLock(str(entry.lock), timeout=0):
+            for path in entry.files[::-1]:  # a header folder's files before the folder
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+            with contextlib.suppress(FileNotFoundError):
+                entry.lock.unlink()
+    except Timeout:
+        return False
+    return True  # an emptied kernel folder stays: a compile may have just made it its own
+
+
+def _remove_temporaries(cache: Path, now: float) -> int:
+    """Temporary files (`.name...`) that compiles or probes left behind over an hour ago."""
+    count = 0
+    folders = [cache, *(f for f in cache.iterdir() if KERNEL_FOLDER.fullmatch(f.name))] if cache.is_dir() else []
+    headers = cache / "pch"
+    if headers.is_dir() and not headers.is_symlink():
+        folders += [f for f in headers.iterdir() if HEADER_FOLDER.fullmatch(f.name)]
+    for folder in folders:
+        if not folder.is_dir() or folder.is_symlink():
+            continue
+        for path in folder.iterdir():
+            st = _stat(path)
+            if (path.name.startswith(".") and path.name.endswith(".tmp") or path.name.startswith(".probe-")) \
+                    and st is not None and now - st.st_mtime > STALE_TEMP_S and path.is_file() and not path.is_symlink():
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                    count += 1
+    return count

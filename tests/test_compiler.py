@@ -1,9 +1,11 @@
 """Compiler cache: hits, concurrency, corruption, and compiler failures."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -217,3 +219,80 @@ def test_a_compiler_warning_about_generated_code_is_reported(fresh_cache):
     with pytest.warns(CompilerWarning, match=r"(?s)warns_fwd\.c .*unused variable"):
         result = compile_source(Source("warns_fwd.c", "int f(void) { int unused; return 0; }\n", {}), get_arch("scalar"))
     assert result.compiled and result.library.is_file()
+
+
+def _tiny(i: int) -> Source:
+    return Source(f"tiny{i}.c", f"int tiny{i}(void) {{ return {i}; }}\n", {})
+
+
+def test_prune_removes_the_least_recently_used_and_a_hit_counts_as_use(fresh_cache):
+    """Entries age by their last use (a hit renews the library's mtime, so compiling the oldest
+    again saves it); prune --max-size removes oldest first until the rest fits, and what it
+    removed compiles again on the next request while what it kept is served."""
+    from pcldnn_gen.compiler import cache_entries, prune_cache
+    arch = get_arch("scalar")
+    libs = [compile_source(_tiny(i), arch).library for i in range(4)]
+    day = 86400.0
+    for age, lib in zip((4, 3, 2, 1), libs):  # tiny0 oldest
+        for path in lib.parent.glob(lib.name.split(".")[0] + ".*"):
+            os.utime(path, (time.time() - age * day,) * 2)
+    assert compile_source(_tiny(0), arch).compiled is False  # a hit: tiny0 now the newest
+    entries = cache_entries(fresh_cache)
+    assert [e.files[0].name.split(".")[0] for e in entries] == [lib.name.split(".")[0] for lib in libs[1:] + libs[:1]]
+    keep_two = sum(e.size for e in entries[-2:])
+    (fresh_cache / "tuning.json").write_text("{}")
+    result = prune_cache(fresh_cache, max_bytes=keep_two + 1)
+    assert [e.key for e in result.removed] == [e.key for e in entries[:2]] and len(result.kept) == 2
+    assert result.freed == sum(e.size for e in entries[:2])
+    assert not libs[1].exists() and not libs[2].exists() and libs[0].exists() and libs[3].exists()
+    assert (fresh_cache / "tuning.json").read_text() == "{}"
+    assert [compile_source(_tiny(i), arch).compiled for i in range(4)] == [False, True, True, False]
+    # by age: what was unused for more than 1.5 days
+    for lib in libs[1:3]:
+        os.utime(lib, (time.time() - 2 * day,) * 2)
+    assert len(prune_cache(fresh_cache, max_age_s=1.5 * day).removed) == 2
+
+
+def test_prune_keeps_an_entry_a_compile_holds_and_clears_dead_temporaries(fresh_cache):
+    from filelock import FileLock
+
+    from pcldnn_gen.compiler import STALE_TEMP_S, cache_entries, prune_cache
+    arch = get_arch("scalar")
+    held, free = (compile_source(_tiny(i), arch).library for i in (7, 8))
+    dead = held.parent / f".{held.name[:16]}.abc.so.tmp"
+    fresh = held.parent / f".{held.name[:16]}.def.so.tmp"
+    for path in (dead, fresh):
+        path.write_bytes(b"half a library")
+    os.utime(dead, (time.time() - 2 * STALE_TEMP_S,) * 2)
+    with FileLock(str(held.with_suffix(".lock"))):
+        result = prune_cache(fresh_cache, max_bytes=0)
+    assert [e.files[0].parent / e.key for e in result.busy] == [held.with_suffix("")]
+    assert held.exists() and not free.exists() and result.temporaries == 1
+    assert fresh.exists() and not dead.exists()  # a compile may be writing the fresh one
+    assert [e.kind for e in cache_entries(fresh_cache)] == ["kernel"]
+
+
+def test_cache_command(tmp_path, fresh_cache, capsys):
+    """info says what the cache holds; clear empties it but for the tuning database; prune needs
+    a limit; bad sizes and options are refused with one line, exit 2."""
+    from pcldnn_gen.cli import main
+    for i in range(3):
+        compile_source(_tiny(i), get_arch("scalar"))
+    (fresh_cache / "tuning.json").write_text("{}")
+    assert main(["cache"]) == 0
+    out = capsys.readouterr().out
+    assert "3 kernel libraries" in out and "tuning database" in out
+    assert main(["cache", "clear", "--dry-run"]) == 0 and "would remove 3 entries" in capsys.readouterr().out
+    assert len(list(fresh_cache.glob("*/*.so"))) == 3
+    for argv, message in ((["cache", "prune"], "give --max-size"), (["cache", "--max-size", "1G"], "go with prune"),
+                          (["cache", "prune", "--max-size", "5Q"], "must be a size"),
+                          (["cache", "prune", "--older-than", "nan"], "number of days")):
+        with contextlib.suppress(SystemExit):
+            assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, (argv, err)
+    assert main(["cache", "clear"]) == 0 and "removed 3 entries" in capsys.readouterr().out
+    assert not list(fresh_cache.glob("*/*.so")) and (fresh_cache / "tuning.json").is_file()
+    (tmp_path / "file").write_text("")
+    os.environ["PCLDNN_CACHE_DIR"] = str(tmp_path / "file")  # restored by fresh_cache's monkeypatch
+    assert main(["cache"]) == 2 and "not a directory" in capsys.readouterr().err
