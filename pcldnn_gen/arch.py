@@ -17,7 +17,7 @@ from .errors import ArchError
 # ISAs whose kernels the code generator emits.
 GENERATED_ISAS = ("scalar", "avx2", "avx512")
 # Arch fields that are measured rates (fractional); every other numeric field is a count.
-RATE_FIELDS = ("broadcasts_per_cycle", "l1_refill_cycles")
+RATE_FIELDS = ("broadcasts_per_cycle", "l1_refill_cycles", "slice_refill_cycles")
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,14 @@ class Arch:
     # peak, it ran at 76% with 29 simulated L1 misses per 1000 FMAs (`benchmarks/kernel_profile.py`),
     # i.e. ~4 cycles per refill. It prices L2 -> L1 traffic where bandwidth alone would not.
     l1_refill_cycles: float = 4.0
+    # The same for the lines of a conv forward kernel's weight slice, which it re-reads every row
+    # block as one sequential stream that the prefetchers run ahead of. AVX-512 presets: 1
+    # (Ice Lake VM: at 4 the planner held 3x3 and 5x5 layers to tiles of fewer oc vectors whose
+    # slice fits L1 across two rows, AlexNet conv3-5 5x3 / 6x2 instead of 5x4 ran 1.21-1.42x
+    # slower; benchmarks/RESULTS.md "Forward weight slices as a stream"). AVX2 and scalar keep 4:
+    # there the lower price chose 16-of-16-register tiles that gcc spills, 0.88-0.98x on
+    # OverFeat-FAST conv3-5.
+    slice_refill_cycles: float = 4.0
     # AMX bf16 tiles (Sapphire Rapids and later): a bf16 build's stride-1 convolutions (and fc forward passes) run on
     # tdpbf16ps (1024 FLOP per cycle and core, 16x the AVX-512 fp32 FMA rate: 3.4-3.6 TFLOP/s
     # measured on one core of the project's Xeon VM); `native` sets it where the CPU has the flags
@@ -75,7 +83,8 @@ PRESETS: dict[str, Arch] = {
     # 2 FMA pipes of latency 4, 2 load ports; 32 KiB L1d, 1 MiB L2, 32 MiB L3.
     "avx2": Arch("avx2", "avx2", 256, 16, 2, 32 * KIB, 1 * MIB, 32 * MIB, 2, cpu.ISA_CFLAGS["avx2"]),
     # Generic: Skylake-SP and later with AVX-512: 32 zmm registers, 2 FMA pipes (1 on some SKUs).
-    "avx512": Arch("avx512", "avx512", 512, 32, 2, 32 * KIB, 1 * MIB, 32 * MIB, 2, cpu.ISA_CFLAGS["avx512"]),
+    "avx512": Arch("avx512", "avx512", 512, 32, 2, 32 * KIB, 1 * MIB, 32 * MIB, 2, cpu.ISA_CFLAGS["avx512"],
+                     slice_refill_cycles=1.0),
     # Portable C: one float per "vector", 16 FP registers, no FMA instruction assumed.
     "scalar": Arch("scalar", "scalar", 32, 16, 1, 32 * KIB, 1 * MIB, 32 * MIB, 2,
                    cpu.ISA_CFLAGS["scalar"], fma_latency=4, load_ports=2, broadcasts_per_cycle=2.0),
@@ -85,12 +94,14 @@ PRESETS: dict[str, Arch] = {
     "haswell": Arch("haswell", "avx2", 256, 16, 2, 32 * KIB, 256 * KIB, 20 * MIB, 2, cpu.ISA_CFLAGS["avx2"],
                     fma_latency=5),
     # Skylake-SP / Cascade Lake (Xeon Gold 6xxx, Platinum: two 512-bit FMA units), 1 MiB L2.
-    "skylake-x": Arch("skylake-x", "avx512", 512, 32, 2, 32 * KIB, 1 * MIB, 22 * MIB, 2, cpu.ISA_CFLAGS["avx512"]),
+    "skylake-x": Arch("skylake-x", "avx512", 512, 32, 2, 32 * KIB, 1 * MIB, 22 * MIB, 2, cpu.ISA_CFLAGS["avx512"],
+                        slice_refill_cycles=1.0),
     # Ice Lake-SP: 48 KiB L1d, 1.25 MiB L2.
-    "icelake": Arch("icelake", "avx512", 512, 32, 2, 48 * KIB, 1280 * KIB, 48 * MIB, 2, cpu.ISA_CFLAGS["avx512"]),
+    "icelake": Arch("icelake", "avx512", 512, 32, 2, 48 * KIB, 1280 * KIB, 48 * MIB, 2, cpu.ISA_CFLAGS["avx512"],
+                      slice_refill_cycles=1.0),
     # Sapphire Rapids / Emerald Rapids: 48 KiB L1d, 2 MiB L2, AMX tiles.
     "sapphirerapids": Arch("sapphirerapids", "avx512", 512, 32, 2, 48 * KIB, 2 * MIB, 96 * MIB, 2,
-                           cpu.ISA_CFLAGS["avx512"], amx=True),
+                           cpu.ISA_CFLAGS["avx512"], amx=True, slice_refill_cycles=1.0),
     # Zen 3: AVX2 only, 2 FMA-256 of latency 4, 512 KiB L2, 32 MiB L3 per CCD.
     "zen3": Arch("zen3", "avx2", 256, 16, 2, 32 * KIB, 512 * KIB, 32 * MIB, 2, cpu.ISA_CFLAGS["avx2"]),
     # Zen 4: AVX-512 on two 256-bit pipes: a 512-bit FMA takes both, one per cycle (the AVX2
@@ -99,9 +110,11 @@ PRESETS: dict[str, Arch] = {
     # apart, and its plans ran 0.89-1.05x the two-unit ones on VGG-A conv2-8 backward-weights
     # (0.96-1.04 on the other passes; benchmarks/ab.py, interleaved, 3 rounds); the extra
     # independent accumulators also cover the double-pumped latency. 32 KiB L1d, 1 MiB L2.
-    "zen4": Arch("zen4", "avx512", 512, 32, 2, 32 * KIB, 1 * MIB, 32 * MIB, 2, cpu.ISA_CFLAGS["avx512"]),
+    "zen4": Arch("zen4", "avx512", 512, 32, 2, 32 * KIB, 1 * MIB, 32 * MIB, 2, cpu.ISA_CFLAGS["avx512"],
+                   slice_refill_cycles=1.0),
     # Zen 5 (server, desktop): full 512-bit datapath, 2 FMA-512, 48 KiB L1d, 1 MiB L2.
-    "zen5": Arch("zen5", "avx512", 512, 32, 2, 48 * KIB, 1 * MIB, 32 * MIB, 2, cpu.ISA_CFLAGS["avx512"]),
+    "zen5": Arch("zen5", "avx512", 512, 32, 2, 48 * KIB, 1 * MIB, 32 * MIB, 2, cpu.ISA_CFLAGS["avx512"],
+                   slice_refill_cycles=1.0),
 }
 
 # Intel family-6 models of each preset (Intel's model table), newest parts of a family included
@@ -168,6 +181,7 @@ ARCH_RANGES: dict[str, tuple[float, float]] = {
     "fma_units": (1, 4), "l1d_bytes": (4 << 10, 4 << 20), "l2_bytes": (64 << 10, 1 << 30),
     "l3_bytes": (64 << 10, 16 << 30), "cores": (1, 4096), "fma_latency": (1, 32), "load_ports": (1, 8),
     "broadcasts_per_cycle": (0.1, 16), "l2_bytes_per_cycle": (1, 1024), "l1_refill_cycles": (0.1, 1000),
+    "slice_refill_cycles": (0.1, 1000),
 }
 ARCH_REGISTERS = {"scalar": 64, "avx2": 16, "avx512": 32}
 MIN_REGISTERS = 4  # the smallest register tile: one accumulator, one weight vector, one broadcast

@@ -78,6 +78,10 @@ class ConvFwdBlocking:
         return self.weight_bytes + self.input_bytes + self.partial_bytes
 
 
+# L3's bandwidth to one core as a share of L2's (an estimate: Skylake-SP to Sapphire Rapids
+# sustain ~10-16 B/cycle from L3 against 32-48 from L2; Zen 4/5 about 32 against 64).
+L3_BANDWIDTH_SHARE = 0.5
+
 # Planes of fewer output pixels (7x7, 6x6) change which loop order and which prefetch pay.
 SMALL_PLANE = 64
 
@@ -115,9 +119,10 @@ _BF16_KIND = {4: "", 2: "_bf16"}
 def _conv_fwd_blocking(layer: LayerSpec, tile: RegisterTile, slice_bytes: int, lanes: int,
                        arch: Arch, value_bytes: int = 4) -> ConvFwdBlocking:
     """Reduction chunk and output-row block for conv forward: the pair whose working set fits
-    L1_BUDGET of L1 and costs the fewest cycles per FLOP, counting the L2 -> L1 refills
-    (the weight slice once per row block, each input row once per row block, the partial sums
-    once) and the accumulator loads and stores every chunk adds to every tile. value_bytes 2
+    L1_BUDGET of L1 and costs the fewest cycles per FLOP, counting an image's L2 -> L1 refills
+    (the weight slice once per row block, at arch.slice_refill_cycles a line: one sequential
+    stream; each input row once per row block and the partial sums in and out, at
+    arch.l1_refill_cycles) and the accumulator loads and stores every chunk adds to every tile. value_bytes 2
     (bf16 operands): inputs and weights take half the bytes, a dot-product instruction does two
     multiply-adds per lane, and the partial sums stay fp32."""
     v = arch.vector_floats
@@ -136,12 +141,19 @@ def _conv_fwd_blocking(layer: LayerSpec, tile: RegisterTile, slice_bytes: int, l
             partials = rows * ow * tile.vectors * v * 4
             if weights + inputs + partials > L1_BUDGET * arch.l1d_bytes and (chunk, rows) != (1, 1):
                 break  # more rows only grow the working set
-            traffic = icb * slice_bytes + icb * rows_in * iw * xv * value_bytes + 2 * partials
-            bpf = traffic / (rows * row_flops)
+            # an image's traffic over its row blocks, the last one shorter where rows does not divide oh
+            row_blocks = -(-oh // rows)
+            last_in = min(ih, (oh - (row_blocks - 1) * rows - 1) * layer.stride[0] + kh)
+            weight_traffic = row_blocks * icb * slice_bytes
+            traffic = (weight_traffic + icb * ((row_blocks - 1) * rows_in + last_in) * iw * xv * value_bytes
+                       + 2 * oh * ow * tile.vectors * v * 4)
+            bpf = traffic / (oh * row_flops)
             overhead = 1 + 2 * pair / (chunk * lanes * kh * kw)
-            refill = bpf / 64 * arch.l1_refill_cycles
+            refill = ((traffic - weight_traffic) * arch.l1_refill_cycles + weight_traffic * arch.slice_refill_cycles
+                      ) / (oh * row_flops * 64)
             cost = overhead / (2 * v * arch.fma_units * pair) + refill
-            if best is None or cost < best[0] - 1e-12:
+            # ties (the same row-block count and rows read): the longer blocks
+            if best is None or cost < best[0] - 1e-12 or (cost <= best[0] + 1e-12 and chunk == best[1].chunk):
                 best = (cost, ConvFwdBlocking(chunk, rows, weights, inputs, partials, bpf, overhead, refill))
     if value_bytes == 2 and (kh, kw) == (1, 1) and layer.stride == (1, 1) and best is not None and best[1].chunk < icb:
         # bf16 1x1: the whole reduction in the registers, each tile streaming its weights from L2
@@ -189,8 +201,13 @@ def plan_conv_fwd(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | None =
         slice_bytes = tile.vectors * v * lanes * kh * kw * value_bytes
         blocking = _conv_fwd_blocking(layer, tile, slice_bytes, lanes, arch, value_bytes)
         eff = row_eff / (blocking.overhead + row_eff * blocking.refill_cycles_per_flop * peak_flops_per_cycle)
-        # Roofline: the rows cannot run faster than L2 delivers their bytes.
-        eff = min(eff, arch.l2_bytes_per_cycle / (blocking.l2_bytes_per_flop * peak_flops_per_cycle))
+        # Roofline: the rows cannot run faster than L2 delivers their bytes, or L3 where the
+        # group's slices of every chunk, re-read each row block, do not stay in L2 (VGG-A at
+        # 64x64, conv7: 512 -> 512 at 4x4, a 1.2 MB group for 4x4 tiles: one-row blocks at 0.5
+        # B/FLOP ran 0.79-0.82x the 4x2 tiles' whole-image blocks on Ice Lake's 1.25 MiB L2).
+        beyond_l2 = icb * slice_bytes > L1_BUDGET * arch.l2_bytes and blocking.rows < oh
+        bandwidth = arch.l2_bytes_per_cycle * (L3_BANDWIDTH_SHARE if beyond_l2 else 1)
+        eff = min(eff, bandwidth / (blocking.l2_bytes_per_flop * peak_flops_per_cycle))
         scored.append((eff, tile.width * tile.vectors, -tile.registers, tile, cover, blocking, row_eff))
     scored.sort(key=lambda s: s[:3], reverse=True)
     scored = put_first(scored, choice, lambda s: s[3])

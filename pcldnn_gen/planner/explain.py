@@ -47,7 +47,8 @@ def conv_fwd(tile: RegisterTile, arch: Arch, ow: int, cover: RowCover, row_eff: 
         f"+ {partial_bytes // 1024} KiB partial sums = {working_set // 1024} KiB"
         + (" within" if fits else " (does not fit) against")
         + f" 3/4 of L1 ({arch.l1d_bytes // 1024} KiB), the weights read from L2 once per {rows} row"
-        + f"{'s' if rows > 1 else ''} ({l2_bpf:.3f} B/FLOP at {arch.l1_refill_cycles:g} cycles per 64 B refill)")
+        + f"{'s' if rows > 1 else ''} ({l2_bpf:.3f} B/FLOP at {arch.l1_refill_cycles:g} cycles per 64 B refill, "
+        + f"the weight slice's sequential lines at {arch.slice_refill_cycles:g})")
     return (
         f"register tile {tile.width} px x {tile.vectors} oc-vectors: {tile.width * tile.vectors} accumulators "
         f"+ {min(tile.width, tile.vectors)} held + 1 streamed = {tile.registers}/{arch.vector_registers} registers, "
