@@ -26,7 +26,7 @@ from pcldnn_runtime.state_io import check_state, expected_state
 from . import __version__
 from .arch import Arch
 from .codegen import layer_amx, layer_bf16, peak_flops_per_iteration, render_kernel, render_layout, render_peak, render_sgd
-from .compiler import Source, compile_all
+from .compiler import Source, compile_all, compile_source
 from .errors import ArchError, BuildDirError
 from .netspec import LayerSpec, NetSpec
 from .planner import LAYER_PASSES, KernelPlan, plan_layer
@@ -168,7 +168,10 @@ def _write_build(net: NetSpec, arch: Arch, out_dir: Path, sources: list[tuple[La
             for (layer, p, src), res in zip(sources, results):
                 (stage / "src" / src.filename).write_text(src.text)
                 lib_name = f"lib/{Path(src.filename).stem}.so"
-                shutil.copyfile(res.library, stage / lib_name)
+                try:
+                    shutil.copyfile(res.library, stage / lib_name)
+                except FileNotFoundError:  # pruned (`pcldnn-gen cache prune`) since it was compiled
+                    shutil.copyfile(compile_source(src, arch).library, stage / lib_name)
                 entry = {"library": lib_name, "sha256": file_sha256(stage / lib_name),
                          "source": f"src/{src.filename}", "symbols": src.symbols}
                 if layer is None:  # the peak's entry also says its FLOPs per loop iteration

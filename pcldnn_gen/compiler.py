@@ -338,17 +338,17 @@ def cache_entries(cache: Path) -> list[CacheEntry]:
             files = [(p, st) for p in folder.iterdir() if (st := _stat(p)) is not None]
             entries.append(CacheEntry("header", folder.name, (folder, *(p for p, _ in files)),
                                       sum(s.st_size for _, s in files),
-                                      max((s.st_mtime for _, s in files), default=folder.stat().st_mtime),
+                                      max((s.st_mtime for _, s in files), default=0.0),  # empty: oldest
                                       headers / f"{folder.name}.lock"))
     return sorted(entries, key=lambda e: (e.last_used, e.key))
 
 
 def prune_cache(cache: Path, max_bytes: int | None = None, max_age_s: float | None = None,
-                dry_run: bool = False, now: float | None = None) -> PruneResult:
+                dry_run: bool = False) -> PruneResult:
     """Remove entries last used more than `max_age_s` ago, then the least recently used until
     the entries take at most `max_bytes`. Each is removed under its compile lock; one a compile
-    holds is kept (busy). Also removes temporaries of compiles that died and empty folders."""
-    now = time.time() if now is None else now
+    holds is kept (busy). Also removes the temporaries of compiles that died."""
+    now = time.time()
     entries = cache_entries(cache)
     total = sum(e.size for e in entries)
     removed, kept, busy = [], [], []

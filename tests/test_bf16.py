@@ -42,6 +42,7 @@ needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU lacks AMX bf16 tile
 # its accumulators and reloads them between groups (the path large layers take).
 AMX_ARCH = dataclasses.replace(get_arch("avx512"), name="avx512-amx", amx=True, l2_bytes=64 * 1024)
 
+
 @pytest.fixture(autouse=True)
 def _bf16_kernels(request, monkeypatch):
     """A test marked bf16_kernels runs on real AVX512_BF16, else on emulated instructions."""
@@ -199,7 +200,8 @@ def test_emulated_bf16_instructions(tmp_path):
     roundings the instruction makes (bf16 products are exact in fp32; each add rounds once:
     |error| <= 2 u (|acc| + |p_odd| + |p_even|)), bf16 subnormals read as zero; its vcvtneps2bf16
     is the reference rounding bit for bit. Where AVX512_BF16 exists, the real instructions are
-    held to the same."""
+    held to the same, but for reading subnormals as zero, which the SDM specifies and a CPU
+    might not (either reading passes there: the kernels' tests never feed subnormals)."""
     from bf16_emulation import HEADER
     ffi = cffi.FFI()
     ffi.cdef("void dot(const float *acc, const unsigned short *a, const unsigned short *b, float *out, "
@@ -217,19 +219,24 @@ def test_emulated_bf16_instructions(tmp_path):
     acc[:64] *= np.float32(2.0 ** -100)
     wide = np.concatenate([SPECIAL, rng.integers(0, 2 ** 32, n - SPECIAL.size, dtype=np.uint64).astype(np.uint32)]
                           ).view(np.float32)
-    values = as_float(words).astype(np.float64)
-    values[(words & 0x7F80) == 0] = 0.0  # read as zero
-    products = values[0] * values[1]  # (n, 2): exact
-    exact = acc.astype(np.float64) + products.sum(axis=1)
-    bound = 2 * U32 * (np.abs(acc) + np.abs(products).sum(axis=1))
+    def exact_and_bound(values):
+        products = values[0] * values[1]  # (n, 2): exact
+        return acc.astype(np.float64) + products.sum(axis=1), 2 * U32 * (np.abs(acc) + np.abs(products).sum(axis=1))
+
+    as_read = as_float(words).astype(np.float64)
+    exact_raw, bound_raw = exact_and_bound(as_read)
+    exact, bound = exact_and_bound(np.where((words & 0x7F80) == 0, 0.0, as_read))  # subnormals read as zero
     for kind in ("emulated", "real") if HAS_BF16 else ("emulated",):
         text = (HEADER if kind == "emulated" else "") + _DOT
         source = Source(f"bf16_dot_{kind}.c", text, {}, cpu.PRECISION_CFLAGS["bf16"])
         lib = ffi.dlopen(str(compile_source(source, get_arch("avx512")).library))
         out, narrow = np.zeros(n, dtype=np.float32), np.zeros(n, dtype=np.uint16)
         lib.dot(*_buffers(ffi, acc, a, b, out, wide, narrow), n)
-        error = np.abs(out.astype(np.float64) - exact)
-        assert np.all(error <= bound), (kind, np.max(error / np.maximum(bound, 1e-300)))
+        got = out.astype(np.float64)
+        ok = np.abs(got - exact) <= bound
+        if kind == "real":
+            ok |= np.abs(got - exact_raw) <= bound_raw
+        assert np.all(ok), (kind, np.flatnonzero(~ok)[:8])
         np.testing.assert_array_equal(narrow, bf16_reference(wide), err_msg=kind)
 
 

@@ -296,3 +296,19 @@ def test_cache_command(tmp_path, fresh_cache, capsys):
     (tmp_path / "file").write_text("")
     os.environ["PCLDNN_CACHE_DIR"] = str(tmp_path / "file")  # restored by fresh_cache's monkeypatch
     assert main(["cache"]) == 2 and "not a directory" in capsys.readouterr().err
+
+
+def test_a_build_survives_a_prune_between_compile_and_copy(tmp_path, fresh_cache, monkeypatch):
+    """A cache entry pruned after compile_all returned it (another shell's `cache clear`) is
+    compiled again when the build copies it, not a failed build."""
+    import pcldnn_gen.build as generator
+    from pcldnn_gen.compiler import prune_cache
+    real = generator.compile_all
+
+    def compile_then_prune(*args, **kwargs):
+        results = real(*args, **kwargs)
+        prune_cache(fresh_cache, max_bytes=0)
+        return results
+    monkeypatch.setattr(generator, "compile_all", compile_then_prune)
+    build(load_netspec(NETS / "cifar_small.json"), get_arch("scalar"), tmp_path / "b")
+    pr.load(tmp_path / "b").forward(np.zeros((1, 3, 32, 32), np.float32))

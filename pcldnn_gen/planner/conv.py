@@ -122,9 +122,9 @@ def _conv_fwd_blocking(layer: LayerSpec, tile: RegisterTile, slice_bytes: int, l
     L1_BUDGET of L1 and costs the fewest cycles per FLOP, counting an image's L2 -> L1 refills
     (the weight slice once per row block, at arch.slice_refill_cycles a line: one sequential
     stream; each input row once per row block and the partial sums in and out, at
-    arch.l1_refill_cycles) and the accumulator loads and stores every chunk adds to every tile. value_bytes 2
-    (bf16 operands): inputs and weights take half the bytes, a dot-product instruction does two
-    multiply-adds per lane, and the partial sums stay fp32."""
+    arch.l1_refill_cycles) and the accumulator loads and stores every chunk adds to every
+    tile. value_bytes 2 (bf16 operands): inputs and weights take half the bytes, a dot-product
+    instruction does two multiply-adds per lane, and the partial sums stay fp32."""
     v = arch.vector_floats
     pair = 4 // value_bytes
     ic, ih, iw = layer.in_shape
