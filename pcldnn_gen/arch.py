@@ -56,8 +56,8 @@ class Arch:
     # (Ice Lake VM: at 4 the planner held 3x3 and 5x5 layers to tiles of fewer oc vectors whose
     # slice fits L1 across two rows, AlexNet conv3-5 5x3 / 6x2 instead of 5x4 ran 1.21-1.42x
     # slower; benchmarks/RESULTS.md "Forward weight slices as a stream"). AVX2 and scalar keep 4:
-    # there the lower price chose 16-of-16-register tiles that gcc spills, 0.88-0.98x on
-    # OverFeat-FAST conv3-5.
+    # there the lower price moved OverFeat-FAST conv3-5 to plans that ran 0.88-0.98x (3x4 tiles,
+    # or 6x2 in two row blocks instead of one).
     slice_refill_cycles: float = 4.0
     # AMX bf16 tiles (Sapphire Rapids and later): a bf16 build's stride-1 convolutions (and fc forward passes) run on
     # tdpbf16ps (1024 FLOP per cycle and core, 16x the AVX-512 fp32 FMA rate: 3.4-3.6 TFLOP/s
