@@ -87,29 +87,25 @@ def _train_step(desc: dict, arch: str, precision: str, out: Path, x, labels) -> 
 
 
 def runnable(mode: str) -> tuple[tuple[str, str], ...]:
-    """The configurations of `mode` this CPU runs: AMX builds only where Linux grants the tiles,
-    vdpbf16ps builds on AVX512_BF16 or, with the instructions emulated, on any AVX-512 CPU."""
-    from pcldnn_runtime import cpu
-    amx = cpu.supports("avx512") and "avx512_bf16" in cpu.cpu_flags() and cpu.request_amx() is None
-    return tuple(c for c in MODES[mode] if amx or c != ("sapphirerapids", "bf16"))
-
-
-def emulate_bf16_if_needed(mode: str) -> None:
-    """In the child process: a bf16 sweep on an AVX-512 CPU without AVX512_BF16 compiles and
-    loads the vdpbf16ps builds with the instructions emulated."""
+    """In the child process: the configurations of `mode` this CPU runs. AMX builds only where
+    Linux grants the tiles; vdpbf16ps builds on AVX512_BF16 or, without it, on any AVX-512 CPU
+    with the instructions emulated (applied here, for the child's lifetime)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     import bf16_emulation
-    if mode != "bf16" or bf16_emulation.HAS_BF16:
-        return
-    if not bf16_emulation.CAN_EMULATE:
-        raise SystemExit(bf16_emulation.WHY_NOT)
-    import pytest
-    bf16_emulation.emulate(pytest.MonkeyPatch())  # for the child's lifetime
+
+    from pcldnn_runtime import cpu
+    if mode == "bf16" and not bf16_emulation.HAS_BF16:
+        if not bf16_emulation.CAN_EMULATE:
+            raise SystemExit(bf16_emulation.WHY_NOT)
+        import pytest
+        bf16_emulation.emulate(pytest.MonkeyPatch())
+    amx = bf16_emulation.HAS_BF16 and cpu.request_amx() is None
+    return tuple(c for c in MODES[mode] if amx or c != ("sapphirerapids", "bf16"))
 
 
 def check_net(seed: int, mode: str, folder: str) -> str:
     """One seed's verdict line (runs in a child process: a crash fails only this net)."""
-    emulate_bf16_if_needed(mode)
+    configurations = runnable(mode)
     rng = random.Random(seed)
     desc = random_net(rng)
     from pcldnn_gen.netspec import parse_netspec
@@ -123,9 +119,9 @@ def check_net(seed: int, mode: str, folder: str) -> str:
     x = data.standard_normal((batch, c, h, w)).astype(np.float32)
     labels = data.integers(0, desc["layers"][-2]["out_features"], batch)
     runs = {}
-    for arch, precision in runnable(mode):
+    for arch, precision in configurations:
         runs[arch, precision] = _train_step(desc, arch, precision, Path(folder) / f"{seed}-{arch}-{precision}", x, labels)
-    ref = runs[runnable(mode)[0]]
+    ref = runs[configurations[0]]
     dropout = any(layer["type"] == "dropout" for layer in desc["layers"])
     words = []
     for key, (loss, grads, logits, one_thread) in runs.items():

@@ -55,7 +55,7 @@ static inline __m256bh pcldnn_emulated_cvtneps_pbh(__m512 a)
 """
 BF16_FLAG = cpu.PRECISION_CFLAGS["bf16"][0]
 # what must not be left in an emulated library: AVX512_BF16's instructions and AMX's
-UNAVAILABLE = re.compile(r"\s(vdpbf16ps|vcvtne2?ps2bf16|vcvtneps2bf16[xy]?|tdpbf16ps|tileloadd\w*|ldtilecfg)\s")
+UNAVAILABLE = re.compile(r"\s(vdpbf16ps|vcvtne2?ps2bf16[xy]?|tdpbf16ps|tileloadd\w*|ldtilecfg)\s")
 
 HAS_BF16 = cpu.supports("avx512") and "avx512_bf16" in cpu.cpu_flags()
 CAN_EMULATE = not HAS_BF16 and cpu.supports("avx512")

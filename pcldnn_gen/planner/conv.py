@@ -208,15 +208,15 @@ def plan_conv_fwd(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | None =
         beyond_l2 = icb * slice_bytes > L1_BUDGET * arch.l2_bytes and blocking.rows < oh
         bandwidth = arch.l2_bytes_per_cycle * (L3_BANDWIDTH_SHARE if beyond_l2 else 1)
         eff = min(eff, bandwidth / (blocking.l2_bytes_per_flop * peak_flops_per_cycle))
-        scored.append((eff, tile.width * tile.vectors, -tile.registers, tile, cover, blocking, row_eff))
+        scored.append((eff, tile.width * tile.vectors, -tile.registers, tile, cover, blocking, row_eff, beyond_l2))
     scored.sort(key=lambda s: s[:3], reverse=True)
     scored = put_first(scored, choice, lambda s: s[3])
-    eff, _, _, tile, cover, blocking, row_eff = scored[0]
+    eff, _, _, tile, cover, blocking, row_eff, beyond_l2 = scored[0]
     remainders = (cover.rem,) if cover.rem else ()
     reason = explain.conv_fwd(tile, arch, ow, cover, row_eff, icb, blocking.chunk, blocking.rows,
                               blocking.weight_bytes, blocking.input_bytes, blocking.partial_bytes,
                               blocking.working_set <= L1_BUDGET * arch.l1d_bytes, blocking.l2_bytes_per_flop, eff,
-                              streams_inputs(layer, arch), blocking.weights_streamed)
+                              streams_inputs(layer, arch), blocking.weights_streamed, beyond_l2)
     # Border pixels without an edge tile are computed by 1-pixel tiles.
     widths = {tile.width, *remainders} | ({1} if cover.border else set())
     return ConvFwdPlan(layer=layer.name, pass_name="fwd", kind="conv_fwd" + _BF16_KIND[value_bytes],

@@ -36,7 +36,7 @@ def tile_sentence(tile: RegisterTile, arch: Arch, rows: str, vectors: str) -> st
 
 def conv_fwd(tile: RegisterTile, arch: Arch, ow: int, cover: RowCover, row_eff: float, icb: int, ifb: int,
              rows: int, weight_bytes: int, input_bytes: int, partial_bytes: int, fits: bool, l2_bpf: float,
-             eff: float, streamed: bool, weights_streamed: bool = False) -> str:
+             eff: float, streamed: bool, weights_streamed: bool = False, from_l3: bool = False) -> str:
     working_set = weight_bytes + input_bytes + partial_bytes
     blocking = (
         f"; the whole reduction ({icb} channel blocks) in the registers, each tile streaming its "
@@ -48,7 +48,8 @@ def conv_fwd(tile: RegisterTile, arch: Arch, ow: int, cover: RowCover, row_eff: 
         + (" within" if fits else " (does not fit) against")
         + f" 3/4 of L1 ({arch.l1d_bytes // 1024} KiB), the weights read from L2 once per {rows} row"
         + f"{'s' if rows > 1 else ''} ({l2_bpf:.3f} B/FLOP at {arch.l1_refill_cycles:g} cycles per 64 B refill, "
-        + f"the weight slice's sequential lines at {arch.slice_refill_cycles:g})")
+        + f"the weight slice's sequential lines at {arch.slice_refill_cycles:g})"
+        + ("; the group's slices of every chunk are beyond L2: L3's bandwidth bounds the rows" if from_l3 else ""))
     return (
         f"register tile {tile.width} px x {tile.vectors} oc-vectors: {tile.width * tile.vectors} accumulators "
         f"+ {min(tile.width, tile.vectors)} held + 1 streamed = {tile.registers}/{arch.vector_registers} registers, "
