@@ -36,7 +36,7 @@ from .arch import Arch
 from .compiler import Source
 from .errors import PlanError
 from .netspec import LayerSpec
-from .planner import KernelPlan
+from .planner import KernelPlan, kernel_layer
 from .planner.plans import ConvBwdWeightsPlan
 
 
@@ -304,6 +304,7 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
     """C source of one (layer, pass) kernel: the plan's template with the plan, the ISA's
     spellings and the layer's blocked sizes. A bf16 plan (kind *_bf16: plan_layer with bf16)
     reads bf16 operands in pairs (lane_step 2) with the BF16_ISA spellings."""
+    net_layer, layer = layer, kernel_layer(layer, plan)
     v = arch.vector_floats
     symbol = kernel_symbol(layer.name, plan.pass_name)
     c, h, w = layer.in_shape
@@ -325,7 +326,8 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
                      "from L2")
         lines += [("precision: " if i == 0 else "           ") + w for i, w in enumerate(textwrap.wrap(text, 87))]
     text = template_env().get_template(plan.template).render(
-        layer=layer, arch=arch, plan=plan, V=v, vec=BF16_ISA if bf16 else VECTOR_ISAS[arch.isa], symbol=symbol,
+        layer=layer, net_layer=net_layer, arch=arch, plan=plan, V=v, vec=BF16_ISA if bf16 else VECTOR_ISAS[arch.isa],
+        symbol=symbol,
         params=SIGNATURES[kind], tile_params=SIGNATURES["conv_weight_tiles"], version=__version__, plan_lines=lines,
         elem="unsigned short" if bf16 else "float", lane_step=2 if bf16 else 1,
         R=plan.tile.vectors if plan.tile else 0, icb=icb, ocb=blocks(layer.out_shape[0], v),

@@ -31,7 +31,7 @@ from .codegen import template_env
 from .compiler import c_compiler, cache_dir, compiler_identity
 from .errors import PcldnnError, PlanError
 from .netspec import LayerSpec
-from .planner import KernelPlan, Measured, TileTiming, plan_layer
+from .planner import KernelPlan, Measured, TileTiming, kernel_layer, plan_layer
 
 FORMAT = "pcldnn-tuning/1"
 PRECISION = "fp32"
@@ -116,7 +116,7 @@ class TuningDB:
     def lookup(self, layer: LayerSpec, pass_name: str, arch: Arch, model: KernelPlan) -> Entry | None:
         if model.tile is None:
             return None
-        return self.entries.get(key_id(kernel_key(layer, pass_name, arch, model.template)))
+        return self.entries.get(key_id(kernel_key(kernel_layer(layer, model), pass_name, arch, model.template)))
 
     def plan(self, layer: LayerSpec, pass_name: str, arch: Arch) -> KernelPlan:
         """The model's plan, or the plan around the measured tile when an entry matches."""

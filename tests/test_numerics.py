@@ -44,6 +44,11 @@ CONV_SHAPES = [
     # tap group and a narrower last oc-vector group together (AVX-512 / AVX2 respectively)
     (2, 2, 9, 20, 72, 7, 1, 3, True),
     (1, 3, 13, 17, 40, 5, [1, 2], 2, False),
+    # 1x1 on planes of rows shorter than 8 pixels: forward and backward-data run the plane as one
+    # row (planner.conv.plane_as_row), backward-weights on the plane
+    (3, 40, 7, 7, 70, 1, 1, 0, True),
+    (2, 17, 4, 5, 33, 1, 1, 0, False),
+    (2, 16, 3, 1, 24, 1, 1, 0, True),
 ]
 
 

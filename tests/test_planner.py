@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from pcldnn_gen.arch import PRESETS
 from pcldnn_gen.build import plan_net
 from pcldnn_gen.netspec import load_netspec, parse_netspec
-from pcldnn_gen.planner import L1_BUDGET, LATENCY_HEADROOM, LAYER_PASSES, RegisterTile, plan_layer
+from pcldnn_gen.planner import L1_BUDGET, LATENCY_HEADROOM, LAYER_PASSES, RegisterTile, kernel_layer, plan_layer
 from pcldnn_gen.planner.conv import STREAM_PIXELS, STREAMED_VECTORS, WEIGHT_STREAMS
 from pcldnn_gen.planner.tiles import WHOLE_ROW_MAX, candidates
 from pcldnn_runtime.limits import blocks
@@ -311,6 +311,8 @@ def test_any_conv_plan_is_consistent(isa, c, oc, h, w, k, s, p):
         {"name": "c", "type": "conv", "out_channels": oc, "kernel": k, "stride": s, "pad": p}]})
     layer = net.layers[0]
     plan = plan_layer(layer, "fwd", arch)
+    layer = kernel_layer(layer, plan)  # the geometry the kernels run (1x1 planes of short rows: one row)
+    _, h, w = layer.in_shape
     t = plan.tile
     ow = layer.out_shape[2]
     phases = plan_layer(layer, "bwd_data", arch).phases
@@ -344,17 +346,22 @@ def test_parallel_loop_items_match_the_rendered_kernels(isa):
     arch = PRESETS[isa]
     net = load_netspec(NETS / "vgg_a.json")
     v = arch.vector_floats
+    # and a 1x1 layer whose forward and backward-data kernels run its 7x7 plane as one row
+    pointwise = parse_netspec({"name": "p", "input": {"channels": 96, "height": 7, "width": 7},
+                               "layers": [{"name": "c", "type": "conv", "out_channels": 80, "kernel": 1}]}).layers[0]
 
     def define(text, name):
         return int(re.search(rf"#define {name} +(\d+)", text)[1])
 
-    for layer in [l for l in net.layers if l.weighted][::3]:
+    for layer in [l for l in net.layers if l.weighted][::3] + [pointwise]:
         for p in LAYER_PASSES[layer.type]:
             plan = plan_layer(layer, p, arch)
             text = render_kernel(layer, plan, arch).text
             loop = parallel_loop(layer, plan)
             ic, ih, iw = layer.in_shape
             oc, oh, _ = layer.out_shape
+            if layer.type == "conv":  # the rows the kernel runs (a plane as one row: 1)
+                ih, oh = define(text, "IH"), define(text, "OH")
             icb, ocb = blocks(ic, v), blocks(oc, v)
             if (layer.type, p) == ("conv", "fwd"):
                 want = 5 * ocb // define(text, "RB_OC") * -(-oh // define(text, "RB_OH"))
@@ -374,3 +381,48 @@ def test_parallel_loop_items_match_the_rendered_kernels(isa):
             else:
                 want = -(-ocb // define(text, "RB_N")) * -(-min(define(text, "KC"), define(text, "K")) // define(text, "RB_K"))
             assert loop.items(5) == want, (layer.name, p)
+
+
+@pytest.mark.parametrize("isa,bf16", [("avx2", False), ("avx512", False), ("zen4", False), ("avx512", True),
+                                      ("zen4", True)])
+def test_short_rows_of_1x1_layers_run_as_one_row(tmp_path, isa, bf16):
+    """A 1x1, stride-1, unpadded layer on a plane of rows shorter than PLANE_ROW_BELOW plans and
+    generates forward and backward-data over the plane as one row (tiles no longer cut at 7
+    pixels); backward-weights, 8-pixel rows, strides, padding and windows keep the plane. The C
+    says so and runs one row; the tuning key is the row's shape (a plane measurement misses)."""
+    import dataclasses
+    import re
+
+    from pcldnn_gen.codegen import render_kernel
+    from pcldnn_gen.planner.conv import PLANE_ROW_BELOW
+    from pcldnn_gen.tuning import Entry, TuningDB, kernel_key, key_id
+    arch = PRESETS[isa]
+
+    def layer(h, w, kernel=1, stride=1, pad=0):
+        return parse_netspec({"name": "p", "input": {"channels": 512, "height": h, "width": w},
+                              "layers": [{"name": "c", "type": "conv", "out_channels": 1024, "kernel": kernel,
+                                          "stride": stride, "pad": pad}]}).layers[0]
+
+    for shape in [(7, 7), (4, 4), (12, PLANE_ROW_BELOW - 1)]:
+        pointwise = layer(*shape)
+        pixels = shape[0] * shape[1]
+        for p in ("fwd", "bwd_data"):
+            plan = plan_layer(pointwise, p, arch, bf16=bf16)
+            assert plan.plane_as_row and f"one row of {pixels} pixels" in plan.reason
+            # the tiles cover the whole plane as one row, wider than one of its rows
+            row = plan.cover if p == "fwd" else plan.phases[0].cover
+            assert row.count == pixels
+            text = render_kernel(pointwise, plan, arch).text
+            assert re.search(r"#define IH +1\n", text) and re.search(rf"#define IW +{pixels}\n", text)
+            assert f"in the net 512x{shape[0]}x{shape[1]} -> 1024x{shape[0]}x{shape[1]}" in text
+            # a measurement of the plane-shaped kernel (an older database) is not this kernel's
+            as_plane = Entry(kernel_key(pointwise, p, arch, plan.template), arch.name, (1, 1), None)
+            assert TuningDB(tmp_path / "db.json", {key_id(as_plane.key): as_plane}).lookup(pointwise, p, arch, plan) is None
+            as_row = dataclasses.replace(as_plane, key=kernel_key(kernel_layer(pointwise, plan), p, arch, plan.template))
+            assert TuningDB(tmp_path / "db.json", {key_id(as_row.key): as_row}).lookup(pointwise, p, arch, plan) is as_row
+        assert not getattr(plan_layer(pointwise, "bwd_weights", arch, bf16=bf16), "plane_as_row", False)
+    for other in [layer(8, 8), layer(7, 7, stride=2), layer(7, 7, pad=1), layer(7, 7, kernel=3, pad=1), layer(1, 7)]:
+        for p in ("fwd", "bwd_data"):
+            assert not plan_layer(other, p, arch, bf16=bf16).plane_as_row, (other, p)
+    if bf16:
+        assert not getattr(plan_layer(layer(7, 7), "fwd", arch, bf16=True, amx=True), "plane_as_row", False)

@@ -22,10 +22,10 @@ from ..errors import PlanError
 from ..netspec import LayerSpec
 from . import explain
 from .amx import plan_conv_amx, plan_conv_bwd_weights_amx, plan_conv_packed_amx, plan_fc_tiles, plan_fc_tiles_bwd_weights
-from .conv import L1_BUDGET, plan_conv_bwd_data, plan_conv_bwd_weights, plan_conv_fwd
+from .conv import L1_BUDGET, kernel_layer, plan_conv_bwd_data, plan_conv_bwd_weights, plan_conv_fwd, plane_as_row
 from .fc import plan_fc_bwd_data, plan_fc_bwd_weights, plan_fc_fwd
 from .memory import plan_memory_bound
-from .plans import KernelPlan, Measured, TileTiming
+from .plans import ConvBwdDataPlan, ConvFwdPlan, KernelPlan, Measured, TileTiming
 from .tiles import LATENCY_HEADROOM, RegisterTile
 
 _PLANNERS: dict[tuple[str, str], Callable[[LayerSpec, Arch, tuple[int, int] | None], KernelPlan]] = {
@@ -48,7 +48,11 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, 
     if pass_name not in passes:
         raise PlanError(f"{layer.name}: a {layer.type} layer has no {pass_name!r} pass "
                         f"(it has: {', '.join(passes) or 'none'})")
-    plan = _model_plan(layer, pass_name, arch, choice, bf16, amx, activations, gradients)
+    row = None if amx else plane_as_row(layer, pass_name)
+    plan = _model_plan(row or layer, pass_name, arch, choice, bf16, amx, activations, gradients)
+    if row is not None:
+        assert isinstance(plan, (ConvFwdPlan, ConvBwdDataPlan))
+        plan = dataclasses.replace(plan, plane_as_row=True, reason=plan.reason + explain.plane_as_row(layer))
     if plan.activations != activations:  # a conv kernel planned without them: say what it reads and writes
         plan = dataclasses.replace(plan, activations=activations,
                                    reason=plan.reason + explain.bf16_activations(pass_name, activations))
@@ -87,4 +91,4 @@ def _model_plan(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int,
 
 
 __all__ = ["L1_BUDGET", "LATENCY_HEADROOM", "LAYER_PASSES", "PASSES", "KernelPlan", "Measured", "RegisterTile",
-           "TileTiming", "plan_layer"]
+           "TileTiming", "kernel_layer", "plan_layer"]

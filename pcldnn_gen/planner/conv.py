@@ -12,7 +12,7 @@ from ..arch import Arch
 from ..errors import PlanError
 from ..netspec import LayerSpec
 from . import explain
-from .plans import BwdDataPhase, ConvBwdDataPlan, ConvBwdWeightsPlan, ConvFwdPlan
+from .plans import BwdDataPhase, ConvBwdDataPlan, ConvBwdWeightsPlan, ConvFwdPlan, KernelPlan
 from .tiles import EdgeTile, RegisterTile, Tap, candidates, cover_pieces, cover_row, divisors, pieces_efficiency, put_first
 
 # In conv forward and backward-data tiles, each weight vector comes from another channel
@@ -39,6 +39,37 @@ MIN_BLOCK_COLUMNS = 32
 # 1.00-1.05x, resnet_plain 1.00-1.07x, alexnet_small 1.00-1.03x, VGG-A AVX2 0.99-1.01x.
 STREAM_PIXELS = 128
 STREAMED_VECTORS = 3
+
+# A 1x1, stride-1, unpadded convolution maps each pixel to the same pixel, and the blocked
+# layout (N, C/V, H, W, V) stores a channel block's plane contiguously: the plane can be planned
+# and generated as one row of H x W pixels, the same bytes read and written. Where its rows are
+# shorter than this, tiles within a row are cut short (7 pixels: 4 + 3, or one of 7) and one row
+# holds few of them; as one row of 49 they run full. Measured (`ab.py`, minibatch 16, one thread,
+# Ice Lake VM, 7-9 rounds), as one row against the plane: AVX-512 7x7 (ResNet-50 layer4 reduce,
+# MobileNet pw13, Inception 5b 1x1) forward 1.08-1.09x, backward-data 1.03-1.10x; 4x4 (1024 ->
+# 256, 256 -> 1024) forward 1.03-1.06x, backward-data 1.10-1.12x; AVX2 7x7 forward 1.10-1.11x,
+# backward-data 0.99-1.06x. Not below: 8x8 planes 0.86-1.00x forward, 14x14 0.82-0.85x forward.
+# Backward-weights keeps the plane: 0.97-1.01x (AVX-512), 0.72x (AVX2) on 7x7.
+PLANE_ROW_BELOW = 8
+PLANE_ROW_PASSES = ("fwd", "bwd_data")
+
+
+def plane_as_row(layer: LayerSpec, pass_name: str) -> LayerSpec | None:
+    """The layer as its `pass_name` kernel is planned and generated where that reads its plane
+    as one row (PLANE_ROW_BELOW), else None."""
+    c, h, w = layer.in_shape
+    if (layer.type != "conv" or pass_name not in PLANE_ROW_PASSES or layer.kernel != (1, 1) or layer.stride != (1, 1)
+            or layer.pad != (0, 0) or h == 1 or layer.out_shape[2] >= PLANE_ROW_BELOW):
+        return None
+    return dataclasses.replace(layer, in_shape=(c, 1, h * w), out_shape=(layer.out_shape[0], 1, h * w))
+
+
+def kernel_layer(layer: LayerSpec, plan: KernelPlan) -> LayerSpec:
+    """The layer as `plan`'s kernel sees it: its plane as one row where the plan says so."""
+    if isinstance(plan, (ConvFwdPlan, ConvBwdDataPlan)) and plan.plane_as_row:
+        return plane_as_row(layer, plan.pass_name) or layer
+    return layer
+
 
 # Share of L1 a conv forward block (weight slice, input rows, partial sums), or a backward-weights
 # tile slice grown past half of L1, may fill; the rest absorbs conflict misses between its streams.

@@ -3,6 +3,7 @@ header and `pcldnn-gen inspect`. Arithmetic stays in the family modules; this on
 from __future__ import annotations
 
 from ..arch import Arch
+from ..netspec import LayerSpec
 from .tiles import LATENCY_HEADROOM, RegisterTile, RowCover
 
 MEMORY_BOUND = {
@@ -174,3 +175,10 @@ def bf16_gradients(pass_name: str, gradients: tuple[bool, bool]) -> str:
     """What a backward kernel reads or writes of the gradients stored as bf16 (limits.bf16_gradients)."""
     said = [role for role, bf16 in zip(("dx written", "dy read"), gradients) if bf16]
     return f". bf16 gradients: {', '.join(said)} as bf16, half the bytes" if said else ""
+
+
+def plane_as_row(layer: LayerSpec) -> str:
+    """Why a 1x1 kernel's tiles run along the whole plane (conv.plane_as_row)."""
+    _, h, w = layer.out_shape
+    return (f". 1x1, stride 1, no padding: the {h}x{w} plane planned and generated as one row of {h * w} pixels "
+            f"(a channel block's plane is contiguous: the same bytes), tiles no longer cut at {w}-pixel rows")

@@ -12,6 +12,7 @@ from pcldnn_runtime.limits import blocks
 from pcldnn_runtime.scaling import ParallelLoop
 
 from ..netspec import LayerSpec
+from .conv import kernel_layer
 from .plans import ConvBwdDataPlan, ConvBwdWeightsPlan, ConvFwdPlan, FcBwdDataPlan, FcBwdWeightsPlan, FcFwdPlan, KernelPlan
 
 
@@ -21,6 +22,7 @@ def _ceil(a: int, b: int) -> int:
 
 def parallel_loop(layer: LayerSpec, plan: KernelPlan) -> ParallelLoop:
     """The work items of the kernel's parallel loop (templates: collapse clauses)."""
+    layer = kernel_layer(layer, plan)
     v = plan.vector_floats
     ic, ih, iw = layer.in_shape
     oc, oh, _ = layer.out_shape

@@ -112,6 +112,7 @@ class ConvFwdPlan(KernelPlan):
     cover: RowCover                 # how a row of output columns is tiled
     prefetch_inputs: bool           # 1x1: inputs streamed, the next tile's prefetched into L2
     images_inner: bool              # loop over oc-vector groups outside the images (weights beyond L2)
+    plane_as_row: bool = False      # planned and generated with the H x W plane as one row (conv.plane_as_row)
 
     def reduction_chunk(self) -> str:
         return f"{self.ifm_chunk} input-channel blocks"
@@ -226,6 +227,7 @@ class ConvBwdDataPlan(KernelPlan):
     images_inner: bool              # loop over ic-vector groups outside the images (weights beyond L2)
     phases: tuple[BwdDataPhase, ...]
     rem_vectors: int = 0            # ic vectors of the last, narrower group (0: none)
+    plane_as_row: bool = False      # planned and generated with the H x W plane as one row (conv.plane_as_row)
 
     @property
     def vector_counts(self) -> tuple[int, ...]:
