@@ -44,12 +44,14 @@ STREAMED_VECTORS = 3
 # layout (N, C/V, H, W, V) stores a channel block's plane contiguously: the plane can be planned
 # and generated as one row of H x W pixels, the same bytes read and written. Where its rows are
 # shorter than this, tiles within a row are cut short (7 pixels: 4 + 3, or one of 7) and one row
-# holds few of them; as one row of 49 they run full. Measured (`ab.py`, minibatch 16, one thread,
-# Ice Lake VM, 7-9 rounds), as one row against the plane: AVX-512 7x7 (ResNet-50 layer4 reduce,
-# MobileNet pw13, Inception 5b 1x1) forward 1.08-1.09x, backward-data 1.03-1.10x; 4x4 (1024 ->
-# 256, 256 -> 1024) forward 1.03-1.06x, backward-data 1.10-1.12x; AVX2 7x7 forward 1.10-1.11x,
-# backward-data 0.99-1.06x. Not below: 8x8 planes 0.86-1.00x forward, 14x14 0.82-0.85x forward.
-# Backward-weights keeps the plane: 0.97-1.01x (AVX-512), 0.72x (AVX2) on 7x7.
+# holds few of them; as one row of 49 they run full. Measured (`ab.py`, minibatch 16, Ice Lake
+# VM, 7-9 rounds), as one row against the plane: AVX-512 7x7 (the zoo's ResNet-50 layer4, MobileNet
+# pw13, Inception 5b 1x1) forward 1.07-1.11x, backward-data 1.03-1.15x, two threads 1.05-1.14x;
+# 4x4 (1024 -> 256, 256 -> 1024) 1.03-1.12x; AVX2 7x7 0.98-1.14x. A 7-pixel row that was one
+# whole tile already (96 -> 40 channels: 7x3) loses a little, 0.89-1.02x on 0.03-0.14 ms kernels
+# (benchmarks/results/ab_icelake_1x1_plane_as_row.txt). Not at 8 pixels and wider: 8x8 planes
+# 0.86-1.00x forward, 14x14 0.82-0.85x. Backward-weights keeps the plane: 0.97-1.01x (AVX-512),
+# 0.72x (AVX2) on 7x7.
 PLANE_ROW_BELOW = 8
 PLANE_ROW_PASSES = ("fwd", "bwd_data")
 
