@@ -21,8 +21,8 @@ from .arch import Arch
 from .bench import KernelTimer, kernel_timers, measure_peak
 from .build import build
 from .netspec import NetSpec
-from .planner import LAYER_PASSES, Measured, TileTiming, kernel_layer, plan_layer
-from .tuning import Entry, TuningDB, kernel_key, key_id
+from .planner import LAYER_PASSES, Measured, TileTiming, plan_layer
+from .tuning import Entry, TuningDB, key_id, plan_key
 
 # A build timed against a copy of itself (benchmarks/ab.py, cifar_small on the EPYC VM, one
 # thread, 5 rounds) gave per-kernel ratios of 0.96-1.03: a candidate must beat the model's tile
@@ -129,7 +129,7 @@ def _kernels_to_time(net: NetSpec, arch: Arch, batch: int, candidates: int, db: 
             continue
         for p in LAYER_PASSES[layer.type]:
             model = plan_layer(layer, p, arch)
-            key = kernel_key(kernel_layer(layer, model), p, arch, model.template)
+            key = plan_key(layer, model, arch)
             if key_id(key) in seen:
                 continue
             seen.add(key_id(key))

@@ -79,6 +79,12 @@ def kernel_key(layer: LayerSpec, pass_name: str, arch: Arch, template: str) -> d
             "template": template_version(template)}
 
 
+def plan_key(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> dict[str, Any]:
+    """The key of the kernel `plan` makes: its template, and the layer as the kernel sees it (a
+    1x1 plane run as one row has that row's shape, planner.kernel_layer)."""
+    return kernel_key(kernel_layer(layer, plan), plan.pass_name, arch, plan.template)
+
+
 def key_id(key: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
@@ -116,7 +122,7 @@ class TuningDB:
     def lookup(self, layer: LayerSpec, pass_name: str, arch: Arch, model: KernelPlan) -> Entry | None:
         if model.tile is None:
             return None
-        return self.entries.get(key_id(kernel_key(kernel_layer(layer, model), pass_name, arch, model.template)))
+        return self.entries.get(key_id(plan_key(layer, model, arch)))
 
     def plan(self, layer: LayerSpec, pass_name: str, arch: Arch) -> KernelPlan:
         """The model's plan, or the plan around the measured tile when an entry matches."""

@@ -403,13 +403,13 @@ def test_short_rows_of_1x1_layers_run_as_one_row(tmp_path, isa, bf16):
                               "layers": [{"name": "c", "type": "conv", "out_channels": 1024, "kernel": kernel,
                                           "stride": stride, "pad": pad}]}).layers[0]
 
-    for shape in [(7, 7), (4, 4), (12, PLANE_ROW_BELOW - 1)]:
+    for shape in [(7, 7), (4, 4), (9, PLANE_ROW_BELOW - 1)]:
         pointwise = layer(*shape)
         pixels = shape[0] * shape[1]
         for p in ("fwd", "bwd_data"):
             plan = plan_layer(pointwise, p, arch, bf16=bf16)
             assert plan.plane_as_row and f"one row of {pixels} pixels" in plan.reason
-            # the tiles cover the whole plane as one row, wider than one of its rows
+            # the tiles cover the whole plane as one row
             row = plan.cover if p == "fwd" else plan.phases[0].cover
             assert row.count == pixels
             text = render_kernel(pointwise, plan, arch).text
@@ -421,7 +421,8 @@ def test_short_rows_of_1x1_layers_run_as_one_row(tmp_path, isa, bf16):
             as_row = dataclasses.replace(as_plane, key=kernel_key(kernel_layer(pointwise, plan), p, arch, plan.template))
             assert TuningDB(tmp_path / "db.json", {key_id(as_row.key): as_row}).lookup(pointwise, p, arch, plan) is as_row
         assert not getattr(plan_layer(pointwise, "bwd_weights", arch, bf16=bf16), "plane_as_row", False)
-    for other in [layer(8, 8), layer(7, 7, stride=2), layer(7, 7, pad=1), layer(7, 7, kernel=3, pad=1), layer(1, 7)]:
+    for other in [layer(8, 8), layer(7, 7, stride=2), layer(7, 7, pad=1), layer(7, 7, kernel=3, pad=1), layer(1, 7),
+                  layer(10, PLANE_ROW_BELOW - 1)]:  # the last: a plane of SMALL_PLANE pixels or more
         for p in ("fwd", "bwd_data"):
             assert not plan_layer(other, p, arch, bf16=bf16).plane_as_row, (other, p)
     if bf16:

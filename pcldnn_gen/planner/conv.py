@@ -46,12 +46,13 @@ STREAMED_VECTORS = 3
 # shorter than this, tiles within a row are cut short (7 pixels: 4 + 3, or one of 7) and one row
 # holds few of them; as one row of 49 they run full. Measured (`ab.py`, minibatch 16, Ice Lake
 # VM, 7-9 rounds), as one row against the plane: AVX-512 7x7 (the zoo's ResNet-50 layer4, MobileNet
-# pw13, Inception 5b 1x1) forward 1.07-1.11x, backward-data 1.03-1.15x, two threads 1.05-1.14x;
+# pw13, Inception 5b 1x1) forward 1.07-1.11x, backward-data 1.02-1.15x, two threads 1.05-1.14x;
 # 4x4 (1024 -> 256, 256 -> 1024) 1.03-1.12x; AVX2 7x7 0.98-1.14x. A 7-pixel row that was one
 # whole tile already (96 -> 40 channels: 7x3) loses a little, 0.89-1.02x on 0.03-0.14 ms kernels
 # (benchmarks/results/ab_icelake_1x1_plane_as_row.txt). Not at 8 pixels and wider: 8x8 planes
 # 0.86-1.00x forward, 14x14 0.82-0.85x. Backward-weights keeps the plane: 0.97-1.01x (AVX-512),
-# 0.72x (AVX2) on 7x7.
+# 0.72x (AVX2) on 7x7. Only planes of fewer than SMALL_PLANE pixels (what was measured): a tall
+# narrow plane as one row would put hundreds of pixels in a row block that no longer fits L1.
 PLANE_ROW_BELOW = 8
 PLANE_ROW_PASSES = ("fwd", "bwd_data")
 
@@ -61,7 +62,7 @@ def plane_as_row(layer: LayerSpec, pass_name: str) -> LayerSpec | None:
     as one row (PLANE_ROW_BELOW), else None."""
     c, h, w = layer.in_shape
     if (layer.type != "conv" or pass_name not in PLANE_ROW_PASSES or layer.kernel != (1, 1) or layer.stride != (1, 1)
-            or layer.pad != (0, 0) or h == 1 or layer.out_shape[2] >= PLANE_ROW_BELOW):
+            or layer.pad != (0, 0) or h == 1 or w >= PLANE_ROW_BELOW or h * w >= SMALL_PLANE):
         return None
     return dataclasses.replace(layer, in_shape=(c, 1, h * w), out_shape=(layer.out_shape[0], 1, h * w))
 
