@@ -551,8 +551,10 @@ def test_amx_conv_backward_weights_shares_taps_between_threads(tmp_path):
 
 
 # (input shape, features, activation): K = 288 with 40 features (3 output blocks: an odd last
-# column group, FP = 64 with a zero half tile), K = 144 = 16 mod 32 (a half-zero last tile row)
-FC_CASES = [((20, 3, 3), 40, "relu"), ((16, 3, 3), 24, None)]
+# column group, FP = 64 with a zero half tile), K = 144 = 16 mod 32 (a half-zero last tile row),
+# K = 64 with 70 features (4 input and 5 output blocks: every narrower last group of a
+# vdpbf16ps work item of 2 or 3 blocks, after a whole one)
+FC_CASES = [((20, 3, 3), 40, "relu"), ((16, 3, 3), 24, None), ((16, 2, 2), 70, "relu")]
 
 
 # fc kernels of a bf16 build: AMX where the arch has it, vdpbf16ps without (the same copies and

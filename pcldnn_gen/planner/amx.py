@@ -69,6 +69,12 @@ FC_ROWS = 256
 # chunks mean fewer round trips of the partial sums through the result; measured on VGG-A fc6
 # and fc7 at minibatch 256, one thread (ms fc6 fwd): 1/8 81, 1/4 69, 1/2 59, 1 73, 2 81.
 FC_SOURCE_SHARE = 0.5
+# 16-column result blocks a vdpbf16ps fc register tile spans (8 images x this many vectors:
+# 8 broadcasts and this many weight loads per 8 x this many dot products).
+FC_DOT_BLOCKS = 3
+# Share of L2 a vdpbf16ps column group's weights of a reduction chunk may take: every 8-image
+# register tile of the minibatch reads them again.
+FC_PANEL_SHARE = 0.25
 
 
 def reads_source_in_place(layer: LayerSpec, pass_name: str, source_bf16: bool) -> bool:
@@ -297,45 +303,56 @@ def plan_conv_bwd_weights_amx(layer: LayerSpec, arch: Arch,
 
 def plan_fc_tiles(layer: LayerSpec, pass_name: str, arch: Arch, amx: bool) -> FcTilePlan:
     """Forward (result: images x features, reduced over the inputs) and backward-data (images x
-    inputs, reduced over the output features): work item 32 images x 32 result columns over a
-    reduction chunk (AMX: 4 C tiles; vdpbf16ps: 4 register tiles of 8 images x 2 vectors, one
-    after the other), reading the layer's bf16 tile copy of the weights (made once after each
-    change of the weights, not per call). The chunk, sized by the kernel for the call's
-    minibatch: the bf16 source rows stay in FC_SOURCE_SHARE of L2 while every column group of
-    the chunk reads them; each group's weight tiles of the chunk are read from memory once and
-    reused by every 32-image row from L2."""
+    inputs, reduced over the output features) over reduction chunks, reading the layer's bf16
+    tile copy of the weights (made once after each change of the weights, not per call). AMX:
+    a work item is 32 images x 32 result columns (4 C tiles); vdpbf16ps: 8 images x
+    FC_DOT_BLOCKS vectors of 16 columns (a register tile), for the minibatch's images only. The
+    chunk, sized by the kernel for the call's minibatch: the bf16 source rows stay in
+    FC_SOURCE_SHARE of L2 while every column group of the chunk reads them, and (vdpbf16ps) a
+    group's weights of the chunk in FC_PANEL_SHARE; each group's weight tiles of the chunk are
+    read from memory once and reused by every row of images from L2."""
     geo = fc_tile_geometry(layer.in_shape, layer.out_shape[0], arch.vector_floats)
     rp = geo.kp if pass_name == "fwd" else geo.fp
     source_bytes = int(FC_SOURCE_SHARE * arch.l2_bytes)
     reduced = "inputs" if pass_name == "fwd" else "output features"
     source = "input" if pass_name == "fwd" else "output gradient (masked by the ReLU)"
-    rate = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles" if amx else
-            "vdpbf16ps: 8 images x 2 vectors of 16 columns a register tile (16 accumulators, 2 weight vectors "
-            "and a broadcast pair)")
-    reason = (f"{rate}; 32 images x 32 columns a work item (partial where the minibatch is not a multiple of 32). "
-              f"Reduction chunks of the {rp} {reduced} sized at run time so the bf16 {source} rows of the minibatch "
-              f"stay within {FC_SOURCE_SHARE:.0%} of L2 ({source_bytes // 1024} KiB; {FC_ROWS} images: "
-              f"{max(32, source_bytes // (FC_ROWS * 2) // 32 * 32)} {reduced}) across the column groups: the fewer "
-              f"chunks, the fewer reloads of the partial sums. Each group's weight tiles of a chunk are read once "
-              f"from the layer's bf16 weight copy")
+    panel_bytes = int(FC_PANEL_SHARE * arch.l2_bytes)
+    rate = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; 32 images x 32 columns a work item "
+            "(partial where the minibatch is not a multiple of 32)" if amx else
+            f"vdpbf16ps: 8 images x {FC_DOT_BLOCKS} vectors of 16 columns a register tile ({8 * FC_DOT_BLOCKS} "
+            f"accumulators, {FC_DOT_BLOCKS} weight vectors and a broadcast pair a step; 8 broadcasts per "
+            f"{8 * FC_DOT_BLOCKS} dot products), the minibatch's images only")
+    panel = "" if amx else (f", and a column group's bf16 weights of the chunk within {FC_PANEL_SHARE:.0%} of L2 "
+                            f"({panel_bytes // 1024} KiB: at most {panel_bytes // (FC_DOT_BLOCKS * 32) // 32 * 32} "
+                            f"{reduced}), read again by every 8 images")
+    reason = (f"{rate}. Reduction chunks of the {rp} {reduced} sized at run time so the bf16 {source} rows of the "
+              f"minibatch stay within {FC_SOURCE_SHARE:.0%} of L2 ({source_bytes // 1024} KiB; {FC_ROWS} images: "
+              f"{max(32, source_bytes // (FC_ROWS * 2) // 32 * 32)} {reduced}) across the column groups{panel}: the "
+              f"fewer chunks, the fewer reloads of the partial sums. Each group's weight tiles of a chunk are read "
+              f"once from the layer's bf16 weight copy")
     return FcTilePlan(layer=layer.name, pass_name=pass_name, kind=f"fc_{pass_name}_{'amx' if amx else 'bf16'}",
                       template="fc_tiles.c.j2", isa=arch.isa, vector_floats=arch.vector_floats, reason=reason,
-                      predicted_efficiency=1.0, l1_working_set=4 * TILE_BYTES, source_bytes=source_bytes)
+                      predicted_efficiency=1.0, l1_working_set=4 * TILE_BYTES, source_bytes=source_bytes,
+                      column_blocks=2 if amx else FC_DOT_BLOCKS, panel_bytes=panel_bytes)
 
 
 def plan_fc_tiles_bwd_weights(layer: LayerSpec, arch: Arch, amx: bool) -> FcTileBwdWeightsPlan:
-    """Work item: 32 inputs x 32 features of dW (AMX: 4 C tiles; vdpbf16ps: 4 register tiles of 8
-    inputs x 2 vectors), reduced over the minibatch: A = x transposed (16 inputs x 32 images),
+    """Work item: 32 inputs x 32 features of dW (AMX: 4 C tiles; vdpbf16ps: 32 inputs x
+    FC_DOT_BLOCKS blocks of 16 features, 4 register tiles of 8 inputs, over the minibatch's image
+    pairs only), reduced over the minibatch: A = x transposed (16 inputs x 32 images),
     B = dy in image pairs (32 images x 16 features). Items run over the output blocks inside the
     input groups, so an item's rows of x stay in L1 and the dy pairs of a chunk of output blocks
     in L2; the chunk: as many blocks as fit L2_SHARE of L2 at the call's minibatch."""
     dy_bytes = int(L2_SHARE * arch.l2_bytes)
-    rate = f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles" if amx else "vdpbf16ps on image pairs"
-    reason = (f"{rate}; the reduction runs over the minibatch (rounded up to 32 images). dW, the fp32 result, is "
+    rate = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; the reduction runs over the minibatch "
+            "rounded up to 32 images" if amx else
+            f"vdpbf16ps on image pairs, 8 inputs x {FC_DOT_BLOCKS} vectors of 16 features a register tile; the reduction "
+            "runs over the minibatch's pairs")
+    reason = (f"{rate}. dW, the fp32 result, is "
               f"streamed out once, 1 KiB per 16 inputs x 16 features; dy pairs of a chunk of output blocks within "
               f"{L2_SHARE:.0%} of L2 ({arch.l2_bytes // 1024} KiB), x transposed read once a chunk")
     return FcTileBwdWeightsPlan(layer=layer.name, pass_name="bwd_weights",
                                 kind=f"fc_bwd_weights_{'amx' if amx else 'bf16'}",
                                 template="fc_tiles_bwd_weights.c.j2", isa=arch.isa, vector_floats=arch.vector_floats,
                                 reason=reason, predicted_efficiency=1.0, l1_working_set=4 * TILE_BYTES,
-                                dy_bytes=dy_bytes)
+                                dy_bytes=dy_bytes, column_blocks=2 if amx else FC_DOT_BLOCKS)

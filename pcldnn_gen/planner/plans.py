@@ -182,6 +182,8 @@ class FcTilePlan(KernelPlan):
     """fc forward and backward-data on bf16 weight tiles (AMX or vdpbf16ps): the same GEMM, result
     rows = images."""
     source_bytes: int               # a reduction chunk's bf16 source rows (the whole minibatch) fit this
+    column_blocks: int              # 16-column result blocks of a work item (AMX: 2, one per B tile)
+    panel_bytes: int                # vdpbf16ps: a column group's weights of a chunk fit this (reused by every 8 images)
 
     def reduction_chunk(self) -> str:
         reduced = "inputs" if self.pass_name == "fwd" else "output features"
@@ -189,20 +191,25 @@ class FcTilePlan(KernelPlan):
 
     def blocks_summary(self) -> str:
         result, reduced = ("features", "inputs") if self.pass_name == "fwd" else ("inputs", "features")
-        how = (f"4 C tiles, 2 A of 16 images x 32 {reduced}, 2 B of 32 {reduced} x 16 {result}"
-               if self.kind.endswith("_amx") else "4 register tiles of 8 images x 2 vectors in turn, vdpbf16ps")
-        return f"32 images x 32 {result} per work item ({how}), reduction chunk: {self.reduction_chunk()}"
+        if self.kind.endswith("_amx"):
+            return (f"32 images x 32 {result} per work item (4 C tiles, 2 A of 16 images x 32 {reduced}, 2 B of 32 "
+                    f"{reduced} x 16 {result}), reduction chunk: {self.reduction_chunk()}")
+        return (f"8 images x {16 * self.column_blocks} {result} per work item (a register tile of 8 images x "
+                f"{self.column_blocks} vectors, vdpbf16ps), reduction chunk: {self.reduction_chunk()}, a group's "
+                f"weights within {self.panel_bytes // 1024} KiB")
 
 
 @dataclass(frozen=True, kw_only=True)
 class FcTileBwdWeightsPlan(KernelPlan):
     dy_bytes: int                   # bytes of dy pair copies a chunk of output blocks may hold (in L2)
+    column_blocks: int              # 16-feature blocks of dW a work item computes (AMX: 2, one per B tile)
 
     def blocks_summary(self) -> str:
         how = ("4 C tiles, 2 A of 16 inputs x 32 images, 2 B of 32 images x 16 features"
-               if self.kind.endswith("_amx") else "4 register tiles of 8 inputs x 2 vectors in turn, vdpbf16ps")
-        return (f"32 inputs x 32 features of dW per work item ({how}), streamed into dW; output blocks in "
-                f"chunks whose dy pairs fit {self.dy_bytes // 1024} KiB")
+               if self.kind.endswith("_amx") else f"4 register tiles of 8 inputs x {self.column_blocks} vectors in turn, "
+               "vdpbf16ps")
+        return (f"32 inputs x {16 * self.column_blocks} features of dW per work item ({how}), streamed into dW; output "
+                f"blocks in chunks whose dy pairs fit {self.dy_bytes // 1024} KiB")
 
 
 @dataclass(frozen=True, kw_only=True)
