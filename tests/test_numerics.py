@@ -136,6 +136,7 @@ FC_SHAPES = [
     (2, 1, 1, 1, 1, False),
     (11, 256, 1, 1, 40, True),
     (3, 20, 1, 1, 300, False),  # more than 32 output blocks on AVX2: backward-data reduces in chunks
+    (9, 1072, 1, 1, 20, True),  # 67 input blocks (prime) on AVX-512: backward-data's last k tile is narrower
 ]
 
 

@@ -76,7 +76,11 @@ def test_every_tile_fits_the_register_file(isa, net_file):
         elif plan.kind == "fc_bwd_data":
             kb = plan.k_block
             tile_k = t.vectors * v  # input features per tile: vectors of V consecutive k
-            assert k % tile_k == 0 and kb % tile_k == 0 and tile_k <= kb <= k
+            # a narrower last k tile instead of divisibility; K blocks of whole tiles (the panel's
+            # layout), the last one possibly ending inside its tile
+            assert plan.rem_vectors == (k // v) % t.vectors and t.vectors <= k // v
+            assert plan.vector_counts == (t.vectors, *((plan.rem_vectors,) if plan.rem_vectors else ()))
+            assert kb % tile_k == 0 and tile_k <= kb < k + tile_k
         elif plan.kind == "fc_bwd_weights":
             # narrower last panel / vector group instead of divisibility; no tile bound by its
             # loads where the register file holds one that is not (a 30x1 tile, a broadcast per

@@ -135,10 +135,11 @@ def fc_fwd(tile: RegisterTile, arch: Arch, rem_n: int, kc: int, k: int, panel_pe
     )
 
 
-def fc_bwd_data(tile: RegisterTile, arch: Arch, chunk: int, ocb: int, kb: int) -> str:
+def fc_bwd_data(tile: RegisterTile, arch: Arch, chunk: int, ocb: int, kb: int, rem_k: int) -> str:
     v = arch.vector_floats
     return (
-        f"GEMM dX = dY . W: {tile_sentence(tile, arch, 'minibatch rows', 'input-feature vectors')}; "
+        f"GEMM dX = dY . W: {tile_sentence(tile, arch, 'minibatch rows', 'input-feature vectors')}"
+        + (f" (the last k tile {rem_k} vector{'s' if rem_k > 1 else ''})" if rem_k else "") + "; "
         f"broadcasts of dY times W transposed, reduced over chunks of {chunk}/{ocb} output-feature blocks -> "
         f"{tile.efficiency:.0%} of peak predicted; per K block of {kb} features a thread transposes the chunk's "
         f"W slice into a contiguous panel ({chunk * v * kb * 4 // 1024} KiB, within a quarter of L2) that "

@@ -301,6 +301,13 @@ class FcFwdPlan(KernelPlan):
 class FcBwdDataPlan(KernelPlan):
     ofm_chunk: int                  # output-feature blocks per reduction chunk
     k_block: int                    # input features per transposed panel (a multiple of the tile's)
+    rem_vectors: int                # input-feature vectors of the layer's last k tile (0: all whole)
+
+    @property
+    def vector_counts(self) -> tuple[int, ...]:
+        """The tile's vector count and the narrower last tile's, if any (K is fixed: no slice)."""
+        assert self.tile is not None
+        return (self.tile.vectors, *((self.rem_vectors,) if self.rem_vectors else ()))
 
     def reduction_chunk(self) -> str:
         return f"{self.ofm_chunk} output-feature blocks"
