@@ -1,6 +1,6 @@
 """Register tiles alone, from L1: what fraction of the FMA peak each tile shape sustains.
 
-    python benchmarks/tile_microbench.py [--repeats 9] [--tiles 14x1,4x3,...]
+    python benchmarks/tile_microbench.py [--isa avx2|avx512] [--repeats 9] [--tiles 14x1,4x3,...]
 
 Checks the planner's register-level model (pcldnn_gen/planner/tiles.py, RegisterTile) without any
 cache effect: every tile runs the kernels' inner step (the shorter side of the tile held in
@@ -8,7 +8,9 @@ registers, the longer side streamed through one register, weights as aligned vec
 inputs as broadcasts) over operands that stay in L1, four steps unrolled per loop trip. Each
 tile is timed right after the pure-FMA loop `pcldnn-gen peak` uses (12 independent chains, no
 loads), and the ratio of the two is reported as the median over repeats, so that a slow moment
-of a shared machine moves both sides. AVX2 only (the ISA of the targets).
+of a shared machine moves both sides. AVX2 (ymm, the `avx2` preset's model) or AVX-512 (zmm, the
+`avx512` preset's; a vdpbf16ps tile has the same loads and broadcasts per dot product, so the
+same figures judge the bf16 tiles at a dot rate equal to the FMA rate).
 """
 from __future__ import annotations
 
@@ -26,58 +28,64 @@ from pcldnn_gen.planner import RegisterTile  # noqa: E402
 STEPS_PER_TRIP = 4
 
 
-def tile_function(width: int, vectors: int) -> str:
+# Per ISA: vector type, intrinsic prefix, floats per vector.
+ISAS = {"avx2": ("__m256", "_mm256", 8), "avx512": ("__m512", "_mm512", 16)}
+
+
+def tile_function(width: int, vectors: int, isa: str = "avx2") -> str:
     """One tile's timing loop: accumulators a<i>_<j>, the held side loaded once per step."""
+    vt, pre, vf = ISAS[isa]
     acc = [[f"a{i}_{j}" for j in range(vectors)] for i in range(width)]
     lines = [f"__attribute__((noinline)) static double tile_{width}x{vectors}(long trips) {{"]
-    lines += [f"    __m256 {a} = _mm256_setzero_ps();" for row in acc for a in row]
+    lines += [f"    {vt} {a} = {pre}_setzero_ps();" for row in acc for a in row]
     lines.append("    double t = now();")
     lines.append("    for (long s = 0; s < trips; s++) {")
-    lines.append("        const float *x = in + (s & 31), *w = wt + (s & 31) * 8;")
+    lines.append(f"        const float *x = in + (s & 31), *w = wt + (s & 31) * {vf};")
     for step in range(STEPS_PER_TRIP):
-        # weights: vector j of step at w + (step * vectors + j) * 8; inputs: x + step * 64 + i
+        # weights: vector j of step at w + (step * vectors + j) * vf; inputs: x + step * 64 + i
         def wload(j: int) -> str:
-            return f"_mm256_load_ps(w + {(step * vectors + j) * 8})"
+            return f"{pre}_load_ps(w + {(step * vectors + j) * vf})"
 
         def xcast(i: int) -> str:
-            return f"_mm256_broadcast_ss(x + {step * 64 + i})"
+            return f"{pre}_broadcast_ss(x + {step * 64 + i})" if isa == "avx2" else f"{pre}_set1_ps(x[{step * 64 + i}])"
 
         lines.append("        {")
         if width <= vectors:   # hold the broadcasts, stream the weight vectors
-            lines += [f"            __m256 b{i} = {xcast(i)};" for i in range(width)]
+            lines += [f"            {vt} b{i} = {xcast(i)};" for i in range(width)]
             for j in range(vectors):
-                lines.append(f"            {{ __m256 wv = {wload(j)};")
-                lines += [f"              {acc[i][j]} = _mm256_fmadd_ps(b{i}, wv, {acc[i][j]});" for i in range(width)]
+                lines.append(f"            {{ {vt} wv = {wload(j)};")
+                lines += [f"              {acc[i][j]} = {pre}_fmadd_ps(b{i}, wv, {acc[i][j]});" for i in range(width)]
                 lines.append("            }")
         else:                  # hold the weight vectors, stream the broadcasts
-            lines += [f"            __m256 w{j} = {wload(j)};" for j in range(vectors)]
+            lines += [f"            {vt} w{j} = {wload(j)};" for j in range(vectors)]
             for i in range(width):
-                lines.append(f"            {{ __m256 bx = {xcast(i)};")
-                lines += [f"              {acc[i][j]} = _mm256_fmadd_ps(bx, w{j}, {acc[i][j]});" for j in range(vectors)]
+                lines.append(f"            {{ {vt} bx = {xcast(i)};")
+                lines += [f"              {acc[i][j]} = {pre}_fmadd_ps(bx, w{j}, {acc[i][j]});" for j in range(vectors)]
                 lines.append("            }")
         lines.append("        }")
     lines.append("    }")
     lines.append("    t = now() - t;")
-    lines.append("    __m256 z = _mm256_setzero_ps();")
-    lines += [f"    z = _mm256_add_ps(z, {a});" for row in acc for a in row]
+    lines.append(f"    {vt} z = {pre}_setzero_ps();")
+    lines += [f"    z = {pre}_add_ps(z, {a});" for row in acc for a in row]
     lines.append("    sink = z[0];")
     lines.append(f"    return {width * vectors * STEPS_PER_TRIP}.0 * trips / t;")
     lines.append("}")
     return "\n".join(lines)
 
 
-def program(tiles: list[tuple[int, int]], repeats: int) -> str:
+def program(tiles: list[tuple[int, int]], repeats: int, isa: str = "avx2") -> str:
+    vt, pre, vf = ISAS[isa]
     chains = 12
     peak = ["__attribute__((noinline)) static double peak(long trips) {"]
-    peak += [f"    __m256 p{i} = _mm256_set1_ps({i}.0f);" for i in range(chains)]
-    peak.append("    const __m256 m = _mm256_set1_ps(0.9999f), c = _mm256_set1_ps(1e-4f);")
+    peak += [f"    {vt} p{i} = {pre}_set1_ps({i}.0f);" for i in range(chains)]
+    peak.append(f"    const {vt} m = {pre}_set1_ps(0.9999f), c = {pre}_set1_ps(1e-4f);")
     peak.append("    double t = now();")
     peak.append("    for (long s = 0; s < trips; s++) {")
-    peak += [f"        p{i} = _mm256_fmadd_ps(p{i}, m, c);" for i in range(chains)]
+    peak += [f"        p{i} = {pre}_fmadd_ps(p{i}, m, c);" for i in range(chains)]
     peak.append("    }")
     peak.append("    t = now() - t;")
-    peak.append("    __m256 z = p0;")
-    peak += [f"    z = _mm256_add_ps(z, p{i});" for i in range(1, chains)]
+    peak.append(f"    {vt} z = p0;")
+    peak += [f"    z = {pre}_add_ps(z, p{i});" for i in range(1, chains)]
     peak.append(f"    sink = z[0];\n    return {chains}.0 * trips / t;\n}}")
     body = [f"    {{ double p = peak(FMAS / {chains}); r[{k}][rep] = tile_{w}x{v}(FMAS / {w * v * STEPS_PER_TRIP}) / p; }}"
             for k, (w, v) in enumerate(tiles)]
@@ -89,9 +97,9 @@ def program(tiles: list[tuple[int, int]], repeats: int) -> str:
         "static int cmp(const void *a, const void *b) "
         "{ double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }",
         "static float in[32 + 64 * 4] __attribute__((aligned(64)));",
-        "static float wt[32 * 8 + 8 * 16 * 4] __attribute__((aligned(64)));",
+        f"static float wt[32 * {vf} + {vf} * 16 * 4] __attribute__((aligned(64)));",
         "static volatile float sink;",
-        "\n".join(peak), *(tile_function(w, v) for w, v in tiles),
+        "\n".join(peak), *(tile_function(w, v, isa) for w, v in tiles),
         "int main(void) {",
         "    enum { R = %d }; const long FMAS = 400000000L;" % repeats,
         f"    static double r[{len(tiles)}][R];",
@@ -102,18 +110,19 @@ def program(tiles: list[tuple[int, int]], repeats: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--isa", choices=sorted(ISAS), default="avx2", help="the preset whose tiles and model to check")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--tiles", default="", help="comma-separated WxV; default: every tile the planner may pick")
     args = ap.parse_args()
-    arch = PRESETS["avx2"]
+    arch = PRESETS[args.isa]
     if args.tiles:
         tiles = [tuple(int(n) for n in t.split("x")) for t in args.tiles.split(",")]
     else:
-        tiles = [(w, v) for v in range(1, 13) for w in range(1, 15)
+        tiles = [(w, v) for v in range(1, 13) for w in range(1, 31)
                  if w * v + min(w, v) + 1 <= arch.vector_registers and w * v >= 8]
     with tempfile.TemporaryDirectory() as tmp:
         src, exe = Path(tmp) / "tiles.c", Path(tmp) / "tiles"
-        src.write_text(program(tiles, args.repeats))
+        src.write_text(program(tiles, args.repeats, args.isa))
         subprocess.run([os.environ.get("CC", "cc"), "-O2", *arch.cflags, "-o", str(exe), str(src)], check=True)
         out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
     print(f"{'tile':>6} {'regs':>4} {'loads/FMA':>9} {'model':>6} {'measured (median, min-max)':>28}")
