@@ -320,8 +320,10 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
         text = (f"bf16 operands, a pair of {pairs} per 32-bit lane (vdpbf16ps), fp32 accumulation; "
                 "blocks planned for 2-byte operands")
         if isinstance(plan, ConvBwdWeightsPlan):
-            x_ring, dy_ring = bf16_weight_ring_rows(plan.block_rows, layer.stride, layer.kernel)
-            text += (f"; x and dy paired band by band ({plan.block_rows} output rows) into rings of two bands' "
+            x_ring, dy_ring = bf16_weight_ring_rows(plan.block_rows, layer.stride, layer.kernel, plan.band_images,
+                                                    layer.in_shape[1])
+            band = (f"{plan.band_images} whole images" if plan.band_images > 1 else f"{plan.block_rows} output rows")
+            text += (f"; x and dy paired band by band ({band}) into rings of two bands' "
                      f"rows ({x_ring} input, {dy_ring} output rows per channel block), read by the band's tiles "
                      "from L2")
         lines += [("precision: " if i == 0 else "           ") + w for i, w in enumerate(textwrap.wrap(text, 87))]

@@ -420,11 +420,33 @@ def fc_tile_geometry(in_shape: tuple[int, int, int], features: int, v: int = 16)
     return FcTileGeometry(k, f, -(-k // 32) * 32, -(-f // 32) * 32)
 
 
-def bf16_weight_ring_rows(block_rows: int, stride: tuple[int, int], kernel: tuple[int, int]) -> tuple[int, int]:
+# A bf16 conv backward-weights tile loads and stores its accumulators once a band. Where one
+# image is fewer than BF16_BAND_MIN_PAIRS output pixel pairs, a band spans several whole
+# images (bf16_band_images), as many as make up BF16_BAND_PIXELS pixels. Measured (emulated
+# Zen 4, Ice Lake VM, RESULTS.md session 42): 4x4 planes (8 pairs) 1.7-2.3x; 7x7 and 8x8 (28
+# and 32 pairs) 0.71-1.67x, so not there.
+BF16_BAND_MIN_PAIRS = 16
+BF16_BAND_PIXELS = 128
+
+
+def bf16_band_images(out_shape: tuple[int, int, int]) -> int:
+    """The most whole images a band of a bf16 conv backward-weights kernel may span (its plan
+    takes fewer where they would not fit half of L2)."""
+    oh, ow = out_shape[1:]
+    if oh * -(-ow // 2) >= BF16_BAND_MIN_PAIRS:
+        return 1
+    return max(1, -(-BF16_BAND_PIXELS // (oh * ow)))
+
+
+def bf16_weight_ring_rows(block_rows: int, stride: tuple[int, int], kernel: tuple[int, int], images: int = 1,
+                          in_rows: int = 0) -> tuple[int, int]:
     """(input, output) rows per channel block of the rings a bf16 conv backward-weights kernel
     pairs x and dy into (templates/conv_bwd_weights_bf16.c.j2, XRING_ROWS and DRING_ROWS): two
     bands of block_rows output rows, counted across images, before the minibatch's own rows cap
-    them."""
+    them; with bands of `images` > 1 whole images (block_rows the image's rows), two bands'
+    images of in_rows input rows each."""
+    if images > 1:
+        return 2 * images * in_rows, 2 * images * block_rows
     return (2 * block_rows - 1) * stride[0] + 2 * kernel[0], 2 * block_rows
 
 
@@ -434,10 +456,13 @@ def bf16_weight_scratch(in_shape: tuple[int, int, int], out_shape: tuple[int, in
     rows of (2 ceil(OW/2) - 2) SW + KW columns stored in 2 SW phases of equal length, from a
     cache line; dy in pairs, rows of ceil(OW/2)), each at most the minibatch's rows, then each
     dy row's fp32 sum (V floats: 2V values) for the bias gradient. The runtime reads no plan, so
-    the rings are sized for whole-image bands: the most any plan's kernel takes."""
+    the rings are sized for bands of the most whole images any plan's kernel takes."""
     c, ih, _ = in_shape
     oc, oh, ow = out_shape
-    x_ring, dy_ring = bf16_weight_ring_rows(oh, stride, kernel)
+    images = bf16_band_images(out_shape)
+    x_ring, dy_ring = bf16_weight_ring_rows(oh, stride, kernel, images, ih)
+    if images > 1:  # or one image's bands of fewer rows, if a plan's bands are those
+        x_ring, dy_ring = max(x_ring, bf16_weight_ring_rows(oh, stride, kernel)[0]), max(dy_ring, 2 * oh)
     pairs, phases = -(-ow // 2), 2 * stride[1]
     columns = -(-((2 * pairs - 2) * stride[1] + kernel[1]) // phases) * phases
     x_pairs = blocks(c, v) * min(x_ring, batch * ih) * columns * v * 2

@@ -1490,6 +1490,25 @@ def test_bf16_backward_weights_in_bands_of_a_few_rows(tmp_path, source, layer):
 
 
 @bf16_kernels
+@pytest.mark.parametrize("source,layer,images", [
+    ({"channels": 32, "height": 4, "width": 4},
+     {"out_channels": 40, "kernel": 3, "stride": 1, "pad": 1, "activation": "relu"}, 19),
+    ({"channels": 20, "height": 5, "width": 5}, {"out_channels": 16, "kernel": 3, "stride": 1, "pad": 1}, 13),
+    ({"channels": 16, "height": 9, "width": 7}, {"out_channels": 24, "kernel": 3, "stride": 2, "pad": 0}, 25)])
+def test_bf16_backward_weights_in_bands_of_several_images(tmp_path, source, layer, images):
+    """Where an image is fewer than limits.BF16_BAND_MIN_PAIRS output pixel pairs a band spans
+    several whole images, BF16_BAND_PIXELS pixels (4x4: 8; 5x5: 6; 4x3 at stride 2: 11): more
+    images than two bands hold, so the rings wrap across bands and the last band has fewer
+    images. The bound, and the same bits for 1 and 3 threads."""
+    conv, x, y, dy, masked, net = _forward_and_gradient(tmp_path, source, layer, "bwd_weights", images=images, seed=13)
+    plan = json.loads((net.build_dir / "manifest.json").read_text())["layers"][0]["kernels"]["bwd_weights"]["plan"]
+    assert plan["blocks"]["block_rows"] == conv.out_shape[1]
+    band = plan["blocks"]["band_images"]
+    assert band == -(-128 // (conv.out_shape[1] * conv.out_shape[2])) and images > 2 * band and images % band
+    _check_backward_weights_any_threads(conv, net, layer, x, y, dy, masked, (1, 3))
+
+
+@bf16_kernels
 def test_bf16_backward_weights_with_padding_deeper_than_the_minibatch(tmp_path):
     """A single image of 8 rows under an 11-row padding: the first band's rows start 11 rows
     before the minibatch's first, more than the ring holds (found by benchmarks/random_nets.py,

@@ -6,7 +6,7 @@ import functools
 import itertools
 from dataclasses import dataclass
 
-from pcldnn_runtime.limits import blocks, input_pixel_floats
+from pcldnn_runtime.limits import bf16_band_images, blocks, input_pixel_floats
 
 from ..arch import Arch
 from ..errors import PlanError
@@ -558,6 +558,12 @@ def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch, choice: tuple[int, int] 
     per_col = (tile.vectors * v + kh * sw * xv) * 4  # a column block's slice, counted as fp32
     block = _conv_bwd_weights_block(layer, tile, lanes, arch, per_row, per_row_tile, per_col)
     rows, cols = block.rows, block.cols
+    # bf16 on a small plane: a band of one whole image is a few pixel pairs per accumulator load
+    # and store (VGG-A at 64x64, conv7: 8 pairs at 4x4); it spans several images instead
+    # (limits.bf16_band_images), all within half of L2.
+    images = 1
+    if value_bytes == 2 and (rows, cols) == (oh, ow):
+        images = max(1, min(bf16_band_images(layer.out_shape), (arch.l2_bytes // 2) // (oh * per_row)))
     flops_px = 2 * tile.width * tile.vectors * v
     return ConvBwdWeightsPlan(
         # bf16 pairs neighbouring pixels, not channels: loops of their own
@@ -565,7 +571,7 @@ def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch, choice: tuple[int, int] 
         template="conv_bwd_weights_bf16.c.j2" if value_bytes == 2 else "conv_bwd_weights.c.j2",
         isa=arch.isa, vector_floats=v,
         reason=explain.conv_bwd_weights(tile, arch, eff, lanes, rem_n, taps, kw, oh, ow, per_row, per_row_tile, rows, cols,
-                                        block.streams),
+                                        block.streams, images),
         tile=tile, tile_widths=tuple(sorted({tile.width, tile.width // taps * (kw % taps or taps)}, reverse=True)),
         predicted_efficiency=eff, l1_working_set=rows * per_row,
         l2_bytes_per_flop=(tile.vectors * v + tile.width) * 4 / flops_px, rejected=tuple(s[3] for s in scored[1:6]),
@@ -576,4 +582,4 @@ def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch, choice: tuple[int, int] 
         # block's stream from L3 / memory (ResNet-18 layer2 projection, AVX2: 84% of peak at
         # minibatch 2, 46% at 16): the next block is prefetched. On 7x7 planes a block is a
         # whole image and the prefetch measured 0.96-0.98x (ab, AVX2): not there.
-        prefetch_block=(kh, kw) == (1, 1) and oh * ow >= SMALL_PLANE)
+        prefetch_block=(kh, kw) == (1, 1) and oh * ow >= SMALL_PLANE, band_images=images)

@@ -103,7 +103,8 @@ def conv_bwd_data_few(tile: RegisterTile, arch: Arch, lanes: int, stride: int, p
 
 
 def conv_bwd_weights(tile: RegisterTile, arch: Arch, eff: float, lanes: int, rem_n: int, taps: int, kw: int,
-                     oh: int, ow: int, per_row: int, per_row_tile: int, rows: int, cols: int, streams: bool) -> str:
+                     oh: int, ow: int, per_row: int, per_row_tile: int, rows: int, cols: int, streams: bool,
+                     images: int = 1) -> str:
     v = arch.vector_floats
     unit = "ic lanes" if taps == 1 else f"(ic lanes x {taps} kernel columns)"
     return (
@@ -115,8 +116,9 @@ def conv_bwd_weights(tile: RegisterTile, arch: Arch, eff: float, lanes: int, rem
         + "; threads split the weight tiles (each weight has one owner and a fixed summation order, "
         f"so results do not depend on the thread count); pixel block of {rows}/{oh} output rows"
         + (f" x {cols}/{ow} columns" if cols < ow else "")
-        + f": {rows * per_row // 1024} KiB of gradients and inputs within half of L2, each tile loading and "
-        f"storing its accumulators once a block and reading a {rows * per_row_tile * cols // ow // 1024} KiB slice "
+        + (f" of {images} images (bands of whole images: {images * oh * ow} pixels)" if images > 1 else "")
+        + f": {images * rows * per_row // 1024} KiB of gradients and inputs within half of L2, each tile loading and "
+        f"storing its accumulators once a block and reading a {images * rows * per_row_tile * cols // ow // 1024} KiB slice "
         + (f"streamed from L2 ({tile.vectors} oc vectors: few enough streams)" if streams else
            "that stays in L1 for the next tiles")
     )
