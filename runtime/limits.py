@@ -420,22 +420,20 @@ def fc_tile_geometry(in_shape: tuple[int, int, int], features: int, v: int = 16)
     return FcTileGeometry(k, f, -(-k // 32) * 32, -(-f // 32) * 32)
 
 
-# A bf16 conv backward-weights tile loads and stores its accumulators once a band. Where one
-# image is fewer than BF16_BAND_MIN_PAIRS output pixel pairs, a band spans several whole
-# images (bf16_band_images), as many as make up BF16_BAND_PIXELS pixels. Measured (emulated
-# Zen 4, Ice Lake VM, RESULTS.md session 42): 4x4 planes (8 pairs) 1.7-2.3x; 7x7 and 8x8 (28
-# and 32 pairs) 0.71-1.67x, so not there.
-BF16_BAND_MIN_PAIRS = 16
-BF16_BAND_PIXELS = 128
+# A conv backward-weights tile loads and stores its accumulators once a pixel block (a bf16
+# kernel's band). Where one image is fewer than BAND_MIN_PIXELS output pixels (a 4x4 plane: 8
+# pixel pairs for bf16, 16 pixels for fp32) a block spans several whole images (band_images),
+# as many as make up BAND_PIXELS pixels. Measured (emulated Zen 4, Ice Lake VM, RESULTS.md
+# session 42): bf16 on 4x4 planes 1.7-2.3x; on 7x7 and 8x8 planes 0.71-1.67x, so not there.
+BAND_MIN_PIXELS = 32
+BAND_PIXELS = 128
 
 
-def bf16_band_images(out_shape: tuple[int, int, int]) -> int:
-    """The most whole images a band of a bf16 conv backward-weights kernel may span (its plan
+def band_images(out_shape: tuple[int, int, int]) -> int:
+    """The most whole images a pixel block of a conv backward-weights kernel may span (its plan
     takes fewer where they would not fit half of L2)."""
-    oh, ow = out_shape[1:]
-    if oh * -(-ow // 2) >= BF16_BAND_MIN_PAIRS:
-        return 1
-    return max(1, -(-BF16_BAND_PIXELS // (oh * ow)))
+    pixels = out_shape[1] * out_shape[2]
+    return 1 if pixels >= BAND_MIN_PIXELS else -(-BAND_PIXELS // pixels)
 
 
 def bf16_weight_ring_rows(block_rows: int, stride: tuple[int, int], kernel: tuple[int, int], images: int = 1,
@@ -459,7 +457,7 @@ def bf16_weight_scratch(in_shape: tuple[int, int, int], out_shape: tuple[int, in
     the rings are sized for bands of the most whole images any plan's kernel takes."""
     c, ih, _ = in_shape
     oc, oh, ow = out_shape
-    images = bf16_band_images(out_shape)
+    images = band_images(out_shape)
     x_ring, dy_ring = bf16_weight_ring_rows(oh, stride, kernel, images, ih)
     if images > 1:  # or one image's bands of fewer rows, if a plan's bands are those
         x_ring, dy_ring = max(x_ring, bf16_weight_ring_rows(oh, stride, kernel)[0]), max(dy_ring, 2 * oh)

@@ -1496,8 +1496,8 @@ def test_bf16_backward_weights_in_bands_of_a_few_rows(tmp_path, source, layer):
     ({"channels": 20, "height": 5, "width": 5}, {"out_channels": 16, "kernel": 3, "stride": 1, "pad": 1}, 13),
     ({"channels": 16, "height": 9, "width": 7}, {"out_channels": 24, "kernel": 3, "stride": 2, "pad": 0}, 25)])
 def test_bf16_backward_weights_in_bands_of_several_images(tmp_path, source, layer, images):
-    """Where an image is fewer than limits.BF16_BAND_MIN_PAIRS output pixel pairs a band spans
-    several whole images, BF16_BAND_PIXELS pixels (4x4: 8; 5x5: 6; 4x3 at stride 2: 11): more
+    """Where an image is fewer than limits.BAND_MIN_PIXELS output pixels a band spans
+    several whole images, BAND_PIXELS pixels (4x4: 8; 5x5: 6; 4x3 at stride 2: 11): more
     images than two bands hold, so the rings wrap across bands and the last band has fewer
     images. The bound, and the same bits for 1 and 3 threads."""
     conv, x, y, dy, masked, net = _forward_and_gradient(tmp_path, source, layer, "bwd_weights", images=images, seed=13)

@@ -6,7 +6,7 @@ import functools
 import itertools
 from dataclasses import dataclass
 
-from pcldnn_runtime.limits import bf16_band_images, blocks, input_pixel_floats
+from pcldnn_runtime.limits import band_images, blocks, input_pixel_floats
 
 from ..arch import Arch
 from ..errors import PlanError
@@ -558,12 +558,12 @@ def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch, choice: tuple[int, int] 
     per_col = (tile.vectors * v + kh * sw * xv) * 4  # a column block's slice, counted as fp32
     block = _conv_bwd_weights_block(layer, tile, lanes, arch, per_row, per_row_tile, per_col)
     rows, cols = block.rows, block.cols
-    # bf16 on a small plane: a band of one whole image is a few pixel pairs per accumulator load
-    # and store (VGG-A at 64x64, conv7: 8 pairs at 4x4); it spans several images instead
-    # (limits.bf16_band_images), all within half of L2.
+    # On a small plane a block of one whole image is a few pixels per accumulator load and store
+    # (VGG-A at 64x64, conv7: 16 pixels, 8 bf16 pairs at 4x4); it spans several images instead
+    # (limits.band_images), all within half of L2.
     images = 1
-    if value_bytes == 2 and (rows, cols) == (oh, ow):
-        images = max(1, min(bf16_band_images(layer.out_shape), (arch.l2_bytes // 2) // (oh * per_row)))
+    if (rows, cols) == (oh, ow):
+        images = max(1, min(band_images(layer.out_shape), (arch.l2_bytes // 2) // (oh * per_row)))
     flops_px = 2 * tile.width * tile.vectors * v
     return ConvBwdWeightsPlan(
         # bf16 pairs neighbouring pixels, not channels: loops of their own

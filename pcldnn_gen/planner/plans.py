@@ -257,7 +257,7 @@ class ConvBwdWeightsPlan(KernelPlan):
     oh_range: tuple[tuple[int, int], ...]   # per kernel row: output rows [lo, hi) that read inside the input
     ow_range: tuple[tuple[int, int], ...]   # per kernel column: the same for output columns
     prefetch_block: bool = False    # 1x1: the next pixel block's inputs and gradients prefetched into L2
-    band_images: int = 1            # bf16: whole images a band spans (block_rows = OH), on small planes
+    band_images: int = 1            # whole images a pixel block spans (block = the plane), on small planes
 
     @property
     def vector_counts(self) -> tuple[int, ...]:
