@@ -317,13 +317,14 @@ def plan_fc_tiles(layer: LayerSpec, pass_name: str, arch: Arch, amx: bool) -> Fc
     reduced = "inputs" if pass_name == "fwd" else "output features"
     source = "input" if pass_name == "fwd" else "output gradient (masked by the ReLU)"
     panel_bytes = int(FC_PANEL_SHARE * arch.l2_bytes)
+    max_chunk = 0 if amx else max(32, panel_bytes // (FC_DOT_BLOCKS * 32) // 32 * 32)  # 32 bytes a value and block
     rate = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles; 32 images x 32 columns a work item "
             "(partial where the minibatch is not a multiple of 32)" if amx else
             f"vdpbf16ps: 8 images x {FC_DOT_BLOCKS} vectors of 16 columns a register tile ({8 * FC_DOT_BLOCKS} "
             f"accumulators, {FC_DOT_BLOCKS} weight vectors and a broadcast pair a step; 8 broadcasts per "
             f"{8 * FC_DOT_BLOCKS} dot products), the minibatch's images only")
     panel = "" if amx else (f", and a column group's bf16 weights of the chunk within {FC_PANEL_SHARE:.0%} of L2 "
-                            f"({panel_bytes // 1024} KiB: at most {panel_bytes // (FC_DOT_BLOCKS * 32) // 32 * 32} "
+                            f"({panel_bytes // 1024} KiB: at most {max_chunk} "
                             f"{reduced}), read again by every 8 images")
     reason = (f"{rate}. Reduction chunks of the {rp} {reduced} sized at run time so the bf16 {source} rows of the "
               f"minibatch stay within {FC_SOURCE_SHARE:.0%} of L2 ({source_bytes // 1024} KiB; {FC_ROWS} images: "
@@ -333,7 +334,7 @@ def plan_fc_tiles(layer: LayerSpec, pass_name: str, arch: Arch, amx: bool) -> Fc
     return FcTilePlan(layer=layer.name, pass_name=pass_name, kind=f"fc_{pass_name}_{'amx' if amx else 'bf16'}",
                       template="fc_tiles.c.j2", isa=arch.isa, vector_floats=arch.vector_floats, reason=reason,
                       predicted_efficiency=1.0, l1_working_set=4 * TILE_BYTES, source_bytes=source_bytes,
-                      column_blocks=2 if amx else FC_DOT_BLOCKS, panel_bytes=panel_bytes)
+                      column_blocks=2 if amx else FC_DOT_BLOCKS, max_chunk=max_chunk)
 
 
 def plan_fc_tiles_bwd_weights(layer: LayerSpec, arch: Arch, amx: bool) -> FcTileBwdWeightsPlan:

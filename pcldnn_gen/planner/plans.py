@@ -183,7 +183,8 @@ class FcTilePlan(KernelPlan):
     rows = images."""
     source_bytes: int               # a reduction chunk's bf16 source rows (the whole minibatch) fit this
     column_blocks: int              # 16-column result blocks of a work item (AMX: 2, one per B tile)
-    panel_bytes: int                # vdpbf16ps: a column group's weights of a chunk fit this (reused by every 8 images)
+    max_chunk: int                  # vdpbf16ps: reduction values a chunk may hold, so a column group's weights of it
+                                    # stay in L2 for every 8 images (0: no such bound, AMX)
 
     def reduction_chunk(self) -> str:
         reduced = "inputs" if self.pass_name == "fwd" else "output features"
@@ -195,8 +196,8 @@ class FcTilePlan(KernelPlan):
             return (f"32 images x 32 {result} per work item (4 C tiles, 2 A of 16 images x 32 {reduced}, 2 B of 32 "
                     f"{reduced} x 16 {result}), reduction chunk: {self.reduction_chunk()}")
         return (f"8 images x {16 * self.column_blocks} {result} per work item (a register tile of 8 images x "
-                f"{self.column_blocks} vectors, vdpbf16ps), reduction chunk: {self.reduction_chunk()}, a group's "
-                f"weights within {self.panel_bytes // 1024} KiB")
+                f"{self.column_blocks} vectors, vdpbf16ps), reduction chunk: {self.reduction_chunk()}, at most "
+                f"{self.max_chunk} values (a group's weights of it in L2)")
 
 
 @dataclass(frozen=True, kw_only=True)
