@@ -316,9 +316,12 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
         return _render_tiled(layer, plan, arch, symbol, lines)
     if bf16:
         pairs = "neighbouring output pixels" if plan.pass_name == "bwd_weights" else (
-            "output channels" if plan.pass_name == "bwd_data" else "input channels")
+            "output channels" if plan.pass_name == "bwd_data" else
+            "a kernel row's window values" if kind == "conv_fwd_packed_bf16" else "input channels")
         text = (f"bf16 operands, a pair of {pairs} per 32-bit lane (vdpbf16ps), fp32 accumulation; "
                 "blocks planned for 2-byte operands")
+        if kind == "conv_fwd_packed_bf16":
+            text += "; the fp32 image converted by the kernel into a padded bf16 copy, read in place"
         if isinstance(plan, ConvBwdWeightsPlan):
             x_ring, dy_ring = bf16_weight_ring_rows(plan.block_rows, layer.stride, layer.kernel, plan.band_images,
                                                     layer.in_shape[1])
@@ -337,7 +340,7 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
         ic_tail=c - (icb - 1) * v, k=icb * v * h * w, size=icb * v * h * w, classes=c, ld=icb * v)
     flags = cpu.PRECISION_CFLAGS["bf16"] if bf16 or any(plan.activations) or any(plan.gradients) else ()
     symbols = {symbol: kind}
-    if kind in ("conv_fwd_bf16", "conv_bwd_data_bf16"):  # and the function making its weight copy
+    if kind in ("conv_fwd_bf16", "conv_bwd_data_bf16", "conv_fwd_packed_bf16"):  # and the function making its weight copy
         symbols[symbol + "_tiles"] = "conv_weight_tiles"
     return Source(f"{layer.name}_{plan.pass_name}.c", text, symbols, flags)
 
@@ -394,7 +397,8 @@ def render_layout(layer: LayerSpec, arch: Arch, precision: str = "fp32") -> Sour
     in a bf16 build the bf16 copies its vdpbf16ps forward kernel reads, or an AMX fc layer's
     weight tiles."""
     bf16 = layer_bf16(layer, arch, precision)
-    roles = kernel_kinds(layer.type, bf16, layer_amx(layer, arch, precision))["layout"]
+    packed = input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats
+    roles = kernel_kinds(layer.type, bf16, layer_amx(layer, arch, precision), packed)["layout"]
     wshape = None
     if layer.weighted:
         oc, ic = layer.out_shape[0], layer.in_shape[0]
@@ -402,7 +406,7 @@ def render_layout(layer: LayerSpec, arch: Arch, precision: str = "fp32") -> Sour
     text = template_env().get_template("layout.c.j2").render(
         layer=layer, arch=arch, V=arch.vector_floats, vec=VECTOR_ISAS[arch.isa], version=__version__,
         prefix=f"pcldnn_{c_identifier(layer.name)}", wshape=wshape, params=SIGNATURES,
-        packed_input=input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats,
+        packed_input=packed,
         bf16="in_to_bf16" in roles,
         fc_tiles=fc_tile_geometry(layer.in_shape, layer.out_shape[0], arch.vector_floats) if "wt_to_tiles" in roles else None)
     prefix = f"pcldnn_{c_identifier(layer.name)}_"

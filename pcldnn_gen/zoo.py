@@ -12,7 +12,7 @@ from .errors import NetSpecError
 from .netspec import NetSpec, parse_netspec
 
 # A convolution of at least this many input channels is timed inside a net in a bf16 bench
-# (ZooShape.inner); fewer is a first layer's packed RGB-like input, timed as the first layer.
+# (ZooShape.inner); fewer is a first layer's packed RGB-like input, timed as a net's first layer.
 INNER_MIN_CHANNELS = 16
 
 
@@ -25,7 +25,8 @@ class ZooShape:
     # build stores its input and output, and their gradients, as bf16 (limits.bf16_outputs,
     # bf16_gradients), as a layer between convolutions has them and as oneDNN's bf16 primitives
     # are given them; as a net's first and last layer it would convert an fp32 input and write
-    # fp32 (the bf16 bench times this one). fc layers and first-layer shapes: `net` itself.
+    # fp32 (the bf16 bench times this one). A first-layer shape (packed few-channel input) is a
+    # net's first layer, its output into a ReLU (stored as bf16, as in a net). fc layers: `net`.
     inner: NetSpec
 
 
@@ -49,10 +50,12 @@ def load_zoo(path: str | Path, max_memory: int | None = None) -> list[ZooShape]:
                "layers": [{"name": name, **layer}]}
         spec = parse_netspec(net, f"{path}: {at}", max_memory)
         inner = spec
-        if layer["type"] == "conv" and spec.layers[0].in_shape[0] >= INNER_MIN_CHANNELS:
+        if layer["type"] == "conv":
             before, after = ("relu_before", "relu_after") if name not in ("relu_before", "relu_after") else \
                 ("relu_in", "relu_out")
-            inner = parse_netspec({**net, "layers": [{"name": before, "type": "relu"}, *net["layers"],
-                                                     {"name": after, "type": "relu"}]}, f"{path}: {at}", max_memory)
+            first = spec.layers[0].in_shape[0] < INNER_MIN_CHANNELS
+            inner = parse_netspec({**net, "layers": [*([] if first else [{"name": before, "type": "relu"}]),
+                                                     *net["layers"], {"name": after, "type": "relu"}]},
+                                  f"{path}: {at}", max_memory)
         shapes.append(ZooShape(name, family, spec, inner))
     return shapes

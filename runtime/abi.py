@@ -101,6 +101,11 @@ SIGNATURES: dict[str, str] = {
     # the fp32 blocked weights of output blocks [ocb_lo, ocb_hi) into both tile copies
     "fc_weight_tiles": "const float *src, unsigned short *fwd_tiles, unsigned short *data_tiles, int ocb_lo, "
                        "int ocb_hi, int nthreads",
+    # bf16 builds without AMX: the packed first layer's forward on vdpbf16ps register tiles, a
+    # kernel row's window values in pairs read in place from a padded bf16 copy of the image it
+    # makes itself (its weights: made by conv_weight_tiles, limits.packed_bf16_weight_values)
+    "conv_fwd_packed_bf16": "const float *in, const unsigned short *wt, const float *bias, void *out, "
+                            "int batch, int nthreads",
     "act_to_bf16": "const float *src, unsigned short *dst, int batch, int nthreads",
     "peak": "long long iters, int nthreads, float *sink",
     # one SGD update of n parameters (templates/sgd.c.j2); decay NULL: decay_all for every one
@@ -113,7 +118,7 @@ SIGNATURES: dict[str, str] = {
 # kernel, the call count and where the seconds per call go.
 REPEATED_KINDS = ("conv_fwd", "conv_bwd_data", "conv_bwd_weights", "fc_fwd", "fc_bwd_data", "fc_bwd_weights",
                   "conv_fwd_bf16", "conv_bwd_data_bf16", "conv_bwd_weights_bf16", "conv_fwd_amx",
-                  "conv_bwd_data_amx", "conv_bwd_weights_amx", "conv_fwd_packed_amx",
+                  "conv_bwd_data_amx", "conv_bwd_weights_amx", "conv_fwd_packed_amx", "conv_fwd_packed_bf16",
                   "conv_bwd_data_packed_amx", "conv_bwd_weights_packed_amx", "fc_fwd_amx", "fc_bwd_data_amx",
                   "fc_bwd_weights_amx", "fc_fwd_bf16", "fc_bwd_data_bf16", "fc_bwd_weights_bf16")
 SIGNATURES |= {f"repeat_{kind}": "void *fn, long long reps, double *seconds, " + SIGNATURES[kind]

@@ -25,6 +25,7 @@ from .limits import (
     blocks,
     fc_tile_geometry,
     input_pixel_floats,
+    packed_bf16_weight_values,
 )
 from .manifest import PASSES, LayerEntry
 
@@ -282,6 +283,8 @@ class WeightedLayer(Layer):
         # the packed few-channel first layer's passes on AMX tiles (forward and backward-data: their
         # weight tiles; backward-weights over im2col rows; the backward passes mask their dy copies)
         self._packed_amx = {p for p in PASSES if self.kernel_kind(p) == f"conv_{p}_packed_amx"}
+        # its forward on vdpbf16ps register tiles (bf16 builds without AMX): it converts the image itself
+        self._packed_bf16 = self.kernel_kind("fwd") == "conv_fwd_packed_bf16"
         # bf16 fc layers (AMX or vdpbf16ps): all three passes read bf16 tile copies of the weights
         # (limits.FcTileGeometry) made on first use after each change of the weights
         self._fc_tiles = fc_tile_geometry(self.in_shape, self.out_shape[0], v) \
@@ -426,6 +429,8 @@ class WeightedLayer(Layer):
             elif pass_name in self._packed_amx:
                 values = amx_packed_weight_values(self.in_shape, self.out_shape[0], self.kernel) if pass_name == "fwd" \
                     else amx_packed_data_weight_values(self.out_shape[0], self.kernel, self.in_shape[0])
+            elif self._packed_bf16:  # vdpbf16ps, pairs of a kernel row's window values
+                values = packed_bf16_weight_values(self.in_shape[0], self.out_shape[0], self.kernel, self._v)
             else:  # vdpbf16ps: the blocked weights re-laid in pairs
                 values = self._wt.size
             tiles = made[0] if made is not None else empty_aligned((values,), dtype=np.uint16)
@@ -446,7 +451,7 @@ class WeightedLayer(Layer):
             self._k["fwd"](ptr(xb), ptr(tiles), self._bias_ptr, ptr(yb), ptr(self._tile_scratch("fwd", batch)), batch,
                            team, *part)
             return
-        if "fwd" in self._packed_amx:
+        if "fwd" in self._packed_amx or self._packed_bf16:
             self._k["fwd"](ptr(xb), ptr(self.conv_weight_tiles("fwd")), self._bias_ptr, ptr(yb), batch, team)
             return
         if "fwd" in self._amx:

@@ -50,14 +50,17 @@ def input_pixel_floats(index: int, layer_type: str, channels: int, v: int) -> in
 
 def bf16_kernels(precision: str, index: int, layer_type: str, channels: int, v: int) -> tuple[str, ...]:
     """The passes of a layer that run bf16 kernels in a build of `precision`: a convolution's
-    three passes, unless its input is the packed few-channel image (its pixels are not whole
-    channel pairs), and an fc layer's three passes (on bf16 tile copies of its weights,
+    three passes and an fc layer's three passes (on bf16 tile copies of its weights,
     FcTileGeometry). A convolution of fewer input channels than a vector keeps the fp32
     few-channel backward-data kernel (it vectorises over output channels, one accumulator per
-    input channel: no channel pairs to take). The rest run fp32 kernels on fp32 buffers
-    (generator and runtime both ask here)."""
-    if precision != "bf16" or layer_type not in ("conv", "fc") or input_pixel_floats(index, layer_type, channels, v) != v:
+    input channel: no channel pairs to take). The first layer's packed few-channel image (its
+    pixels are not whole channel pairs) has a forward kernel of its own that pairs a kernel
+    row's contiguous window values (packed_bf16_weight_values); its backward passes stay fp32.
+    The rest run fp32 kernels on fp32 buffers (generator and runtime both ask here)."""
+    if precision != "bf16" or layer_type not in ("conv", "fc"):
         return ()
+    if input_pixel_floats(index, layer_type, channels, v) != v:
+        return ("fwd",)
     if layer_type == "conv" and channels < v:
         return ("fwd", "bwd_weights")
     return ("fwd", "bwd_data", "bwd_weights")
@@ -366,6 +369,13 @@ def amx_packed_weight_values(in_shape: tuple[int, int, int], out_channels: int, 
     for either)."""
     steps = max(kernel[0] * amx_packed_row_steps(in_shape, kernel), amx_packed_reduction(in_shape, kernel) // 32)
     return blocks(out_channels, 16) * steps * 512
+
+
+def packed_bf16_weight_values(channels: int, out_channels: int, kernel: tuple[int, int], v: int) -> int:
+    """bf16 values of the packed first layer's vdpbf16ps forward weights (templates/
+    conv_fwd_packed_bf16.c.j2): per output block and kernel row, ceil(KW x C / 2) pairs of the
+    row's window values x V output channels."""
+    return blocks(out_channels, v) * kernel[0] * -(-kernel[1] * channels // 2) * v * 2
 
 
 def amx_packed_data_weight_values(out_channels: int, kernel: tuple[int, int], channels: int) -> int:

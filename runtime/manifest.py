@@ -29,7 +29,9 @@ from .validate import LABEL_RE, NAME_RE, SHA256_RE, Fields, read_json
 # either layout (limits.amx_packed_weight_values).
 # 6: the packed first layer's backward-data runs on AMX tiles (conv_bwd_data_packed_amx) in AMX
 # builds, where a /5 build has the fp32 kernel the manifest check would now refuse by kind.
-FORMAT = "pcldnn-build/6"
+# 7: a vdpbf16ps build's packed first layer has a bf16 forward (conv_fwd_packed_bf16) where a /6
+# build has the fp32 kernel.
+FORMAT = "pcldnn-build/7"
 FORMAT_FAMILY = "pcldnn-build/"
 MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.npz"  # initial weights recorded by `compile --weights` (canonical layouts)
@@ -58,22 +60,22 @@ FC_TILE_LAYOUTS = {"wt_to_tiles": "fc_weight_tiles"}
 def kernel_kinds(ltype: str, bf16_passes: tuple[str, ...], amx_passes: tuple[str, ...] = (),
                  packed: bool = False) -> dict[str, dict[str, str]]:
     """{pass or "layout": {symbol suffix: kernel kind}} of one layer: the one list generator
-    and manifest reader share. A pass in `amx_passes` (limits.amx_kernels) is *_amx (a first
-    layer's packed few-channel input, `packed`: *_packed_amx), else one in `bf16_passes` *_bf16;
-    the bf16 copies are converted by the layout library for a vdpbf16ps conv forward kernel's
-    input and an fc layer's weight tiles, by a conv forward or backward-data kernel's library
-    (`<pass>_tiles`, AMX or vdpbf16ps) for its weight copy (weight copies are kept between
-    calls: made once after each change of the weights); the other kernels convert their own
-    operands."""
-    amx = "_packed_amx" if packed else "_amx"
-    out = {p: {p: f"{ltype}_{p}" + (amx if p in amx_passes else "_bf16" if p in bf16_passes else "")}
+    and manifest reader share. A pass in `amx_passes` (limits.amx_kernels) is *_amx, else one in
+    `bf16_passes` *_bf16 (a first layer's packed few-channel input, `packed`: *_packed_amx,
+    *_packed_bf16); the bf16 copies are converted by the layout library for a vdpbf16ps conv
+    forward kernel's blocked input and an fc layer's weight tiles, by a conv forward or
+    backward-data kernel's library (`<pass>_tiles`, AMX or vdpbf16ps) for its weight copy
+    (weight copies are kept between calls: made once after each change of the weights); the
+    other kernels convert their own operands (a packed image too)."""
+    amx, bf16 = ("_packed_amx", "_packed_bf16") if packed else ("_amx", "_bf16")
+    out = {p: {p: f"{ltype}_{p}" + (amx if p in amx_passes else bf16 if p in bf16_passes else "")}
            for p in LAYER_PASSES[ltype]}
     for p in ("fwd", "bwd_data"):  # their weight tiles, made by a function of their own library
-        if ltype == "conv" and out[p][p] in (f"conv_{p}_amx", f"conv_{p}_packed_amx", f"conv_{p}_bf16"):
+        if ltype == "conv" and out[p][p] != f"conv_{p}":
             out[p][f"{p}_tiles"] = "conv_weight_tiles"
     roles = ACT_LAYOUTS + (WEIGHT_LAYOUTS if ltype in WEIGHTED else ())
     out["layout"] = {r: ("weight_layout" if r.startswith("wt_") else "act_layout") for r in roles}
-    if ltype == "conv" and "fwd" in bf16_passes and "fwd" not in amx_passes:
+    if ltype == "conv" and "fwd" in bf16_passes and "fwd" not in amx_passes and not packed:
         out["layout"] |= BF16_LAYOUTS
     if ltype == "fc" and bf16_passes:
         out["layout"] |= FC_TILE_LAYOUTS

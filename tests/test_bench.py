@@ -264,7 +264,8 @@ def test_the_shipped_zoo_covers_what_users_train():
 def test_a_bf16_zoo_times_a_convolution_as_inside_a_net(tmp_path):
     """ZooShape.inner: a convolution between two ReLU layers, so a bf16 build keeps its input and
     output, and their gradients, in bf16 as between convolutions (with AMX or vdpbf16ps); a
-    first-layer shape (3 channels, packed) and an fc layer are benched as they are."""
+    first-layer shape (3 channels, packed) as a net's first layer, its output into a ReLU (bf16,
+    its gradient fp32: the packed layer's backward kernels read it so); an fc layer as it is."""
     from pcldnn_gen.zoo import load_zoo
     from pcldnn_runtime.limits import bf16_gradients, bf16_outputs
     zoo = tmp_path / "zoo.json"
@@ -279,7 +280,9 @@ def test_a_bf16_zoo_times_a_convolution_as_inside_a_net(tmp_path):
         outputs, grads = bf16_outputs("bf16", amx, 16, conv.inner.layers), bf16_gradients("bf16", amx, 16, conv.inner.layers)
         assert outputs[:2] == grads[:2] == (True, True)  # the convolution's input and output
         assert not any(bf16_outputs("bf16", amx, 16, conv.net.layers))
-    assert rgb.inner is rgb.net and fc.inner is fc.net
+    assert [l.type for l in rgb.inner.layers] == ["conv", "relu"] and fc.inner is fc.net
+    for amx in (True, False):
+        assert bf16_outputs("bf16", amx, 16, rgb.inner.layers)[0] and not bf16_gradients("bf16", amx, 16, rgb.inner.layers)[0]
 
 
 @pytest.mark.parametrize("patch, fragment", [

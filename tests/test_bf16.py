@@ -699,13 +699,16 @@ def test_bf16_fc_weight_tiles_follow_every_change_of_the_weights(tmp_path, arch)
     assert made[0] == (0, 2)  # the whole layer's output blocks
 
 
-@pytest.mark.parametrize("arch,channels", [pytest.param(p.values[0], 16, marks=p.marks, id=p.id) for p in BF16_BUILDS] +
-                         [pytest.param(AMX_ARCH, 3, marks=needs_amx, id="amx-packed")])
-def test_conv_weight_copies_follow_every_change_of_the_weights(tmp_path, arch, channels):
+@pytest.mark.parametrize("arch,channels,roles", [pytest.param(p.values[0], 16, ["fwd_tiles", "bwd_data_tiles"],
+                                                              marks=p.marks, id=p.id) for p in BF16_BUILDS] +
+                         [pytest.param(AMX_ARCH, 3, ["fwd_tiles", "bwd_data_tiles"], marks=needs_amx, id="amx-packed"),
+                          pytest.param(get_arch("avx512"), 3, ["fwd_tiles"], marks=bf16_kernels, id="vdpbf16ps-packed")])
+def test_conv_weight_copies_follow_every_change_of_the_weights(tmp_path, arch, channels, roles):
     """A bf16 convolution's forward and backward-data weight copies (AMX B tiles, the packed
-    first layer's tiles of both passes, or the vdpbf16ps pair layouts) are made once after each change
-    of the weights, not once a call, and the next call sees every route that changes them: the
-    weights setter, a write through net.params, an optimizer step, loading a state dict."""
+    first layer's tiles of both passes, or the vdpbf16ps pair layouts, the packed first layer's
+    forward's of a kernel row's values) are made once after each change of the weights, not once
+    a call, and the next call sees every route that changes them: the weights setter, a write
+    through net.params, an optimizer step, loading a state dict."""
     layers = [{"name": "conv", "type": "conv", "out_channels": 24, "kernel": 3, "pad": 1},
               {"name": "fc", "type": "fc", "out_features": 5}, {"name": "loss", "type": "softmax_cross_entropy"}]
     spec = parse_netspec({"name": "t", "input": {"channels": channels, "height": 6, "width": 7}, "layers": layers})
@@ -713,7 +716,6 @@ def test_conv_weight_copies_follow_every_change_of_the_weights(tmp_path, arch, c
     net = pr.load(tmp_path / "t", threads=2)
     conv = net.layers["conv"]
     made = []
-    roles = ["fwd_tiles", "bwd_data_tiles"]
     assert [r for r in ("fwd_tiles", "bwd_data_tiles") if r in conv._k] == roles
     for role in roles:
         real = conv._k[role]
@@ -857,16 +859,20 @@ def test_bf16_backward_data_with_a_narrower_last_group_builds(tmp_path):
 
 
 def test_few_channel_first_layer_kernels_by_arch(tmp_path):
-    """Without AMX the packed few-channel first layer runs fp32 kernels; with AMX its forward
-    and backward-data passes are on tiles, and its backward-weights pass from windows of 64
-    values (limits.AMX_PACKED_GRADIENT_WINDOW); its output gradient stays fp32 (those
-    backward-weights kernels read it so)."""
+    """Without AMX the packed few-channel first layer's forward is a vdpbf16ps kernel that
+    converts the image itself (no bf16 copy by the layout library), its backward passes fp32
+    kernels; with AMX its forward and backward-data passes are on tiles, and its
+    backward-weights pass from windows of 64 values (limits.AMX_PACKED_GRADIENT_WINDOW); its
+    output gradient stays fp32 (those backward-weights kernels read it so)."""
     source, layer = {"channels": 3, "height": 8, "width": 8}, {"out_channels": 16, "kernel": 3, "stride": 1, "pad": 1}
     out = _conv_net(tmp_path, source, layer, "bf16")
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["precision"] == "bf16"
     entry = manifest["layers"][0]
-    assert entry["kernels"]["fwd"]["symbols"] == {"pcldnn_conv_fwd": "conv_fwd"}
+    assert entry["kernels"]["fwd"]["symbols"] == {"pcldnn_conv_fwd": "conv_fwd_packed_bf16",
+                                                  "pcldnn_conv_fwd_tiles": "conv_weight_tiles"}
+    assert [next(iter(entry["kernels"][p]["symbols"].values())) for p in ("bwd_data", "bwd_weights")] == \
+        ["conv_bwd_data", "conv_bwd_weights"]
     assert "pcldnn_conv_in_to_bf16" not in entry["kernels"]["layout"]["symbols"]
     out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
     entry = json.loads((out / "manifest.json").read_text())["layers"][0]
@@ -967,6 +973,61 @@ def test_amx_packed_first_layer_keeps_a_broken_image_to_itself(tmp_path):
     alone = conv.forward(clean)
     assert np.all(np.isfinite(alone))
     np.testing.assert_array_equal(conv.forward(np.concatenate([broken, clean]))[1:], alone)
+
+
+# and on vdpbf16ps: one channel under a 5-wide window (an odd run of 5 values: its last pair
+# half past the window), two under a 3-wide one at stride 2 without padding (an even run; rows
+# of 14 pixels: full register tiles and a narrower last one)
+PACKED_BF16_CASES = PACKED_CASES + [
+    ({"channels": 1, "height": 9, "width": 37}, {"out_channels": 20, "kernel": 5, "stride": 1, "pad": 2}),
+    ({"channels": 2, "height": 7, "width": 30}, {"out_channels": 16, "kernel": 3, "stride": 2, "pad": 0,
+                                                  "activation": "relu"}),
+]
+
+
+@bf16_kernels
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("source,layer", PACKED_BF16_CASES)
+def test_bf16_packed_first_layer_forward_against_float64(tmp_path, source, layer, threads):
+    """The packed first layer's vdpbf16ps forward: a kernel row's KW x C window values in pairs,
+    read in place from a padded bf16 copy of the image, an odd run's last value against a zero
+    weight; the bound with n = KH x the run padded to whole pairs. Three threads split the
+    (image, output row) items inside images, each converting the rows it reads."""
+    out = _conv_net(tmp_path, source, layer, "bf16")
+    conv = pr.load(out, threads=threads).layers["conv"]
+    assert conv.kernel_kind("fwd") == "conv_fwd_packed_bf16"
+    k, c = layer["kernel"], source["channels"]
+    _check_conv_forward(conv, source, layer, pairs_per_row=8, n=k * 2 * -(-k * c // 2))
+
+
+@bf16_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_packed_first_layer_keeps_a_broken_image_to_itself(tmp_path, threads):
+    """An odd run's last pair reads the value after the window (against a zero weight) from a
+    thread's buffer of padded rows, reused image after image; a row's last window ends at the
+    row's end (no padding), so that value is the next row's first: an image of NaN and Inf
+    leaves the next image's outputs as that image alone gives them, bit for bit; and in an image
+    one Inf reaches (as NaN or Inf) only the pixels whose windows hold it and the one whose run
+    ends just before it."""
+    source, layer = {"channels": 3, "height": 12, "width": 21}, {"out_channels": 16, "kernel": 7, "stride": 2, "pad": 0}
+    out = _conv_net(tmp_path, source, layer, "bf16")
+    conv = pr.load(out, threads=threads).layers["conv"]
+    assert conv.kernel_kind("fwd") == "conv_fwd_packed_bf16"
+    rng = np.random.default_rng(4)
+    clean = rng.standard_normal((1, *conv.in_shape)).astype(np.float32)
+    broken = np.where(rng.random(clean.shape) < 0.5, np.float32(np.nan), np.float32(np.inf))
+    alone = conv.forward(clean)
+    assert np.all(np.isfinite(alone))
+    np.testing.assert_array_equal(conv.forward(np.concatenate([broken, clean]))[1:], alone)
+    one = clean.copy()
+    one[0, 0, 6, 11] = np.inf  # channel 0 of pixel (6, 11)
+    hit = ~np.isfinite(conv.forward(one)[0, 0])
+    oh, ow = np.arange(hit.shape[0])[:, None], np.arange(hit.shape[1])[None, :]
+    # output pixel (oh, ow) reads rows 2 oh .. + 6, columns 2 ow .. + 6, and channel 0 of column
+    # 2 ow + 7 (value 21 of a 21-value run: the last pair's second half)
+    expected = (2 * oh <= 6) & (6 < 2 * oh + 7) & (((2 * ow <= 11) & (11 < 2 * ow + 7)) | (2 * ow + 7 == 11))
+    assert expected.sum() == 3 * 4
+    np.testing.assert_array_equal(hit, expected)
 
 
 @needs_amx

@@ -22,7 +22,15 @@ from ..errors import PlanError
 from ..netspec import LayerSpec
 from . import explain
 from .amx import plan_conv_amx, plan_conv_bwd_weights_amx, plan_conv_packed_amx, plan_fc_tiles, plan_fc_tiles_bwd_weights
-from .conv import L1_BUDGET, kernel_layer, plan_conv_bwd_data, plan_conv_bwd_weights, plan_conv_fwd, plane_as_row
+from .conv import (
+    L1_BUDGET,
+    kernel_layer,
+    plan_conv_bwd_data,
+    plan_conv_bwd_weights,
+    plan_conv_fwd,
+    plan_conv_fwd_packed_bf16,
+    plane_as_row,
+)
 from .fc import plan_fc_bwd_data, plan_fc_bwd_weights, plan_fc_fwd
 from .memory import plan_memory_bound
 from .plans import ConvBwdDataPlan, ConvFwdPlan, KernelPlan, Measured, TileTiming
@@ -48,7 +56,9 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, 
     if pass_name not in passes:
         raise PlanError(f"{layer.name}: a {layer.type} layer has no {pass_name!r} pass "
                         f"(it has: {', '.join(passes) or 'none'})")
-    row = None if amx else plane_as_row(layer, pass_name)
+    packed = layer.type == "conv" and \
+        input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats
+    row = None if amx or (bf16 and packed) else plane_as_row(layer, pass_name)
     plan = _model_plan(row or layer, pass_name, arch, choice, bf16, amx, activations, gradients)
     if row is not None:
         assert isinstance(plan, (ConvFwdPlan, ConvBwdDataPlan))
@@ -82,6 +92,10 @@ def _model_plan(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int,
                 plan_fc_tiles(layer, pass_name, arch, False)
         if layer.type != "conv":
             raise PlanError(f"{layer.name}: no bf16 kernels for a {layer.type} layer")
+        if input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats:
+            if pass_name != "fwd":
+                raise PlanError(f"{layer.name}: a packed first layer's {pass_name} pass has no vdpbf16ps kernel")
+            return plan_conv_fwd_packed_bf16(layer, arch, choice)
         return _PLANNERS[("conv", pass_name)](layer, arch, choice, 2)  # type: ignore[call-arg]
     if planner:
         return planner(layer, arch, choice)

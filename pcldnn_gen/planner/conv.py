@@ -12,7 +12,7 @@ from ..arch import Arch
 from ..errors import PlanError
 from ..netspec import LayerSpec
 from . import explain
-from .plans import BwdDataPhase, ConvBwdDataPlan, ConvBwdWeightsPlan, ConvFwdPlan, KernelPlan
+from .plans import BwdDataPhase, ConvBwdDataPlan, ConvBwdWeightsPlan, ConvFwdPlan, KernelPlan, PackedConvBf16Plan
 from .tiles import EdgeTile, RegisterTile, Tap, candidates, cover_pieces, cover_row, divisors, pieces_efficiency, put_first
 
 # In conv forward and backward-data tiles, each weight vector comes from another channel
@@ -263,6 +263,56 @@ def plan_conv_fwd(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | None =
                        images_inner=images_inner(ocb * v * icb * lanes * kh * kw * value_bytes, ocb // tile.vectors,
                                                  icb * ih * iw * input_pixel_floats(layer.index, layer.type, ic, v)
                                                  * value_bytes, oh * ow, arch))
+
+
+def plan_conv_fwd_packed_bf16(layer: LayerSpec, arch: Arch, choice: tuple[int, int] | None = None) -> PackedConvBf16Plan:
+    """The net's first layer on a packed few-channel image (RGB), forward, vdpbf16ps: its pixels
+    are not whole channel pairs, but a kernel row's window is KW x C contiguous values of an
+    image row (the layer is a one-channel convolution of a KW x C wide window, stride SW x C,
+    over rows of IW x C values). So the kernel pairs those values (ceil(KW x C / 2) pairs a row,
+    an odd run's last value against a zero weight) and reads them in place from a padded bf16
+    copy of the image it makes itself (no edge tiles: the padding is zeros in the copy). The
+    register tile runs over pixels of one output row x output-channel vectors; a tile's output
+    block group's weights (KH x pairs x vectors x 64 B) and the KH padded rows it reads stay in
+    L1 where they fit, else the weights stream from L2 once per tile, bounded by L2's bandwidth."""
+    v = arch.vector_floats
+    c, _, iw = layer.in_shape
+    ow = layer.out_shape[2]
+    kh, kw = layer.kernel
+    ocb = blocks(layer.out_shape[0], v)
+    pairs = -(-kw * c // 2)
+    useful = kw * c / (2 * pairs)
+    row_bytes = kh * (iw + 2 * layer.pad[1]) * c * 2
+    peak_flops_per_cycle = 2 * v * arch.fma_units * 2  # a dot-product lane is two multiply-adds
+    scored = []
+    for tile in candidates(max(1, min(ow, arch.vector_registers)), divisors(ocb, WEIGHT_STREAMS), arch):
+        full, rem = divmod(ow, tile.width)
+        rem_eff = RegisterTile.evaluate(rem, tile.vectors, arch).efficiency if rem else 1.0
+        row_eff = ow / (full * tile.width / tile.efficiency + rem / rem_eff)
+        weight_bytes = kh * pairs * tile.vectors * v * 4
+        fits = weight_bytes + row_bytes <= L1_BUDGET * arch.l1d_bytes
+        eff = row_eff * useful
+        if not fits:  # a pair step reads `vectors` weight vectors (64 B) for 64 x width x vectors FLOPs
+            eff = min(eff, arch.l2_bytes_per_cycle * tile.width / peak_flops_per_cycle)
+        scored.append((eff, tile.width * tile.vectors, -tile.registers, tile, rem, weight_bytes, fits))
+    scored.sort(key=lambda s: s[:3], reverse=True)
+    scored = put_first(scored, choice, lambda s: s[3])
+    eff, _, _, tile, rem, weight_bytes, fits = scored[0]
+    reason = (f"vdpbf16ps, {c} input channel(s): a kernel row's {kw}x{c} window values are contiguous in a "
+              f"padded bf16 copy of the image, read in place in {pairs} pairs ({useful:.0%} of the dot products "
+              f"useful); {explain.tile_sentence(tile, arch, 'px of an output row', 'oc-vectors')}; row of {ow} px = "
+              f"{ow // tile.width} full tiles" + (f" + 1 of {rem}" if rem else "")
+              + f"; a group's {weight_bytes // 1024} KiB of weights + {row_bytes // 1024} KiB of input rows "
+              + (f"within 3/4 of L1 ({arch.l1d_bytes // 1024} KiB)" if fits else
+                 f"beyond 3/4 of L1 ({arch.l1d_bytes // 1024} KiB): the weights stream from L2")
+              + f" -> {eff:.0%} of the bf16 peak predicted")
+    return PackedConvBf16Plan(layer=layer.name, pass_name="fwd", kind="conv_fwd_packed_bf16",
+                              template="conv_fwd_packed_bf16.c.j2", isa=arch.isa, vector_floats=v, reason=reason,
+                              tile=tile, tile_widths=tuple(sorted({tile.width, rem} - {0}, reverse=True)),
+                              remainders=(rem,) if rem else (), predicted_efficiency=eff,
+                              l1_working_set=weight_bytes + row_bytes,
+                              l2_bytes_per_flop=0.0 if fits else 1 / tile.width,
+                              rejected=tuple(s[3] for s in scored[1:6]), pairs=pairs)
 
 
 def _bwd_data_phases(layer: LayerSpec) -> list[BwdDataPhase]:

@@ -178,6 +178,17 @@ class AmxPackedConvPlan(KernelPlan):
 
 
 @dataclass(frozen=True, kw_only=True)
+class PackedConvBf16Plan(KernelPlan):
+    """A first layer's packed few-channel input, forward on vdpbf16ps register tiles: a kernel
+    row's KW x C window values, contiguous in a padded bf16 copy of the image, taken in pairs
+    (tile: output pixels of one row x output-channel vectors)."""
+    pairs: int                      # bf16 pairs a kernel row's window takes: ceil(KW x C / 2)
+
+    def reduction_chunk(self) -> str:
+        return f"the whole window ({self.pairs} pairs of values a kernel row)"
+
+
+@dataclass(frozen=True, kw_only=True)
 class FcTilePlan(KernelPlan):
     """fc forward and backward-data on bf16 weight tiles (AMX or vdpbf16ps): the same GEMM, result
     rows = images."""
