@@ -322,6 +322,9 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
                 "blocks planned for 2-byte operands")
         if kind == "conv_fwd_packed_bf16":
             text += "; the fp32 image converted by the kernel into a padded bf16 copy, read in place"
+        if kind == "conv_bwd_weights_packed_bf16":
+            text += ("; x and dy paired by the kernel, band by band, x as words of a pair copy of each padded row "
+                     "(its values a window's, and its neighbour pixel's)")
         if isinstance(plan, ConvBwdWeightsPlan):
             x_ring, dy_ring = bf16_weight_ring_rows(plan.block_rows, layer.stride, layer.kernel, plan.band_images,
                                                     layer.in_shape[1])

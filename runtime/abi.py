@@ -106,6 +106,10 @@ SIGNATURES: dict[str, str] = {
     # makes itself (its weights: made by conv_weight_tiles, limits.packed_bf16_weight_values)
     "conv_fwd_packed_bf16": "const float *in, const unsigned short *wt, const float *bias, void *out, "
                             "int batch, int nthreads",
+    # and its backward-weights pass: the fp32 kernel's arguments, dy masked by the ReLU's output as
+    # it is paired (dy itself left as it is); the pair copies are the kernel's own
+    "conv_bwd_weights_packed_bf16": "const float *in, const float *dy, const void *out, float *dwt, float *dbias, "
+                                    "int batch, int nthreads",
     "act_to_bf16": "const float *src, unsigned short *dst, int batch, int nthreads",
     "peak": "long long iters, int nthreads, float *sink",
     # one SGD update of n parameters (templates/sgd.c.j2); decay NULL: decay_all for every one
@@ -119,8 +123,9 @@ SIGNATURES: dict[str, str] = {
 REPEATED_KINDS = ("conv_fwd", "conv_bwd_data", "conv_bwd_weights", "fc_fwd", "fc_bwd_data", "fc_bwd_weights",
                   "conv_fwd_bf16", "conv_bwd_data_bf16", "conv_bwd_weights_bf16", "conv_fwd_amx",
                   "conv_bwd_data_amx", "conv_bwd_weights_amx", "conv_fwd_packed_amx", "conv_fwd_packed_bf16",
-                  "conv_bwd_data_packed_amx", "conv_bwd_weights_packed_amx", "fc_fwd_amx", "fc_bwd_data_amx",
-                  "fc_bwd_weights_amx", "fc_fwd_bf16", "fc_bwd_data_bf16", "fc_bwd_weights_bf16")
+                  "conv_bwd_weights_packed_bf16", "conv_bwd_data_packed_amx", "conv_bwd_weights_packed_amx",
+                  "fc_fwd_amx", "fc_bwd_data_amx", "fc_bwd_weights_amx", "fc_fwd_bf16", "fc_bwd_data_bf16",
+                  "fc_bwd_weights_bf16")
 SIGNATURES |= {f"repeat_{kind}": "void *fn, long long reps, double *seconds, " + SIGNATURES[kind]
                for kind in REPEATED_KINDS}
 

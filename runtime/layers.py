@@ -283,8 +283,9 @@ class WeightedLayer(Layer):
         # the packed few-channel first layer's passes on AMX tiles (forward and backward-data: their
         # weight tiles; backward-weights over im2col rows; the backward passes mask their dy copies)
         self._packed_amx = {p for p in PASSES if self.kernel_kind(p) == f"conv_{p}_packed_amx"}
-        # its forward on vdpbf16ps register tiles (bf16 builds without AMX): it converts the image itself
-        self._packed_bf16 = self.kernel_kind("fwd") == "conv_fwd_packed_bf16"
+        # its forward and backward-weights on vdpbf16ps register tiles (bf16 builds without AMX):
+        # they convert the image themselves
+        self._packed_bf16 = {p for p in PASSES if self.kernel_kind(p) == f"conv_{p}_packed_bf16"}
         # bf16 fc layers (AMX or vdpbf16ps): all three passes read bf16 tile copies of the weights
         # (limits.FcTileGeometry) made on first use after each change of the weights
         self._fc_tiles = fc_tile_geometry(self.in_shape, self.out_shape[0], v) \
@@ -429,7 +430,7 @@ class WeightedLayer(Layer):
             elif pass_name in self._packed_amx:
                 values = amx_packed_weight_values(self.in_shape, self.out_shape[0], self.kernel) if pass_name == "fwd" \
                     else amx_packed_data_weight_values(self.out_shape[0], self.kernel, self.in_shape[0])
-            elif self._packed_bf16:  # vdpbf16ps, pairs of a kernel row's window values
+            elif pass_name in self._packed_bf16:  # vdpbf16ps, pairs of a kernel row's window values
                 values = packed_bf16_weight_values(self.in_shape[0], self.out_shape[0], self.kernel, self._v)
             else:  # vdpbf16ps: the blocked weights re-laid in pairs
                 values = self._wt.size
@@ -451,7 +452,7 @@ class WeightedLayer(Layer):
             self._k["fwd"](ptr(xb), ptr(tiles), self._bias_ptr, ptr(yb), ptr(self._tile_scratch("fwd", batch)), batch,
                            team, *part)
             return
-        if "fwd" in self._packed_amx or self._packed_bf16:
+        if "fwd" in self._packed_amx or "fwd" in self._packed_bf16:
             self._k["fwd"](ptr(xb), ptr(self.conv_weight_tiles("fwd")), self._bias_ptr, ptr(yb), batch, team)
             return
         if "fwd" in self._amx:
@@ -503,7 +504,7 @@ class WeightedLayer(Layer):
             if not self.spec.bias:
                 db[...] = 0.0  # a bias-free layer's bias stays zero: no gradient, no update, no decay
             if "bwd_weights" not in self._amx and "bwd_weights" not in self._packed_amx \
-                    and not self.bf16_backward_weights:
+                    and "bwd_weights" not in self._packed_bf16 and not self.bf16_backward_weights:
                 mask = None  # dy is masked in place now (AMX and vdpbf16ps kernels mask their copies, leave dy)
         if dxb is not None:
             if "bwd_data" in self._packed_amx:

@@ -48,19 +48,22 @@ def input_pixel_floats(index: int, layer_type: str, channels: int, v: int) -> in
     return channels if index == 0 and layer_type == "conv" and channels < v else v
 
 
-def bf16_kernels(precision: str, index: int, layer_type: str, channels: int, v: int) -> tuple[str, ...]:
+def bf16_kernels(precision: str, index: int, layer_type: str, channels: int, v: int,
+                 kernel: tuple[int, int]) -> tuple[str, ...]:
     """The passes of a layer that run bf16 kernels in a build of `precision`: a convolution's
     three passes and an fc layer's three passes (on bf16 tile copies of its weights,
     FcTileGeometry). A convolution of fewer input channels than a vector keeps the fp32
     few-channel backward-data kernel (it vectorises over output channels, one accumulator per
     input channel: no channel pairs to take). The first layer's packed few-channel image (its
     pixels are not whole channel pairs) has a forward kernel of its own that pairs a kernel
-    row's contiguous window values (packed_bf16_weight_values); its backward passes stay fp32.
-    The rest run fp32 kernels on fp32 buffers (generator and runtime both ask here)."""
+    row's contiguous window values (packed_bf16_weight_values), and from windows of
+    BF16_PACKED_GRADIENT_WINDOW values a backward-weights kernel that pairs neighbouring output
+    pixels; its backward-data (not part of training) stays fp32. The rest run fp32 kernels on
+    fp32 buffers (generator and runtime both ask here)."""
     if precision != "bf16" or layer_type not in ("conv", "fc"):
         return ()
     if input_pixel_floats(index, layer_type, channels, v) != v:
-        return ("fwd",)
+        return ("fwd", "bwd_weights") if kernel[0] * kernel[1] * channels >= BF16_PACKED_GRADIENT_WINDOW else ("fwd",)
     if layer_type == "conv" and channels < v:
         return ("fwd", "bwd_weights")
     return ("fwd", "bwd_data", "bwd_weights")
@@ -147,6 +150,13 @@ def bf16_gradients(precision: str, amx: bool, v: int, layers: Sequence[LayerShap
 # fp32 ms): VGG-A conv1, 27 values, 30.2 / 25.4; ResNet-style 7x7 stride 2, 147 values, 15.2 /
 # 23.2; AlexNet-style 11x11 stride 4, 363 values, 6.4 / 9.4.
 AMX_PACKED_GRADIENT_WINDOW = 64
+# The same for its vdpbf16ps kernel (pixel pairs, bands of pair copies), which gains less than
+# the tiles over the fp32 kernel. At Zen's dot rate emulated (Ice Lake VM, mb 16, speed over the
+# fp32 kernel; benchmarks/results/ab_icelake_packed_first_layer_vdpbf16ps.txt): 27 values
+# 0.75-0.99 (MobileNet's 3x3 stride 2: 4.01 -> 5.22 ms), 75 and 81 values 1.11-1.19 on one thread
+# but 0.84-1.06 on two, 147 values 1.32-1.33 and 363 values 1.47-1.51 on both; between 81 and 147
+# not measured.
+BF16_PACKED_GRADIENT_WINDOW = 100
 
 
 def amx_kernels(precision: str, amx: bool, index: int, layer_type: str, channels: int, v: int,
@@ -167,7 +177,7 @@ def amx_kernels(precision: str, amx: bool, index: int, layer_type: str, channels
     if input_pixel_floats(index, layer_type, channels, v) < v:  # the packed first layer
         return ("fwd", "bwd_data", "bwd_weights") if kernel[0] * kernel[1] * channels >= AMX_PACKED_GRADIENT_WINDOW \
             else ("fwd", "bwd_data")
-    if "fwd" not in bf16_kernels(precision, index, layer_type, channels, v):
+    if "fwd" not in bf16_kernels(precision, index, layer_type, channels, v, kernel):
         return ()
     return ("fwd", "bwd_data", "bwd_weights")
 
@@ -181,7 +191,7 @@ def bf16_passes(precision: str, amx: bool, index: int, layer_type: str, channels
     is slower than the fp32 one (ResNet-style stride-2 convolutions: 86-118 GFLOP/s)."""
     if amx:
         return amx_kernels(precision, amx, index, layer_type, channels, v, stride, kernel, pad)
-    return bf16_kernels(precision, index, layer_type, channels, v)
+    return bf16_kernels(precision, index, layer_type, channels, v, kernel)
 
 
 AMX_ROWS = 16        # tile rows: output pixels per A and C tile

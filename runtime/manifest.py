@@ -29,8 +29,8 @@ from .validate import LABEL_RE, NAME_RE, SHA256_RE, Fields, read_json
 # either layout (limits.amx_packed_weight_values).
 # 6: the packed first layer's backward-data runs on AMX tiles (conv_bwd_data_packed_amx) in AMX
 # builds, where a /5 build has the fp32 kernel the manifest check would now refuse by kind.
-# 7: a vdpbf16ps build's packed first layer has a bf16 forward (conv_fwd_packed_bf16) where a /6
-# build has the fp32 kernel.
+# 7: a vdpbf16ps build's packed first layer has bf16 forward and backward-weights kernels
+# (conv_fwd_packed_bf16, conv_bwd_weights_packed_bf16) where a /6 build has the fp32 ones.
 FORMAT = "pcldnn-build/7"
 FORMAT_FAMILY = "pcldnn-build/"
 MANIFEST = "manifest.json"

@@ -860,8 +860,9 @@ def test_bf16_backward_data_with_a_narrower_last_group_builds(tmp_path):
 
 def test_few_channel_first_layer_kernels_by_arch(tmp_path):
     """Without AMX the packed few-channel first layer's forward is a vdpbf16ps kernel that
-    converts the image itself (no bf16 copy by the layout library), its backward passes fp32
-    kernels; with AMX its forward and backward-data passes are on tiles, and its
+    converts the image itself (no bf16 copy by the layout library), its backward-weights one from
+    windows of 100 values (limits.BF16_PACKED_GRADIENT_WINDOW), its backward-data the fp32
+    kernel; with AMX its forward and backward-data passes are on tiles, and its
     backward-weights pass from windows of 64 values (limits.AMX_PACKED_GRADIENT_WINDOW); its
     output gradient stays fp32 (those backward-weights kernels read it so)."""
     source, layer = {"channels": 3, "height": 8, "width": 8}, {"out_channels": 16, "kernel": 3, "stride": 1, "pad": 1}
@@ -872,8 +873,13 @@ def test_few_channel_first_layer_kernels_by_arch(tmp_path):
     assert entry["kernels"]["fwd"]["symbols"] == {"pcldnn_conv_fwd": "conv_fwd_packed_bf16",
                                                   "pcldnn_conv_fwd_tiles": "conv_weight_tiles"}
     assert [next(iter(entry["kernels"][p]["symbols"].values())) for p in ("bwd_data", "bwd_weights")] == \
-        ["conv_bwd_data", "conv_bwd_weights"]
+        ["conv_bwd_data", "conv_bwd_weights"]  # 27 window values
     assert "pcldnn_conv_in_to_bf16" not in entry["kernels"]["layout"]["symbols"]
+    for kernel, kind in ((5, "conv_bwd_weights"), (7, "conv_bwd_weights_packed_bf16")):  # 75 and 147 values
+        out = _conv_net(tmp_path, source, dict(layer, kernel=kernel, pad=kernel // 2), "bf16", name=f"b{kernel}")
+        entry = json.loads((out / "manifest.json").read_text())["layers"][0]
+        assert [next(iter(entry["kernels"][p]["symbols"].values())) for p in ("bwd_data", "bwd_weights")] == \
+            ["conv_bwd_data", kind]
     out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
     entry = json.loads((out / "manifest.json").read_text())["layers"][0]
     assert [next(iter(entry["kernels"][p]["symbols"].values())) for p in ("fwd", "bwd_data", "bwd_weights")] == \
@@ -980,7 +986,7 @@ def test_amx_packed_first_layer_keeps_a_broken_image_to_itself(tmp_path):
 # of 14 pixels: full register tiles and a narrower last one)
 PACKED_BF16_CASES = PACKED_CASES + [
     ({"channels": 1, "height": 9, "width": 37}, {"out_channels": 20, "kernel": 5, "stride": 1, "pad": 2}),
-    ({"channels": 2, "height": 7, "width": 30}, {"out_channels": 16, "kernel": 3, "stride": 2, "pad": 0,
+    ({"channels": 2, "height": 11, "width": 30}, {"out_channels": 16, "kernel": 3, "stride": 2, "pad": 0,
                                                   "activation": "relu"}),
 ]
 
@@ -1028,6 +1034,60 @@ def test_bf16_packed_first_layer_keeps_a_broken_image_to_itself(tmp_path, thread
     expected = (2 * oh <= 6) & (6 < 2 * oh + 7) & (((2 * ow <= 11) & (11 < 2 * ow + 7)) | (2 * ow + 7 == 11))
     assert expected.sum() == 3 * 4
     np.testing.assert_array_equal(hit, expected)
+
+
+# An L2 of 16 KiB: the packed vdpbf16ps backward-weights kernel then pairs bands of a few output
+# rows (the last one shorter), the accumulators loaded and stored between them.
+SMALL_L2 = dataclasses.replace(get_arch("avx512"), name="avx512-small-l2", l2_bytes=16 * 1024)
+
+
+# Its backward-weights (windows of limits.BF16_PACKED_GRADIENT_WINDOW values or more): AlexNet's
+# 11x11 stride 4 (363 values, 33 a kernel row), 7x7 stride 2 over 5 channels with a ReLU, a 7x7
+# window over 3 channels on rows of 13 pixels (an odd row: its last pair half missing) with a
+# ReLU, an 11x11 window over one channel at stride 2 (121 values, 11 a row)
+PACKED_GRADIENT_CASES = PACKED_CASES[1:] + [
+    ({"channels": 3, "height": 10, "width": 13}, {"out_channels": 40, "kernel": 7, "stride": 1, "pad": 3,
+                                                   "activation": "relu"}),
+    ({"channels": 1, "height": 25, "width": 24}, {"out_channels": 16, "kernel": 11, "stride": 2, "pad": 1}),
+]
+
+
+@bf16_kernels
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("arch", [get_arch("avx512"), SMALL_L2], ids=["l2", "small-l2"])
+@pytest.mark.parametrize("source,layer", PACKED_GRADIENT_CASES)
+def test_bf16_packed_first_layer_backward_weights_against_float64(tmp_path, source, layer, arch, threads):
+    """The packed first layer's vdpbf16ps backward-weights: pairs of neighbouring output pixels, x
+    as words (x[p], x[p + SW C]) of a pair copy of each padded row, dy masked by the ReLU as it
+    is paired (dy left as it is); the bound with n = images x output rows x the row's pixels
+    padded to whole pairs (an odd row's missing pixel: zero dy); bands of a whole image's rows,
+    or of a few (16 KiB of L2); db sums the fp32 dy; the weights' padding lanes zero."""
+    out = _conv_net(tmp_path, source, layer, "bf16", arch=arch)
+    conv = pr.load(out, threads=threads).layers["conv"]
+    assert conv.kernel_kind("bwd_weights") == "conv_bwd_weights_packed_bf16"
+    band = re.search(r"#define BAND +(\d+)", (out / "src" / "conv_bwd_weights.c").read_text())
+    assert band and (int(band[1]) < conv.out_shape[1]) == (arch is SMALL_L2)
+    x, y, dy, dw, db = _weights_gradient(conv, layer, images=5, seed=9)
+    _check_backward_weights(layer, x, dy, dw, db, n=x.shape[0] * y.shape[2] * -(-y.shape[3] // 2) * 2)
+
+
+@bf16_kernels
+def test_bf16_packed_first_layer_backward_weights_ignores_columns_no_window_reads(tmp_path):
+    """Rows of 9 output pixels (7x7 windows at stride 2 over 24 columns: column 23 is in no
+    window): the last pair's missing pixel has zero dy, and the pair copy holds zeros where no
+    window reads, so an Inf in column 23 leaves dw and db as the image without it gives them,
+    bit for bit (0 x Inf would be NaN)."""
+    source, layer = {"channels": 3, "height": 9, "width": 24}, {"out_channels": 16, "kernel": 7, "stride": 2, "pad": 0}
+    conv = pr.load(_conv_net(tmp_path, source, layer, "bf16"), threads=2).layers["conv"]
+    assert conv.out_shape[2] == 9
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 3, 9, 24)).astype(np.float32)
+    dy = rng.standard_normal((2, 16, 2, 9)).astype(np.float32)
+    clean = conv.backward_weights(x, dy)
+    x[:, :, :, 23] = np.inf
+    for got, want in zip(conv.backward_weights(x, dy), clean):
+        assert np.all(np.isfinite(got))
+        np.testing.assert_array_equal(got, want)
 
 
 @needs_amx

@@ -27,6 +27,7 @@ from .conv import (
     kernel_layer,
     plan_conv_bwd_data,
     plan_conv_bwd_weights,
+    plan_conv_bwd_weights_packed_bf16,
     plan_conv_fwd,
     plan_conv_fwd_packed_bf16,
     plane_as_row,
@@ -93,9 +94,10 @@ def _model_plan(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int,
         if layer.type != "conv":
             raise PlanError(f"{layer.name}: no bf16 kernels for a {layer.type} layer")
         if input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats:
-            if pass_name != "fwd":
+            if pass_name == "bwd_data":
                 raise PlanError(f"{layer.name}: a packed first layer's {pass_name} pass has no vdpbf16ps kernel")
-            return plan_conv_fwd_packed_bf16(layer, arch, choice)
+            return plan_conv_fwd_packed_bf16(layer, arch, choice) if pass_name == "fwd" else \
+                plan_conv_bwd_weights_packed_bf16(layer, arch, choice)
         return _PLANNERS[("conv", pass_name)](layer, arch, choice, 2)  # type: ignore[call-arg]
     if planner:
         return planner(layer, arch, choice)

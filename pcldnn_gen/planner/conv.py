@@ -74,6 +74,9 @@ def kernel_layer(layer: LayerSpec, plan: KernelPlan) -> LayerSpec:
     return layer
 
 
+# Share of L2 the packed first layer's vdpbf16ps backward-weights gives its two bands' pair copies.
+PACKED_BAND_SHARE = 0.5
+
 # Share of L1 a conv forward block (weight slice, input rows, partial sums), or a backward-weights
 # tile slice grown past half of L1, may fill; the rest absorbs conflict misses between its streams.
 L1_BUDGET = 0.75
@@ -313,6 +316,52 @@ def plan_conv_fwd_packed_bf16(layer: LayerSpec, arch: Arch, choice: tuple[int, i
                               l1_working_set=weight_bytes + row_bytes,
                               l2_bytes_per_flop=0.0 if fits else 1 / tile.width,
                               rejected=tuple(s[3] for s in scored[1:6]), pairs=pairs)
+
+
+def plan_conv_bwd_weights_packed_bf16(layer: LayerSpec, arch: Arch,
+                                      choice: tuple[int, int] | None = None) -> PackedConvBf16Plan:
+    """The packed first layer's backward-weights, vdpbf16ps: dw[oc][kh][t] sums dy[oc] at an
+    output pixel times value t of its kernel row kh's window (t < KW x C, contiguous in the
+    padded image row), so pairs of neighbouring output pixels (2j, 2j + 1) pair dy (a vector of
+    16 output channels) with the words (x[p], x[p + SW C]) at p = 2j SW C + t of a pair copy of
+    each padded row: a register tile of consecutive values t x output-channel vectors reads a
+    word per value and a dy vector per output block each pixel pair. Bands of an image's output
+    rows: their pair copies (two bands' in turn, so one barrier a band) within L2_SHARE of L2,
+    the accumulators loaded and stored once a band."""
+    v = arch.vector_floats
+    c, _, iw = layer.in_shape
+    oh, ow = layer.out_shape[1], layer.out_shape[2]
+    kh, kw = layer.kernel
+    sh, sw = layer.stride
+    ocb = blocks(layer.out_shape[0], v)
+    run, owp = kw * c, -(-ow // 2)
+    useful = ow / (2 * owp)
+    x_row = -(-(2 * (owp - 1) * sw * c + run) // 16) * 16 * 4  # bytes of a padded row's pair copy
+    dy_row = ocb * owp * v * 4                                     # bytes of an output row's dy pairs
+    rows = next((r for r in range(oh, 0, -1)
+                 if 2 * (r * dy_row + ((r - 1) * sh + kh) * x_row) <= PACKED_BAND_SHARE * arch.l2_bytes), 1)
+    scored = []
+    for tile in candidates(max(1, min(run, arch.vector_registers)), divisors(ocb, WEIGHT_STREAMS), arch):
+        full, rem = divmod(run, tile.width)
+        rem_eff = RegisterTile.evaluate(rem, tile.vectors, arch).efficiency if rem else 1.0
+        eff = useful * run / (full * tile.width / tile.efficiency + rem / rem_eff)
+        scored.append((eff, tile.width * tile.vectors, -tile.registers, tile, rem))
+    scored.sort(key=lambda s: s[:3], reverse=True)
+    scored = put_first(scored, choice, lambda s: s[3])
+    eff, _, _, tile, rem = scored[0]
+    slot = rows * dy_row + ((rows - 1) * sh + kh) * x_row
+    reason = (f"vdpbf16ps, {c} input channel(s): pairs of neighbouring output pixels ({useful:.0%} of the pairs "
+              f"whole), x as words (x[p], x[p + {sw * c}]) of a pair copy of each padded row; "
+              f"{explain.tile_sentence(tile, arch, 'window values', 'oc-vectors')}; a kernel row's {run} values = "
+              f"{full} full tiles" + (f" + 1 of {rem}" if rem else "")
+              + f"; bands of {rows} output row(s): {slot // 1024} KiB of pair copies a band, two bands' within "
+              f"{PACKED_BAND_SHARE:.0%} of L2 ({arch.l2_bytes // 1024} KiB) -> {eff:.0%} of the bf16 peak predicted")
+    return PackedConvBf16Plan(layer=layer.name, pass_name="bwd_weights", kind="conv_bwd_weights_packed_bf16",
+                              template="conv_bwd_weights_packed_bf16.c.j2", isa=arch.isa, vector_floats=v,
+                              reason=reason, tile=tile, tile_widths=tuple(sorted({tile.width, rem} - {0}, reverse=True)),
+                              remainders=(rem,) if rem else (), predicted_efficiency=eff, l1_working_set=0,
+                              l2_bytes_per_flop=1 / tile.width, rejected=tuple(s[3] for s in scored[1:6]),
+                              pairs=-(-run // 2), band_rows=rows)
 
 
 def _bwd_data_phases(layer: LayerSpec) -> list[BwdDataPhase]:

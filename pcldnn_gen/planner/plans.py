@@ -179,13 +179,18 @@ class AmxPackedConvPlan(KernelPlan):
 
 @dataclass(frozen=True, kw_only=True)
 class PackedConvBf16Plan(KernelPlan):
-    """A first layer's packed few-channel input, forward on vdpbf16ps register tiles: a kernel
+    """A first layer's packed few-channel input on vdpbf16ps register tiles. Forward: a kernel
     row's KW x C window values, contiguous in a padded bf16 copy of the image, taken in pairs
-    (tile: output pixels of one row x output-channel vectors)."""
-    pairs: int                      # bf16 pairs a kernel row's window takes: ceil(KW x C / 2)
+    (tile: output pixels of one row x output-channel vectors). Backward-weights: pairs of
+    neighbouring output pixels (tile: consecutive values of a kernel row's window x
+    output-channel vectors), over bands of output rows whose pair copies stay in L2."""
+    pairs: int                      # forward: bf16 pairs a kernel row's window takes, ceil(KW x C / 2)
+    band_rows: int = 0              # backward-weights: output rows of an image a band pairs at once
 
     def reduction_chunk(self) -> str:
-        return f"the whole window ({self.pairs} pairs of values a kernel row)"
+        if self.pass_name == "fwd":
+            return f"the whole window ({self.pairs} pairs of values a kernel row)"
+        return f"bands of {self.band_rows} output rows of an image (pixel pairs)"
 
 
 @dataclass(frozen=True, kw_only=True)
