@@ -964,6 +964,18 @@ def test_amx_packed_first_layer_forward_against_float64(tmp_path, source, layer,
     _check_conv_forward(conv, source, layer, pairs_per_row=16, n=n)
 
 
+def _broken_image_stays_its_own(conv) -> np.ndarray:
+    """An image of NaN and Inf before a clean one in one forward call leaves the clean image's
+    outputs as that image alone gives them, bit for bit (and finite); returns the clean image."""
+    rng = np.random.default_rng(4)
+    clean = rng.standard_normal((1, *conv.in_shape)).astype(np.float32)
+    broken = np.where(rng.random(clean.shape) < 0.5, np.float32(np.nan), np.float32(np.inf))
+    alone = conv.forward(clean)
+    assert np.all(np.isfinite(alone))
+    np.testing.assert_array_equal(conv.forward(np.concatenate([broken, clean]))[1:], alone)
+    return clean
+
+
 @needs_amx
 def test_amx_packed_first_layer_keeps_a_broken_image_to_itself(tmp_path):
     """The in-place forward's runs read up to 31 values past a window (against zero weights) from
@@ -973,12 +985,7 @@ def test_amx_packed_first_layer_keeps_a_broken_image_to_itself(tmp_path):
     out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
     assert "read in place" in (out / "src" / "conv_fwd.c").read_text()
     conv = pr.load(out, threads=1).layers["conv"]
-    rng = np.random.default_rng(4)
-    clean = rng.standard_normal((1, *conv.in_shape)).astype(np.float32)
-    broken = np.where(rng.random(clean.shape) < 0.5, np.float32(np.nan), np.float32(np.inf))
-    alone = conv.forward(clean)
-    assert np.all(np.isfinite(alone))
-    np.testing.assert_array_equal(conv.forward(np.concatenate([broken, clean]))[1:], alone)
+    _broken_image_stays_its_own(conv)
 
 
 # and on vdpbf16ps: one channel under a 5-wide window (an odd run of 5 values: its last pair
@@ -1019,12 +1026,7 @@ def test_bf16_packed_first_layer_keeps_a_broken_image_to_itself(tmp_path, thread
     out = _conv_net(tmp_path, source, layer, "bf16")
     conv = pr.load(out, threads=threads).layers["conv"]
     assert conv.kernel_kind("fwd") == "conv_fwd_packed_bf16"
-    rng = np.random.default_rng(4)
-    clean = rng.standard_normal((1, *conv.in_shape)).astype(np.float32)
-    broken = np.where(rng.random(clean.shape) < 0.5, np.float32(np.nan), np.float32(np.inf))
-    alone = conv.forward(clean)
-    assert np.all(np.isfinite(alone))
-    np.testing.assert_array_equal(conv.forward(np.concatenate([broken, clean]))[1:], alone)
+    clean = _broken_image_stays_its_own(conv)
     one = clean.copy()
     one[0, 0, 6, 11] = np.inf  # channel 0 of pixel (6, 11)
     hit = ~np.isfinite(conv.forward(one)[0, 0])
