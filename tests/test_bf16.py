@@ -1074,6 +1074,23 @@ def test_bf16_packed_first_layer_backward_weights_against_float64(tmp_path, sour
 
 
 @bf16_kernels
+def test_bf16_packed_first_layer_backward_weights_bits_do_not_depend_on_threads(tmp_path):
+    """Each weight tile belongs to one thread and sums the bands in order, the bias sums its rows
+    in a fixed order: one, two and three threads give the same dw and db bits (bands of a few
+    rows, 16 KiB of L2, so several bands an image)."""
+    source, layer = PACKED_GRADIENT_CASES[2]
+    out = _conv_net(tmp_path, source, layer, "bf16", arch=SMALL_L2)
+    results = []
+    for threads in (1, 2, 3):
+        conv = pr.load(out, threads=threads).layers["conv"]
+        assert conv.kernel_kind("bwd_weights") == "conv_bwd_weights_packed_bf16"
+        results.append(_weights_gradient(conv, layer, images=4, seed=2)[3:])
+    for dw, db in results[1:]:
+        np.testing.assert_array_equal(dw, results[0][0])
+        np.testing.assert_array_equal(db, results[0][1])
+
+
+@bf16_kernels
 def test_bf16_packed_first_layer_backward_weights_ignores_columns_no_window_reads(tmp_path):
     """Rows of 9 output pixels (7x7 windows at stride 2 over 24 columns: column 23 is in no
     window): the last pair's missing pixel has zero dy, and the pair copy holds zeros where no
