@@ -326,7 +326,7 @@ def plan_conv_bwd_weights_packed_bf16(layer: LayerSpec, arch: Arch,
     16 output channels) with the words (x[p], x[p + SW C]) at p = 2j SW C + t of a pair copy of
     each padded row: a register tile of consecutive values t x output-channel vectors reads a
     word per value and a dy vector per output block each pixel pair. Bands of an image's output
-    rows: their pair copies (two bands' in turn, so one barrier a band) within L2_SHARE of L2,
+    rows: their pair copies (two bands' in turn, so one barrier a band) within PACKED_BAND_SHARE of L2,
     the accumulators loaded and stored once a band."""
     v = arch.vector_floats
     c, _, iw = layer.in_shape
@@ -361,7 +361,7 @@ def plan_conv_bwd_weights_packed_bf16(layer: LayerSpec, arch: Arch,
                               reason=reason, tile=tile, tile_widths=tuple(sorted({tile.width, rem} - {0}, reverse=True)),
                               remainders=(rem,) if rem else (), predicted_efficiency=eff, l1_working_set=0,
                               l2_bytes_per_flop=1 / tile.width, rejected=tuple(s[3] for s in scored[1:6]),
-                              pairs=-(-run // 2), band_rows=rows)
+                              band_rows=rows)
 
 
 def _bwd_data_phases(layer: LayerSpec) -> list[BwdDataPhase]:

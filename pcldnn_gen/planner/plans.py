@@ -184,7 +184,7 @@ class PackedConvBf16Plan(KernelPlan):
     (tile: output pixels of one row x output-channel vectors). Backward-weights: pairs of
     neighbouring output pixels (tile: consecutive values of a kernel row's window x
     output-channel vectors), over bands of output rows whose pair copies stay in L2."""
-    pairs: int                      # forward: bf16 pairs a kernel row's window takes, ceil(KW x C / 2)
+    pairs: int = 0                  # forward: bf16 pairs a kernel row's window takes, ceil(KW x C / 2)
     band_rows: int = 0              # backward-weights: output rows of an image a band pairs at once
 
     def reduction_chunk(self) -> str:
