@@ -431,3 +431,29 @@ def test_short_rows_of_1x1_layers_run_as_one_row(tmp_path, isa, bf16):
             assert not plan_layer(other, p, arch, bf16=bf16).plane_as_row, (other, p)
     if bf16:
         assert not getattr(plan_layer(layer(7, 7), "fwd", arch, bf16=True, amx=True), "plane_as_row", False)
+
+
+@pytest.mark.parametrize("channels,kernel,stride,width", [(3, 7, 2, 224), (3, 11, 4, 227), (1, 11, 1, 60), (5, 9, 3, 41)])
+def test_packed_bf16_backward_weights_bands_and_tiles(channels, kernel, stride, width):
+    """The packed first layer's vdpbf16ps backward-weights (windows of 100 values or more): two
+    bands' pair copies within PACKED_BAND_SHARE of L2 and a band one row taller would not be
+    (unless it is the whole image); tiles of window values covering a kernel row's KW x C values
+    exactly (full tiles and one narrower), as the reason says."""
+    from pcldnn_gen.planner.conv import PACKED_BAND_SHARE
+    arch = PRESETS["zen5"]
+    spec = parse_netspec({"name": "p", "input": {"channels": channels, "height": width, "width": width},
+                          "layers": [{"name": "c", "type": "conv", "out_channels": 64, "kernel": kernel,
+                                      "stride": stride, "pad": kernel // 2}]})
+    layer = spec.layers[0]
+    plan = plan_layer(layer, "bwd_weights", arch, bf16=True)
+    assert plan.kind == "conv_bwd_weights_packed_bf16"
+    run, owp, oh = kernel * channels, -(-layer.out_shape[2] // 2), layer.out_shape[1]
+    x_row = -(-(2 * (owp - 1) * stride * channels + run) // 16) * 16 * 4
+    dy_row = blocks(64, 16) * owp * 16 * 4
+
+    def two_bands(rows: int) -> int:
+        return 2 * (rows * dy_row + ((rows - 1) * stride + kernel) * x_row)
+    assert plan.band_rows == oh or two_bands(plan.band_rows + 1) > PACKED_BAND_SHARE * arch.l2_bytes
+    assert plan.band_rows == 1 or two_bands(plan.band_rows) <= PACKED_BAND_SHARE * arch.l2_bytes
+    full, rem = divmod(run, plan.tile.width)
+    assert plan.remainders == ((rem,) if rem else ()) and f"{run} values = {full} full tile(s)" in plan.reason

@@ -304,7 +304,7 @@ def plan_conv_fwd_packed_bf16(layer: LayerSpec, arch: Arch, choice: tuple[int, i
     reason = (f"vdpbf16ps, {c} input channel(s): a kernel row's {kw}x{c} window values are contiguous in a "
               f"padded bf16 copy of the image, read in place in {pairs} pairs ({useful:.0%} of the dot products "
               f"useful); {explain.tile_sentence(tile, arch, 'px of an output row', 'oc-vectors')}; row of {ow} px = "
-              f"{ow // tile.width} full tiles" + (f" + 1 of {rem}" if rem else "")
+              f"{ow // tile.width} full tile(s)" + (f" + 1 of {rem}" if rem else "")
               + f"; a group's {weight_bytes // 1024} KiB of weights + {row_bytes // 1024} KiB of input rows "
               + (f"within 3/4 of L1 ({arch.l1d_bytes // 1024} KiB)" if fits else
                  f"beyond 3/4 of L1 ({arch.l1d_bytes // 1024} KiB): the weights stream from L2")
@@ -353,7 +353,7 @@ def plan_conv_bwd_weights_packed_bf16(layer: LayerSpec, arch: Arch,
     reason = (f"vdpbf16ps, {c} input channel(s): pairs of neighbouring output pixels ({useful:.0%} of the pairs "
               f"whole), x as words (x[p], x[p + {sw * c}]) of a pair copy of each padded row; "
               f"{explain.tile_sentence(tile, arch, 'window values', 'oc-vectors')}; a kernel row's {run} values = "
-              f"{full} full tiles" + (f" + 1 of {rem}" if rem else "")
+              f"{run // tile.width} full tile(s)" + (f" + 1 of {rem}" if rem else "")
               + f"; bands of {rows} output row(s): {slot // 1024} KiB of pair copies a band, two bands' within "
               f"{PACKED_BAND_SHARE:.0%} of L2 ({arch.l2_bytes // 1024} KiB) -> {eff:.0%} of the bf16 peak predicted")
     return PackedConvBf16Plan(layer=layer.name, pass_name="bwd_weights", kind="conv_bwd_weights_packed_bf16",
