@@ -317,3 +317,36 @@ def test_bench_zoo_times_every_shape_as_its_own_net(tmp_path):
         ("c24", "fwd", "CIFAR", "conv"), ("c24", "bwd_data", "CIFAR", "conv"),
         ("f40", "fwd", "Toy", "fc"), ("f40", "bwd_data", "Toy", "fc")]
     assert all(0 < r["peak_fraction"] == pytest.approx(r["gflops"] / data["peak_gflops"]) for r in data["results"])
+
+
+def test_bf16_targets_script_runs_the_issues_measurements():
+    """benchmarks/bf16_targets.py (issue 18's runs in one command): every bench command parses
+    with the CLI's own parser and together they time VGG-A conv2-8 and OverFeat-FAST conv2-5 in
+    bf16 and fp32, VGG-A fc6-8 at minibatch 64 and 256 in both, the zoo's first layers in bf16,
+    all against oneDNN on one thread; the training runs name nets that exist; summarize.py is
+    given every bench file and no training file."""
+    import io
+    from contextlib import redirect_stdout
+    from pathlib import Path
+
+    from helpers import REPO
+
+    from pcldnn_gen.cli import parser
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bf16_targets
+    runs = bf16_targets.steps(Path("/tmp/out"), "native")
+    benches = [parser().parse_args(argv[3:]) for _, argv, _ in runs if argv[1:4] == ["-m", "pcldnn_gen", "bench"]]
+    assert all(a.threads == 1 and a.compare == "onednn" and a.json for a in benches)
+    got = {(Path(a.net or a.zoo).stem, a.precision, tuple(a.batch), a.layers) for a in benches}
+    assert got == {("vgg_a", p, (16,), "conv2,conv3,conv4,conv5,conv6,conv7,conv8") for p in ("bf16", "fp32")} | \
+        {("overfeat_fast", p, (16,), "conv2,conv3,conv4,conv5") for p in ("bf16", "fp32")} | \
+        {("vgg_a", p, (b,), "fc6,fc7,fc8") for p in ("bf16", "fp32") for b in (64, 256)} | \
+        {("zoo", "bf16", (16,), bf16_targets.FIRST_LAYERS)}
+    trains = [argv for name, argv, _ in runs if name.startswith("train_")]
+    assert len(trains) == 4 and all(Path(argv[argv.index("--net") + 1]).exists() for argv in trains)
+    out = io.StringIO()
+    with redirect_stdout(out), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "argv", ["bf16_targets.py", "--out", "/tmp/out", "--dry-run"])
+        assert bf16_targets.main() == 0
+    summary = out.getvalue().strip().splitlines()[-1].split()
+    assert summary[1].endswith("summarize.py") and sorted(summary[2:]) == sorted(a.json for a in benches)
