@@ -19,7 +19,7 @@ import numpy as np
 from filelock import FileLock
 
 from pcldnn_runtime import cpu
-from pcldnn_runtime.limits import bf16_gradients, bf16_outputs, input_pixel_floats
+from pcldnn_runtime.limits import bf16_gradients, bf16_outputs
 from pcldnn_runtime.manifest import FORMAT, FORMAT_FAMILY, MANIFEST, WEIGHTS_FILE, file_sha256, kernel_kinds
 from pcldnn_runtime.state_io import check_state, expected_state
 
@@ -29,7 +29,7 @@ from .codegen import layer_amx, layer_bf16, peak_flops_per_iteration, render_ker
 from .compiler import Source, compile_all, compile_source
 from .errors import ArchError, BuildDirError
 from .netspec import LayerSpec, NetSpec
-from .planner import LAYER_PASSES, KernelPlan, plan_layer
+from .planner import LAYER_PASSES, KernelPlan, plan_layer, reads_packed_image
 
 if TYPE_CHECKING:
     from .tuning import TuningDB
@@ -68,7 +68,7 @@ def plan_net(net: NetSpec, arch: Arch, tuning: TuningDB | None = None,
     plans = {}
     activations, gradients = net_activations(net, arch, precision), net_gradients(net, arch, precision)
     for layer in net.layers:
-        packed = input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats
+        packed = reads_packed_image(layer, arch)
         kinds = kernel_kinds(layer.type, layer_bf16(layer, arch, precision), layer_amx(layer, arch, precision), packed)
         for p in LAYER_PASSES[layer.type]:
             plan = plans[(layer.name, p)] = plan_kernel(layer, p, arch, tuning, (choices or {}).get((layer.name, p)),

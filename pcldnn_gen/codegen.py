@@ -36,7 +36,7 @@ from .arch import Arch
 from .compiler import Source
 from .errors import PlanError
 from .netspec import LayerSpec
-from .planner import KernelPlan, kernel_layer
+from .planner import KernelPlan, kernel_layer, reads_packed_image
 from .planner.plans import ConvBwdWeightsPlan
 
 
@@ -400,7 +400,7 @@ def render_layout(layer: LayerSpec, arch: Arch, precision: str = "fp32") -> Sour
     in a bf16 build the bf16 copies its vdpbf16ps forward kernel reads, or an AMX fc layer's
     weight tiles."""
     bf16 = layer_bf16(layer, arch, precision)
-    packed = input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats
+    packed = reads_packed_image(layer, arch)
     roles = kernel_kinds(layer.type, bf16, layer_amx(layer, arch, precision), packed)["layout"]
     wshape = None
     if layer.weighted:

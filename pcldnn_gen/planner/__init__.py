@@ -44,6 +44,12 @@ _PLANNERS: dict[tuple[str, str], Callable[[LayerSpec, Arch, tuple[int, int] | No
 }
 
 
+def reads_packed_image(layer: LayerSpec, arch: Arch) -> bool:
+    """Whether `layer` is the net's first convolution on the packed few-channel image
+    (limits.input_pixel_floats): its kernels are a family of their own (AMX or vdpbf16ps)."""
+    return input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats
+
+
 def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, int] | None = None,
                bf16: bool = False, amx: bool = False, activations: tuple[bool, bool] = (False, False),
                gradients: tuple[bool, bool] = (False, False)) -> KernelPlan:
@@ -57,9 +63,7 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, 
     if pass_name not in passes:
         raise PlanError(f"{layer.name}: a {layer.type} layer has no {pass_name!r} pass "
                         f"(it has: {', '.join(passes) or 'none'})")
-    packed = layer.type == "conv" and \
-        input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats
-    row = None if amx or (bf16 and packed) else plane_as_row(layer, pass_name)
+    row = None if amx or (bf16 and reads_packed_image(layer, arch)) else plane_as_row(layer, pass_name)
     plan = _model_plan(row or layer, pass_name, arch, choice, bf16, amx, activations, gradients)
     if row is not None:
         assert isinstance(plan, (ConvFwdPlan, ConvBwdDataPlan))
@@ -80,8 +84,7 @@ def _model_plan(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int,
         if layer.type == "fc":
             return plan_fc_tiles_bwd_weights(layer, arch, amx) if pass_name == "bwd_weights" else \
                 plan_fc_tiles(layer, pass_name, arch, amx)
-        if layer.type == "conv" and \
-                input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats:
+        if reads_packed_image(layer, arch):
             return plan_conv_packed_amx(layer, pass_name, arch)
         if layer.type != "conv":
             raise PlanError(f"{layer.name}: AMX kernels exist for convolutions and fc layers only")
@@ -93,7 +96,7 @@ def _model_plan(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int,
                 plan_fc_tiles(layer, pass_name, arch, False)
         if layer.type != "conv":
             raise PlanError(f"{layer.name}: no bf16 kernels for a {layer.type} layer")
-        if input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats:
+        if reads_packed_image(layer, arch):
             if pass_name == "bwd_data":
                 raise PlanError(f"{layer.name}: a packed first layer's {pass_name} pass has no vdpbf16ps kernel")
             return plan_conv_fwd_packed_bf16(layer, arch, choice) if pass_name == "fwd" else \
@@ -107,4 +110,4 @@ def _model_plan(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int,
 
 
 __all__ = ["L1_BUDGET", "LATENCY_HEADROOM", "LAYER_PASSES", "PASSES", "KernelPlan", "Measured", "RegisterTile",
-           "TileTiming", "kernel_layer", "plan_layer"]
+           "TileTiming", "kernel_layer", "plan_layer", "reads_packed_image"]
