@@ -14,10 +14,13 @@ vdpbf16ps the templates spell through `codegen.BF16_ISA`); AMX kernels are left 
     python benchmarks/dot_emulation.py compile examples/nets/vgg_a.json --arch zen4 -o /tmp/b
     python benchmarks/dot_emulation.py ab /tmp/a /tmp/b --batch 16 --threads 1 --passes bwd_weights
     python benchmarks/dot_emulation.py bench --zoo benchmarks/zoo/zoo.json --arch zen4 --threads 1
+    python benchmarks/dot_emulation.py tune --zoo benchmarks/zoo/zoo.json --arch zen5 --threads 1
 
-(`compile` and `bench` take `pcldnn-gen compile`'s and `bench`'s arguments and add
-`--precision bf16`; bench's %peak is then against the fp32 peak, so 200% is the emulated
-peak. `ab` takes ab.py's.)
+(`compile`, `bench` and `tune` take `pcldnn-gen compile`'s, `bench`'s and `tune`'s arguments
+and add `--precision bf16`; bench's %peak is then against the fp32 peak, so 200% is the
+emulated peak. `ab` takes ab.py's. `tune` writes its emulated measurements to
+`emulated-tuning.json` in the working directory unless PCLDNN_TUNING_DB names a file: they are
+estimates, kept out of the database a real bf16 compile on this machine would read.)
 
 On an AVX-512 CPU without AVX512_BF16 (Ice Lake, Skylake-X: two FMAs and two 512-bit loads per
 cycle, the same ratios) `compile` and `bench` also spell the kernels' other bf16 instruction,
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -61,7 +65,7 @@ def emulated(command: str, argv: list[str]) -> int:
         def source(filename: str, text: str, symbols: dict[str, str], cflags: tuple[str, ...] = ()) -> compiler.Source:
             return compiler.Source(filename, CONVERSION_WITHOUT_BF16 + text if CONVERSION in text else text, symbols, cflags)
         codegen.Source = source  # type: ignore[assignment,misc]
-        if command == "bench":  # it loads the build it has just made
+        if command in ("bench", "tune"):  # they load the builds they have just made
             load_without_bf16()
     return cli.main([command, *argv, "--precision", "bf16"])
 
@@ -76,7 +80,7 @@ def load_without_bf16(*builds: Path) -> None:
                 raise SystemExit(f"{c_file}: bf16 instructions this CPU lacks; compile the build with "
                                  f"dot_emulation.py compile on this CPU")
     from pcldnn_runtime import cpu
-    cpu.require_precision = lambda precision, what: None
+    cpu.require_precision = lambda precision, what, instead=None: None
 
 
 def flush_denormals() -> None:
@@ -89,13 +93,15 @@ def flush_denormals() -> None:
 
 
 def main() -> int:
-    if len(sys.argv) < 2 or sys.argv[1] not in ("compile", "ab", "bench"):
+    if len(sys.argv) < 2 or sys.argv[1] not in ("compile", "ab", "bench", "tune"):
         raise SystemExit(__doc__)
     command, rest = sys.argv[1], sys.argv[2:]
     if command == "compile":
         return emulated(command, rest)
     flush_denormals()
-    if command == "bench":
+    if command == "tune":
+        os.environ.setdefault("PCLDNN_TUNING_DB", str(Path("emulated-tuning.json").resolve()))
+    if command in ("bench", "tune"):
         return emulated(command, rest)
     sys.path.insert(0, str(Path(__file__).parent))
     import ab

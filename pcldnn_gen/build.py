@@ -60,8 +60,8 @@ def plan_net(net: NetSpec, arch: Arch, tuning: TuningDB | None = None,
              choices: Mapping[tuple[str, str], tuple[int, int]] | None = None,
              precision: str = "fp32") -> dict[tuple[str, str], KernelPlan]:
     """Every (layer, pass) plan: the model's, the tuning database's measured tile where an
-    entry matches, or a forced candidate tile from `choices` (the tuner's trial builds). The
-    database holds fp32 measurements: bf16 kernels take the model's plan. Each plan's kernel
+    entry matches (bf16 kernels too: `tune --precision bf16`), or a forced candidate tile from
+    `choices` (the tuner's trial builds). Each plan's kernel
     kind, and the bf16 activations and gradients it reads and writes (limits.bf16_outputs,
     bf16_gradients), are the ones the runtime will ask of the build (manifest.kernel_kinds),
     checked here so that the generator never writes a build its own loader refuses or misreads."""
@@ -110,14 +110,14 @@ def plan_kernel(layer: LayerSpec, pass_name: str, arch: Arch, tuning: TuningDB |
                 choice: tuple[int, int] | None = None, precision: str = "fp32",
                 activations: tuple[bool, bool] = (False, False),
                 gradients: tuple[bool, bool] = (False, False)) -> KernelPlan:
-    """One kernel's plan by plan_net's rule (compile and `inspect` alike): a forced tile, else
-    the database's measured one, else the model's; bf16 and AMX kernels always the model's
-    (`activations`, `gradients`: net_activations and net_gradients of the layer)."""
+    """One kernel's plan by plan_net's rule (compile, `inspect` and `tune` alike): a forced tile,
+    else the database's measured one, else the model's (`activations`, `gradients`:
+    net_activations and net_gradients of the layer; AMX kernels have no register tile to tune)."""
     bf16, amx = pass_name in layer_bf16(layer, arch, precision), pass_name in layer_amx(layer, arch, precision)
     activations, gradients = pass_activations(activations, pass_name), pass_gradients(gradients, pass_name)
-    if choice or tuning is None or bf16 or amx or any(activations) or any(gradients):
+    if choice or tuning is None:
         return plan_layer(layer, pass_name, arch, choice, bf16, amx, activations, gradients)
-    return tuning.plan(layer, pass_name, arch)
+    return tuning.plan(layer, pass_name, arch, bf16, amx, activations, gradients)
 
 
 def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | None = None,

@@ -78,17 +78,21 @@ def _inspect(args: argparse.Namespace) -> int:
             for t in plan.rejected:
                 print(f"rejected : {t.describe()}")
             print(_measured_lines(plan) if plan.measured else
-                  f"measured : none (`pcldnn-gen tune {args.net} --arch {args.arch}` times the candidates)")
+                  f"measured : none (`pcldnn-gen tune {args.net} --arch {args.arch}"
+                  f"{'' if args.precision == 'fp32' else ' --precision ' + args.precision}` times the candidates)")
         return 0
     sys.stdout.write(render_kernel(layer, plan, arch).text)
     return 0
 
 
 def _measured_lines(plan) -> str:
-    """The model's prediction beside the tuner's measurement, one candidate per line."""
+    """The model's prediction beside the tuner's measurement, one candidate per line (a bf16
+    kernel's % of the fp32 FMA peak, as `bench` gives it: vdpbf16ps can run at twice it)."""
+    from .tuning import kernel_precision
     m = plan.measured
-    lines = [f"measured : minibatch {m.batch}, {m.threads} thread(s), FMA peak {m.peak_gflops:.1f} GFLOP/s",
-             "           tile     predicted  measured ms  % of peak"]
+    fp32 = kernel_precision(plan) == "fp32"
+    lines = [f"measured : minibatch {m.batch}, {m.threads} thread(s), {'' if fp32 else 'fp32 '}FMA peak "
+             f"{m.peak_gflops:.1f} GFLOP/s", f"           tile     predicted  measured ms  % of {'' if fp32 else 'fp32 '}peak"]
     for t in m.timings:
         notes = [n for n, tile in (("model's first choice", m.model), ("used", (plan.tile.width, plan.tile.vectors)))
                  if tile == (t.width, t.vectors)]
@@ -106,18 +110,21 @@ def _tune(args: argparse.Namespace) -> int:
     threads = args.threads or _cores()
     if args.zoo:
         from .zoo import load_zoo
-        nets = [s.net for s in load_zoo(args.zoo, args.max_memory)]
+        # bf16: a shape between ReLUs, on the bf16 activations it has inside a net (as `bench` times it)
+        nets = [s.inner if args.precision == "bf16" else s.net for s in load_zoo(args.zoo, args.max_memory)]
     else:
         nets = [load_netspec(args.net, args.max_memory)]
+    tuner.check_can_tune(arch, args.precision)
     db = TuningDB.load()
-    print(f"tuning {len(nets)} net(s) on {arch.name}, minibatch {args.batch}, {threads} thread(s); "
-          f"database {db.path}", flush=True)
+    print(f"tuning {len(nets)} net(s) on {arch.name} ({args.precision}), minibatch {args.batch}, {threads} "
+          f"thread(s); database {db.path}", flush=True)
     report = tuner.tune(nets, arch, args.batch, threads, candidates=args.candidates, rounds=args.rounds,
                         repeats=args.repeats, budget=args.budget, force=args.force, db=db,
-                        progress=lambda line: print(line, flush=True))
+                        progress=lambda line: print(line, flush=True), precision=args.precision)
     print(tuner.summary(report))
     if args.json:
-        Path(args.json).write_text(json.dumps(tuner.report_json(report, arch, args.batch, threads), indent=1))
+        Path(args.json).write_text(json.dumps(tuner.report_json(report, arch, args.batch, threads, args.precision),
+                                              indent=1))
     return 0
 
 
@@ -336,6 +343,8 @@ def parser() -> argparse.ArgumentParser:
                    help="timed calls per candidate and round, after a warm-up call (median)")
     t.add_argument("--budget", type=_seconds, default=None, metavar="SECONDS",
                    help="stop measuring after this long (kernels not reached keep the model's tile)")
+    t.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="bf16: tune the kernels of the net's bf16 build (on a CPU with AVX512_BF16)")
     t.add_argument("--force", action="store_true", help="measure kernels that already have an entry again")
     t.add_argument("--json", help="write the measurements as JSON")
     _max_memory_option(t)

@@ -5,7 +5,11 @@ Method (the one benchmarks/ab.py uses to judge a kernel change): build k of a ne
 kernel's k-th candidate, so N candidates cost N builds of the net (unchanged kernels come from
 the compile cache); then each kernel's candidates are timed alternately, `rounds` times with the
 order rotated, each round taking the median of `repeats` calls, and compared on the medians over
-rounds. A candidate replaces the model's tile only when it is faster by more than NOISE."""
+rounds. A candidate replaces the model's tile only when it is faster by more than NOISE.
+
+`precision` bf16 tunes a bf16 build's kernels (vdpbf16ps; AMX kernels have no register tile to
+choose), each on the bf16 activations and gradients it has in that net: the build the user
+compiles with `--precision bf16`, timed on a CPU that runs it."""
 from __future__ import annotations
 
 import statistics
@@ -19,9 +23,9 @@ import pcldnn_runtime as pr
 
 from .arch import Arch
 from .bench import KernelTimer, kernel_timers, measure_peak
-from .build import build
+from .build import build, check_precision, net_activations, net_gradients, plan_kernel
 from .netspec import NetSpec
-from .planner import LAYER_PASSES, Measured, TileTiming, plan_layer
+from .planner import LAYER_PASSES, Measured, TileTiming
 from .tuning import Entry, TuningDB, key_id, plan_key
 
 # A build timed against a copy of itself (benchmarks/ab.py, cifar_small on the EPYC VM, one
@@ -73,10 +77,10 @@ class _Kernel:
 
 def tune(nets: list[NetSpec], arch: Arch, batch: int, threads: int, *, candidates: int = 4, rounds: int = 15,
          repeats: int = 1, budget: float | None = None, force: bool = False, db: TuningDB | None = None,
-         progress: Callable[[str], None] = lambda line: None) -> TuneReport:
-    """Time the candidates of every conv / fc kernel of `nets` (each kernel shape once) and
-    merge the results into `db` (default: the database at its usual path) net by net."""
-    pr.cpu.require(arch.isa, "tuning")
+         progress: Callable[[str], None] = lambda line: None, precision: str = "fp32") -> TuneReport:
+    """Time the candidates of every conv / fc kernel of `nets`' `precision` builds (each kernel
+    once) and merge the results into `db` (default: the database at its usual path) net by net."""
+    check_can_tune(arch, precision)
     db = db if db is not None else TuningDB.load()
     start = time.perf_counter()
     peak = measure_peak(arch, threads)
@@ -88,7 +92,7 @@ def tune(nets: list[NetSpec], arch: Arch, batch: int, threads: int, *, candidate
         return budget is not None and time.perf_counter() - start > budget
 
     for net in nets:
-        kernels, counts = _kernels_to_time(net, arch, batch, candidates, db, force, seen)
+        kernels, counts = _kernels_to_time(net, arch, batch, candidates, db, force, seen, precision)
         single, known = single + counts[0], known + counts[1]
         if not kernels:
             continue
@@ -100,7 +104,7 @@ def tune(nets: list[NetSpec], arch: Arch, batch: int, threads: int, *, candidate
             loaded = []
             for k in range(max(len(kn.tiles) for kn in kernels)):
                 choices = {(kn.layer, kn.pass_name): kn.tiles[k] for kn in kernels if k < len(kn.tiles)}
-                out = build(net, arch, Path(tmp) / f"candidate{k}", choices=choices).directory
+                out = build(net, arch, Path(tmp) / f"candidate{k}", choices=choices, precision=precision).directory
                 loaded.append(pr.load(out, threads=threads))
             for layer_name in dict.fromkeys(kn.layer for kn in kernels):
                 mine = [kn for kn in kernels if kn.layer == layer_name]
@@ -119,16 +123,29 @@ def tune(nets: list[NetSpec], arch: Arch, batch: int, threads: int, *, candidate
     return TuneReport(tuple(rows), single, known, unmeasured, peak, time.perf_counter() - start)
 
 
+def check_can_tune(arch: Arch, precision: str) -> None:
+    """An ArchError unless this CPU runs `precision` builds for `arch` (the tuner times them)."""
+    check_precision(precision, arch)
+    pr.cpu.require(arch.isa, "tuning")
+    pr.cpu.require_precision(precision, "every build `tune` times",
+                             "tune where the bf16 build will run (it runs only on such a CPU)")
+
+
 def _kernels_to_time(net: NetSpec, arch: Arch, batch: int, candidates: int, db: TuningDB, force: bool,
-                     seen: set[str]) -> tuple[list[_Kernel], tuple[int, int]]:
+                     seen: set[str], precision: str) -> tuple[list[_Kernel], tuple[int, int]]:
     """The net's kernels with two or more candidate tiles not measured yet (this run: `seen`;
     the database, unless `force`), and (kernels with one candidate, kernels already known)."""
     kernels, single, known = [], 0, 0
+    activations, gradients = net_activations(net, arch, precision), net_gradients(net, arch, precision)
     for layer in net.layers:
         if not layer.weighted:
             continue
+
+        def plan(p: str, choice: tuple[int, int] | None = None):
+            return plan_kernel(layer, p, arch, None, choice, precision, activations[layer.name], gradients[layer.name])
+
         for p in LAYER_PASSES[layer.type]:
-            model = plan_layer(layer, p, arch)
+            model = plan(p)
             key = plan_key(layer, model, arch)
             if key_id(key) in seen:
                 continue
@@ -141,7 +158,7 @@ def _kernels_to_time(net: NetSpec, arch: Arch, batch: int, candidates: int, db: 
                 single += 1
                 continue
             # each candidate's figure as the planner rates it in its own plan
-            predicted = [plan_layer(layer, p, arch, (t.width, t.vectors)).predicted_efficiency for t in tiles]
+            predicted = [plan(p, (t.width, t.vectors)).predicted_efficiency for t in tiles]
             kernels.append(_Kernel(layer.name, p, key, layer.flops(batch), tuple((t.width, t.vectors) for t in tiles),
                                    tuple(predicted)))
     return kernels, (single, known)
@@ -218,8 +235,8 @@ def summary(report: TuneReport) -> str:
     return "\n".join(lines)
 
 
-def report_json(report: TuneReport, arch: Arch, batch: int, threads: int) -> dict:
-    return {"arch": arch.name, "isa": arch.isa, "batch": batch, "threads": threads,
+def report_json(report: TuneReport, arch: Arch, batch: int, threads: int, precision: str = "fp32") -> dict:
+    return {"arch": arch.name, "isa": arch.isa, "precision": precision, "batch": batch, "threads": threads,
             "peak_gflops": report.peak_gflops, "seconds": report.seconds, "single": report.single,
             "known": report.known, "unmeasured": report.unmeasured,
             "rows": [{"net": r.net, "layer": r.layer, "pass": r.pass_name, "model": list(r.model),

@@ -1,12 +1,15 @@
 """The tuning database (DESIGN §9): measured register-tile choices that `compile` prefers to the
-model's, one entry per (kernel shape, pass, ISA, precision, CPU description, CPU model,
-compiler, template version).
+model's, one entry per (kernel shape, pass, ISA, precision, bf16 activations and gradients, CPU
+description, CPU model, compiler, template version).
 
 It lives in the cache directory (`tuning.json`; PCLDNN_TUNING_DB names another file) and is a
 user file like any other: read strictly, every field typed and bounded, one error line naming
 the file and the JSON path. What it can change is limited to picking one of the planner's own
 candidate tiles (`plan_layer(..., choice=)`): an entry whose tile is no longer a candidate is
-ignored. Writers merge under a file lock and replace the file atomically."""
+ignored. Writers merge under a file lock and replace the file atomically.
+
+Format /2 (bf16 tuning) added the key's `activations` and `gradients`; a /1 file, fp32 kernels
+only, is read as such and written back as /2."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from filelock import FileLock
+from jinja2 import meta
 
 from pcldnn_runtime import cpu
 from pcldnn_runtime.manifest import PASSES
@@ -33,8 +37,9 @@ from .errors import PcldnnError, PlanError
 from .netspec import LayerSpec
 from .planner import KernelPlan, Measured, TileTiming, kernel_layer, plan_layer
 
-FORMAT = "pcldnn-tuning/1"
-PRECISION = "fp32"
+FORMAT = "pcldnn-tuning/2"
+FORMAT_FP32_ONLY = "pcldnn-tuning/1"  # read: its keys are fp32 kernels on fp32 operands
+PRECISIONS = ("fp32", "bf16")
 MAX_ENTRIES = 100_000
 MAX_CANDIDATES = 16
 MAX_DIM = 1 << 20           # channels, pixels, kernel sizes: netspec's own bounds are tighter
@@ -54,11 +59,27 @@ def _digest(*parts: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def template_version(template: str) -> str:
-    """The family's template, the shared macros and the generator version: an edit to any of
-    them makes old measurements miss."""
+    """The family's template, every template it imports or includes (the shared macros) and the
+    generator version: an edit to any of them makes old measurements miss."""
     env = template_env()
-    texts = [env.loader.get_source(env, name)[0] for name in (template, "_common.c.j2")]  # type: ignore[union-attr]
-    return _digest(__version__, *texts)
+    names, todo = [], [template]
+    while todo:
+        name = todo.pop()
+        if name not in names:
+            names.append(name)
+            source = env.loader.get_source(env, name)[0]  # type: ignore[union-attr]
+            todo += sorted(n for n in meta.find_referenced_templates(env.parse(source)) if n is not None)
+    # the template first, as before imports were followed: an fp32 entry of a template that
+    # imports only _common.c.j2 keeps its key
+    return _digest(__version__, *(env.loader.get_source(env, n)[0]  # type: ignore[union-attr]
+                                  for n in [template, *sorted(names[1:])]))
+
+
+def kernel_precision(plan: KernelPlan) -> str:
+    """bf16 for a kernel that multiplies bf16 operands (vdpbf16ps and AMX kinds: *_bf16, *_amx),
+    else fp32; an fp32 kernel of a bf16 build may still read or write bf16 activations or
+    gradients, which the key records beside it."""
+    return "bf16" if plan.kind.endswith(("_bf16", "_amx")) else "fp32"
 
 
 @functools.lru_cache(maxsize=1)
@@ -68,21 +89,28 @@ def _machine() -> tuple[str, str]:
             compiler_identity(c_compiler())[:400])
 
 
-def kernel_key(layer: LayerSpec, pass_name: str, arch: Arch, template: str) -> dict[str, Any]:
+def kernel_key(layer: LayerSpec, pass_name: str, arch: Arch, template: str, precision: str = "fp32",
+               activations: tuple[bool, bool] = (False, False),
+               gradients: tuple[bool, bool] = (False, False)) -> dict[str, Any]:
     """What a measurement is valid for. The arch enters as a digest of its whole description
-    (cache sizes shape the blocks around the tile); the CPU and compiler as this machine's."""
+    (cache sizes shape the blocks around the tile); the CPU and compiler as this machine's;
+    `precision` (kernel_precision) and the (input, output) activations and gradients the kernel
+    reads and writes as bf16 (KernelPlan.activations, .gradients) as the plan has them."""
     cpu_model, compiler = _machine()
     return {"type": layer.type, "in_shape": list(layer.in_shape), "out_shape": list(layer.out_shape),
             "kernel": list(layer.kernel), "stride": list(layer.stride), "pad": list(layer.pad),
-            "pass": pass_name, "isa": arch.isa, "precision": PRECISION,
+            "pass": pass_name, "isa": arch.isa, "precision": precision,
+            "activations": list(activations), "gradients": list(gradients),
             "arch": _digest(json.dumps(arch.to_json(), sort_keys=True)), "cpu": cpu_model, "compiler": compiler,
             "template": template_version(template)}
 
 
 def plan_key(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> dict[str, Any]:
-    """The key of the kernel `plan` makes: its template, and the layer as the kernel sees it (a
-    1x1 plane run as one row has that row's shape, planner.kernel_layer)."""
-    return kernel_key(kernel_layer(layer, plan), plan.pass_name, arch, plan.template)
+    """The key of the kernel `plan` makes: its template, precision and bf16 operands, and the
+    layer as the kernel sees it (a 1x1 plane run as one row has that row's shape,
+    planner.kernel_layer)."""
+    return kernel_key(kernel_layer(layer, plan), plan.pass_name, arch, plan.template, kernel_precision(plan),
+                      plan.activations, plan.gradients)
 
 
 def key_id(key: dict[str, Any]) -> str:
@@ -124,14 +152,17 @@ class TuningDB:
             return None
         return self.entries.get(key_id(plan_key(layer, model, arch)))
 
-    def plan(self, layer: LayerSpec, pass_name: str, arch: Arch) -> KernelPlan:
-        """The model's plan, or the plan around the measured tile when an entry matches."""
-        model = plan_layer(layer, pass_name, arch)
+    def plan(self, layer: LayerSpec, pass_name: str, arch: Arch, bf16: bool = False, amx: bool = False,
+             activations: tuple[bool, bool] = (False, False),
+             gradients: tuple[bool, bool] = (False, False)) -> KernelPlan:
+        """The model's plan, or the plan around the measured tile when an entry matches (the
+        arguments after `arch`: plan_layer's)."""
+        model = plan_layer(layer, pass_name, arch, None, bf16, amx, activations, gradients)
         entry = self.lookup(layer, pass_name, arch, model)
         if entry is None:
             return model
         try:
-            chosen = plan_layer(layer, pass_name, arch, entry.choice)
+            chosen = plan_layer(layer, pass_name, arch, entry.choice, bf16, amx, activations, gradients)
         except PlanError:  # no longer one of the planner's candidates: the model decides
             return model
         return dataclasses.replace(chosen, measured=entry.measured)
@@ -160,13 +191,13 @@ class TuningDB:
 def _parse(data: Any, origin: str) -> dict[str, Entry]:
     f = Fields(origin, TuningError)
     f.obj(data, "", {"format", "entries"})
-    f.choice(data["format"], "format", (FORMAT,))
+    fp32_only = f.choice(data["format"], "format", (FORMAT, FORMAT_FP32_ONLY)) == FORMAT_FP32_ONLY
     entries: dict[str, Entry] = {}
     for i, raw in enumerate(f.array(data["entries"], "entries", 0, MAX_ENTRIES)):
         at = f"entries[{i}]"
         f.obj(raw, at, {"key", "arch_name", "choice", "model", "batch", "threads", "peak_gflops", "flops",
                         "candidates"})
-        key = _parse_key(f, raw["key"], f"{at}.key")
+        key = _parse_key(f, raw["key"], f"{at}.key", fp32_only)
         arch_name = f.text(raw["arch_name"], f"{at}.arch_name", 64)
         choice, model = (_tile(f, raw[k], f"{at}.{k}") for k in ("choice", "model"))
         timings = []
@@ -191,9 +222,10 @@ def _tile(f: Fields, value: Any, where: str) -> tuple[int, int]:
     return (f.int_in(value[0], f"{where}[0]", 1, 64), f.int_in(value[1], f"{where}[1]", 1, 64))
 
 
-def _parse_key(f: Fields, raw: Any, at: str) -> dict[str, Any]:
+def _parse_key(f: Fields, raw: Any, at: str, fp32_only: bool) -> dict[str, Any]:
+    operands = () if fp32_only else ("activations", "gradients")
     f.obj(raw, at, {"type", "in_shape", "out_shape", "kernel", "stride", "pad", "pass", "isa", "precision",
-                    "arch", "cpu", "compiler", "template"})
+                    "arch", "cpu", "compiler", "template", *operands})
     f.choice(raw["type"], f"{at}.type", ("conv", "fc"))
     for name, length, lo in (("in_shape", 3, 1), ("out_shape", 3, 1), ("kernel", 2, 1), ("stride", 2, 1),
                              ("pad", 2, 0)):
@@ -201,7 +233,10 @@ def _parse_key(f: Fields, raw: Any, at: str) -> dict[str, Any]:
             f.int_in(v, f"{at}.{name}[{k}]", lo, MAX_DIM)
     f.choice(raw["pass"], f"{at}.pass", PASSES)
     f.choice(raw["isa"], f"{at}.isa", tuple(cpu.ISA_FLAGS))
-    f.choice(raw["precision"], f"{at}.precision", (PRECISION,))
+    f.choice(raw["precision"], f"{at}.precision", PRECISIONS[:1] if fp32_only else PRECISIONS)
+    for name in operands:
+        for k, v in enumerate(f.array(raw[name], f"{at}.{name}", 2, 2)):
+            f.boolean(v, f"{at}.{name}[{k}]")
     for name, limit in (("arch", 16), ("template", 16), ("cpu", 200), ("compiler", 400)):
         f.text(raw[name], f"{at}.{name}", limit)
-    return raw
+    return raw | ({"activations": [False, False], "gradients": [False, False]} if fp32_only else {})

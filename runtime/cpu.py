@@ -108,13 +108,12 @@ def require(isa: str, what: str) -> None:
         )
 
 
-def require_precision(precision: str, what: str) -> None:
+def require_precision(precision: str, what: str, instead: str = "compile it with --precision fp32 instead") -> None:
     """Raise ArchError, before anything is executed, if this CPU lacks the instructions of
     `precision` kernels (bf16 without AVX512_BF16 would die by SIGILL)."""
     missing = [f for f in PRECISION_FLAGS[precision] if f not in cpu_flags()]
     if missing:
-        raise ArchError(f"{what} is a {precision} build but this CPU lacks {', '.join(missing)}; "
-                        f"compile it with --precision fp32 instead")
+        raise ArchError(f"{what} is a {precision} build but this CPU lacks {', '.join(missing)}; {instead}")
 
 
 def amx_flags_missing() -> list[str]:

@@ -86,4 +86,4 @@ def emulate(monkeypatch: pytest.MonkeyPatch) -> None:
         return real(source, arch, cache)
 
     monkeypatch.setattr(compiler, "_compile_cached", compile_emulated)
-    monkeypatch.setattr(cpu, "require_precision", lambda precision, what: None)
+    monkeypatch.setattr(cpu, "require_precision", lambda precision, what, instead=None: None)

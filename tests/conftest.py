@@ -27,6 +27,17 @@ def isa(request) -> str:
     return request.param
 
 
+@pytest.fixture(autouse=True)
+def _bf16_kernels(request, monkeypatch):
+    """A test marked bf16_kernels runs on real AVX512_BF16, else on emulated instructions."""
+    from bf16_emulation import CAN_EMULATE, HAS_BF16, WHY_NOT, emulate
+    if request.node.get_closest_marker("bf16_kernels") is None or HAS_BF16:
+        return
+    if not CAN_EMULATE:
+        pytest.skip(WHY_NOT)
+    emulate(monkeypatch)
+
+
 def pytest_report_header(config) -> str | None:
     from bf16_emulation import CAN_EMULATE
     if CAN_EMULATE:

@@ -14,7 +14,7 @@ from pathlib import Path
 import cffi
 import numpy as np
 import pytest
-from bf16_emulation import CAN_EMULATE, HAS_BF16, WHY_NOT, emulate
+from bf16_emulation import HAS_BF16, WHY_NOT
 from helpers import U32, build_and_load, check_relu_pool_masks
 from reference import conv2d, conv2d_bwd_data, conv2d_bwd_weights
 
@@ -24,6 +24,7 @@ from pcldnn_gen.build import build
 from pcldnn_gen.codegen import template_env
 from pcldnn_gen.compiler import Source, compile_source
 from pcldnn_gen.netspec import parse_netspec
+from pcldnn_gen.planner import Measured, TileTiming, plan_layer
 from pcldnn_runtime import cpu
 from pcldnn_runtime.abi import SIGNATURES
 from pcldnn_runtime.errors import ArchError, BuildDirError
@@ -31,7 +32,7 @@ from pcldnn_runtime.limits import amx_conv_geometry, bf16_gradients, bf16_output
 from pcldnn_runtime.manifest import parse_manifest
 
 # vdpbf16ps kernels run on AVX512_BF16, and on other AVX-512 CPUs with its two instructions
-# emulated exactly in AVX-512F (bf16_emulation.py; the `_bf16_kernels` fixture below)
+# emulated exactly in AVX-512F (bf16_emulation.py; the `_bf16_kernels` fixture in conftest.py)
 bf16_kernels = pytest.mark.bf16_kernels
 needs_real_bf16 = pytest.mark.skipif(not HAS_BF16, reason="this CPU lacks AVX512_BF16 and the test runs the "
                                                          "kernels in a process of their own, where nothing emulates it")
@@ -41,16 +42,6 @@ needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU lacks AMX bf16 tile
 # An L2 of 64 KiB: the backward-weights kernel then reduces a few pixel blocks per residency of
 # its accumulators and reloads them between groups (the path large layers take).
 AMX_ARCH = dataclasses.replace(get_arch("avx512"), name="avx512-amx", amx=True, l2_bytes=64 * 1024)
-
-
-@pytest.fixture(autouse=True)
-def _bf16_kernels(request, monkeypatch):
-    """A test marked bf16_kernels runs on real AVX512_BF16, else on emulated instructions."""
-    if request.node.get_closest_marker("bf16_kernels") is None or HAS_BF16:
-        return
-    if not CAN_EMULATE:
-        pytest.skip(WHY_NOT)
-    emulate(monkeypatch)
 
 
 # bf16 builds of either kind: AMX tiles, and vdpbf16ps (no AMX: an AVX512_BF16 CPU such as Zen 4/5)
@@ -735,25 +726,33 @@ def test_conv_weight_copies_follow_every_change_of_the_weights(tmp_path, arch, c
     assert made[:len(roles)] == roles
 
 
-def test_amx_and_bf16_kernels_take_the_models_plan_with_a_tuning_database():
-    """The tuning database holds fp32 measurements: with one present, a bf16 build's AMX and
-    vdpbf16ps kernels still get their own plans (an fp32 plan would give a kernel of the wrong
-    kind, which the manifest check refuses at load)."""
+def test_amx_and_bf16_kernels_keep_their_kinds_with_a_tuning_database(tmp_path):
+    """With a tuning database holding an fp32 measurement of the same layer, a bf16 build's AMX
+    and vdpbf16ps kernels still get plans of their own kinds, not the fp32 entry's tile (an fp32
+    plan would give a kernel of the wrong kind, which the manifest check refuses at load)."""
     from pcldnn_gen.build import plan_kernel
-
-    class Database:
-        def plan(self, *args):
-            raise AssertionError("a bf16 kernel asked the fp32 tuning database")
+    from pcldnn_gen.tuning import Entry, TuningDB, plan_key
 
     spec = parse_netspec({"name": "t", "input": {"channels": 16, "height": 6, "width": 6}, "layers": [
         {"name": "c", "type": "conv", "out_channels": 16, "kernel": 3, "pad": 1},
         {"name": "f", "type": "fc", "out_features": 10}]})
     conv, fc = spec.layers
-    assert plan_kernel(fc, "fwd", AMX_ARCH, Database(), precision="bf16").kind == "fc_fwd_amx"
-    assert plan_kernel(fc, "bwd_weights", AMX_ARCH, Database(), precision="bf16").kind == "fc_bwd_weights_amx"
-    assert plan_kernel(fc, "bwd_data", get_arch("avx512"), Database(), precision="bf16").kind == "fc_bwd_data_bf16"
-    assert plan_kernel(conv, "bwd_weights", AMX_ARCH, Database(), precision="bf16").kind == "conv_bwd_weights_amx"
-    assert plan_kernel(conv, "fwd", get_arch("avx512"), Database(), precision="bf16").kind == "conv_fwd_bf16"
+    vdp = get_arch("avx512")
+    fp32_plan = plan_layer(conv, "fwd", vdp)
+    other = fp32_plan.rejected[0]
+    timing = TileTiming(width=other.width, vectors=other.vectors, predicted_efficiency=0.5, ms=1.0)
+    measured = Measured(model=(fp32_plan.tile.width, fp32_plan.tile.vectors), batch=2, threads=1, peak_gflops=1.0,
+                        flops=1, timings=(timing,))
+    db = TuningDB(tmp_path / "tuning.json")
+    db.merge_into([Entry(plan_key(conv, fp32_plan, vdp), vdp.name, (other.width, other.vectors), measured)])
+    assert plan_kernel(conv, "fwd", vdp, db).measured is not None  # the fp32 build takes it
+    assert plan_kernel(fc, "fwd", AMX_ARCH, db, precision="bf16").kind == "fc_fwd_amx"
+    assert plan_kernel(fc, "bwd_weights", AMX_ARCH, db, precision="bf16").kind == "fc_bwd_weights_amx"
+    assert plan_kernel(fc, "bwd_data", vdp, db, precision="bf16").kind == "fc_bwd_data_bf16"
+    assert plan_kernel(conv, "bwd_weights", AMX_ARCH, db, precision="bf16").kind == "conv_bwd_weights_amx"
+    bf16_plan = plan_kernel(conv, "fwd", vdp, db, precision="bf16")
+    assert bf16_plan.kind == "conv_fwd_bf16" and bf16_plan.measured is None
+    assert bf16_plan == plan_layer(conv, "fwd", vdp, bf16=True)
 
 
 def test_kernels_on_bf16_activations_take_the_models_plan_with_a_tuning_database():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -107,3 +108,19 @@ def test_ab_without_bf16_refuses_a_build_with_bf16_instructions(tmp_path):
                           "--rounds", "1", "--layers", "conv"], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode != 0 and "bf16 instructions this CPU lacks" in out.stderr
     assert str(tmp_path / "real" / "src") in out.stderr
+
+
+@pytest.mark.skipif(not HAS_AVX512, reason="this CPU lacks AVX-512: the emulated kernels cannot run")
+def test_tune_of_emulated_builds_keeps_its_own_database(tmp_path):
+    """`tune` times emulated bf16 builds (their conv kernels' candidates) and records bf16
+    entries in a database of its own, not the one a real compile on this machine reads."""
+    (tmp_path / "net.json").write_text(json.dumps(NET))
+    out = subprocess.run([sys.executable, str(SCRIPT), "tune", str(tmp_path / "net.json"), "--arch", "avx512",
+                          "--batch", "2", "--threads", "1", "--rounds", "1", "--candidates", "2"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={k: v for k, v in os.environ.items() if k != "PCLDNN_TUNING_DB"})
+    assert out.returncode == 0, out.stderr
+    assert "(bf16)" in out.stdout and str(tmp_path / "emulated-tuning.json") in out.stdout
+    entries = json.loads((tmp_path / "emulated-tuning.json").read_text())["entries"]
+    assert sorted(e["key"]["pass"] for e in entries) == ["bwd_data", "bwd_weights", "fwd"]
+    assert {e["key"]["precision"] for e in entries} == {"bf16"}

@@ -15,7 +15,7 @@ from pcldnn_gen.errors import PlanError
 from pcldnn_gen.netspec import parse_netspec
 from pcldnn_gen.planner import LAYER_PASSES, Measured, TileTiming, plan_layer
 from pcldnn_gen.tuner import NOISE, tune
-from pcldnn_gen.tuning import Entry, TuningDB, TuningError, kernel_key
+from pcldnn_gen.tuning import FORMAT, Entry, TuningDB, TuningError, kernel_key, plan_key
 
 ISA = RUNNABLE_ISAS[-1]  # the widest this CPU runs: most candidates
 NET_JSON = {"name": "tn", "input": {"channels": 16, "height": 12, "width": 12}, "layers": [
@@ -113,7 +113,7 @@ def test_inspect_explain_shows_prediction_beside_measurement(tmp_path, db_path, 
 def _valid_db(arch) -> dict:
     conv = NET.layer("c1")
     t = plan_layer(conv, "fwd", arch).rejected[0]
-    return {"format": "pcldnn-tuning/1", "entries": [_entry(conv, "fwd", arch, (t.width, t.vectors)).to_json()]}
+    return {"format": FORMAT, "entries": [_entry(conv, "fwd", arch, (t.width, t.vectors)).to_json()]}
 
 
 BROKEN = [
@@ -126,6 +126,13 @@ BROKEN = [
     (lambda d: d["entries"][0].update(extra=1), r"entries\[0\]\.extra: unknown field"),
     (lambda d: d["entries"][0]["key"]["in_shape"].append(3), r"key\.in_shape: must be a list of 3 to 3"),
     (lambda d: d["entries"][0].update(candidates=[]), r"candidates: must be a list of 1 to 16"),
+    (lambda d: d["entries"][0]["key"].update(precision="fp16"), r"key\.precision: must be one of"),
+    (lambda d: d["entries"][0]["key"].update(activations=[0, 1]), r"key\.activations\[0\]: must be true or false"),
+    (lambda d: d["entries"][0]["key"].pop("gradients"), r"key\.gradients: missing required field"),
+    # format /1 (fp32 only): no operand fields, no bf16 kernel
+    (lambda d: d.update(format="pcldnn-tuning/1"), r"key\.activations: unknown field"),
+    (lambda d: (d.update(format="pcldnn-tuning/1"), [d["entries"][0]["key"].pop(k) for k in ("activations", "gradients")],
+                d["entries"][0]["key"].update(precision="bf16")), r"key\.precision: must be one of fp32, got \"bf16\""),
 ]
 
 
@@ -197,9 +204,24 @@ def test_tune_command_line(tmp_path, db_path, capsys):
     assert report["rows"] and all(r["candidates"] == 2 for r in report["rows"])
     assert len(TuningDB.load().entries) == len(report["rows"])
     for bad in (["tune", str(net_file), "--zoo", str(net_file)], ["tune"], ["tune", str(net_file), "--budget", "0"],
-                ["tune", str(net_file), "--budget", "nan"], ["tune", str(net_file), "--candidates", "1"]):
+                ["tune", str(net_file), "--budget", "nan"], ["tune", str(net_file), "--candidates", "1"],
+                ["tune", str(net_file), "--precision", "fp16"], ["tune", str(net_file), "--arch", "avx2",
+                                                                 "--precision", "bf16"]):
         assert _exit_code(bad) == 2
         assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_tune_bf16_needs_a_cpu_that_runs_the_build(tmp_path, db_path, capsys, monkeypatch):
+    """Tuning a bf16 build times it, so on a CPU without AVX512_BF16 it stops before building,
+    with one line (the bf16 kernels would die by SIGILL)."""
+    from pcldnn_runtime import cpu
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset(cpu.ISA_FLAGS["avx512"]))
+    net_file = tmp_path / "n.json"
+    net_file.write_text(json.dumps(NET_JSON))
+    assert cli.main(["tune", str(net_file), "--arch", "avx512", "--precision", "bf16"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and "lacks avx512_bf16; tune where the bf16 build will run" in captured.err
+    assert "tuning" not in captured.out and not db_path.exists()
 
 
 def _exit_code(argv: list[str]) -> int:
@@ -220,3 +242,114 @@ def test_bench_marks_kernels_whose_tile_was_tuned(db_path):
     assert "1 of 6 kernels use a tile from the tuning database" in bench.format_table("t", arch, 2, 1, 100.0, results)
     _, untuned = bench.bench_net(NET, arch, batch=2, threads=1, repeats=1, peak=100.0)
     assert not any(r.tuned for r in untuned)
+
+
+def test_fp32_only_format_is_read_and_written_back_as_the_current_one(db_path):
+    """A database of format /1 (before bf16 tuning: keys without the operand fields) keeps its
+    measurements: read as fp32 kernels on fp32 operands, merged into the current format."""
+    arch = get_arch(ISA)
+    conv = NET.layer("c1")
+    old = _valid_db(arch)
+    old["format"] = "pcldnn-tuning/1"
+    for k in ("activations", "gradients"):
+        del old["entries"][0]["key"][k]
+    db_path.parent.mkdir()
+    db_path.write_text(json.dumps(old))
+    db = TuningDB.load()
+    model = plan_layer(conv, "fwd", arch)
+    assert db.plan(conv, "fwd", arch).measured is not None
+    assert db.lookup(conv, "fwd", arch, model).choice == tuple(old["entries"][0]["choice"])
+    t = plan_layer(NET.layer("f1"), "fwd", arch).tile
+    db.merge_into([_entry(NET.layer("f1"), "fwd", arch, (t.width, t.vectors))])
+    written = json.loads(db_path.read_text())
+    assert written["format"] == FORMAT and len(TuningDB.load().entries) == 2
+    assert all(e["key"]["activations"] == e["key"]["gradients"] == [False, False] for e in written["entries"])
+
+
+def test_template_version_follows_imports(monkeypatch):
+    """An edit to a macro file a template imports (conv_fwd.c.j2 imports _bf16.c.j2) makes its
+    old measurements miss; one to a file it does not import leaves them."""
+    import jinja2
+
+    from pcldnn_gen import tuning
+    texts = {"k.c.j2": '{%- import "_common.c.j2" as c -%}{%- import "_bf16.c.j2" as b -%}k', "_common.c.j2": "c",
+             "_bf16.c.j2": "{% include '_inner.c.j2' %}", "_inner.c.j2": "1", "other.c.j2": "o"}
+
+    def version() -> str:
+        env = jinja2.Environment(loader=jinja2.DictLoader(dict(texts)))
+        monkeypatch.setattr(tuning, "template_env", lambda: env)
+        tuning.template_version.cache_clear()
+        return tuning.template_version("k.c.j2")
+
+    first = version()
+    texts["other.c.j2"] = "changed"
+    assert version() == first
+    texts["_inner.c.j2"] = "2"
+    assert version() != first
+    tuning.template_version.cache_clear()
+
+
+def _bf16_net():
+    """NET's conv between two more: c2 reads and writes bf16 activations in a bf16 build."""
+    return parse_netspec({**NET_JSON, "layers": [
+        NET_JSON["layers"][0], {"name": "c2", "type": "conv", "out_channels": 32, "kernel": 3, "pad": 1,
+                                "activation": "relu"}, *NET_JSON["layers"][1:]]})
+
+
+def test_bf16_kernels_have_entries_of_their_own(tmp_path, db_path):
+    """A measured tile of a bf16 kernel reaches the bf16 build only, and only where the kernel
+    reads and writes the same bf16 operands; the fp32 build of the same layer keeps the model's."""
+    from pcldnn_gen.build import net_activations, net_gradients, plan_kernel, plan_net
+    arch = get_arch("avx512")
+    net = _bf16_net()
+    acts, grads = net_activations(net, arch, "bf16"), net_gradients(net, arch, "bf16")
+    c2 = net.layer("c2")
+    entries = []
+    for p in LAYER_PASSES["conv"]:
+        model = plan_kernel(c2, p, arch, None, None, "bf16", acts["c2"], grads["c2"])
+        assert model.kind.endswith("_bf16") and len(model.candidate_tiles) >= 2
+        t = model.rejected[0]
+        measured = Measured(model=(model.tile.width, model.tile.vectors), batch=2, threads=1, peak_gflops=1.0,
+                            flops=1, timings=(TileTiming(width=t.width, vectors=t.vectors, predicted_efficiency=0.5,
+                                                         ms=1.0),))
+        key = plan_key(c2, model, arch)
+        assert key["precision"] == "bf16" and (key["activations"], key["gradients"]) == (
+            list(model.activations), list(model.gradients))
+        entries.append(Entry(key, arch.name, (t.width, t.vectors), measured))
+    TuningDB(db_path).merge_into(entries)
+    db = TuningDB.load()
+    bf16_plans, fp32_plans = plan_net(net, arch, db, precision="bf16"), plan_net(net, arch, db)
+    for entry, p in zip(entries, LAYER_PASSES["conv"]):
+        plan = bf16_plans[("c2", p)]
+        assert (plan.tile.width, plan.tile.vectors) == entry.choice and plan.measured is not None, p
+        assert fp32_plans[("c2", p)].measured is None
+        # the same shape on fp32 operands (c1 reads the fp32 image; same shape as c2 only if
+        # channels match, so check the key instead): the operand fields make another key
+        other = plan_kernel(c2, p, arch, None, None, "bf16", (False, False), (False, False))
+        assert (other.activations, other.gradients) != (plan.activations, plan.gradients), p
+        assert db.lookup(c2, p, arch, other) is None, p
+    assert all(plan.measured is None for (layer, _), plan in bf16_plans.items() if layer != "c2")
+
+
+@pytest.mark.bf16_kernels
+def test_tune_bf16_times_the_bf16_builds_kernels(db_path, capsys):
+    """`tune --precision bf16` times the kernels a bf16 build holds (vdpbf16ps conv; the fc's
+    vdpbf16ps tile kernels have one shape, nothing to choose) and records them as bf16 entries,
+    which the bf16 build then uses and the fp32 tuning of the same net does not count as known."""
+    from pcldnn_gen.build import plan_net
+    arch = get_arch("avx512")
+    net = _bf16_net()
+    report = tune([net], arch, batch=2, threads=1, candidates=2, rounds=1, repeats=1, db=TuningDB.load(),
+                  precision="bf16")
+    assert sorted((r.layer, r.pass_name) for r in report.rows) == [(c, p) for c in ("c1", "c2")
+                                                                  for p in sorted(LAYER_PASSES["conv"])]
+    assert report.single == len(LAYER_PASSES["fc"])
+    db = TuningDB.load()
+    assert {e.key["precision"] for e in db.entries.values()} == {"bf16"}
+    plans = plan_net(net, arch, db, precision="bf16")
+    for row in report.rows:
+        plan = plans[(row.layer, row.pass_name)]
+        assert plan.kind.endswith("_bf16") and plan.measured is not None
+        assert (plan.tile.width, plan.tile.vectors) == row.choice
+    fp32 = tune([net], arch, batch=2, threads=1, candidates=2, rounds=1, repeats=1, db=db, budget=1e-9)
+    assert fp32.known == 0 and fp32.unmeasured > 0
