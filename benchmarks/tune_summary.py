@@ -21,7 +21,8 @@ def _tile(t: list[int]) -> str:
 
 def summary(d: dict, name: str) -> list[str]:
     rows = d["rows"]
-    lines = [f"### Tuning: {name} ({d['arch']}, minibatch {d['batch']}, {d['threads']} thread(s))", "",
+    precision = d.get("precision", "fp32")  # files written before `tune --precision` are fp32
+    lines = [f"### Tuning: {name} ({d['arch']}, {precision}, minibatch {d['batch']}, {d['threads']} thread(s))", "",
              f"{len(rows)} kernels with 2 or more candidate tiles timed in {d['seconds'] / 60:.0f} min "
              f"(FMA peak {d['peak_gflops']:.1f} GFLOP/s); {d['single']} with a single candidate; "
              f"{d['unmeasured']} left by the budget.", "",

@@ -336,7 +336,7 @@ def test_bf16_targets_script_runs_the_issues_measurements():
     import bf16_targets
     runs = bf16_targets.steps(Path("/tmp/out"), "native")
     benches = [parser().parse_args(argv[3:]) for _, argv, _ in runs if argv[1:4] == ["-m", "pcldnn_gen", "bench"]]
-    assert all(a.threads == 1 and a.compare == "onednn" and a.json for a in benches)
+    assert all(a.threads == 1 and a.compare == "onednn" and a.json and a.no_tuning for a in benches)
     got = {(Path(a.net or a.zoo).stem, a.precision, tuple(a.batch), a.layers) for a in benches}
     assert got == {("vgg_a", p, (16,), "conv2,conv3,conv4,conv5,conv6,conv7,conv8") for p in ("bf16", "fp32")} | \
         {("overfeat_fast", p, (16,), "conv2,conv3,conv4,conv5") for p in ("bf16", "fp32")} | \
@@ -344,9 +344,14 @@ def test_bf16_targets_script_runs_the_issues_measurements():
         {("zoo", "bf16", (16,), bf16_targets.FIRST_LAYERS)}
     trains = [argv for name, argv, _ in runs if name.startswith("train_")]
     assert len(trains) == 4 and all(Path(argv[argv.index("--net") + 1]).exists() for argv in trains)
+    tunes = [parser().parse_args(argv[3:]) for _, argv, _ in runs if argv[1:4] == ["-m", "pcldnn_gen", "tune"]]
+    assert [(Path(a.zoo).name, a.precision, a.threads, a.json is not None) for a in tunes] == [("zoo.json", "bf16", 1, True)]
     out = io.StringIO()
     with redirect_stdout(out), pytest.MonkeyPatch.context() as mp:
         mp.setattr(sys, "argv", ["bf16_targets.py", "--out", "/tmp/out", "--dry-run"])
         assert bf16_targets.main() == 0
-    summary = out.getvalue().strip().splitlines()[-1].split()
+    lines = out.getvalue().strip().splitlines()
+    summary = lines[-1].split()
     assert summary[1].endswith("summarize.py") and sorted(summary[2:]) == sorted(a.json for a in benches)
+    # the tuning run writes the output folder's database, never the user's
+    assert [line.split()[0] for line in lines if " tune " in line] == ["PCLDNN_TUNING_DB=/tmp/out/tuning.json"]
