@@ -399,7 +399,7 @@ def test_short_rows_of_1x1_layers_run_as_one_row(tmp_path, isa, bf16):
 
     from pcldnn_gen.codegen import render_kernel
     from pcldnn_gen.planner.conv import PLANE_ROW_BELOW
-    from pcldnn_gen.tuning import Entry, TuningDB, kernel_key, key_id
+    from pcldnn_gen.tuning import Entry, TuningDB, kernel_key, kernel_precision, key_id
     arch = PRESETS[isa]
 
     def layer(h, w, kernel=1, stride=1, pad=0):
@@ -420,9 +420,11 @@ def test_short_rows_of_1x1_layers_run_as_one_row(tmp_path, isa, bf16):
             assert re.search(r"#define IH +1\n", text) and re.search(rf"#define IW +{pixels}\n", text)
             assert f"in the net 512x{shape[0]}x{shape[1]} -> 1024x{shape[0]}x{shape[1]}" in text
             # a measurement of the plane-shaped kernel (an older database) is not this kernel's
-            as_plane = Entry(kernel_key(pointwise, p, arch, plan.template), arch.name, (1, 1), None)
+            precision = kernel_precision(plan)
+            as_plane = Entry(kernel_key(pointwise, p, arch, plan.template, precision), arch.name, (1, 1), None)
             assert TuningDB(tmp_path / "db.json", {key_id(as_plane.key): as_plane}).lookup(pointwise, p, arch, plan) is None
-            as_row = dataclasses.replace(as_plane, key=kernel_key(kernel_layer(pointwise, plan), p, arch, plan.template))
+            as_row = dataclasses.replace(as_plane, key=kernel_key(kernel_layer(pointwise, plan), p, arch, plan.template,
+                                                                  precision))
             assert TuningDB(tmp_path / "db.json", {key_id(as_row.key): as_row}).lookup(pointwise, p, arch, plan) is as_row
         assert not getattr(plan_layer(pointwise, "bwd_weights", arch, bf16=bf16), "plane_as_row", False)
     for other in [layer(8, 8), layer(7, 7, stride=2), layer(7, 7, pad=1), layer(7, 7, kernel=3, pad=1), layer(1, 7),

@@ -289,11 +289,14 @@ def test_template_version_follows_imports(monkeypatch):
     tuning.template_version.cache_clear()
 
 
+# NET with a second conv: c2 reads and writes bf16 activations in a bf16 build
+BF16_NET_JSON = {**NET_JSON, "layers": [NET_JSON["layers"][0], {"name": "c2", "type": "conv", "out_channels": 32,
+                                                                "kernel": 3, "pad": 1, "activation": "relu"},
+                                        *NET_JSON["layers"][1:]]}
+
+
 def _bf16_net():
-    """NET's conv between two more: c2 reads and writes bf16 activations in a bf16 build."""
-    return parse_netspec({**NET_JSON, "layers": [
-        NET_JSON["layers"][0], {"name": "c2", "type": "conv", "out_channels": 32, "kernel": 3, "pad": 1,
-                                "activation": "relu"}, *NET_JSON["layers"][1:]]})
+    return parse_netspec(BF16_NET_JSON)
 
 
 def test_bf16_kernels_have_entries_of_their_own(tmp_path, db_path):
@@ -329,6 +332,33 @@ def test_bf16_kernels_have_entries_of_their_own(tmp_path, db_path):
         assert (other.activations, other.gradients) != (plan.activations, plan.gradients), p
         assert db.lookup(c2, p, arch, other) is None, p
     assert all(plan.measured is None for (layer, _), plan in bf16_plans.items() if layer != "c2")
+
+
+def test_inspect_explains_a_tuned_bf16_kernel(tmp_path, db_path, capsys):
+    """`inspect --precision bf16 --explain` shows the bf16 kernel's measurement (its % against
+    the fp32 FMA peak, said so) and, without an entry, the tune command with its precision."""
+    from pcldnn_gen.build import net_activations, net_gradients, plan_kernel
+    arch = get_arch("avx512")
+    net = _bf16_net()
+    net_file = tmp_path / "n.json"
+    net_file.write_text(json.dumps(BF16_NET_JSON))
+    argv = ["inspect", str(net_file), "--layer", "c2", "--pass", "bwd_weights", "--arch", "avx512", "--precision",
+            "bf16", "--explain"]
+    assert cli.main(argv) == 0
+    assert "`pcldnn-gen tune " in (out := capsys.readouterr().out) and "--precision bf16` times" in out
+    model = plan_kernel(net.layer("c2"), "bwd_weights", arch, None, None, "bf16",
+                        net_activations(net, arch, "bf16")["c2"], net_gradients(net, arch, "bf16")["c2"])
+    t = model.rejected[0]
+    timings = (TileTiming(width=t.width, vectors=t.vectors, predicted_efficiency=0.5, ms=1.0),
+               TileTiming(width=model.tile.width, vectors=model.tile.vectors, predicted_efficiency=0.6, ms=1.5))
+    measured = Measured(model=(model.tile.width, model.tile.vectors), batch=2, threads=1, peak_gflops=100.0,
+                        flops=net.layer("c2").flops(2), timings=timings)
+    TuningDB(db_path).merge_into([Entry(plan_key(net.layer("c2"), model, arch), arch.name, (t.width, t.vectors),
+                                        measured)])
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"chosen   : {t.width}x{t.vectors} " in out and "fp32 FMA peak 100.0 GFLOP/s" in out
+    assert "% of fp32 peak" in out
 
 
 @pytest.mark.bf16_kernels
