@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -10,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import NETS
+from helpers import NETS, REPO
 
 import pcldnn_runtime as pr
 from pcldnn_gen.arch import get_arch
@@ -338,3 +339,25 @@ def test_packed_first_layer_kernels_keep_their_accumulators_in_registers(tmp_pat
     stack = [line for line in listing.splitlines() if "zmm" in line and re.search(r"\((%rsp|%rbp)\)", line)]
     fmas = [line for line in listing.splitlines() if "vfmadd" in line]
     assert len(fmas) >= 100 and len(stack) <= bound < before, "\n".join(stack)
+
+
+def test_spill_scan_counts_every_kernel_of_a_zoo(tmp_path):
+    """benchmarks/spill_scan.py: one row per kernel library of every shape (layouts left out),
+    FMA instructions counted in each conv and fc kernel; `--layers` and `--json` select and
+    record (the counts themselves: the accumulator test above)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import spill_scan
+    zoo = tmp_path / "zoo.json"
+    zoo.write_text(json.dumps({"name": "z", "shapes": [
+        {"name": "first", "family": "t", "input": [3, 32, 32], "layer": {"type": "conv", "out_channels": 32,
+                                                                          "kernel": 3, "stride": 2, "pad": 1}},
+        {"name": "fc", "family": "t", "input": [64, 1, 1], "layer": {"type": "fc", "out_features": 40}}]}))
+    rows = spill_scan.scan(zoo, "avx512", "fp32", None, tmp_path / "b")
+    assert sorted(r.kernel for r in rows) == sorted(f"{s}_{p}" for s in ("first", "fc")
+                                                    for p in ("fwd", "bwd_data", "bwd_weights"))
+    assert all(r.fmas > 0 and r.stack >= 0 for r in rows)
+    out = tmp_path / "s.json"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "argv", ["spill_scan.py", "--zoo", str(zoo), "--json", str(out), "--layers", "fc"])
+        assert spill_scan.main() == 0
+    assert {k["shape"] for k in json.loads(out.read_text())["kernels"]} == {"fc"}
