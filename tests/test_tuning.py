@@ -33,13 +33,17 @@ def db_path(tmp_path, monkeypatch):
     return path
 
 
-def _entry(layer, pass_name, arch, choice, model=None) -> Entry:
-    plan = plan_layer(layer, pass_name, arch)
+def _entry(layer, pass_name, arch, choice, model=None, plan=None) -> Entry:
+    """An entry choosing `choice` over the model's tile for the fp32 kernel, or for the kernel
+    `plan` makes (its key: precision and bf16 operands too)."""
+    key = kernel_key(layer, pass_name, arch, plan_layer(layer, pass_name, arch).template) if plan is None else \
+        plan_key(layer, plan, arch)
+    plan = plan or plan_layer(layer, pass_name, arch)
     model = model or (plan.tile.width, plan.tile.vectors)
     tiles = [(choice, 1.0)] + ([(model, 1.5)] if model != choice else [])
     timings = tuple(TileTiming(width=w, vectors=v, predicted_efficiency=0.5, ms=ms) for (w, v), ms in tiles)
     measured = Measured(model=model, batch=4, threads=1, peak_gflops=100.0, flops=layer.flops(4), timings=timings)
-    return Entry(kernel_key(layer, pass_name, arch, plan.template), arch.name, choice, measured)
+    return Entry(key, arch.name, choice, measured)
 
 
 @pytest.mark.parametrize("pass_name", ["fwd", "bwd_data", "bwd_weights"])
@@ -312,13 +316,9 @@ def test_bf16_kernels_have_entries_of_their_own(tmp_path, db_path):
         model = plan_kernel(c2, p, arch, None, None, "bf16", acts["c2"], grads["c2"])
         assert model.kind.endswith("_bf16") and len(model.candidate_tiles) >= 2
         t = model.rejected[0]
-        measured = Measured(model=(model.tile.width, model.tile.vectors), batch=2, threads=1, peak_gflops=1.0,
-                            flops=1, timings=(TileTiming(width=t.width, vectors=t.vectors, predicted_efficiency=0.5,
-                                                         ms=1.0),))
-        key = plan_key(c2, model, arch)
-        assert key["precision"] == "bf16" and (key["activations"], key["gradients"]) == (
+        entries.append(entry := _entry(c2, p, arch, (t.width, t.vectors), plan=model))
+        assert entry.key["precision"] == "bf16" and (entry.key["activations"], entry.key["gradients"]) == (
             list(model.activations), list(model.gradients))
-        entries.append(Entry(key, arch.name, (t.width, t.vectors), measured))
     TuningDB(db_path).merge_into(entries)
     db = TuningDB.load()
     bf16_plans, fp32_plans = plan_net(net, arch, db, precision="bf16"), plan_net(net, arch, db)
@@ -349,12 +349,7 @@ def test_inspect_explains_a_tuned_bf16_kernel(tmp_path, db_path, capsys):
     model = plan_kernel(net.layer("c2"), "bwd_weights", arch, None, None, "bf16",
                         net_activations(net, arch, "bf16")["c2"], net_gradients(net, arch, "bf16")["c2"])
     t = model.rejected[0]
-    timings = (TileTiming(width=t.width, vectors=t.vectors, predicted_efficiency=0.5, ms=1.0),
-               TileTiming(width=model.tile.width, vectors=model.tile.vectors, predicted_efficiency=0.6, ms=1.5))
-    measured = Measured(model=(model.tile.width, model.tile.vectors), batch=2, threads=1, peak_gflops=100.0,
-                        flops=net.layer("c2").flops(2), timings=timings)
-    TuningDB(db_path).merge_into([Entry(plan_key(net.layer("c2"), model, arch), arch.name, (t.width, t.vectors),
-                                        measured)])
+    TuningDB(db_path).merge_into([_entry(net.layer("c2"), "bwd_weights", arch, (t.width, t.vectors), plan=model)])
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert f"chosen   : {t.width}x{t.vectors} " in out and "fp32 FMA peak 100.0 GFLOP/s" in out
