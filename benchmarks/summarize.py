@@ -129,10 +129,12 @@ class Bf16Figures:
 def bf16_figures(groups: list[Group]) -> dict[tuple[str, int, int], dict[str, Bf16Figures]]:
     """{(isa, batch, threads): {pass: figures}} over every bf16 group, its conv rows matched to
     the fp32 group of the same net, ISA, minibatch and threads (rows without a match count for
-    x oneDNN only), pooled over nets."""
+    x oneDNN only), pooled over nets. Zoo groups stay out: their shapes (first layers among them)
+    are judged by the zoo's own target, and pooled with the nets they would move the medians the
+    issue's layers are judged by."""
     fp32 = {(g.net, g.isa, g.batch, g.threads): g for g in groups if g.precision == "fp32"}
     pooled: dict[tuple[str, int, int], dict[str, tuple[list, list, list]]] = {}
-    for g in (g for g in groups if g.precision == "bf16"):
+    for g in (g for g in groups if g.precision == "bf16" and not g.zoo):
         other = fp32.get((g.net, g.isa, g.batch, g.threads))
         for p in PASSES:
             conv = [r for r in g.rows.values() if r["pass_name"] == p and _layer_type(r) == "conv"]

@@ -1,6 +1,7 @@
 """Register tiles alone, from L1: what fraction of the FMA peak each tile shape sustains.
 
     python benchmarks/tile_microbench.py [--isa avx2|avx512] [--repeats 9] [--tiles 14x1,4x3,...]
+    python benchmarks/tile_microbench.py --isa avx512 --latency      # fma_latency, dot_latency
 
 Checks the planner's register-level model (pcldnn_gen/planner/tiles.py, RegisterTile) without any
 cache effect: every tile runs the kernels' inner step (the shorter side of the tile held in
@@ -11,11 +12,16 @@ loads), and the ratio of the two is reported as the median over repeats, so that
 of a shared machine moves both sides. AVX2 (ymm, the `avx2` preset's model) or AVX-512 (zmm, the
 `avx512` preset's; a vdpbf16ps tile has the same loads and broadcasts per dot product, so the
 same figures judge the bf16 tiles at a dot rate equal to the FMA rate).
+
+`--latency` measures what the model's accumulator count rests on instead: k independent chains
+of FMAs (and of vdpbf16ps where the CPU has AVX512_BF16) against the best k, and the latency
+that implies, k / (fma_units x rate): the preset's `fma_latency` and `dot_latency`.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pcldnn_gen.arch import PRESETS  # noqa: E402
 from pcldnn_gen.planner import RegisterTile  # noqa: E402
+from pcldnn_runtime import cpu  # noqa: E402
 
 STEPS_PER_TRIP = 4
 
@@ -108,12 +115,75 @@ def program(tiles: list[tuple[int, int]], repeats: int, isa: str = "avx2") -> st
         "    for (int rep = 0; rep < R; rep++) {", *body, "    }", *report, "    return 0;", "}"])
 
 
+LATENCY_CHAINS = (2, 4, 6, 8, 10, 12, 14, 16, 20, 24)
+
+
+def latency_chains(isa: str) -> list[int]:
+    """The chain counts whose accumulators and two operands fit the ISA's register file."""
+    return [k for k in LATENCY_CHAINS if k + 2 <= PRESETS[isa].vector_registers]
+
+
+def chains_program(repeats: int, isa: str, dot: bool, ops: int = 200_000_000) -> str:
+    """k independent accumulator chains, each op reading only its own accumulator and two
+    loop-invariant operands: instructions per second for each k (median of repeats), for the k
+    that leave the two operands a register."""
+    vt, pre, _ = ISAS[isa]
+    chains = latency_chains(isa)
+    funcs = []
+    for k in chains:
+        op = "_mm512_dpbf16_ps(a{i}, x, y)" if dot else f"{pre}_fmadd_ps(x, y, a{{i}})"
+        operands = (["__m512bh x = (__m512bh)_mm512_set1_epi32(0x3a803a80), y = x;"] if dot else
+                    [f"{vt} x = {pre}_set1_ps(0.9999f), y = {pre}_set1_ps(1e-4f);"])
+        funcs += [f"__attribute__((noinline)) static double chains{k}(long trips) {{",
+                  *[f"    {vt} a{i} = {pre}_set1_ps({i}e-9f);" for i in range(k)], "    " + operands[0],
+                  '    __asm__ volatile("" : "+v"(x), "+v"(y));', "    double t = now();",
+                  "    for (long s = 0; s < trips; s++) {",
+                  *[f"        a{i} = {op.format(i=i)};" for _ in range(2) for i in range(k)], "    }",
+                  "    t = now() - t;", f"    {vt} z = a0;", *[f"    z = {pre}_add_ps(z, a{i});" for i in range(1, k)],
+                  f"    sink = z[0];\n    return 2.0 * {k} * trips / t;\n}}"]
+    body = [f"        r[{n}][rep] = chains{k}(OPS / {2 * k});" for n, k in enumerate(chains)]
+    report = [f'    qsort(r[{n}], R, sizeof(double), cmp); printf("{k} %.6g\\n", r[{n}][R / 2]);'
+              for n, k in enumerate(chains)]
+    return "\n".join([
+        "#include <immintrin.h>", "#include <stdio.h>", "#include <stdlib.h>", "#include <time.h>",
+        "static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }",
+        "static int cmp(const void *a, const void *b) "
+        "{ double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }",
+        "static volatile float sink;", *funcs, "int main(void) {",
+        f"    enum {{ R = {repeats} }}; const long OPS = {ops}L;", f"    static double r[{len(chains)}][R];",
+        "    for (int rep = 0; rep < R; rep++) {", *body, "    }", *report, "    return 0;", "}"])
+
+
+def measure_latency(arch_name: str, repeats: int) -> None:
+    """Print, for FMAs and (with AVX512_BF16) vdpbf16ps, each chain count's rate against the
+    best and the latency it implies where the chains, not the units, bound the rate."""
+    arch = PRESETS[arch_name]
+    kinds = [("fma", False)] + ([("vdpbf16ps", True)] if arch.isa == "avx512" and "avx512_bf16" in cpu.cpu_flags() else [])
+    for name, dot in kinds:
+        with tempfile.TemporaryDirectory() as tmp:
+            src, exe = Path(tmp) / "chains.c", Path(tmp) / "chains"
+            src.write_text(chains_program(repeats, arch.isa, dot))
+            flags = [*arch.cflags, *(cpu.PRECISION_CFLAGS["bf16"] if dot else ())]
+            subprocess.run([os.environ.get("CC", "cc"), "-O2", *flags, "-o", str(exe), str(src)], check=True)
+            out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+        rates = {int(k): float(r) for k, r in (line.split() for line in out.splitlines())}
+        best = max(rates.values())
+        implied = [k / (arch.fma_units * rates[k] / best) for k in rates if rates[k] < 0.9 * best]
+        print(f"{name}: chains -> rate / best: " + ", ".join(f"{k}: {r / best:.2f}" for k, r in rates.items()))
+        print(f"{name}: latency ~{statistics.median(implied):.1f} cycles (k / ({arch.fma_units} units x rate)"
+              f" over the {len(implied)} chain counts below 90%)" if implied else f"{name}: no chain count below 90%")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--isa", choices=sorted(ISAS), default="avx2", help="the preset whose tiles and model to check")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--tiles", default="", help="comma-separated WxV; default: every tile the planner may pick")
+    ap.add_argument("--latency", action="store_true", help="measure the FMA's (and vdpbf16ps's) latency instead")
     args = ap.parse_args()
+    if args.latency:
+        measure_latency(args.isa, args.repeats)
+        return
     arch = PRESETS[args.isa]
     if args.tiles:
         tiles = [tuple(int(n) for n in t.split("x")) for t in args.tiles.split(",")]

@@ -33,6 +33,11 @@ class Arch:
     cores: int
     cflags: tuple[str, ...]   # ISA flags for the C compiler (never -march=native)
     fma_latency: int = 4      # cycles; with fma_units it sets how many accumulators hide latency
+    # Cycles of vdpbf16ps (a bf16 build's dot product, issued at the FMA rate): the latency its
+    # register tiles must hide in place of fma_latency. Zen 5: 6 against the FMA's 4 (measured on
+    # the project's EPYC VM: 4 independent chains ran at 1/6.5 and 12-14 at 2 per cycle, FMAs
+    # at 1/4 and 8); bf16 plans with 14 accumulators (7x2) ran 0.94x the 20 of 5x4 there.
+    dot_latency: int = 4
     load_ports: int = 2       # vector loads per cycle from L1
     # Broadcast loads (one float to every lane) sustained per cycle alongside FMAs. They use
     # the load ports too but ran slower than vector loads: `benchmarks/tile_microbench.py`
@@ -64,6 +69,11 @@ class Arch:
     # measured on one core of the project's Xeon VM); `native` sets it where the CPU has the flags
     # and Linux grants the tile state. fp32 builds ignore it.
     amx: bool = False
+
+    def for_dot_products(self) -> Arch:
+        """This arch as the vdpbf16ps kernels' planner sees it: their dot product's latency in
+        the place of the FMA's (the tile model's accumulator count follows it)."""
+        return replace(self, fma_latency=self.dot_latency)
 
     @property
     def vector_floats(self) -> int:
@@ -114,7 +124,7 @@ PRESETS: dict[str, Arch] = {
                    slice_refill_cycles=1.0),
     # Zen 5 (server, desktop): full 512-bit datapath, 2 FMA-512, 48 KiB L1d, 1 MiB L2.
     "zen5": Arch("zen5", "avx512", 512, 32, 2, 48 * KIB, 1 * MIB, 32 * MIB, 2, cpu.ISA_CFLAGS["avx512"],
-                   slice_refill_cycles=1.0),
+                   slice_refill_cycles=1.0, dot_latency=6),
 }
 
 # Intel family-6 models of each preset (Intel's model table), newest parts of a family included
@@ -179,7 +189,8 @@ def arch_from_file(path: Path) -> Arch:
 # (ARCH_REGISTERS); cache sizes must also grow with the level.
 ARCH_RANGES: dict[str, tuple[float, float]] = {
     "fma_units": (1, 4), "l1d_bytes": (4 << 10, 4 << 20), "l2_bytes": (64 << 10, 1 << 30),
-    "l3_bytes": (64 << 10, 16 << 30), "cores": (1, 4096), "fma_latency": (1, 32), "load_ports": (1, 8),
+    "l3_bytes": (64 << 10, 16 << 30), "cores": (1, 4096), "fma_latency": (1, 32), "dot_latency": (1, 32),
+    "load_ports": (1, 8),
     "broadcasts_per_cycle": (0.1, 16), "l2_bytes_per_cycle": (1, 1024), "l1_refill_cycles": (0.1, 1000),
     "slice_refill_cycles": (0.1, 1000),
 }

@@ -54,7 +54,7 @@ def test_native_takes_the_widest_isa_and_the_family_figures(monkeypatch, vendor,
     arch = native_arch()
     assert arch.name == f"native-{want}"
     assert arch.isa == PRESETS[want].isa == ("avx512" if "avx512f" in flags else "avx2" if flags else "scalar")
-    fields = ("vector_registers", "fma_units", "fma_latency", "load_ports", "broadcasts_per_cycle")
+    fields = ("vector_registers", "fma_units", "fma_latency", "dot_latency", "load_ports", "broadcasts_per_cycle")
     assert [getattr(arch, f) for f in fields] == [getattr(PRESETS[want], f) for f in fields]
     assert (arch.l1d_bytes, arch.l2_bytes, arch.l3_bytes) == (48 * 1024, 2 * 1024 * 1024, 64 * 1024 * 1024)  # sysfs wins
 
@@ -84,6 +84,8 @@ def test_arch_from_json_file(tmp_path):
     ({"l3_bytes": 10 ** 18}, r"l3_bytes: must be an int >= 65536"),
     ({"l1d_bytes": 1 << 21}, "l2_bytes: cache sizes must grow with the level: L1d 2097152, L2 1048576"),
     ({"cores": 2 ** 63}, "cores: must be a positive int"),
+    ({"dot_latency": 0}, r"dot_latency: must be a positive int \(at most 32\), got 0"),
+    ({"dot_latency": 6.5}, "dot_latency: must be a positive int"),
     ({"broadcasts_per_cycle": 0}, r"broadcasts_per_cycle: must be a number in \[0.1, 16\], got 0"),
     ({"broadcasts_per_cycle": True}, r"broadcasts_per_cycle: must be a number in \[0.1, 16\], got true"),
     ({"isa": "neon"}, 'isa: must be one of scalar, avx2, avx512, got "neon"'),

@@ -216,10 +216,10 @@ def test_summarize_judges_bf16_runs_against_their_fp32_runs(tmp_path):
     over bf16 time matched by layer, x oneDNN of the bf16 rows, and each fc row x oneDNN."""
     summarize = _summarize()
 
-    def run(name, net, precision, rows, title_only=False):
+    def run(name, net, precision, rows, title_only=False, zoo=False):
         path = tmp_path / name
         head = {"net": f"{net} (bf16 build: %peak against the fp32 FMA peak)"} if title_only else \
-            {"net": net, "precision": precision}
+            {"net": net, "precision": precision, "zoo": zoo}
         path.write_text(json.dumps({**head, "arch": {"isa": "avx512"}, "batch": 16, "threads": 1, "peak_gflops": 100.0,
                                     "results": [{"layer": layer, "pass_name": "fwd", "ms": ms, "gflops": 1.0,
                                                  "peak_fraction": 0.5, "vs_onednn": x, "onednn_impl": impl,
@@ -231,10 +231,12 @@ def test_summarize_judges_bf16_runs_against_their_fp32_runs(tmp_path):
                                            ("fc6", 1.0, 1.3, "brg_matmul")]),
              run("b32.json", "b", "fp32", [("conv2", 9.0, 1.0, "jit")]),
              run("b16.json", "b", "bf16", [("conv2", 5.0, 1.0, "jit_bf16"), ("fc7", 1.0, 0.9, "brg_matmul")],
-                 title_only=True)]
+                 title_only=True),
+             # a zoo's first layers, far ahead of oneDNN: judged as a zoo, not pooled with the nets
+             run("z16.json", "zoo z.json", "bf16", [(f"conv{i}", 1.0, 5.0, "brgconv") for i in range(5)], zoo=True)]
     groups = summarize.load(files)
     assert sorted((g.net, g.precision, len(g.rows)) for g in groups) == \
-        [("a", "bf16", 3), ("a", "fp32", 2), ("b", "bf16", 2), ("b", "fp32", 1)]
+        [("a", "bf16", 3), ("a", "fp32", 2), ("b", "bf16", 2), ("b", "fp32", 1), ("zoo z.json", "bf16", 5)]
     f = summarize.bf16_figures(groups)[("avx512", 16, 1)]["fwd"]
     # fp32 / bf16 times: a conv2 2.0, a conv3 1.5, b conv2 1.8
     assert (f.speedup.median, f.speedup.worst, f.speedup.worst_layer) == (1.8, 1.5, "a conv3")
@@ -355,3 +357,23 @@ def test_bf16_targets_script_runs_the_issues_measurements():
     assert summary[1].endswith("summarize.py") and sorted(summary[2:]) == sorted(a.json for a in benches)
     # the tuning run writes the output folder's database, never the user's
     assert [line.split()[0] for line in lines if " tune " in line] == ["PCLDNN_TUNING_DB=/tmp/out/tuning.json"]
+
+
+def test_tile_microbench_latency_chains_run_and_more_chains_go_faster(tmp_path):
+    """`tile_microbench.py --latency` (how Arch.fma_latency and dot_latency are measured): the
+    chains program compiles for the ISA, runs, and more independent chains issue faster than 2
+    (each op waits for its own chain's previous one: 2 chains run at 2 / latency per cycle)."""
+    import subprocess
+
+    from helpers import REPO
+
+    from pcldnn_gen.arch import PRESETS
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import tile_microbench
+    src, exe = tmp_path / "chains.c", tmp_path / "chains"
+    src.write_text(tile_microbench.chains_program(3, "avx2", False, ops=4_000_000))
+    subprocess.run(["cc", "-O2", *PRESETS["avx2"].cflags, "-o", str(exe), str(src)], check=True)
+    rates = {int(k): float(r) for k, r in (line.split() for line in subprocess.run(
+        [str(exe)], check=True, capture_output=True, text=True).stdout.splitlines())}
+    assert sorted(rates) == tile_microbench.latency_chains("avx2") == [2, 4, 6, 8, 10, 12, 14]
+    assert all(r > 0 for r in rates.values()) and rates[14] > 1.5 * rates[2]

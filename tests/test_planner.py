@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from pcldnn_gen.arch import PRESETS
 from pcldnn_gen.build import plan_net
 from pcldnn_gen.netspec import load_netspec, parse_netspec
-from pcldnn_gen.planner import L1_BUDGET, LATENCY_HEADROOM, LAYER_PASSES, RegisterTile, kernel_layer, plan_layer
+from pcldnn_gen.planner import L1_BUDGET, LATENCY_SLACK, LAYER_PASSES, RegisterTile, kernel_layer, plan_layer
 from pcldnn_gen.planner.conv import STREAM_PIXELS, STREAMED_VECTORS, WEIGHT_STREAMS
 from pcldnn_gen.planner.tiles import WHOLE_ROW_MAX, candidates
 from pcldnn_runtime.limits import blocks
@@ -167,11 +167,11 @@ def test_register_tile_model_by_hand():
     avx2 = PRESETS["avx2"]  # 2 FMA units, 2 load ports, 1.6 broadcasts per cycle, latency 4
     t = RegisterTile.evaluate(6, 2, avx2)
     # 12 FMAs -> 6 cycles; 2 vector loads + 6 broadcasts -> 1 + 3.75 cycles; 12 chains cover
-    # 1.5 x 4 = 6 cycles of latency
+    # 4 + 2 = 6 cycles of latency and slack
     assert t.registers == 15 and t.loads_per_fma == pytest.approx(8 / 12) and t.efficiency == 1.0
     t = RegisterTile.evaluate(2, 4, avx2)
-    # 8 FMAs -> 4 cycles, but the chains need LATENCY_HEADROOM * 4 cycles
-    assert t.efficiency == pytest.approx(4 / (LATENCY_HEADROOM * 4))
+    # 8 FMAs -> 4 cycles, but the chains need 4 + LATENCY_SLACK cycles
+    assert t.efficiency == pytest.approx(4 / (4 + LATENCY_SLACK))
     t = RegisterTile.evaluate(14, 1, avx2)
     # 1 vector load (0.5 cycle) + 14 broadcasts (8.75 cycles) for 7 cycles of FMAs: load-bound
     assert t.efficiency == pytest.approx(7 / 9.25)
@@ -185,7 +185,7 @@ def test_conv_interior_geometry():
     plan = plan_net(net, PRESETS["avx2"])[("conv3", "fwd")]
     # 3x3, pad 1 on 56 columns: column 0 and 55 touch the padding
     assert (plan.ow_lo, plan.ow_hi) == (1, 55)
-    assert plan.tile.width * plan.tile.vectors >= LATENCY_HEADROOM * 4 * 2
+    assert plan.tile.width * plan.tile.vectors >= (4 + LATENCY_SLACK) * 2
     assert "register tile" in plan.reason and "of peak predicted" in plan.reason
 
 
@@ -459,3 +459,22 @@ def test_packed_bf16_backward_weights_bands_and_tiles(channels, kernel, stride, 
     assert plan.band_rows == 1 or two_bands(plan.band_rows) <= PACKED_BAND_SHARE * arch.l2_bytes
     full, rem = divmod(run, plan.tile.width)
     assert plan.remainders == ((rem,) if rem else ()) and f"{run} values = {full} full tile(s)" in plan.reason
+
+
+def test_bf16_register_tiles_hide_the_dot_products_latency():
+    """vdpbf16ps takes 6 cycles on Zen 5 against the FMA's 4: a bf16 tile needs 2 x (6 + 2)
+    chains where an fp32 one needs 2 x (4 + 2); the slack stays 2 cycles, not a multiple."""
+    zen5 = PRESETS["zen5"]
+    dot = zen5.for_dot_products()
+    assert (dot.fma_latency, zen5.fma_latency) == (6, 4)
+    assert RegisterTile.evaluate(7, 2, zen5).efficiency == 1.0
+    assert RegisterTile.evaluate(7, 2, dot).efficiency == pytest.approx(7 / (6 + LATENCY_SLACK))
+    assert RegisterTile.evaluate(4, 4, dot).efficiency == 1.0
+    conv7 = next(layer for layer in load_netspec(NETS / "vgg_a.json").layers if layer.name == "conv7")
+    bf16 = plan_layer(conv7, "fwd", zen5, bf16=True)
+    fp32 = plan_layer(conv7, "fwd", zen5)
+    assert bf16.tile.width * bf16.tile.vectors >= 2 * (6 + LATENCY_SLACK) and "(latency 6 + slack 2)" in bf16.reason
+    assert "(latency 4 + slack 2)" in fp32.reason
+    # where the dot product is as fast as the FMA (the default), bf16 tiles are judged by the FMA's latency
+    same = plan_layer(conv7, "fwd", replace(zen5, dot_latency=4), bf16=True)
+    assert "(latency 4 + slack 2)" in same.reason and same.tile.width * same.tile.vectors < 2 * (6 + LATENCY_SLACK)

@@ -35,7 +35,7 @@ from .conv import (
 from .fc import plan_fc_bwd_data, plan_fc_bwd_weights, plan_fc_fwd
 from .memory import plan_memory_bound
 from .plans import ConvBwdDataPlan, ConvFwdPlan, KernelPlan, Measured, TileTiming
-from .tiles import LATENCY_HEADROOM, RegisterTile
+from .tiles import LATENCY_SLACK, RegisterTile
 
 _PLANNERS: dict[tuple[str, str], Callable[[LayerSpec, Arch, tuple[int, int] | None], KernelPlan]] = {
     ("conv", "fwd"): plan_conv_fwd, ("conv", "bwd_data"): plan_conv_bwd_data,
@@ -91,6 +91,7 @@ def _model_plan(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int,
         return plan_conv_bwd_weights_amx(layer, arch, activations) if pass_name == "bwd_weights" else \
             plan_conv_amx(layer, pass_name, arch, activations, gradients)
     if bf16:
+        arch = arch.for_dot_products()
         if layer.type == "fc":
             return plan_fc_tiles_bwd_weights(layer, arch, False) if pass_name == "bwd_weights" else \
                 plan_fc_tiles(layer, pass_name, arch, False)
@@ -109,5 +110,5 @@ def _model_plan(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int,
     return plan_memory_bound(layer, pass_name, arch, activations)
 
 
-__all__ = ["L1_BUDGET", "LATENCY_HEADROOM", "LAYER_PASSES", "PASSES", "KernelPlan", "Measured", "RegisterTile",
+__all__ = ["L1_BUDGET", "LATENCY_SLACK", "LAYER_PASSES", "PASSES", "KernelPlan", "Measured", "RegisterTile",
            "TileTiming", "kernel_layer", "plan_layer", "reads_packed_image"]

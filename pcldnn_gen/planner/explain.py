@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..arch import Arch
 from ..netspec import LayerSpec
-from .tiles import LATENCY_HEADROOM, RegisterTile, RowCover
+from .tiles import LATENCY_SLACK, RegisterTile, RowCover
 
 MEMORY_BOUND = {
     "maxpool_fwd": "one vector of channels per output pixel, max over the clipped window; the argmax "
@@ -55,8 +55,8 @@ def conv_fwd(tile: RegisterTile, arch: Arch, ow: int, cover: RowCover, row_eff: 
         f"register tile {tile.width} px x {tile.vectors} oc-vectors: {tile.width * tile.vectors} accumulators "
         f"+ {min(tile.width, tile.vectors)} held + 1 streamed = {tile.registers}/{arch.vector_registers} registers, "
         f"{tile.loads_per_fma:.2f} loads/FMA, {tile.width * tile.vectors} independent chains "
-        f"(latency {arch.fma_latency} x {arch.fma_units} FMA units x headroom {LATENCY_HEADROOM} needs "
-        f"{LATENCY_HEADROOM * arch.fma_latency * arch.fma_units:g}); "
+        f"((latency {arch.fma_latency} + slack {LATENCY_SLACK}) x {arch.fma_units} units needs "
+        f"{(arch.fma_latency + LATENCY_SLACK) * arch.fma_units}); "
         f"row of {ow} px = " + " + ".join(
             ([f"one edge tile of {cover.left.width} (the whole row)"] if cover.left and cover.mid_lo == ow else
              [f"left edge tile of {tile.width}"] if cover.left else [])

@@ -5,7 +5,7 @@ output-channel vectors lives in registers across a whole reduction. Per inner st
 loads `vectors` weight vectors and broadcasts `width` inputs, then issues width x vectors FMAs;
 a step takes at least
     max(FMAs / fma_units, vector loads / load_ports + broadcasts / broadcasts_per_cycle,
-        LATENCY_HEADROOM x fma_latency)
+        fma_latency + LATENCY_SLACK)
 cycles, so the fraction of the FMA peak a tile can reach is (FMAs / fma_units) / that.
 """
 from __future__ import annotations
@@ -16,10 +16,15 @@ from typing import Any, Callable, Iterable
 from ..arch import Arch
 from ..errors import PlanError
 
-# Independent accumulator chains needed, as a multiple of fma_latency × fma_units. Measured
-# on VGG-A conv3 (AVX2, one thread): a 2x4 tile with exactly 8 chains ran at 75 GFLOP/s, a
-# 6x2 tile with 12 chains at 80, and on the 28- and 14-wide layers the gap was 54 vs 74.
-LATENCY_HEADROOM = 1.5
+# Cycles beyond the multiply-add's latency that the independent accumulator chains must cover
+# (each needs fma_units x (fma_latency + LATENCY_SLACK) of them): a chain's next operands, a
+# broadcast and a weight load, arrive late now and then. Measured on VGG-A conv3 (AVX2, one
+# thread, latency 4): a 2x4 tile with exactly 8 chains ran at 75 GFLOP/s, a 6x2 tile with 12 at
+# 80, and on the 28- and 14-wide layers the gap was 54 vs 74. The slack does not grow with the
+# latency: with vdpbf16ps on Zen 5 (latency 6, Arch.dot_latency) 16 chains ran as fast as 20 or
+# 24 (4x4 against 8x3 backward-weights, VGG-A conv3-4: 1.02) while 14 lost (7x2 forward on
+# 14x14: 0.95 of 5x4); a 1.5x multiple of the latency would ask 18.
+LATENCY_SLACK = 2
 
 
 @dataclass(frozen=True)
@@ -35,7 +40,7 @@ class RegisterTile:
         fmas = width * vectors
         loads = width + vectors
         load_cycles = vectors / arch.load_ports + width / arch.broadcasts_per_cycle
-        cycles = max(fmas / arch.fma_units, load_cycles, LATENCY_HEADROOM * arch.fma_latency)
+        cycles = max(fmas / arch.fma_units, load_cycles, arch.fma_latency + LATENCY_SLACK)
         return RegisterTile(width, vectors, fmas + min(width, vectors) + 1, loads / fmas,
                             (fmas / arch.fma_units) / cycles)
 
