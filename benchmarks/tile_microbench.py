@@ -132,10 +132,10 @@ def chains_program(repeats: int, isa: str, dot: bool, ops: int = 200_000_000) ->
     funcs = []
     for k in chains:
         op = "_mm512_dpbf16_ps(a{i}, x, y)" if dot else f"{pre}_fmadd_ps(x, y, a{{i}})"
-        operands = (["__m512bh x = (__m512bh)_mm512_set1_epi32(0x3a803a80), y = x;"] if dot else
-                    [f"{vt} x = {pre}_set1_ps(0.9999f), y = {pre}_set1_ps(1e-4f);"])
+        operands = ("__m512bh x = (__m512bh)_mm512_set1_epi32(0x3a803a80), y = x;" if dot else
+                    f"{vt} x = {pre}_set1_ps(0.9999f), y = {pre}_set1_ps(1e-4f);")
         funcs += [f"__attribute__((noinline)) static double chains{k}(long trips) {{",
-                  *[f"    {vt} a{i} = {pre}_set1_ps({i}e-9f);" for i in range(k)], "    " + operands[0],
+                  *[f"    {vt} a{i} = {pre}_set1_ps({i}e-9f);" for i in range(k)], "    " + operands,
                   '    __asm__ volatile("" : "+v"(x), "+v"(y));', "    double t = now();",
                   "    for (long s = 0; s < trips; s++) {",
                   *[f"        a{i} = {op.format(i=i)};" for _ in range(2) for i in range(k)], "    }",

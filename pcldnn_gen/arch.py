@@ -34,9 +34,10 @@ class Arch:
     cflags: tuple[str, ...]   # ISA flags for the C compiler (never -march=native)
     fma_latency: int = 4      # cycles; with fma_units it sets how many accumulators hide latency
     # Cycles of vdpbf16ps (a bf16 build's dot product, issued at the FMA rate): the latency its
-    # register tiles must hide in place of fma_latency. Zen 5: 6 against the FMA's 4 (measured on
-    # the project's EPYC VM: 4 independent chains ran at 1/6.5 and 12-14 at 2 per cycle, FMAs
-    # at 1/4 and 8); bf16 plans with 14 accumulators (7x2) ran 0.94x the 20 of 5x4 there.
+    # register tiles must hide in place of fma_latency. Zen 5: 6 against the FMA's 4
+    # (`benchmarks/tile_microbench.py --latency` on the project's EPYC VM: 16 vdpbf16ps chains
+    # reach the peak, 8 FMA chains 90% of it); bf16 plans with 14 accumulators (7x2) ran 0.95x
+    # the 20 of 5x4 there.
     dot_latency: int = 4
     load_ports: int = 2       # vector loads per cycle from L1
     # Broadcast loads (one float to every lane) sustained per cycle alongside FMAs. They use
