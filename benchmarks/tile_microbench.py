@@ -35,6 +35,24 @@ from pcldnn_runtime import cpu  # noqa: E402
 STEPS_PER_TRIP = 4
 
 
+# Every timing program's head: a clock and the comparison its medians sort with.
+PRELUDE = (
+    "#include <immintrin.h>", "#include <stdio.h>", "#include <stdlib.h>", "#include <time.h>",
+    "static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }",
+    "static int cmp(const void *a, const void *b) "
+    "{ double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }",
+)
+
+
+def run_program(text: str, flags: list[str] | tuple[str, ...]) -> str:
+    """Compile a timing program with the ISA's flags ($CC, default cc) and return what it prints."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "timing.c", Path(tmp) / "timing"
+        src.write_text(text)
+        subprocess.run([os.environ.get("CC", "cc"), "-O2", *flags, "-o", str(exe), str(src)], check=True)
+        return subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+
+
 # Per ISA: vector type, intrinsic prefix, floats per vector.
 ISAS = {"avx2": ("__m256", "_mm256", 8), "avx512": ("__m512", "_mm512", 16)}
 
@@ -99,10 +117,7 @@ def program(tiles: list[tuple[int, int]], repeats: int, isa: str = "avx2") -> st
     report = [f'    qsort(r[{k}], R, sizeof(double), cmp); printf("{w}x{v} %.3f %.3f %.3f\\n", '
               f"r[{k}][R / 2], r[{k}][0], r[{k}][R - 1]);" for k, (w, v) in enumerate(tiles)]
     return "\n".join([
-        "#include <immintrin.h>", "#include <stdio.h>", "#include <stdlib.h>", "#include <time.h>",
-        "static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }",
-        "static int cmp(const void *a, const void *b) "
-        "{ double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }",
+        *PRELUDE,
         "static float in[32 + 64 * 4] __attribute__((aligned(64)));",
         f"static float wt[32 * {vf} + {vf} * 16 * 4] __attribute__((aligned(64)));",
         "static volatile float sink;",
@@ -145,10 +160,7 @@ def chains_program(repeats: int, isa: str, dot: bool, ops: int = 200_000_000) ->
     report = [f'    qsort(r[{n}], R, sizeof(double), cmp); printf("{k} %.6g\\n", r[{n}][R / 2]);'
               for n, k in enumerate(chains)]
     return "\n".join([
-        "#include <immintrin.h>", "#include <stdio.h>", "#include <stdlib.h>", "#include <time.h>",
-        "static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }",
-        "static int cmp(const void *a, const void *b) "
-        "{ double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }",
+        *PRELUDE,
         "static volatile float sink;", *funcs, "int main(void) {",
         f"    enum {{ R = {repeats} }}; const long OPS = {ops}L;", f"    static double r[{len(chains)}][R];",
         "    for (int rep = 0; rep < R; rep++) {", *body, "    }", *report, "    return 0;", "}"])
@@ -160,12 +172,8 @@ def measure_latency(arch_name: str, repeats: int) -> None:
     arch = PRESETS[arch_name]
     kinds = [("fma", False)] + ([("vdpbf16ps", True)] if arch.isa == "avx512" and "avx512_bf16" in cpu.cpu_flags() else [])
     for name, dot in kinds:
-        with tempfile.TemporaryDirectory() as tmp:
-            src, exe = Path(tmp) / "chains.c", Path(tmp) / "chains"
-            src.write_text(chains_program(repeats, arch.isa, dot))
-            flags = [*arch.cflags, *(cpu.PRECISION_CFLAGS["bf16"] if dot else ())]
-            subprocess.run([os.environ.get("CC", "cc"), "-O2", *flags, "-o", str(exe), str(src)], check=True)
-            out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+        out = run_program(chains_program(repeats, arch.isa, dot),
+                          [*arch.cflags, *(cpu.PRECISION_CFLAGS["bf16"] if dot else ())])
         rates = {int(k): float(r) for k, r in (line.split() for line in out.splitlines())}
         best = max(rates.values())
         implied = [k / (arch.fma_units * rates[k] / best) for k in rates if rates[k] < 0.9 * best]
@@ -190,11 +198,7 @@ def main() -> None:
     else:
         tiles = [(w, v) for v in range(1, 13) for w in range(1, 31)
                  if w * v + min(w, v) + 1 <= arch.vector_registers and w * v >= 8]
-    with tempfile.TemporaryDirectory() as tmp:
-        src, exe = Path(tmp) / "tiles.c", Path(tmp) / "tiles"
-        src.write_text(program(tiles, args.repeats, args.isa))
-        subprocess.run([os.environ.get("CC", "cc"), "-O2", *arch.cflags, "-o", str(exe), str(src)], check=True)
-        out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    out = run_program(program(tiles, args.repeats, args.isa), arch.cflags)
     print(f"{'tile':>6} {'regs':>4} {'loads/FMA':>9} {'model':>6} {'measured (median, min-max)':>28}")
     for line in out.splitlines():
         name, med, lo, hi = line.split()

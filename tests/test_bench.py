@@ -359,21 +359,17 @@ def test_bf16_targets_script_runs_the_issues_measurements():
     assert [line.split()[0] for line in lines if " tune " in line] == ["PCLDNN_TUNING_DB=/tmp/out/tuning.json"]
 
 
-def test_tile_microbench_latency_chains_run_and_more_chains_go_faster(tmp_path):
+def test_tile_microbench_latency_chains_run_and_more_chains_go_faster():
     """`tile_microbench.py --latency` (how Arch.fma_latency and dot_latency are measured): the
     chains program compiles for the ISA, runs, and more independent chains issue faster than 2
     (each op waits for its own chain's previous one: 2 chains run at 2 / latency per cycle)."""
-    import subprocess
-
     from helpers import REPO
 
     from pcldnn_gen.arch import PRESETS
     sys.path.insert(0, str(REPO / "benchmarks"))
     import tile_microbench
-    src, exe = tmp_path / "chains.c", tmp_path / "chains"
-    src.write_text(tile_microbench.chains_program(3, "avx2", False, ops=4_000_000))
-    subprocess.run(["cc", "-O2", *PRESETS["avx2"].cflags, "-o", str(exe), str(src)], check=True)
-    rates = {int(k): float(r) for k, r in (line.split() for line in subprocess.run(
-        [str(exe)], check=True, capture_output=True, text=True).stdout.splitlines())}
+    out = tile_microbench.run_program(tile_microbench.chains_program(3, "avx2", False, ops=4_000_000),
+                                      PRESETS["avx2"].cflags)
+    rates = {int(k): float(r) for k, r in (line.split() for line in out.splitlines())}
     assert sorted(rates) == tile_microbench.latency_chains("avx2") == [2, 4, 6, 8, 10, 12, 14]
     assert all(r > 0 for r in rates.values()) and rates[14] > 1.5 * rates[2]
