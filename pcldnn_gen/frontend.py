@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 
 from pcldnn_runtime import limits
+from pcldnn_runtime.validate import Fields, show
 
-from .errors import ModelImportError
-from .netspec import parse_netspec
+from .errors import ModelImportError, NetSpecError
+from .netspec import check_window, parse_netspec
 
 OP_KINDS = ("conv", "fc", "maxpool", "avgpool", "relu", "dropout", "flatten", "softmax", "identity")
 
@@ -66,6 +67,11 @@ def layer_name(source: str, taken: set[str]) -> str:
     return name
 
 
+def _listed(value: Any) -> Any:
+    """A framework's (h, w) tuple as the list net.json's checks take; anything else as it is."""
+    return list(value) if isinstance(value, tuple) else value
+
+
 def _finite(array: np.ndarray, what: str, problems: list[str]) -> np.ndarray:
     array = np.ascontiguousarray(array, dtype=np.float32)
     if not np.isfinite(array).all():
@@ -104,18 +110,26 @@ def net_from_ops(ops: list[Op], input_shape: tuple[int, int, int], name: str, or
                 problems.append(f"{op.label}: follows a flatten (its input is a vector)")
                 continue
             if "adaptive" in op.attrs:  # an adaptive average pool: a plain one when the size divides
-                oh, ow = (size or dim for size, dim in zip(op.attrs["adaptive"], (h, w)))
+                adaptive = _listed(op.attrs["adaptive"])
+                if not isinstance(adaptive, list) or len(adaptive) != 2 or not all(
+                        v is None or (type(v) is int and 1 <= v <= limits.MAX_SPATIAL) for v in adaptive):
+                    problems.append(f"{op.label}: output size {show(adaptive)} (two positive ints or None)")
+                    continue
+                oh, ow = (size or dim for size, dim in zip(adaptive, (h, w)))
                 if h % oh or w % ow:
                     problems.append(f"{op.label}: output size {oh}x{ow} does not divide the {h}x{w} input")
                     continue
                 op = Op(op.kind, op.source, op.type_name, {"kernel": (h // oh, w // ow), "stride": (h // oh, w // ow),
                                                            "pad": (0, 0)})
-            kernel, stride, pad = op.attrs["kernel"], op.attrs["stride"], op.attrs["pad"]
+            kernel, stride, pad, (oh, ow) = check_window(
+                Fields(origin, ModelImportError), op.kind, *(_listed(op.attrs.get(k)) for k in ("kernel", "stride", "pad")),
+                op.label, (h, w))
             layer |= {"kernel": list(kernel), "stride": list(stride), "pad": list(pad)}
-            oh = limits.out_size(h, kernel[0], stride[0], pad[0])
-            ow = limits.out_size(w, kernel[1], stride[1], pad[1])
             if op.kind == "conv":
                 assert op.weight is not None
+                if op.weight.ndim != 4:
+                    problems.append(f"{op.label}: weight of shape {op.weight.shape}, expected (OC, IC, KH, KW)")
+                    continue
                 oc, ic = op.weight.shape[:2]
                 if ic != c or tuple(op.weight.shape[2:]) != tuple(kernel):
                     problems.append(f"{op.label}: weight shape {op.weight.shape} does not fit a {c}-channel input "
@@ -131,6 +145,9 @@ def net_from_ops(ops: list[Op], input_shape: tuple[int, int, int], name: str, or
                 problems.append(f"{op.label}: applied to a {c}x{h}x{w} tensor without a flatten before it (PyTorch's "
                                 "Linear would act on the last dimension only)")
                 continue
+            if op.weight.ndim != 2:
+                problems.append(f"{op.label}: weight of shape {op.weight.shape}, expected (out, in) features")
+                continue
             oc, features = op.weight.shape
             if features != c * h * w:
                 problems.append(f"{op.label}: takes {features} input features, the tensor before it has {c * h * w}")
@@ -139,13 +156,16 @@ def net_from_ops(ops: list[Op], input_shape: tuple[int, int, int], name: str, or
             c, h, w, flat = oc, 1, 1, True
             fusable = True
         elif op.kind == "dropout":
-            layer["rate"] = op.attrs["rate"]
+            layer["rate"] = Fields(origin, ModelImportError).number_in(op.attrs["rate"], f"{op.label}.rate", 0, 1,
+                                                                       open_hi=True)
         elif op.kind != "relu":
             raise AssertionError(op.kind)
         if op.weight is not None:
             state[f"{layer['name']}.weight"] = _finite(op.weight, f"{op.label} weight", problems)
             if op.bias is None:
                 layer["bias"] = False  # kept at zero and not trained, as the framework's layer
+            elif np.shape(op.bias) != (op.weight.shape[0],):
+                problems.append(f"{op.label}: bias of shape {np.shape(op.bias)}, expected ({op.weight.shape[0]},)")
             else:
                 state[f"{layer['name']}.bias"] = _finite(op.bias, f"{op.label} bias", problems)
         # informational, but checked like any net.json text: escaped when not printable
@@ -164,8 +184,16 @@ def net_from_ops(ops: list[Op], input_shape: tuple[int, int, int], name: str, or
         net["classes"] = weighted[-1]["out_features"]
         layers.append({"name": layer_name("loss", taken), "type": "softmax_cross_entropy"})
     net["layers"] = layers
-    parse_netspec(net, origin)  # what the front end made is a valid description, or one clear error
+    try:
+        parse_netspec(net, origin)  # what the front end made is a valid description, or one clear error
+    except NetSpecError as e:  # name the model's node, not the layer index of a file the user never saw
+        raise ModelImportError(re.sub(r"layers\[(\d+)\]", lambda m: _node_of(layers, int(m.group(1))), str(e))) from None
     return net, state
+
+
+def _node_of(layers: list[dict], index: int) -> str:
+    source = layers[index].get("source") if 0 <= index < len(layers) else None
+    return f"layers[{index}] (node {source})" if source else f"layers[{index}]"
 
 
 def model_name(name: str | None, fallback: str) -> str:

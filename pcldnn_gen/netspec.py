@@ -161,20 +161,7 @@ def parse_netspec(data: Any, origin: str = "<net>", max_memory: int | None = Non
         relu = p.activation(f.get("activation"), f"{where}.activation")
 
         if ltype == "conv" or ltype in POOLS:
-            # Pooling windows may cover the whole input (global pooling); conv windows are unrolled
-            # at their edges in the generated C, so their side is bounded.
-            kmax = limits.MAX_KERNEL if ltype == "conv" else limits.MAX_SPATIAL
-            kernel = p.int_pair(f["kernel"], f"{where}.kernel", 1, kmax)
-            stride = kernel if f["stride"] is None else p.int_pair(f["stride"], f"{where}.stride", 1,
-                                                                   max(limits.MAX_STRIDE, kmax))
-            pad = p.int_pair(f["pad"], f"{where}.pad", 0, limits.MAX_PAD)
-            if ltype in POOLS and (pad[0] >= kernel[0] or pad[1] >= kernel[1]):
-                p.fail(f"{where}.pad", f"pooling pad {list(pad)} must be smaller than the kernel {list(kernel)}")
-            oh = limits.out_size(h, kernel[0], stride[0], pad[0])
-            ow = limits.out_size(w, kernel[1], stride[1], pad[1])
-            if oh < 1 or ow < 1:
-                p.fail(f"{where}.kernel", f"kernel {list(kernel)} is larger than the padded input "
-                       f"{h + 2 * pad[0]}x{w + 2 * pad[1]}")
+            kernel, stride, pad, (oh, ow) = check_window(p, ltype, f["kernel"], f["stride"], f["pad"], where, (h, w))
             oc = (p.int_in(f["out_channels"], f"{where}.out_channels", 1, limits.MAX_CHANNELS)
                   if ltype == "conv" else c)
             spec = LayerSpec(i, lname, ltype, shape, (oc, oh, ow), kernel, stride, pad, relu,
@@ -219,6 +206,26 @@ def parse_netspec(data: Any, origin: str = "<net>", max_memory: int | None = Non
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return NetSpec(name, shape_in(data), classes, tuple(layers),
                    hashlib.sha256(canonical.encode()).hexdigest())
+
+
+def check_window(p: Fields, ltype: str, kernel: Any, stride: Any, pad: Any, where: str,
+                 size: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, int]]:
+    """(kernel, stride, pad, output size) of a conv or pooling window over a `size` input, each
+    checked in its range before any arithmetic (stride None: the kernel). The model front ends
+    check what they read with the same function. Pooling windows may cover the whole input
+    (global pooling); conv windows are unrolled at their edges in the generated C, so their side
+    is bounded."""
+    kmax = limits.MAX_KERNEL if ltype == "conv" else limits.MAX_SPATIAL
+    k = p.int_pair(kernel, f"{where}.kernel", 1, kmax)
+    s = k if stride is None else p.int_pair(stride, f"{where}.stride", 1, max(limits.MAX_STRIDE, kmax))
+    pd = p.int_pair(pad, f"{where}.pad", 0, limits.MAX_PAD)
+    if ltype in POOLS and (pd[0] >= k[0] or pd[1] >= k[1]):
+        p.fail(f"{where}.pad", f"pooling pad {list(pd)} must be smaller than the kernel {list(k)}")
+    h, w = size
+    oh, ow = limits.out_size(h, k[0], s[0], pd[0]), limits.out_size(w, k[1], s[1], pd[1])
+    if oh < 1 or ow < 1:
+        p.fail(f"{where}.kernel", f"kernel {list(k)} is larger than the padded input {h + 2 * pd[0]}x{w + 2 * pd[1]}")
+    return k, s, pd, (oh, ow)
 
 
 def shape_in(data: dict) -> tuple[int, int, int]:

@@ -7,22 +7,25 @@ listed in one error."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
-from pcldnn_runtime.validate import read_bounded
+from pcldnn_runtime import limits
+from pcldnn_runtime.validate import read_bounded, show
 
-from .errors import ModelImportError
+from .errors import ModelImportError, PcldnnError
 from .frontend import Op, fail_unsupported, input_shape_of, model_name, net_from_ops
 
 SUPPORTED = ("Conv (group 1, dilation 1, symmetric pads), Gemm (transA 0), MatMul (+ Add), MaxPool / AveragePool "
              "(floor, symmetric pads; AveragePool counting pads), GlobalAveragePool, Relu, Dropout, Flatten "
              "(axis 1), Reshape to (N, -1), Identity, a final Softmax / LogSoftmax")
 MAX_MODEL_BYTES = 4 * 1024 ** 3  # a protobuf cannot exceed 2 GiB without external data anyway
+MIN_OPSET = 7  # the oldest opset whose operator forms the translation below reads (opset 7 dropped is_test etc.)
 
 
 def import_onnx(path: str | Path, name: str | None = None) -> tuple[dict, dict[str, np.ndarray]]:
@@ -38,21 +41,29 @@ def import_onnx(path: str | Path, name: str | None = None) -> tuple[dict, dict[s
         model = onnx.load_model_from_string(data)
     except Exception as e:  # protobuf's DecodeError and friends: not an ONNX file
         raise ModelImportError(f"{path}: not an ONNX model ({type(e).__name__})") from None
-    graph = model.graph
-    for tensor in graph.initializer:
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            raise ModelImportError(f"{path}: initializer {tensor.name!r} is stored in an external file; save the "
-                                   "model with its weights inside (onnx.save(model, path, save_as_external_data=False))")
+    origin = str(path)
+    _check_tensors(model.graph, origin, onnx)  # before the checker or anything else reads a tensor
+    _check_opsets(model, origin, onnx)
     try:
         onnx.checker.check_model(model)
     except Exception as e:
         raise ModelImportError(f"{path}: invalid ONNX model: {str(e).splitlines()[0][:300]}") from None
-    constants = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
+    try:
+        return _translate(model, path, name, onnx)
+    except PcldnnError:
+        raise
+    except Exception as e:  # a defect the checks above did not foresee: still one line naming the file
+        raise ModelImportError(f"{path}: cannot import ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _translate(model, path: Path, name: str | None, onnx) -> tuple[dict, dict[str, np.ndarray]]:
+    graph, origin = model.graph, str(path)
+    constants = {t.name: load_tensor(t, f"initializer {t.name!r}", origin, onnx) for t in graph.initializer}
     for node in graph.node:
         if node.op_type == "Constant" and node.output:
-            attr = {a.name: a for a in node.attribute}
-            if "value" in attr:
-                constants[node.output[0]] = onnx.numpy_helper.to_array(attr["value"].t)
+            value = _constant_value(node, origin, onnx)
+            if value is not None:
+                constants[node.output[0]] = value
     inputs = [i for i in graph.input if i.name not in constants]
     if len(inputs) != 1:
         raise ModelImportError(f"{path}: the model must take one image input, it takes {len(inputs)}")
@@ -60,31 +71,155 @@ def import_onnx(path: str | Path, name: str | None = None) -> tuple[dict, dict[s
     if len(dims) != 4 or not all(d.HasField("dim_value") for d in dims[1:]):
         raise ModelImportError(f"{path}: input {inputs[0].name!r} must be (N, C, H, W) with C, H, W known")
     shape = input_shape_of([d.dim_value for d in dims[1:]])
-    ops = _ops(graph, constants, inputs[0].name, str(path), onnx)
-    return net_from_ops(ops, shape, model_name(name, graph.name or path.stem), str(path))
+    ops = _ops(graph, constants, inputs[0].name, origin, onnx)
+    return net_from_ops(ops, shape, model_name(name, graph.name or path.stem), origin)
+
+
+# Every TensorProto of a model, wherever it sits: the initializers, sparse initializers, and the
+# tensor-valued attributes of every node, subgraphs (If / Loop / Scan bodies) included.
+def _all_tensors(graph, where: str, onnx) -> Iterator[tuple[Any, str]]:
+    for t in graph.initializer:
+        yield t, f"{where}initializer {t.name!r}"
+    for st in graph.sparse_initializer:
+        yield st, f"{where}sparse initializer {st.values.name!r}"
+    A = onnx.AttributeProto
+    for k, node in enumerate(graph.node):
+        label = f"{where}node {node.name or node.op_type + '_' + str(k)!r}"
+        for a in node.attribute:
+            at = f"{label} attribute {a.name!r}"
+            if a.type == A.TENSOR:
+                yield a.t, at
+            elif a.type == A.TENSORS:
+                yield from ((t, at) for t in a.tensors)
+            elif a.type == A.SPARSE_TENSOR:
+                yield a.sparse_tensor, at
+            elif a.type == A.SPARSE_TENSORS:
+                yield from ((t, at) for t in a.sparse_tensors)
+            elif a.type == A.GRAPH:
+                yield from _all_tensors(a.g, f"{at}: ", onnx)
+            elif a.type == A.GRAPHS:
+                for g in a.graphs:
+                    yield from _all_tensors(g, f"{at}: ", onnx)
+
+
+def _check_tensors(graph, origin: str, onnx) -> None:
+    """The one policy for every tensor of the model: its data is inside the file. An external
+    location ("secret.bin") would be read relative to the working directory or the model's
+    folder: a model file must not make the importer read other files."""
+    for tensor, what in _all_tensors(graph, "", onnx):
+        parts = (tensor.values, tensor.indices) if isinstance(tensor, onnx.SparseTensorProto) else (tensor,)
+        for t in parts:
+            if t.data_location == onnx.TensorProto.EXTERNAL or len(t.external_data):
+                raise ModelImportError(f"{origin}: {what} is stored in an external file; save the model with its "
+                                       "weights inside (onnx.save(model, path, save_as_external_data=False))")
+
+
+def _check_opsets(model, origin: str, onnx) -> None:
+    """The default domain's opset in the range this onnx package defines; no other domain."""
+    newest = onnx.defs.onnx_opset_version()
+    for opset in model.opset_import:
+        if opset.domain in ("", "ai.onnx"):
+            if not MIN_OPSET <= opset.version <= newest:
+                raise ModelImportError(f"{origin}: opset_import: ai.onnx version {opset.version} is outside "
+                                       f"[{MIN_OPSET}, {newest}] (the versions this onnx package defines)")
+        elif any(n.domain == opset.domain for n in model.graph.node):
+            raise ModelImportError(f"{origin}: operators of domain {show(opset.domain)} are not supported")
+
+
+# ONNX element types that hold plain numbers (TensorProto.DataType values by name).
+NUMERIC_TYPES = ("FLOAT", "DOUBLE", "FLOAT16", "BFLOAT16", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16",
+                 "UINT32", "UINT64", "BOOL")
+
+
+def load_tensor(tensor, what: str, origin: str, onnx) -> np.ndarray:
+    """A dense tensor of plain numbers as an array: its type, dims and the element count checked
+    before numpy_helper allocates anything (the data must be inside the file: _check_tensors)."""
+    names = {getattr(onnx.TensorProto, n) for n in NUMERIC_TYPES}
+    if tensor.data_type not in names:
+        kind = onnx.TensorProto.DataType.Name(tensor.data_type) if tensor.data_type in \
+            onnx.TensorProto.DataType.values() else str(tensor.data_type)
+        raise ModelImportError(f"{origin}: {what}: element type {kind}, expected numbers")
+    dims = list(tensor.dims)
+    if any(d < 0 for d in dims) or len(dims) > 8:
+        raise ModelImportError(f"{origin}: {what}: dims {dims[:9]} (at most 8 non-negative sizes)")
+    count = math.prod(dims)
+    if count > limits.MAX_TENSOR_FLOATS:
+        raise ModelImportError(f"{origin}: {what}: {count} elements, more than the {limits.MAX_TENSOR_FLOATS} allowed")
+    try:
+        array = onnx.numpy_helper.to_array(tensor)
+    except Exception as e:  # data shorter or longer than the dims claim, a corrupt encoding
+        raise ModelImportError(f"{origin}: {what}: unreadable data ({type(e).__name__}: {str(e)[:120]})") from None
+    if array.size != count:
+        raise ModelImportError(f"{origin}: {what}: holds {array.size} values, its dims {dims} claim {count}")
+    return array
+
+
+def _constant_value(node, origin: str, onnx) -> np.ndarray | None:
+    """A Constant node's value as an array (its numbers go through load_tensor); None for a
+    form that holds no numbers (strings: nothing of ours can use them)."""
+    what = f"Constant node {node.name or node.output[0]!r}"
+    for a in node.attribute:
+        if a.name == "value":
+            return load_tensor(a.t, what, origin, onnx)
+        if a.name == "value_float":
+            return np.array(a.f, np.float32)
+        if a.name == "value_floats":
+            return np.array(list(a.floats), np.float32)
+        if a.name == "value_int":
+            return np.array(a.i, np.int64)
+        if a.name == "value_ints":
+            return np.array(list(a.ints), np.int64)
+        if a.name == "sparse_value":
+            raise ModelImportError(f"{origin}: {what}: sparse tensors are not supported (store it dense)")
+    return None
 
 
 def _attrs(node, onnx) -> dict[str, Any]:
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _symmetric(pads) -> tuple[int, int]:
-    pads = list(pads) or [0, 0, 0, 0]
+def _ints(a: dict, name: str, default: list[int]) -> list[int]:
+    """An INTS attribute (or its default): a list of ints, else the node is refused."""
+    value = a.get(name, default)
+    if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
+        raise _Unsupported(f"{name} {show(value)} (a list of ints)")
+    return value
+
+
+def _int(a: dict, name: str, default: int) -> int:
+    value = a.get(name, default)
+    if type(value) is not int:
+        raise _Unsupported(f"{name} {show(value)} (an int)")
+    return value
+
+
+def _float(a: dict, name: str, default: float) -> np.float32:
+    value = a.get(name, default)
+    if type(value) not in (int, float) or not math.isfinite(value) or abs(value) > 1e30:
+        raise _Unsupported(f"{name} {show(value)} (a finite number)")
+    return np.float32(value)
+
+
+def _symmetric(pads: list[int]) -> list[int]:
+    pads = pads or [0, 0, 0, 0]
     if len(pads) != 4 or pads[:2] != pads[2:]:
         raise _Unsupported(f"pads {pads} (only symmetric: [top, left, top, left])")
-    return int(pads[0]), int(pads[1])
+    return pads[:2]
 
 
-def _window(a: dict, kernel_from=None) -> dict[str, tuple[int, int]]:
-    kernel = tuple(int(k) for k in a.get("kernel_shape", kernel_from or ()))
+def _window(a: dict, kernel_from=None) -> dict[str, Any]:
+    """kernel / stride / pad as read: the shared front end checks their ranges, naming the node."""
+    kernel = _ints(a, "kernel_shape", [int(k) for k in kernel_from] if kernel_from is not None else [])
     if len(kernel) != 2:
-        raise _Unsupported(f"kernel_shape {list(kernel)} (only 2-D)")
+        raise _Unsupported(f"kernel_shape {kernel} (only 2-D)")
     if a.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET", b"VALID", "VALID"):
         raise _Unsupported(f"auto_pad {a['auto_pad']!r} (only NOTSET or VALID)")
-    if any(d != 1 for d in a.get("dilations", [1, 1])):
-        raise _Unsupported(f"dilations {list(a['dilations'])} (only 1)")
-    strides = tuple(int(s) for s in a.get("strides", [1, 1]))
-    return {"kernel": (kernel[0], kernel[1]), "stride": (strides[0], strides[1]), "pad": _symmetric(a.get("pads", []))}
+    if any(d != 1 for d in _ints(a, "dilations", [1, 1])):
+        raise _Unsupported(f"dilations {a['dilations']} (only 1)")
+    strides = _ints(a, "strides", [1, 1])
+    if len(strides) != 2:
+        raise _Unsupported(f"strides {strides} (two: [h, w])")
+    return {"kernel": kernel, "stride": strides, "pad": _symmetric(_ints(a, "pads", []))}
 
 
 class _Unsupported(Exception):
@@ -145,25 +280,25 @@ def _node_op(node, following, source: str, constants, onnx) -> tuple[Op, bool]:
     """The Op of one node, and whether it consumed `following` (the Add after a MatMul)."""
     t, a = node.op_type, _attrs(node, onnx)
     if t == "Conv":
-        if a.get("group", 1) != 1:
+        if _int(a, "group", 1) != 1:
             raise _Unsupported(f"group {a['group']} (only 1)")
         w = _const(constants, node, 1, "weight")
         if w is None or w.ndim != 4:
             raise _Unsupported("needs a 4-D weight initializer")
         return Op("conv", source, t, _window(a, w.shape[2:]), w, _const(constants, node, 2, "bias")), False
     if t == "Gemm":
-        if a.get("transA", 0):
+        if _int(a, "transA", 0):
             raise _Unsupported("transA 1 (only 0)")
         b = _const(constants, node, 1, "B")
         if b is None or b.ndim != 2:
             raise _Unsupported("needs a 2-D B initializer")
-        w = (b if a.get("transB", 0) else b.T) * np.float32(a.get("alpha", 1.0))
+        w = (b if _int(a, "transB", 0) else b.T) * _float(a, "alpha", 1.0)
         c = _const(constants, node, 2, "C")
         bias = None
         if c is not None:
             if c.size not in (1, w.shape[0]) or c.ndim > 2:
                 raise _Unsupported(f"C of shape {c.shape} (only a bias of the {w.shape[0]} outputs)")
-            bias = np.broadcast_to(c.reshape(-1), (w.shape[0],)) * np.float32(a.get("beta", 1.0))
+            bias = np.broadcast_to(c.reshape(-1), (w.shape[0],)) * _float(a, "beta", 1.0)
         return Op("fc", source, t, {}, w, bias), False
     if t == "MatMul":
         b = _const(constants, node, 1, "B")
@@ -176,12 +311,12 @@ def _node_op(node, following, source: str, constants, onnx) -> tuple[Op, bool]:
                 bias, merged = np.asarray(constants[other[0]]).reshape(-1), True
         return Op("fc", source, "MatMul" + ("+Add" if merged else ""), {}, b.T, bias), merged
     if t in ("MaxPool", "AveragePool"):
-        if a.get("ceil_mode", 0):
+        if _int(a, "ceil_mode", 0):
             raise _Unsupported("ceil_mode 1 (only floor)")
-        if t == "MaxPool" and (a.get("storage_order", 0) or len([o for o in node.output if o]) > 1):
+        if t == "MaxPool" and (_int(a, "storage_order", 0) or len([o for o in node.output if o]) > 1):
             raise _Unsupported("an Indices output or storage_order")
         window = _window(a)
-        if t == "AveragePool" and window["pad"] != (0, 0) and not a.get("count_include_pad", 0):
+        if t == "AveragePool" and window["pad"] != [0, 0] and not _int(a, "count_include_pad", 0):
             raise _Unsupported("count_include_pad 0 with pads (only pads counted as zeros)")
         return Op("maxpool" if t == "MaxPool" else "avgpool", source, t, window), False
     if t == "GlobalAveragePool":
@@ -190,10 +325,12 @@ def _node_op(node, following, source: str, constants, onnx) -> tuple[Op, bool]:
         return Op("relu", source, t), False
     if t == "Dropout":
         ratio = _const(constants, node, 1, "ratio")
-        rate = float(ratio) if ratio is not None else float(a.get("ratio", 0.5))
+        if ratio is not None and ratio.size != 1:
+            raise _Unsupported(f"ratio of shape {ratio.shape} (a scalar)")
+        rate = ratio.reshape(-1)[0].item() if ratio is not None else a.get("ratio", 0.5)
         return Op("dropout", source, t, {"rate": rate}), False
     if t == "Flatten":
-        if a.get("axis", 1) != 1:
+        if _int(a, "axis", 1) != 1:
             raise _Unsupported(f"axis {a['axis']} (only 1)")
         return Op("flatten", source, t), False
     if t == "Reshape":
@@ -204,7 +341,7 @@ def _node_op(node, following, source: str, constants, onnx) -> tuple[Op, bool]:
     if t == "Identity":
         return Op("identity", source, t), False
     if t in ("Softmax", "LogSoftmax"):
-        if a.get("axis", -1) not in (1, -1):
+        if _int(a, "axis", -1) not in (1, -1):
             raise _Unsupported(f"axis {a['axis']} (only over the classes)")
         return Op("softmax", source, t), False
     raise _Unsupported("operator not supported")

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pcldnn_runtime as pr
 from pcldnn_runtime.cpu import PRECISIONS
+from pcldnn_runtime.optim import SCHEDULES
+from pcldnn_runtime.validate import Fields, check_writable, open_regular
 
 from .arch import get_arch
 from .build import build
@@ -27,6 +29,7 @@ from .netspec import NetSpec, load_netspec
 # accuracy; see docs/models.md for the runs behind these figures.
 DEFAULT_LR = ((3, 0.05), (6, 0.02), (10, 0.01))  # (at most this many weighted layers, lr)
 DEEP_LR = 0.005
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 
 
 def default_lr(spec: NetSpec) -> float:
@@ -102,6 +105,63 @@ def world():
     return MPI.COMM_WORLD if MPI.COMM_WORLD.size > 1 else None
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Every number in its range and every file the run will read or write usable, before any
+    compile or training: a typo in --plot must not cost the run."""
+    f = Fields("command line", PcldnnError)
+    f.int_in(args.epochs, "--epochs", 1, 1 << 20)
+    f.int_in(args.batch_size, "--batch-size", 1, 1 << 20)
+    if args.lr is not None:
+        f.number_in(args.lr, "--lr", 0, 1e6, open_lo=True)
+    f.number_in(args.momentum, "--momentum", 0, 1, open_hi=True)
+    f.number_in(args.weight_decay, "--weight-decay", 0, 1e6)
+    f.choice(args.schedule, "--schedule", SCHEDULES)
+    if args.warmup_steps is not None:
+        f.int_in(args.warmup_steps, "--warmup-steps", 0, 1 << 40)
+    f.int_in(args.workers, "--workers", 1, 256)
+    if args.threads is not None:
+        f.int_in(args.threads, "--threads", 1, 1 << 12)
+    f.int_in(args.seed, "--seed", 0, 2 ** 63 - 1)
+    if args.size is not None:
+        for i, side in enumerate(args.size):
+            f.int_in(side, f"--size[{i}]", 1, 1 << 14)
+    for flag, given, needs in (("--labels", args.labels, args.data), ("--val-labels", args.val_labels, args.val)):
+        if given and not (needs and needs.endswith(".npy")):
+            f.fail(flag, "is read only with an images .npy file (--data / --val)")
+    for flag in ("--weights", "--resume", "--labels", "--val-labels"):
+        if getattr(args, flag[2:].replace("-", "_")):
+            check_readable(getattr(args, flag[2:].replace("-", "_")), flag)
+    for flag, path in (("--data", args.data), ("--val", args.val)):
+        if path and path not in ("digits", "synthetic") and not Path(path).is_dir():
+            check_readable(path, flag)
+    if args.val in ("digits", "synthetic"):
+        f.fail("--val", f"must be a path; {args.val} data comes with its own test split (omit --val)")
+    if args.metrics:
+        check_writable(args.metrics, "--metrics")
+    if args.plot:
+        check_writable(args.plot, "--plot")
+        suffix = Path(args.plot).suffix.lower()
+        if suffix not in PLOT_SUFFIXES:
+            f.fail("--plot", f"{args.plot}: the picture's format comes from its suffix: one of "
+                   f"{', '.join(PLOT_SUFFIXES)}, got {suffix or 'none'}")
+    if args.checkpoint_dir:
+        check_writable(args.checkpoint_dir, "--checkpoint-dir", directory=True)
+    if args.trace:
+        check_writable(args.trace, "--trace", directory=True)
+
+
+def check_readable(path: str, flag: str) -> None:
+    """A file that exists and is a regular file (its contents are checked when it is read)."""
+    try:
+        open_regular(path, PcldnnError).close()
+    except FileNotFoundError:
+        raise PcldnnError(f"{flag} {path}: no such file") from None
+    except OSError as e:
+        raise PcldnnError(f"{flag} {path}: cannot read: {e.strerror or e}") from None
+    except PcldnnError as e:
+        raise PcldnnError(f"{flag} {e}") from None
+
+
 def _dataset(path: str, labels: str | None, spec: NetSpec, size, augment: bool, what: str):
     """A dataset from --data / --val."""
     p = Path(path)
@@ -120,8 +180,8 @@ def _dataset(path: str, labels: str | None, spec: NetSpec, size, augment: bool, 
 
 
 def datasets(args, spec: NetSpec, classes: int):
-    """(train, val or None) with the per-channel normalisation of the training set unless
-    --no-normalize."""
+    """(train, val or None), every label checked in [0, classes), with the per-channel
+    normalisation of the training set unless --no-normalize."""
     if args.data == "digits":
         train, val = pr.digits(size=spec.input[1])
     elif args.data == "synthetic":
@@ -129,7 +189,17 @@ def datasets(args, spec: NetSpec, classes: int):
         val = pr.synthetic(512, tuple(spec.input), classes, seed=args.seed, split=1)
     else:
         train = _dataset(args.data, args.labels, spec, args.size, args.augment, "--data")
-        val = _dataset(args.val, args.val_labels, spec, args.size, False, "--val") if args.val else None
+        val = None
+    if args.val:
+        val = _dataset(args.val, args.val_labels, spec, args.size, False, "--val")
+    for data, flag in ((train, "--data"), (val, "--val")):
+        if data is not None:
+            try:
+                data.check_classes(classes)
+            except PcldnnError as e:
+                raise PcldnnError(f"{flag} {e}") from None
+    if args.batch_size > len(train):
+        raise PcldnnError(f"--batch-size {args.batch_size} is larger than the {len(train)} training samples")
     if args.augment and train.augment is None:
         train.augment = pr.Augment(crop_padding=max(1, spec.input[1] // 8), flip=True)
     if not args.no_normalize:
@@ -144,7 +214,11 @@ def run(args: argparse.Namespace, prog: str = "pcldnn-gen train") -> int:
     comm = world()
     lead = comm is None or comm.rank == 0
     try:
+        check_args(args)
         spec = load_netspec(args.net)
+        if spec.layers[-1].type != "softmax_cross_entropy":
+            raise PcldnnError(f"{args.net}: the net has no softmax_cross_entropy layer to train")
+        train, test = datasets(args, spec, spec.layers[-1].in_shape[0])
         weights = None
         if args.weights:
             from pcldnn_runtime.state_io import read_npz
@@ -154,9 +228,6 @@ def run(args: argparse.Namespace, prog: str = "pcldnn-gen train") -> int:
         if comm is not None:  # rank 0 compiles (or finds the cache), the others load its build
             directory = comm.bcast(directory, root=0)
         net = pr.load(directory, threads=args.threads, seed=args.seed)
-        if net.loss_layer is None:
-            raise PcldnnError(f"{args.net}: the net has no softmax_cross_entropy layer to train")
-        train, test = datasets(args, spec, net.loss_layer.out_shape[0])
         per_epoch = len(train) // args.batch_size
         steps = args.epochs * per_epoch
         lr = args.lr if args.lr is not None else default_lr(spec)
@@ -187,8 +258,12 @@ def run(args: argparse.Namespace, prog: str = "pcldnn-gen train") -> int:
             comm.Abort(2)
         return 2
     if trace is not None:
-        Path(args.trace).mkdir(parents=True, exist_ok=True)
-        (Path(args.trace) / f"trace-rank{comm.rank}.json").write_text(json.dumps({"traceEvents": trace}))
+        try:
+            Path(args.trace).mkdir(parents=True, exist_ok=True)
+            (Path(args.trace) / f"trace-rank{comm.rank}.json").write_text(json.dumps({"traceEvents": trace}))
+        except OSError as e:
+            print(f"{prog}: error: {args.trace}: cannot write the trace: {e.strerror or e}", file=sys.stderr)
+            return 2
     if not lead:
         return 0
     for h in history:
@@ -196,7 +271,11 @@ def run(args: argparse.Namespace, prog: str = "pcldnn-gen train") -> int:
         print(f"epoch {h['epoch']:3d}  train loss {h['train_loss']:.4f}  acc {h['train_accuracy']:.4f}{val}  "
               f"{h['images_per_s']:.0f} images/s")
     if args.plot and history:
-        save_plot(history, args.plot)
+        try:
+            save_plot(history, args.plot)
+        except OSError as e:  # checked before training; the disk may have filled since
+            print(f"{prog}: error: {args.plot}: cannot write the plot: {e.strerror or e}", file=sys.stderr)
+            return 2
     seen = per_epoch * args.batch_size
     seconds = sum(seen / h["images_per_s"] for h in history)
     rate = seen * len(history) / seconds if history else math.nan

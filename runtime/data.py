@@ -19,11 +19,36 @@ from typing import Iterator
 
 import numpy as np
 
+from . import npyfile
 from .errors import PcldnnError
 from .validate import Fields, open_regular, show
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".ppm", ".pgm", ".gif", ".tif", ".tiff", ".webp")
 STATS_CHUNK = 512  # samples per read when computing channel statistics
+LABEL_LIMIT = 1 << 31  # labels are int32 inside: anything at or above is no class index
+# Pillow modes by the value that means full intensity: 8-bit modes convert to RGB / L as they
+# are; 16-bit grey scales by 1/65535 (a plain convert to L would clip it to 0 / 255). "I" (32-bit
+# int) and "F" (float) have no defined range and are refused, except "I" from a PNG, whose
+# samples are at most 16 bits (older Pillow opens 16-bit grey PNGs so).
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
+EIGHT_BIT_MODES = ("1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr", "HSV", "LAB")
+
+
+def checked_labels(y, origin: str, classes: int | None = None) -> np.ndarray:
+    """Integer labels as int32, every one checked in [0, classes) (without `classes`: in
+    [0, 2^31)) before the conversion, so no value wraps (2^32 + 1 is not 1)."""
+    y = np.asarray(y)
+    if y.dtype.kind not in "iu":
+        raise PcldnnError(f"{origin}: labels must be integers, got {y.dtype}")
+    top = LABEL_LIMIT if classes is None else classes
+    if y.size:
+        lo, hi = int(y.min()), int(y.max())  # Python ints: exact for every integer dtype
+        if lo < 0 or hi >= top:
+            bad = int(np.flatnonzero((y < 0) | (y >= top))[0]) if y.ndim == 1 else None
+            raise PcldnnError(f"{origin}: labels must lie in [0, {top})"
+                              + ("" if classes is None else f" (the net has {classes} classes)")
+                              + f", got values from {lo} to {hi}" + ("" if bad is None else f" (first at sample {bad})"))
+    return y.astype(np.int32)
 
 
 def _hash_uniform(seed: int, epoch: int, indices: np.ndarray, stream: int) -> np.ndarray:
@@ -90,16 +115,40 @@ class Dataset:
     def sample_shape(self) -> tuple[int, int, int]:
         return tuple(self._load(np.arange(1))[0].shape[1:])  # type: ignore[return-value]
 
+    def all_labels(self) -> np.ndarray | None:
+        """Every sample's label (int32, checked when the dataset was opened); None where only
+        reading the samples would tell (a subclass's own data: each batch is checked as read)."""
+        return None
+
+    def check_classes(self, classes: int) -> None:
+        """An error naming the dataset unless every label lies in [0, classes): what `fit` and
+        `pcldnn-gen train` check before the first step."""
+        labels = self.all_labels()
+        if labels is not None:
+            checked_labels(labels, self.name, classes)
+
     def read(self, indices, epoch: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        indices = np.asarray(indices, dtype=np.int64)
-        if indices.size and (indices.min() < 0 or indices.max() >= len(self)):
-            raise PcldnnError(f"{self.name}: sample index out of range [0, {len(self)})")
+        indices = self._indices(indices)
         x, y = self._load(indices)
         if epoch is not None and self.augment is not None:
             x = self.augment.apply(x, indices, epoch)
         if self.mean is not None and self.std is not None:
             x = (x - self.mean.reshape(1, -1, 1, 1)) / self.std.reshape(1, -1, 1, 1)
         return np.ascontiguousarray(x, dtype=np.float32), y
+
+    def _indices(self, indices) -> np.ndarray:
+        """Sample indices as int64, each checked in [0, len) first (no wrap, no float truncation)."""
+        try:
+            a = np.asarray(indices)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise PcldnnError(f"{self.name}: sample indices must be a list of ints ({e})") from None
+        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+            raise PcldnnError(f"{self.name}: sample indices must be a 1-D list of ints in [0, {len(self)}), got "
+                              f"{a.dtype} of shape {a.shape}")
+        if a.size and (int(a.min()) < 0 or int(a.max()) >= len(self)):
+            raise PcldnnError(f"{self.name}: sample index out of range [0, {len(self)}): got {int(a.min())} .. "
+                              f"{int(a.max())}")
+        return a.astype(np.int64)
 
     def channel_stats(self, chunk: int = STATS_CHUNK) -> tuple[np.ndarray, np.ndarray]:
         """Per-channel mean and standard deviation of the raw samples (no augmentation, no
@@ -109,6 +158,9 @@ class Dataset:
         for start in range(0, len(self), chunk):
             x, _ = self._load(np.arange(start, min(start + chunk, len(self))))
             x = x.astype(np.float64)
+            finite = np.isfinite(x).reshape(len(x), -1).all(axis=1)
+            if not finite.all():
+                raise PcldnnError(f"{self.name}: sample {start + int(np.flatnonzero(~finite)[0])} holds NaN or infinity")
             n = x.shape[0] * x.shape[2] * x.shape[3]
             chunk_mean = x.mean(axis=(0, 2, 3))
             chunk_m2 = ((x - chunk_mean.reshape(1, -1, 1, 1)) ** 2).sum(axis=(0, 2, 3))
@@ -137,12 +189,12 @@ class ArrayDataset(Dataset):
             raise PcldnnError(f"{name}: images must be (N, C, H, W), got shape {x.shape}")
         if y.shape != (x.shape[0],):
             raise PcldnnError(f"{name}: labels must be ({x.shape[0]},) to match the images, got {y.shape}")
-        if not np.issubdtype(y.dtype, np.integer):
-            raise PcldnnError(f"{name}: labels must be integers, got {y.dtype}")
         if x.shape[0] == 0:
             raise PcldnnError(f"{name}: no samples")
+        if x.dtype.kind not in "fiub":
+            raise PcldnnError(f"{name}: images must be numbers, got {x.dtype}")
+        self.y = checked_labels(y, name)
         self.x = np.ascontiguousarray(x, dtype=np.float32)
-        self.y = y.astype(np.int32)
         self.name = name
         self.augment = augment
 
@@ -151,6 +203,9 @@ class ArrayDataset(Dataset):
 
     def _load(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self.x[indices], self.y[indices]
+
+    def all_labels(self) -> np.ndarray:
+        return self.y
 
     def normalized(self, mean, std) -> "ArrayDataset":
         """A normalised copy (the arrays themselves rescaled)."""
@@ -167,25 +222,6 @@ class ArrayDataset(Dataset):
             yield self.read(order[start:start + batch_size])
 
 
-def _npy_header(path: Path) -> tuple[tuple[int, ...], np.dtype]:
-    """Shape and dtype from a .npy file's header, checked before the file is mapped."""
-    try:
-        f = open_regular(path, PcldnnError)
-    except OSError as e:
-        raise PcldnnError(f"{path}: cannot read: {e.strerror or e}") from None
-    with f:
-        try:
-            version = np.lib.format.read_magic(f)
-            reader = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0,
-                      (3, 0): np.lib.format.read_array_header_2_0}[version]
-            shape, fortran, dtype = reader(f, max_header_size=10000)
-        except Exception as e:  # numpy parses the header with Python's tokenizer
-            raise PcldnnError(f"{path}: not a .npy array file ({type(e).__name__})") from None
-    if fortran or dtype.hasobject or dtype.kind not in "fiub":
-        raise PcldnnError(f"{path}: must hold a C-ordered array of numbers, got {dtype}{' (Fortran order)' * fortran}")
-    return shape, dtype
-
-
 class MemmapDataset(Dataset):
     """`MemmapDataset("images.npy", "labels.npy")`: images (N, C, H, W) or (N, H, W) of any
     numeric dtype (uint8 is scaled by 1/255 unless `scale` says otherwise) and integer labels
@@ -195,24 +231,32 @@ class MemmapDataset(Dataset):
     def __init__(self, images: str | Path, labels: str | Path, augment: Augment | None = None,
                  scale: float | None = None, name: str | None = None):
         images, labels = Path(images), Path(labels)
-        shape, dtype = _npy_header(images)
-        lshape, ldtype = _npy_header(labels)
+        head = npyfile.npy_file_header(images)
+        lhead = npyfile.npy_file_header(labels, kinds="iu")
+        shape = head.shape
         if len(shape) not in (3, 4) or 0 in shape:
             raise PcldnnError(f"{images}: images must be (N, C, H, W) or (N, H, W), got shape {shape}")
-        if lshape != (shape[0],) or ldtype.kind not in "iu":
+        if any(d > LABEL_LIMIT for d in shape):
+            raise PcldnnError(f"{images}: shape {shape} has a side of more than 2^31")
+        if lhead.shape != (shape[0],):
             raise PcldnnError(f"{labels}: labels must be ({shape[0]},) integers to match {images.name}, "
-                              f"got {lshape} {ldtype}")
+                              f"got {lhead.shape} {lhead.dtype}")
+        if scale is not None:
+            Fields("MemmapDataset").number_in(scale, "scale", -1e30, 1e30)
         self.name = name or images.stem
         self.augment = augment
-        self._x = np.load(images, mmap_mode="r")
-        self._y = np.load(labels, mmap_mode="r")
-        for array in (self._x, self._y):  # shuffled reads: no read-ahead, no fault-around of neighbours
-            mapping = getattr(array, "_mmap", None)
-            if mapping is not None and hasattr(mapping, "madvise") and hasattr(mmap, "MADV_RANDOM"):
-                mapping.madvise(mmap.MADV_RANDOM)
+        try:
+            self._x = np.memmap(images, dtype=head.dtype, mode="r", offset=head.offset, shape=shape)
+            y = np.memmap(labels, dtype=lhead.dtype, mode="r", offset=lhead.offset, shape=lhead.shape)
+        except (OSError, ValueError) as e:  # replaced or shortened since the header was read
+            raise PcldnnError(f"{images}: cannot map the arrays ({type(e).__name__}: {e})") from None
+        self._y = checked_labels(y, str(labels))  # small: held in memory, checked once
+        mapping = getattr(self._x, "_mmap", None)  # shuffled reads: no read-ahead, no fault-around
+        if mapping is not None and hasattr(mapping, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+            mapping.madvise(mmap.MADV_RANDOM)
         if self._x.ndim == 3:
             self._x = self._x[:, None]
-        self.scale = np.float32(scale if scale is not None else (1 / 255 if dtype == np.uint8 else 1.0))
+        self.scale = np.float32(scale if scale is not None else (1 / 255 if head.dtype == np.uint8 else 1.0))
 
     def __len__(self) -> int:
         return self._x.shape[0]
@@ -222,7 +266,10 @@ class MemmapDataset(Dataset):
         x = np.empty((len(indices), *self._x.shape[1:]), np.float32)
         x[order] = self._x[indices[order]]
         x *= self.scale
-        return x, np.asarray(self._y[indices], dtype=np.int32)
+        return x, self._y[indices]
+
+    def all_labels(self) -> np.ndarray:
+        return self._y
 
 
 class ImageFolder(Dataset):
@@ -254,7 +301,7 @@ class ImageFolder(Dataset):
         if not files:
             raise PcldnnError(f"{root}: no images found (expected <root>/<class>/<image>.png|jpg|...)")
         self.root, self.classes, self.files = root, classes, files
-        self.labels = np.array(labels, np.int32)
+        self._labels = np.array(labels, np.int32)
         self.name = name or root.name
         self.augment = augment
 
@@ -268,18 +315,41 @@ class ImageFolder(Dataset):
             raise PcldnnError("ImageFolder needs Pillow (pip install 'pcldnn-gen[images]')") from None
         try:
             with open_regular(path, PcldnnError) as fh, Image.open(fh) as im:
-                im = im.convert("RGB" if self.channels == 3 else "L")
-                if im.size != (self.size[1], self.size[0]):
-                    im = im.resize((self.size[1], self.size[0]), Image.Resampling.BILINEAR)
-                a = np.asarray(im, dtype=np.float32) * np.float32(1 / 255)
+                a = self._pixels(im, Image, path)
         except PcldnnError:
             raise
         except Exception as e:  # Pillow's UnidentifiedImageError, DecompressionBombError, truncated files, ...
             raise PcldnnError(f"{path}: cannot decode the image ({type(e).__name__}: {str(e)[:200]})") from None
         return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
 
+    def _pixels(self, im, Image, path: Path) -> np.ndarray:
+        """(H, W) or (H, W, 3) float32 in [0, 1] at `size`, scaled by the mode's full intensity."""
+        size = (self.size[1], self.size[0])
+        if im.mode in SIXTEEN_BIT_MODES or (im.mode == "I" and im.format == "PNG"):
+            grey = np.asarray(im).astype(np.float32)
+            if grey.ndim != 2 or grey.min() < 0 or grey.max() > 65535:
+                raise PcldnnError(f"{path}: {im.mode} image with values outside 16 bits")
+            plane = Image.fromarray(grey * np.float32(1 / 65535))
+            if plane.size != size:
+                plane = plane.resize(size, Image.Resampling.BILINEAR)
+            a = np.asarray(plane, dtype=np.float32)
+            return np.repeat(a[..., None], 3, axis=2) if self.channels == 3 else a
+        if im.mode not in EIGHT_BIT_MODES:
+            raise PcldnnError(f"{path}: image mode {im.mode} has no defined full-scale value (convert it to 8- or 16-bit)")
+        im = im.convert("RGB" if self.channels == 3 else "L")
+        if im.size != size:
+            im = im.resize(size, Image.Resampling.BILINEAR)
+        return np.asarray(im, dtype=np.float32) * np.float32(1 / 255)
+
     def _load(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return np.stack([self._decode(self.files[i]) for i in indices]), self.labels[indices]
+        return np.stack([self._decode(self.files[i]) for i in indices]), self._labels[indices]
+
+    def all_labels(self) -> np.ndarray:
+        return self._labels
+
+    def check_classes(self, classes: int) -> None:
+        if len(self.classes) > classes:
+            raise PcldnnError(f"{self.root}: {len(self.classes)} class folders, the net has {classes} classes")
 
 
 def prefetched(dataset: Dataset, batches: list[np.ndarray], epoch: int | None, workers: int = 2,

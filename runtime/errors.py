@@ -19,3 +19,8 @@ class BuildDirError(PcldnnError):
 
 class CheckpointError(PcldnnError):
     """A checkpoint that is missing, corrupt, of another net, or of another format."""
+
+
+class NonFiniteError(PcldnnError):
+    """NaN or infinity in a training input, a gradient or the weights: training stops at that
+    step, naming the layer, instead of carrying on with weights that are no longer numbers."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from . import cpu, observe
-from .errors import BuildDirError, PcldnnError
+from .errors import BuildDirError, NonFiniteError, PcldnnError
 from .kernels import (
     CACHE_LINE_FLOATS,
     KernelLibrary,
@@ -25,6 +25,7 @@ from .layers import AvgPoolLayer, DropoutLayer, Layer, LossLayer, MaxPoolLayer, 
 from .limits import bf16_gradients, bf16_outputs
 from .manifest import PEAK_SYMBOL, SGD_SYMBOL, WEIGHTS_FILE, LayerEntry, Manifest, inside, read_manifest
 from .state_io import StateKeys, check_state, expected_state, read_npz
+from .validate import non_finite_at
 
 _LAYER_CLASSES = {"conv": WeightedLayer, "fc": WeightedLayer, "maxpool": MaxPoolLayer,
                   "avgpool": AvgPoolLayer, "relu": ReluLayer, "dropout": DropoutLayer,
@@ -352,6 +353,10 @@ class Net:
         first, last = self.chain[0], self.chain[-1]
         x = first.check_input(x)
         batch = x.shape[0]
+        bad = non_finite_at(x)
+        if bad is not None:  # a fused ReLU would map NaN to 0: the loss stays finite, the weights do not
+            raise NonFiniteError(f"input sample {bad // (x.size // batch)} holds NaN or infinity (layer "
+                                 f"{first.name}'s input)")
         ws = self.workspace(batch)
         first.input_into_blocked(x, ws.acts[0])
         for i, layer in enumerate(self.chain):

@@ -12,8 +12,9 @@ import math
 
 import numpy as np
 
-from .errors import PcldnnError
+from .errors import NonFiniteError, PcldnnError
 from .kernels import ptr
+from .validate import non_finite_at
 
 SCHEDULES = ("constant", "step", "cosine")
 
@@ -55,6 +56,7 @@ class SGD:
         self._scratch: np.ndarray | None = None
         self._kernel = None  # the build's SGD update (Net.sgd_kernel), when bound to a net that has one
         self._threads = 1
+        self._layers: list[tuple[int, int, str]] = []  # [start, stop) of each layer in params: errors name it
 
     def config(self) -> dict:
         """Hyperparameters, for checkpoints and logs."""
@@ -79,6 +81,7 @@ class SGD:
         weight decay when biases are exempt."""
         self.velocity = np.zeros_like(net.params)
         self._kernel, self._threads = net.sgd_kernel(), net.threads
+        self._layers = sorted((start, stop, name) for name, (start, stop) in getattr(net, "param_ranges", {}).items())
         self._scratch = None if self._kernel is not None else np.empty_like(net.params)
         if self.decay_bias or self.weight_decay == 0:
             self._decay = self.weight_decay
@@ -98,6 +101,22 @@ class SGD:
             raise PcldnnError("SGD: bind(net) before the first update")
         lr = self.lr_at(step)
         p, v, g = params[sl], self.velocity[sl], grads[sl]
+        self._check_finite(g, "gradient", sl, step)  # before the update: the weights stay numbers
+        self._update(p, v, g, sl, lr)
+        self._check_finite(p, "updated weights", sl, step)
+
+    def _check_finite(self, buf: np.ndarray, what: str, sl: slice, step: int) -> None:
+        """A NonFiniteError naming the step and the layer where `buf` (params[sl] or grads[sl])
+        holds NaN or infinity: one summing pass (validate.non_finite_at)."""
+        bad = non_finite_at(buf)
+        if bad is None:
+            return
+        at = (sl.start or 0) + bad
+        layer = next((name for start, stop, name in self._layers if start <= at < stop), "?")
+        raise NonFiniteError(f"step {step}: the {what} of layer {layer} hold NaN or infinity (diverged, or NaN "
+                             "in the data: lower the learning rate or check the inputs)")
+
+    def _update(self, p: np.ndarray, v: np.ndarray, g: np.ndarray, sl: slice, lr: float) -> None:
         decay = self._decay[sl] if isinstance(self._decay, np.ndarray) else self._decay
         if self._kernel is not None:
             per_element = isinstance(decay, np.ndarray)

@@ -3,16 +3,14 @@ user's mapping against a net, and reading one from an .npz file. Shared by Net.l
 `pcldnn-gen compile --weights` and `pr.load` of a build that carries initial weights."""
 from __future__ import annotations
 
-import hashlib
-import io
-import zipfile
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
+from . import npyfile
 from .errors import PcldnnError
-from .validate import read_bounded, show
+from .validate import show
 
 MAX_NPZ_BYTES = 1 << 36  # 64 GiB: above any net the memory bound admits
 
@@ -79,17 +77,7 @@ def check_state(expected: Mapping[str, tuple[int, ...]], state: Any, origin: str
 
 def read_npz(path: str | Path, error: type[PcldnnError] = PcldnnError,
              sha256: str | None = None) -> dict[str, np.ndarray]:
-    """The arrays of an .npz file (no pickled objects), or one error naming the file. With
+    """The arrays of an .npz file (no pickled objects; every member's header checked against its
+    size and the memory bound before anything is allocated), or one error naming the file. With
     `sha256`, the bytes read are the bytes checked against it."""
-    path = Path(path)
-    data = read_bounded(path, MAX_NPZ_BYTES, error)
-    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
-        raise error(f"{path}: corrupt (sha256 differs from manifest.json); run `pcldnn-gen compile` again")
-    try:
-        loaded = np.load(io.BytesIO(data), allow_pickle=False)
-        if not isinstance(loaded, np.lib.npyio.NpzFile):
-            raise error(f"{path}: a single array, not an .npz file of named arrays")
-        with loaded:
-            return {name: loaded[name] for name in loaded.files}
-    except (ValueError, OSError, zipfile.BadZipFile, EOFError) as e:  # not an npz, a pickled array, truncated
-        raise error(f"{path}: not a NumPy .npz file of arrays ({type(e).__name__}: {str(e)[:200]})") from None
+    return npyfile.read_npz(path, error, MAX_NPZ_BYTES, sha256)

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import cpu, observe
+from . import cpu, npyfile, observe
 from .data import ArrayDataset, prefetched
-from .errors import CheckpointError, PcldnnError
+from .errors import CheckpointError, NonFiniteError, PcldnnError
 from .optim import SGD
 from .partition import shard_bounds
 from .validate import NAME_RE, SHA256_RE, Fields, open_regular, show
@@ -82,6 +82,13 @@ class Trainer:
         return self._step(x, labels, None)
 
     def _step(self, x: np.ndarray, labels: np.ndarray, global_batch: int | None) -> float:
+        try:
+            return self._checked_step(x, labels, global_batch)
+        except NonFiniteError as e:  # the input check knows no step; the optimizer's names it
+            text = str(e)
+            raise NonFiniteError(text if text.startswith("step ") else f"step {self.step_count}: {text}") from None
+
+    def _checked_step(self, x: np.ndarray, labels: np.ndarray, global_batch: int | None) -> float:
         labels = np.asarray(labels)
         if self.dist is not None:  # x, labels: this rank's shard; loss and accuracy: global
             shared = {"seed": self.seed, "global_batch": global_batch}
@@ -125,6 +132,7 @@ class Trainer:
         sums = np.zeros(2)
         chunks = [np.arange(start, min(start + batch_size, hi)) for start in range(lo, hi, batch_size)]
         for xb, yb in prefetched(data, chunks, None):
+            yb = self.net.loss_layer.check_labels(yb, len(yb))  # a negative label would index from the end
             loss, acc = softmax_metrics(self.net.forward(xb), yb)
             sums += (loss * len(yb), acc * len(yb))
         if self.dist is not None:
@@ -202,10 +210,17 @@ class Trainer:
         else:
             raise PcldnnError(f"fit: train must be a dataset or an iterable of (x, labels) batches, "
                               f"got {type(train).__name__}")
+        classes = self.net.loss_layer.in_shape[0]
+        for data in (train, val):  # every label in range before the first step, not at the end of the run
+            if hasattr(data, "check_classes"):
+                data.check_classes(classes)
         history = []
         lead = self.rank == 0  # progress, metrics and checkpoint files: rank 0 only
         progress = progress and lead
-        metrics = open(metrics_file, "a") if metrics_file and lead else None
+        try:
+            metrics = open(metrics_file, "a") if metrics_file and lead else None
+        except OSError as e:
+            raise PcldnnError(f"{metrics_file}: cannot write the metrics file: {e.strerror or e}") from None
         try:
             for epoch in range(self.step_count // per_epoch if per_epoch else 0, epochs):
                 skip = self.step_count - epoch * per_epoch if per_epoch else 0  # resumed mid-epoch
@@ -377,26 +392,19 @@ def read_checkpoint(path: Path, net) -> tuple[dict, np.ndarray, np.ndarray]:
 
 
 def _read_member(z: zipfile.ZipFile, name: str, path: Path, shape: tuple[int], exact: bool = False) -> np.ndarray:
-    """One .npy member: header checked (version, dtype, shape, order) before any data is read."""
+    """One .npy member: header checked (dtype, shape, order, bytes) before any data is read."""
     dtype = np.dtype(_MEMBERS[name])
-    with z.open(name) as f:
-        version = np.lib.format.read_magic(f)
-        readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
-        if version not in readers:
-            raise CheckpointError(f"{path}: {name}: unsupported npy version {version}")
-        try:  # numpy parses the header with Python's tokenizer: any exception can come out of it
-            got_shape, fortran, got_dtype = readers[version](f, max_header_size=10000)
-        except Exception as e:
-            raise CheckpointError(f"{path}: {name}: unreadable npy header ({type(e).__name__})") from None
-        if got_dtype != dtype or fortran or len(got_shape) != 1:
-            raise CheckpointError(f"{path}: {name}: expected a 1-D {dtype} array, got {got_dtype} {got_shape}")
-        count = got_shape[0]
-        if (exact and count != shape[0]) or count > shape[0]:
-            raise CheckpointError(f"{path}: {name}: {count} values, this net needs {shape[0]}")
-        data = f.read(count * dtype.itemsize + 1)
-    if len(data) != count * dtype.itemsize:
-        raise CheckpointError(f"{path}: {name}: truncated ({len(data)} bytes of {count * dtype.itemsize})")
-    return np.frombuffer(data, dtype=dtype).copy()
+    info = z.getinfo(name)
+    with z.open(info) as f:
+        header = npyfile.read_header(f, f"{path}: {name}", CheckpointError)
+    if header.dtype != dtype or len(header.shape) != 1:
+        raise CheckpointError(f"{path}: {name}: expected a 1-D {dtype} array, got {header.dtype} {header.shape}")
+    count = header.shape[0]
+    if (exact and count != shape[0]) or count > shape[0]:
+        raise CheckpointError(f"{path}: {name}: {count} values, this net needs {shape[0]}")
+    if info.file_size - header.offset < header.nbytes:
+        raise CheckpointError(f"{path}: {name}: truncated ({info.file_size - header.offset} bytes of {header.nbytes})")
+    return npyfile.read_data(z, info, header, f"{path}: {name}", CheckpointError)
 
 
 def _read_meta(path: Path, raw: np.ndarray) -> dict:

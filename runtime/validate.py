@@ -19,6 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, NoReturn
 
+import numpy as np
+
 from .errors import PcldnnError
 
 # Layer, net and C-identifier-bound names: they become C symbols and file names.
@@ -158,6 +160,17 @@ def _depth(value: Any) -> int:
     return deepest
 
 
+def non_finite_at(array) -> int | None:
+    """Flat index of the first NaN or infinity in a float array, None when there is none. One
+    summing pass: a finite sum proves every element finite; only a sum that is not (a NaN, an
+    infinity, or an overflow of huge finite values) pays for the exact search."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if math.isfinite(float(np.sum(array))):
+            return None
+    bad = np.flatnonzero(~np.isfinite(array))
+    return int(bad[0]) if bad.size else None
+
+
 def show(value: Any, limit: int = 60) -> str:
     """A value as JSON, shortened for an error line (never a multi-line or huge string)."""
     try:
@@ -258,6 +271,42 @@ class Fields:
 
 def _int_kind(lo: int) -> str:
     return {0: "a non-negative int", 1: "a positive int"}.get(lo, f"an int >= {lo}")
+
+
+def check_writable(path: str | Path, what: str, error: type[PcldnnError] = PcldnnError,
+                   directory: bool = False) -> Path:
+    """A path a command will write, checked before the long work that ends in writing it: a file
+    goes where no directory is, into an existing, writable folder; a `directory` (made with its
+    parents) goes where no file is, under a writable folder. One error naming `what` and the path."""
+    path = Path(path)
+    try:
+        if directory:
+            if path.exists() and not path.is_dir():
+                raise error(f"{what} {path}: exists and is not a directory")
+            probe = path
+            while not probe.exists() and probe != probe.parent:
+                probe = probe.parent
+            if not probe.is_dir():
+                raise error(f"{what} {path}: {probe} is not a directory")
+            if not os.access(probe, os.W_OK | os.X_OK):
+                raise error(f"{what} {path}: {probe} is not writable")
+            return path
+        if path.is_dir():
+            raise error(f"{what} {path}: is a directory")
+        folder = path.parent
+        if not folder.exists():
+            parent = folder
+            while not parent.exists() and parent != parent.parent:
+                parent = parent.parent
+            problem = "is not a directory" if not parent.is_dir() else "does not exist"
+            raise error(f"{what} {path}: {parent if not parent.is_dir() else folder} {problem}")
+        if not folder.is_dir():
+            raise error(f"{what} {path}: {folder} is not a directory")
+        if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise error(f"{what} {path}: not writable")
+    except (OSError, ValueError) as e:  # a name too long, a NUL byte, a loop of links
+        raise error(f"{what} {show(str(path))}: not a usable path ({e})") from None
+    return path
 
 
 def write_atomic(path: Path, data: bytes) -> None:

@@ -74,11 +74,11 @@ def test_memmap_dataset_reads_rows_and_refuses_bad_files(tmp_path):
     np.save(tmp_path / "y3.npy", np.zeros(19, np.int32))
     np.save(tmp_path / "yf.npy", np.zeros(20, np.float32))
     (tmp_path / "junk.npy").write_bytes(b"\x93NUMPY junk" * 10)
-    for xs, ys, message in (("obj.npy", "y.npy", "must hold a C-ordered array of numbers"),
-                            ("f.npy", "y.npy", "Fortran order"),
+    for xs, ys, message in (("obj.npy", "y.npy", "holds object, expected plain numbers"),
+                            ("f.npy", "y.npy", "Fortran-ordered"),
                             ("x.npy", "y3.npy", r"labels must be \(20,\) integers"),
-                            ("x.npy", "yf.npy", r"labels must be \(20,\) integers"),
-                            ("junk.npy", "y.npy", "not a .npy array file"),
+                            ("x.npy", "yf.npy", "y[f]?.npy: holds float32, expected plain numbers .signed int, unsigned"),
+                            ("junk.npy", "y.npy", "junk.npy: not a .npy array"),
                             ("missing.npy", "y.npy", "missing.npy")):
         with pytest.raises(PcldnnError, match=message):
             pr.MemmapDataset(tmp_path / xs, tmp_path / ys)

@@ -276,7 +276,7 @@ def test_train_script_runs_and_rejects_bad_options(tmp_path, monkeypatch, capsys
     assert script.main(args[:5] + ["3"] + args[6:] + ["--resume", "ck/checkpoint.npz"]) == 0
     assert "after 96 steps" in capsys.readouterr().out
     assert script.main(args + ["--lr", "-1"]) == 2
-    assert "train.py: error: SGD: lr must be a positive number" in capsys.readouterr().err
+    assert "train.py: error: command line: --lr: must be a number in (0, 1e+06], got -1.0" in capsys.readouterr().err
 
 
 @pytest.mark.slow
