@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import glob
 import json
 import os
 import shutil
@@ -159,6 +160,7 @@ def _write_build(net: NetSpec, arch: Arch, out_dir: Path, sources: list[tuple[La
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out_dir.parent / f".{out_dir.name}.lock"), timeout=900):
         _check_replaceable(out_dir)
+        _sweep_stages(out_dir)
         stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
         try:
             (stage / "src").mkdir()
@@ -189,6 +191,15 @@ def _write_build(net: NetSpec, arch: Arch, out_dir: Path, sources: list[tuple[La
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
+
+
+def _sweep_stages(out_dir: Path) -> None:
+    """Staging and old-build folders of earlier builds of out_dir that died mid-way: under the
+    build lock no live build of out_dir has one."""
+    for prefix in (f".{out_dir.name}.staging-", f".{out_dir.name}.old-"):
+        for path in out_dir.parent.glob(glob.escape(prefix) + "*"):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def _manifest(net: NetSpec, arch: Arch, kernels: dict[str, dict], precision: str) -> dict:

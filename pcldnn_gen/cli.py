@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 from pcldnn_runtime.cpu import PRECISIONS
+from pcldnn_runtime.validate import check_writable
 
 from . import __version__
 from .arch import get_arch
@@ -116,6 +117,9 @@ def _tune(args: argparse.Namespace) -> int:
         nets = [load_netspec(args.net, args.max_memory)]
     tuner.check_can_tune(arch, args.precision)
     db = TuningDB.load()
+    db.check_writable()
+    if args.json:
+        check_writable(args.json, "--json")
     print(f"tuning {len(nets)} net(s) on {arch.name} ({args.precision}), minibatch {args.batch}, {threads} "
           f"thread(s); database {db.path}", flush=True)
     report = tuner.tune(nets, arch, args.batch, threads, candidates=args.candidates, rounds=args.rounds,

@@ -150,6 +150,16 @@ def _temp_file(folder: Path, prefix: str, suffix: str) -> Iterator[str]:
             os.unlink(tmp)
 
 
+def _sweep_temporaries(folder: Path, prefixes: tuple[str, ...]) -> None:
+    """Remove the temporaries of one entry's compiles that died mid-way (killed, power cut):
+    called under that entry's lock, which a live compile of it would hold, so every such
+    temporary found is dead. The hour-old rule of `prune_cache` covers the other entries."""
+    for path in folder.iterdir():
+        if path.name.startswith(prefixes) and path.name.endswith(".tmp") and path.is_file() and not path.is_symlink():
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
 def _mark_used(entry: Path) -> None:
     """Renew an entry's mtime on a hit: `prune_cache` removes the least recently used first
     (atime is not kept on most mounts). Best effort: a read-only cache still serves."""
@@ -202,6 +212,7 @@ def _build_prelude(cc: str, flags: tuple[str, ...], cache: Path) -> tuple[str, .
             else:
                 for entry in (gch, digest_file):
                     _clear(entry)
+                _sweep_temporaries(folder, (".prelude.",))
                 write_atomic(header, (PRELUDE_INCLUDE + "\n").encode())
                 with _temp_file(folder, ".prelude.", ".gch.tmp") as tmp:
                     pch_flags = [f for f in flags if f != "-shared"]
@@ -243,6 +254,7 @@ def _compile_cached(source: Source, arch: Arch, cache: Path) -> CompileResult:
             return CompileResult(lib, compiled=False)
         for entry in (lib, digest_file, c_file):
             _clear(entry)
+        _sweep_temporaries(folder, (f".{key[:16]}.", f".{key}."))
         write_atomic(c_file, source.text.encode())
         prelude = prelude_args(cc, tuple(flags), cache) if PRELUDE_INCLUDE in source.text else ()
         with _temp_file(folder, f".{key[:16]}.", ".so.tmp") as tmp:

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from pcldnn_runtime import limits
-from pcldnn_runtime.validate import read_bounded, show
+from pcldnn_runtime.validate import check_writable, read_bounded, show
 
 from .errors import ModelImportError, PcldnnError
 from .frontend import Op, fail_unsupported, input_shape_of, model_name, net_from_ops
@@ -351,9 +351,11 @@ def write_net(net: dict, state: dict[str, np.ndarray], out: Path) -> tuple[Path,
     """NET.json and NET.npz beside it, each written to a temporary file and renamed: a failure
     leaves neither half-written."""
     weights = out.with_suffix(".npz")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    for target, what in ((out, "net description"), (weights, "weights")):  # both writable, or neither written
+        check_writable(target, what, ModelImportError, make_parents=True)
     temps = []
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         for target, write in ((out, lambda f: f.write(json.dumps(net, indent=1).encode() + b"\n")),
                               (weights, lambda f: np.savez(f, **state))):  # type: ignore[arg-type]
             fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{target.name}.", suffix=".tmp")
@@ -361,7 +363,11 @@ def write_net(net: dict, state: dict[str, np.ndarray], out: Path) -> tuple[Path,
             with os.fdopen(fd, "wb") as f:
                 write(f)
         os.replace(temps[1], weights)
-        os.replace(temps[0], out)
+        try:
+            os.replace(temps[0], out)
+        except OSError:
+            weights.unlink(missing_ok=True)  # no weights without their description
+            raise
     except OSError as e:
         raise ModelImportError(f"{out}: cannot write: {e.strerror or e}") from None
     finally:

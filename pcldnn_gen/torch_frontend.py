@@ -10,7 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ModelImportError
+from pcldnn_runtime import limits
+
+from .errors import ModelImportError, PcldnnError
 from .frontend import Op, fail_unsupported, input_shape_of, model_name, net_from_ops
 
 SUPPORTED = ("Conv2d (groups=1, dilation=1, zero padding), Linear, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d "
@@ -32,18 +34,48 @@ def from_torch(module, input_shape, name: str | None = None, loss: bool = True) 
     shape = input_shape_of(input_shape)
     if not isinstance(module, torch.nn.Module):
         raise ModelImportError(f"from_torch: expected a torch.nn.Module, got {type(module).__name__}")
+    origin = f"from_torch({type(module).__name__})"
+    _check_tensors(module, origin, torch)
     try:
         traced = torch.fx.symbolic_trace(module)
     except Exception as e:  # torch.fx raises TraceError, TypeError, ... on dynamic control flow
         raise ModelImportError(f"from_torch: torch.fx cannot trace {type(module).__name__} "
-                               f"({type(e).__name__}: {e}); supported: {SUPPORTED}") from None
-    ops = _ops(traced, torch)
-    return net_from_ops(ops, shape, model_name(name, type(module).__name__), f"from_torch({type(module).__name__})",
-                        loss)
+                               f"({type(e).__name__}: {str(e)[:200]}); supported: {SUPPORTED}") from None
+    try:
+        ops = _ops(traced, torch)
+        return net_from_ops(ops, shape, model_name(name, type(module).__name__), origin, loss)
+    except PcldnnError:
+        raise
+    except Exception as e:  # torch or a module's own code failing where the checks did not foresee
+        raise ModelImportError(f"{origin}: cannot translate ({type(e).__name__}: {str(e)[:200]})") from None
 
 
-def _pair(value: Any) -> tuple[int, int]:
-    return (int(value[0]), int(value[1])) if isinstance(value, (tuple, list)) else (int(value), int(value))
+def _check_tensors(module, origin: str, torch) -> None:
+    """Every parameter and buffer holds numbers we can copy: on a real device (a meta tensor has
+    no values), dense, real-valued, and all of them together within the memory bound, checked
+    from their sizes before any is copied."""
+    total = 0
+    for kind, items in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, t in items:
+            what = f"{origin}: {kind} {name}"
+            if t.device.type == "meta":
+                raise ModelImportError(f"{what} is on the meta device (it has no values): materialise the model "
+                                       "(module.to_empty(device='cpu') and load its weights) first")
+            if t.layout != torch.strided or t.is_quantized:
+                raise ModelImportError(f"{what}: {t.layout} {'quantized ' * t.is_quantized}tensor (only dense ones)")
+            if t.is_complex() or not (t.is_floating_point() or t.dtype in (torch.int8, torch.int16, torch.int32,
+                                                                            torch.int64, torch.uint8, torch.bool)):
+                raise ModelImportError(f"{what}: dtype {t.dtype} (only real numbers)")
+            total += t.numel() * 4
+    bound = limits.max_memory()
+    if total > bound:
+        raise ModelImportError(f"{origin}: its tensors take {limits.format_bytes(total)} as float32, more than the "
+                               f"{limits.format_bytes(bound)} memory bound ({limits.MEMORY_ENV})")
+
+
+def _pair(value: Any) -> tuple:
+    """A module's size argument as PyTorch pairs it, unchecked: net_from_ops checks ranges."""
+    return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
 
 
 def _array(t) -> np.ndarray:
@@ -139,11 +171,11 @@ def _module_op(target: str, m, nn) -> Op:
                         getattr(m, "count_include_pad", True), getattr(m, "divisor_override", None))
     if isinstance(m, nn.AdaptiveAvgPool2d):
         size = m.output_size if isinstance(m.output_size, (tuple, list)) else (m.output_size, m.output_size)
-        return Op("avgpool", target, kind, {"adaptive": tuple(None if v is None else int(v) for v in size)})
+        return Op("avgpool", target, kind, {"adaptive": tuple(size)})
     if isinstance(m, nn.ReLU):
         return Op("relu", target, kind)
     if isinstance(m, nn.Dropout):
-        return Op("dropout", target, kind, {"rate": float(m.p)})
+        return Op("dropout", target, kind, {"rate": m.p})
     if isinstance(m, nn.Flatten):
         if (m.start_dim, m.end_dim) != (1, -1):
             raise _Unsupported(kind, f"start_dim={m.start_dim}, end_dim={m.end_dim} (only 1, -1)")
@@ -197,7 +229,7 @@ def _function_op(node, torch, F) -> Op:
         raise _Unsupported(kind, f"{fn}{tuple(dims)} (only (N, -1), a flatten)")
     if fn is F.dropout or (node.op == "call_method" and fn == "dropout"):
         rate = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
-        return Op("dropout", name, kind, {"rate": float(rate)})
+        return Op("dropout", name, kind, {"rate": rate})
     if fn in (F.max_pool2d, F.avg_pool2d):
         names = ("kernel_size", "stride", "padding")
         given = dict(zip(names, args[1:])) | {k: v for k, v in kwargs.items() if k in names}

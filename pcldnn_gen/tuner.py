@@ -82,6 +82,7 @@ def tune(nets: list[NetSpec], arch: Arch, batch: int, threads: int, *, candidate
     once) and merge the results into `db` (default: the database at its usual path) net by net."""
     check_can_tune(arch, precision)
     db = db if db is not None else TuningDB.load()
+    db.check_writable()  # before minutes of measuring, not after
     start = time.perf_counter()
     peak = measure_peak(arch, threads)
     rows: list[TuneRow] = []

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 from jinja2 import meta
 
 from pcldnn_runtime import cpu
 from pcldnn_runtime.manifest import PASSES
-from pcldnn_runtime.validate import Fields, read_json
+from pcldnn_runtime.validate import Fields, check_writable, read_json
 
 from . import __version__
 from .arch import Arch
@@ -167,10 +167,28 @@ class TuningDB:
             return model
         return dataclasses.replace(chosen, measured=entry.measured)
 
+    def check_writable(self) -> None:
+        """The database and its lock file can be written: checked before any measuring (a
+        path under a regular file, or a directory where the lock goes, is one error line)."""
+        check_writable(self.path, "tuning database", TuningError, make_parents=True)
+        check_writable(self.lock_path, "tuning database lock", TuningError, make_parents=True)
+
+    @property
+    def lock_path(self) -> Path:
+        return Path(str(self.path) + ".lock")
+
     def merge_into(self, new: list[Entry]) -> None:
         """Add or replace `new` entries in the file, keeping what other writers added meanwhile."""
+        try:
+            self._merge(new)
+        except OSError as e:
+            raise TuningError(f"{self.path}: cannot write the tuning database: {e.strerror or e}") from None
+        except Timeout:
+            raise TuningError(f"{self.lock_path}: another process holds the tuning database's lock") from None
+
+    def _merge(self, new: list[Entry]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(self.path) + ".lock", timeout=600):
+        with FileLock(str(self.lock_path), timeout=600):
             current = TuningDB.load(self.path).entries
             current.update({key_id(e.key): e for e in new})
             if len(current) > MAX_ENTRIES:

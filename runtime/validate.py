@@ -274,35 +274,26 @@ def _int_kind(lo: int) -> str:
 
 
 def check_writable(path: str | Path, what: str, error: type[PcldnnError] = PcldnnError,
-                   directory: bool = False) -> Path:
+                   directory: bool = False, make_parents: bool = False) -> Path:
     """A path a command will write, checked before the long work that ends in writing it: a file
-    goes where no directory is, into an existing, writable folder; a `directory` (made with its
-    parents) goes where no file is, under a writable folder. One error naming `what` and the path."""
+    goes where no directory is, into an existing, writable folder (or, `make_parents`, one the
+    writer creates); a `directory` (made with its parents) goes where no file is. One error
+    naming `what` and the path."""
     path = Path(path)
     try:
-        if directory:
-            if path.exists() and not path.is_dir():
-                raise error(f"{what} {path}: exists and is not a directory")
-            probe = path
-            while not probe.exists() and probe != probe.parent:
-                probe = probe.parent
-            if not probe.is_dir():
-                raise error(f"{what} {path}: {probe} is not a directory")
-            if not os.access(probe, os.W_OK | os.X_OK):
-                raise error(f"{what} {path}: {probe} is not writable")
-            return path
-        if path.is_dir():
+        if directory and path.exists() and not path.is_dir():
+            raise error(f"{what} {path}: exists and is not a directory")
+        if not directory and path.is_dir():
             raise error(f"{what} {path}: is a directory")
-        folder = path.parent
-        if not folder.exists():
-            parent = folder
-            while not parent.exists() and parent != parent.parent:
-                parent = parent.parent
-            problem = "is not a directory" if not parent.is_dir() else "does not exist"
-            raise error(f"{what} {path}: {parent if not parent.is_dir() else folder} {problem}")
-        if not folder.is_dir():
-            raise error(f"{what} {path}: {folder} is not a directory")
-        if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        folder = path if directory else path.parent
+        probe = folder
+        while not probe.exists() and probe != probe.parent:  # the folder the writer creates under
+            probe = probe.parent
+        if not probe.is_dir():
+            raise error(f"{what} {path}: {probe} is not a directory")
+        if probe != folder and not (directory or make_parents):
+            raise error(f"{what} {path}: {folder} does not exist")
+        if not os.access(probe, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
             raise error(f"{what} {path}: not writable")
     except (OSError, ValueError) as e:  # a name too long, a NUL byte, a loop of links
         raise error(f"{what} {show(str(path))}: not a usable path ({e})") from None
