@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .errors import ArchError, BuildDirError, CheckpointError, PcldnnError
+from .errors import ArchError, BuildDirError, CheckpointError, NonFiniteError, PcldnnError
 
 _LAZY = {"load": "net", "Net": "net", "SGD": "optim", "Trainer": "trainer",
          "ArrayDataset": "data", "MemmapDataset": "data", "ImageFolder": "data", "Augment": "data",
@@ -17,7 +17,7 @@ _LAZY = {"load": "net", "Net": "net", "SGD": "optim", "Trainer": "trainer",
 
 __all__ = ["load", "Net", "SGD", "Trainer", "ArrayDataset", "MemmapDataset", "ImageFolder", "Augment", "Dataset",
            "digits", "synthetic",
-           "PcldnnError", "ArchError", "BuildDirError", "CheckpointError"]
+           "PcldnnError", "ArchError", "BuildDirError", "CheckpointError", "NonFiniteError"]
 
 
 def __getattr__(name: str):
