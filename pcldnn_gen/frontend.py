@@ -121,9 +121,11 @@ def net_from_ops(ops: list[Op], input_shape: tuple[int, int, int], name: str, or
                     continue
                 op = Op(op.kind, op.source, op.type_name, {"kernel": (h // oh, w // ow), "stride": (h // oh, w // ow),
                                                            "pad": (0, 0)})
+            a = op.attrs  # a stride of None is net.json's "as the kernel": a framework's None is no stride
             kernel, stride, pad, (oh, ow) = check_window(
-                Fields(origin, ModelImportError), op.kind, *(_listed(op.attrs.get(k)) for k in ("kernel", "stride", "pad")),
-                op.label, (h, w))
+                Fields(origin, ModelImportError), op.kind, _listed(a.get("kernel")),
+                [None, None] if a.get("stride") is None else _listed(a["stride"]),
+                _listed(a.get("pad")), op.label, (h, w))
             layer |= {"kernel": list(kernel), "stride": list(stride), "pad": list(pad)}
             if op.kind == "conv":
                 assert op.weight is not None

@@ -246,7 +246,7 @@ class MemmapDataset(Dataset):
         self.name = name or images.stem
         self.augment = augment
         try:
-            self._x = np.memmap(images, dtype=head.dtype, mode="r", offset=head.offset, shape=shape)
+            self._x: np.ndarray = np.memmap(images, dtype=head.dtype, mode="r", offset=head.offset, shape=shape)
             y = np.memmap(labels, dtype=lhead.dtype, mode="r", offset=lhead.offset, shape=lhead.shape)
         except (OSError, ValueError) as e:  # replaced or shortened since the header was read
             raise PcldnnError(f"{images}: cannot map the arrays ({type(e).__name__}: {e})") from None
