@@ -118,8 +118,7 @@ def _tune(args: argparse.Namespace) -> int:
     tuner.check_can_tune(arch, args.precision)
     db = TuningDB.load()
     db.check_writable()
-    if args.json:
-        check_writable(args.json, "--json")
+    _check_outputs(args, "--json")
     print(f"tuning {len(nets)} net(s) on {arch.name} ({args.precision}), minibatch {args.batch}, {threads} "
           f"thread(s); database {db.path}", flush=True)
     report = tuner.tune(nets, arch, args.batch, threads, candidates=args.candidates, rounds=args.rounds,
@@ -191,10 +190,19 @@ def _cores() -> int:
     return cpu.usable_cores()
 
 
+def _check_outputs(args: argparse.Namespace, *flags: str) -> None:
+    """The files a verb writes at the end, checked before its measuring starts."""
+    for flag in flags:
+        path = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if path:
+            check_writable(path, flag)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from . import bench
     if (args.net is None) == (args.zoo is None):
         raise PcldnnError("bench: give a net file or --zoo FILE (one of the two)")
+    _check_outputs(args, "--json", "--plot")
     arch = get_arch(args.arch)
     threads = args.threads or _cores()
     passes = tuple(args.passes.split(","))
@@ -250,6 +258,7 @@ def _plan(args: argparse.Namespace) -> int:
     from pcldnn_runtime import scaling
 
     from . import scaling_report as report
+    _check_outputs(args, "--json", "--plot", "--timeline")
     net = load_netspec(args.net, args.max_memory)
     nodes = report.parse_nodes(args.nodes)
     per_node = sorted({-(-args.batch // p) for p in nodes})  # the per-node minibatches the plans need
@@ -490,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `pcldnn-gen inspect ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:  # an output that became unwritable after its check (disk full, removed folder)
+        print(f"error: {e.filename + ': ' if e.filename else ''}{e.strerror or e}", file=sys.stderr)
+        return 2
     except MemoryError:
         print("error: out of memory (the net or its minibatch is too large for this machine)", file=sys.stderr)
         return 2

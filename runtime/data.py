@@ -380,6 +380,7 @@ def digits(size: int = 16, test_fraction: float = 0.2, seed: int = 0) -> tuple[A
         from sklearn.datasets import load_digits
     except ImportError:
         raise PcldnnError("the digits data set ships with scikit-learn: pip install 'pcldnn-gen[demo]'") from None
+    Fields("digits").int_in(size, "size", 8, 1 << 12)
     if size % 8:
         raise PcldnnError(f"digits: size must be a multiple of 8, got {size}")
     bunch = load_digits()

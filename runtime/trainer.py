@@ -24,7 +24,7 @@ from .data import ArrayDataset, prefetched
 from .errors import CheckpointError, NonFiniteError, PcldnnError
 from .optim import SGD
 from .partition import shard_bounds
-from .validate import NAME_RE, SHA256_RE, Fields, open_regular, show
+from .validate import NAME_RE, SHA256_RE, Fields, check_writable, open_regular, show
 
 # /2: canonical layouts (Net.to_canonical), so a checkpoint moves between ISAs; /1 held the
 # blocked buffers of one ISA and no record of which.
@@ -60,7 +60,7 @@ class Trainer:
         self.net = net
         self.optimizer = optimizer or SGD(lr=0.01)
         self.optimizer.bind(net)
-        self.seed = seed
+        self.seed = Fields("Trainer").int_in(seed, "seed", 0, _U64)  # SeedSequence takes no negative
         self.step_count = 0          # optimizer updates done
         self.last_accuracy = math.nan
         self.comm, self.dist = comm, None
@@ -118,6 +118,7 @@ class Trainer:
     def evaluate(self, x, labels: np.ndarray | None = None, batch_size: int = 256) -> dict:
         """{'loss', 'accuracy'} over all of (x, labels), or of a dataset, in evaluation mode
         (no dropout, no augmentation), read `batch_size` samples at a time."""
+        Fields("evaluate").int_in(batch_size, "batch_size", 1, 1 << 20)
         if _is_dataset(x):
             data = x
         elif labels is None:
@@ -191,7 +192,7 @@ class Trainer:
         {step, epoch, loss, accuracy, lr, images_per_s} is appended to `metrics_file`; after
         each epoch the validation metrics are computed and, with `checkpoint`, the trainer is
         saved there. Returns one dict per epoch run."""
-        if not isinstance(epochs, int) or epochs < 1:
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise PcldnnError(f"fit: epochs must be a positive int, got {epochs!r}")
         for name, value in (("workers", workers), ("prefetch", prefetch)):
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 256:
@@ -210,6 +211,8 @@ class Trainer:
         else:
             raise PcldnnError(f"fit: train must be a dataset or an iterable of (x, labels) batches, "
                               f"got {type(train).__name__}")
+        if checkpoint and self.rank == 0:  # written after the first epoch: checked before it
+            check_writable(checkpoint, "fit: checkpoint", CheckpointError, make_parents=True)
         classes = self.net.loss_layer.in_shape[0]
         for data in (train, val):  # every label in range before the first step, not at the end of the run
             if hasattr(data, "check_classes"):
