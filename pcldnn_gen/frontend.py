@@ -33,7 +33,14 @@ class Op:
 
     @property
     def label(self) -> str:
-        return f"{self.source} ({self.type_name})"
+        return f"{printable(self.source)} ({printable(self.type_name)})"
+
+
+def printable(text: Any, limit: int = 80) -> str:
+    """A framework's name as it goes into an error line: itself when printable and short, else
+    quoted with escapes (a node named "a\nb" must not break the one-line error)."""
+    text = str(text)
+    return text if text.isprintable() and len(text) <= limit else show(text, limit)
 
 
 def fail_unsupported(framework: str, problems: list[str], supported: str = "") -> None:
@@ -68,8 +75,16 @@ def layer_name(source: str, taken: set[str]) -> str:
 
 
 def _listed(value: Any) -> Any:
-    """A framework's (h, w) tuple as the list net.json's checks take; anything else as it is."""
-    return list(value) if isinstance(value, tuple) else value
+    """A framework's (h, w) tuple as the list net.json's checks take, numpy scalars as Python
+    numbers (np.int64(3) is a kernel side; 3.0 is not); anything else as it is."""
+    value = list(value) if isinstance(value, tuple) else value
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return _plain(value)
+
+
+def _plain(value: Any) -> Any:
+    return value.item() if isinstance(value, (np.integer, np.floating)) else value
 
 
 def _finite(array: np.ndarray, what: str, problems: list[str]) -> np.ndarray:
@@ -158,8 +173,8 @@ def net_from_ops(ops: list[Op], input_shape: tuple[int, int, int], name: str, or
             c, h, w, flat = oc, 1, 1, True
             fusable = True
         elif op.kind == "dropout":
-            layer["rate"] = Fields(origin, ModelImportError).number_in(op.attrs["rate"], f"{op.label}.rate", 0, 1,
-                                                                       open_hi=True)
+            layer["rate"] = Fields(origin, ModelImportError).number_in(_plain(op.attrs["rate"]), f"{op.label}.rate",
+                                                                       0, 1, open_hi=True)
         elif op.kind != "relu":
             raise AssertionError(op.kind)
         if op.weight is not None:

@@ -19,7 +19,7 @@ from pcldnn_runtime import limits
 from pcldnn_runtime.validate import check_writable, read_bounded, show
 
 from .errors import ModelImportError, PcldnnError
-from .frontend import Op, fail_unsupported, input_shape_of, model_name, net_from_ops
+from .frontend import Op, fail_unsupported, input_shape_of, model_name, net_from_ops, printable
 
 SUPPORTED = ("Conv (group 1, dilation 1, symmetric pads), Gemm (transA 0), MatMul (+ Add), MaxPool / AveragePool "
              "(floor, symmetric pads; AveragePool counting pads), GlobalAveragePool, Relu, Dropout, Flatten "
@@ -58,6 +58,10 @@ def import_onnx(path: str | Path, name: str | None = None) -> tuple[dict, dict[s
 
 def _translate(model, path: Path, name: str | None, onnx) -> tuple[dict, dict[str, np.ndarray]]:
     graph, origin = model.graph, str(path)
+    floats = sum(math.prod(max(d, 0) for d in t.dims) for t in graph.initializer)
+    if floats * 4 > limits.max_memory():  # as float32 weights, before any is converted
+        raise ModelImportError(f"{path}: initializers of {floats} values, more than the "
+                               f"{limits.format_bytes(limits.max_memory())} memory bound ({limits.MEMORY_ENV})")
     constants = {t.name: load_tensor(t, f"initializer {t.name!r}", origin, onnx) for t in graph.initializer}
     for node in graph.node:
         if node.op_type == "Constant" and node.output:
@@ -67,6 +71,10 @@ def _translate(model, path: Path, name: str | None, onnx) -> tuple[dict, dict[st
     inputs = [i for i in graph.input if i.name not in constants]
     if len(inputs) != 1:
         raise ModelImportError(f"{path}: the model must take one image input, it takes {len(inputs)}")
+    kind = inputs[0].type.tensor_type.elem_type
+    if kind not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
+                    onnx.TensorProto.BFLOAT16):
+        raise ModelImportError(f"{path}: input {printable(inputs[0].name)} must be a float tensor of images")
     dims = inputs[0].type.tensor_type.shape.dim
     if len(dims) != 4 or not all(d.HasField("dim_value") for d in dims[1:]):
         raise ModelImportError(f"{path}: input {inputs[0].name!r} must be (N, C, H, W) with C, H, W known")
@@ -239,7 +247,7 @@ def _ops(graph, constants: dict[str, np.ndarray], image: str, origin: str, onnx)
     while k < len(nodes):
         node = nodes[k]
         k += 1
-        label = f"{node.name or node.op_type + '_' + str(k - 1)} ({node.op_type})"
+        label = f"{printable(node.name or node.op_type + '_' + str(k - 1))} ({printable(node.op_type)})"
         data = [i for i in node.input if i and i not in constants]
         if data != [prev]:
             problems.append(f"{label}: does not take the previous node's output as its only tensor input "

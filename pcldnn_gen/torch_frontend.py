@@ -13,7 +13,7 @@ import numpy as np
 from pcldnn_runtime import limits
 
 from .errors import ModelImportError, PcldnnError
-from .frontend import Op, fail_unsupported, input_shape_of, model_name, net_from_ops
+from .frontend import Op, fail_unsupported, input_shape_of, model_name, net_from_ops, printable
 
 SUPPORTED = ("Conv2d (groups=1, dilation=1, zero padding), Linear, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d "
              "(to a size that divides the input), ReLU, Dropout, Flatten, Identity, a final Softmax / LogSoftmax, "
@@ -107,7 +107,7 @@ def _ops(traced, torch) -> list[Op]:
         if _is_shape_query(node, torch):
             shape_nodes.add(node)
             continue
-        label = f"{node.target if node.op == 'call_module' else node.name}"
+        label = printable(node.target if node.op == 'call_module' else node.name)
         if not node.args or node.args[0] is not prev:
             problems.append(f"{label}: does not take the previous node's output as its input (only chains are supported)")
             prev = node
@@ -155,6 +155,8 @@ def _module_op(target: str, m, nn) -> Op:
         if m.padding_mode != "zeros":
             raise _Unsupported(kind, f"padding_mode={m.padding_mode!r} (only 'zeros')")
         if isinstance(m.padding, str):  # 'valid' or 'same' (stride 1)
+            if m.padding not in ("valid", "same"):
+                raise _Unsupported(kind, f"padding={printable(m.padding)} (an int, a pair, 'valid' or 'same')")
             k = _pair(m.kernel_size)
             if m.padding == "same" and (k[0] % 2 == 0 or k[1] % 2 == 0):
                 raise _Unsupported(kind, "padding='same' with an even kernel (asymmetric padding)")

@@ -194,6 +194,8 @@ def datasets(args, spec: NetSpec, classes: int):
         val = _dataset(args.val, args.val_labels, spec, args.size, False, "--val")
     for data, flag in ((train, "--data"), (val, "--val")):
         if data is not None:
+            if data.sample_shape != spec.input:  # digits are 1 x size x size whatever the net takes
+                raise PcldnnError(f"{flag} {data.name}: samples are {data.sample_shape}, the net takes {spec.input}")
             try:
                 data.check_classes(classes)
             except PcldnnError as e:

@@ -153,6 +153,7 @@ class Dataset:
     def channel_stats(self, chunk: int = STATS_CHUNK) -> tuple[np.ndarray, np.ndarray]:
         """Per-channel mean and standard deviation of the raw samples (no augmentation, no
         normalisation), read `chunk` samples at a time in float64."""
+        Fields("channel_stats").int_in(chunk, "chunk", 1, 1 << 20)
         c = self.sample_shape[0]
         count, mean, m2 = 0, np.zeros(c), np.zeros(c)  # chunks merged as in Chan et al.'s parallel variance
         for start in range(0, len(self), chunk):
@@ -207,6 +208,10 @@ class ArrayDataset(Dataset):
     def all_labels(self) -> np.ndarray:
         return self.y
 
+    @property
+    def sample_shape(self) -> tuple[int, int, int]:
+        return self.x.shape[1:]  # type: ignore[return-value]
+
     def normalized(self, mean, std) -> "ArrayDataset":
         """A normalised copy (the arrays themselves rescaled)."""
         mean, std = (np.asarray(a, np.float32).reshape(1, -1, 1, 1) for a in (mean, std))
@@ -215,6 +220,7 @@ class ArrayDataset(Dataset):
     def batches(self, batch_size: int, order: np.ndarray | None = None):
         """(x, y) minibatches of exactly `batch_size` in `order` (default: as stored); a last
         partial batch is dropped so that every step has the same shape."""
+        Fields(self.name).int_in(batch_size, "batch_size", 1, 1 << 20)
         if batch_size > len(self):
             raise PcldnnError(f"{self.name}: batch size {batch_size} is larger than the {len(self)} samples")
         order = np.arange(len(self)) if order is None else order
@@ -270,6 +276,10 @@ class MemmapDataset(Dataset):
 
     def all_labels(self) -> np.ndarray:
         return self._y
+
+    @property
+    def sample_shape(self) -> tuple[int, int, int]:
+        return self._x.shape[1:]  # from the header: no row read (under MPI a rank reads only its shard)
 
 
 class ImageFolder(Dataset):
@@ -346,6 +356,10 @@ class ImageFolder(Dataset):
 
     def all_labels(self) -> np.ndarray:
         return self._labels
+
+    @property
+    def sample_shape(self) -> tuple[int, int, int]:
+        return (self.channels, *self.size)  # type: ignore[return-value]
 
     def check_classes(self, classes: int) -> None:
         if len(self.classes) > classes:

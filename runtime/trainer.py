@@ -211,6 +211,12 @@ class Trainer:
         else:
             raise PcldnnError(f"fit: train must be a dataset or an iterable of (x, labels) batches, "
                               f"got {type(train).__name__}")
+        if val is not None and not _is_dataset(val):
+            raise PcldnnError(f"fit: val must be a dataset (len() and read(indices)), got {type(val).__name__}; "
+                              "wrap arrays as pr.ArrayDataset(x, labels)")
+        shape = getattr(val, "sample_shape", None)  # the training shape fails the first step; this one an epoch later
+        if shape is not None and tuple(shape) != tuple(self.net.chain[0].in_shape):
+            raise PcldnnError(f"fit: val samples are {tuple(shape)}, the net takes {tuple(self.net.chain[0].in_shape)}")
         if checkpoint and self.rank == 0:  # written after the first epoch: checked before it
             check_writable(checkpoint, "fit: checkpoint", CheckpointError, make_parents=True)
         classes = self.net.loss_layer.in_shape[0]
