@@ -23,6 +23,7 @@ from pcldnn_runtime import cpu
 from pcldnn_runtime.limits import bf16_gradients, bf16_outputs
 from pcldnn_runtime.manifest import FORMAT, FORMAT_FAMILY, MANIFEST, WEIGHTS_FILE, file_sha256, kernel_kinds
 from pcldnn_runtime.state_io import check_state, expected_state
+from pcldnn_runtime.validate import check_writable
 
 from . import __version__
 from .arch import Arch
@@ -143,6 +144,7 @@ def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | Non
     # the build's own kernels of no layer: the FMA peak (PCLDNN_VERBOSE's % of peak), the SGD update
     sources += [(None, "peak", render_peak(arch)), (None, "sgd", render_sgd())]
     _check_replaceable(out_dir)
+    check_writable(out_dir, "build directory", BuildDirError, directory=True)  # before the compiles, not after
     results = compile_all([s for _, _, s in sources], arch, jobs)
 
     try:

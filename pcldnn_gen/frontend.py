@@ -50,15 +50,16 @@ def fail_unsupported(framework: str, problems: list[str], supported: str = "") -
                                + (f". Supported: {supported}" if supported else ""))
 
 
-def input_shape_of(shape: Any) -> tuple[int, int, int]:
-    """(C, H, W) as three ints within net.json's ranges."""
+def input_shape_of(shape: Any, origin: str = "from_torch") -> tuple[int, int, int]:
+    """(C, H, W) as three ints within net.json's ranges; an error names `origin`."""
     try:
         c, h, w = (int(v) for v in shape)
         ok = tuple(shape) == (c, h, w)
     except (TypeError, ValueError):
         ok = False
     if not ok or not (1 <= c <= limits.MAX_CHANNELS and 1 <= h <= limits.MAX_SPATIAL and 1 <= w <= limits.MAX_SPATIAL):
-        raise ModelImportError(f"input_shape must be (C, H, W), three positive ints, got {shape!r}")
+        raise ModelImportError(f"{origin}: input_shape must be (C, H, W), three positive ints within net.json's "
+                               f"ranges, got {show(shape if not isinstance(shape, tuple) else list(shape))}")
     return c, h, w
 
 

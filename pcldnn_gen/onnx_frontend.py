@@ -78,7 +78,7 @@ def _translate(model, path: Path, name: str | None, onnx) -> tuple[dict, dict[st
     dims = inputs[0].type.tensor_type.shape.dim
     if len(dims) != 4 or not all(d.HasField("dim_value") for d in dims[1:]):
         raise ModelImportError(f"{path}: input {inputs[0].name!r} must be (N, C, H, W) with C, H, W known")
-    shape = input_shape_of([d.dim_value for d in dims[1:]])
+    shape = input_shape_of([d.dim_value for d in dims[1:]], f"{origin}: input {printable(inputs[0].name)}")
     ops = _ops(graph, constants, inputs[0].name, origin, onnx)
     return net_from_ops(ops, shape, model_name(name, graph.name or path.stem), origin)
 

@@ -42,7 +42,7 @@ def from_torch(module, input_shape, name: str | None = None, loss: bool = True) 
         raise ModelImportError(f"from_torch: torch.fx cannot trace {type(module).__name__} "
                                f"({type(e).__name__}: {str(e)[:200]}); supported: {SUPPORTED}") from None
     try:
-        ops = _ops(traced, torch)
+        ops = _ops(traced, torch, origin)
         return net_from_ops(ops, shape, model_name(name, type(module).__name__), origin, loss)
     except PcldnnError:
         raise
@@ -82,7 +82,7 @@ def _array(t) -> np.ndarray:
     return t.detach().cpu().float().numpy().copy()
 
 
-def _ops(traced, torch) -> list[Op]:
+def _ops(traced, torch, origin: str) -> list[Op]:
     """The traced graph as a chain of Ops; every unsupported node collected, then one error."""
     nn, F = torch.nn, torch.nn.functional
     modules = dict(traced.named_modules())
@@ -90,7 +90,7 @@ def _ops(traced, torch) -> list[Op]:
     ops: list[Op] = []
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != 1:
-        raise ModelImportError(f"from_torch: forward must take one tensor, it takes {len(placeholders)} arguments")
+        raise ModelImportError(f"{origin}: forward must take one tensor, it takes {len(placeholders)} arguments")
     prev = placeholders[0]
     shape_nodes = set()  # x.size(0) / x.shape[0] feeding a view(N, -1): no tensor of their own
 
@@ -127,7 +127,7 @@ def _ops(traced, torch) -> list[Op]:
             problems.append(f"{label} ({e.args[0]})" + (f": {e.args[1]}" if len(e.args) > 1 else ""))
             continue
         ops.append(op)
-    fail_unsupported("from_torch", problems, SUPPORTED)
+    fail_unsupported(origin, problems, SUPPORTED)
     return ops
 
 

@@ -77,7 +77,8 @@ def read_bounded(path: str | Path, max_bytes: int, error: type[PcldnnError] = Pc
     try:
         with open_regular(path, error) as f:
             if os.fstat(f.fileno()).st_size > max_bytes:
-                raise error(f"{path}: larger than {max_bytes >> 30} GiB")
+                size = max_bytes >> 30 and f"{max_bytes >> 30} GiB" or f"{max_bytes} bytes"
+                raise error(f"{path}: larger than {size}")
             return f.read()
     except FileNotFoundError:
         raise error(f"{path}: no such file") from None
