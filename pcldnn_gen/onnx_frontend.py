@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from pcldnn_runtime import limits
-from pcldnn_runtime.validate import check_writable, read_bounded, show
+from pcldnn_runtime.validate import check_writable, read_bounded, remove_stale_temporaries, show
 
 from .errors import ModelImportError, PcldnnError
 from .frontend import Op, fail_unsupported, input_shape_of, model_name, net_from_ops, printable
@@ -366,7 +366,8 @@ def write_net(net: dict, state: dict[str, np.ndarray], out: Path) -> tuple[Path,
         out.parent.mkdir(parents=True, exist_ok=True)
         for target, write in ((out, lambda f: f.write(json.dumps(net, indent=1).encode() + b"\n")),
                               (weights, lambda f: np.savez(f, **state))):  # type: ignore[arg-type]
-            fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{target.name}.", suffix=".tmp")
+            remove_stale_temporaries(target)  # what an import killed mid-write left
+            fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp")
             temps.append(tmp)
             with os.fdopen(fd, "wb") as f:
                 write(f)

@@ -6,7 +6,6 @@ step k replays exactly the steps an uninterrupted run takes after k.
 """
 from __future__ import annotations
 
-import glob
 import io
 import json
 import math
@@ -24,7 +23,7 @@ from .data import ArrayDataset, prefetched
 from .errors import CheckpointError, NonFiniteError, PcldnnError
 from .optim import SGD
 from .partition import shard_bounds
-from .validate import NAME_RE, SHA256_RE, Fields, check_writable, open_regular, show
+from .validate import NAME_RE, SHA256_RE, Fields, check_writable, open_regular, remove_stale_temporaries, show
 
 # /2: canonical layouts (Net.to_canonical), so a checkpoint moves between ISAs; /1 held the
 # blocked buffers of one ISA and no record of which.
@@ -300,7 +299,7 @@ class Trainer:
                 "isa": self.net.isa, "vector_floats": self.net.vector_floats, "precision": self.net.precision}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            _remove_stale_temporaries(path)
+            remove_stale_temporaries(path)
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
         except OSError as e:
             raise CheckpointError(f"{path}: cannot write the checkpoint: {e.strerror or e}") from None
@@ -459,25 +458,6 @@ def _optimizer_from(config: dict, path: Path) -> SGD:
         return SGD(**config)
     except (PcldnnError, TypeError) as e:
         raise CheckpointError(f"{path}: optimizer settings in the checkpoint are invalid: {e}") from None
-
-
-def _remove_stale_temporaries(path: Path) -> None:
-    """Temporary files of earlier saves of `path` whose writer is gone (killed mid-save)."""
-    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
-        pid = tmp.name[len(path.name) + 2:].split(".")[0]
-        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
-            continue  # another live process is saving the same checkpoint right now
-        tmp.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _write_checkpoint(f, meta: dict, params: np.ndarray, velocity: np.ndarray) -> None:

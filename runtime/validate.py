@@ -10,6 +10,7 @@ would let a final newline through).
 from __future__ import annotations
 
 import difflib
+import glob
 import json
 import math
 import os
@@ -299,6 +300,26 @@ def check_writable(path: str | Path, what: str, error: type[PcldnnError] = Pcldn
     except (OSError, ValueError) as e:  # a name too long, a NUL byte, a loop of links
         raise error(f"{what} {show(str(path))}: not a usable path ({e})") from None
     return path
+
+
+def remove_stale_temporaries(path: Path) -> None:
+    """Temporary files `.<name>.<pid>.*.tmp` of earlier writes of `path` whose writer is gone
+    (killed mid-write); those of a live process writing it now are kept."""
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2:].split(".")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+            continue  # another live process is saving the same checkpoint right now
+        tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def write_atomic(path: Path, data: bytes) -> None:

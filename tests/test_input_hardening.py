@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
 import tempfile
 import zipfile
 from pathlib import Path
@@ -163,7 +164,11 @@ def test_import_writes_nothing_when_an_output_is_a_directory(onnx_dir, capsys):
     assert main(["import", "m.onnx", "-o", "out/net.json"]) == 2
     assert "out/net.json: is a directory" in capsys.readouterr().err
     assert sorted(p.name for p in (onnx_dir / "out").iterdir()) == ["net.json"]
-    assert main(["import", "m.onnx", "-o", "out2/net.json"]) == 0  # and a usable path works
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # the pid of an import killed mid-write, gone now
+    (onnx_dir / "out2").mkdir()
+    (onnx_dir / "out2" / f".net.npz.{dead.pid}.x1.tmp").write_bytes(b"half")
+    assert main(["import", "m.onnx", "-o", "out2/net.json"]) == 0  # and a usable path works, sweeping the dead one's
     assert sorted(p.name for p in (onnx_dir / "out2").iterdir()) == ["net.json", "net.npz"]
 
 
