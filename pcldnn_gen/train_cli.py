@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pcldnn_runtime as pr
 from pcldnn_runtime.cpu import PRECISIONS
+from pcldnn_runtime.layer_modes import mapping_modes
 from pcldnn_runtime.optim import SCHEDULES
 from pcldnn_runtime.validate import Fields, check_writable, open_regular
 
@@ -220,6 +221,8 @@ def run(args: argparse.Namespace, prog: str = "pcldnn-gen train") -> int:
         spec = load_netspec(args.net)
         if spec.layers[-1].type != "softmax_cross_entropy":
             raise PcldnnError(f"{args.net}: the net has no softmax_cross_entropy layer to train")
+        if comm is not None and isinstance(args.parallel, dict):  # checked here, not after the compile
+            mapping_modes(args.parallel, {layer.name: layer.type for layer in spec.layers if layer.weighted}, comm.size)
         train, test = datasets(args, spec, spec.layers[-1].in_shape[0])
         weights = None
         if args.weights:

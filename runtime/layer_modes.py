@@ -27,8 +27,17 @@ def layer_modes(net, parallel, p: int, batch: int) -> dict[str, int]:
         chosen = scaling.best_strategy(scaling.loads_of(net.layers.values()), p, max(batch, p), scaling.machine_from_env())
         modes.update({c.layer: c.group for c in chosen.costs})
         return modes
+    modes.update(mapping_modes(parallel, {name: net.layers[name].type for name in weighted}, p))
+    return modes
+
+
+def mapping_modes(parallel, weighted: dict[str, str], p: int) -> dict[str, int]:
+    """{layer: group size} of the layers a mapping of patterns names, checked against the
+    weighted layers ({name: type}) and p ranks: what `pcldnn-gen train --parallel` checks
+    from the net description before it compiles."""
     if not isinstance(parallel, dict):
         raise PcldnnError(f'parallel={parallel!r}: use "auto", "data" or a mapping like {{"fc*": "model"}}')
+    modes: dict[str, int] = {}
     for pattern, how in parallel.items():
         matched = [name for name in weighted if fnmatch.fnmatchcase(name, str(pattern))]
         if not matched:
@@ -36,9 +45,8 @@ def layer_modes(net, parallel, p: int, batch: int) -> dict[str, int]:
                               f"(those are: {', '.join(weighted)})")
         group = _group_size(pattern, how, p)
         for name in matched:
-            if group > 1 and net.layers[name].type != "fc":
-                raise PcldnnError(f"parallel: layer {name} is {net.layers[name].type}; only fc layers can be "
-                                  "model parallel")
+            if group > 1 and weighted[name] != "fc":
+                raise PcldnnError(f"parallel: layer {name} is {weighted[name]}; only fc layers can be model parallel")
             modes[name] = group
     return modes
 

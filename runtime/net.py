@@ -355,8 +355,8 @@ class Net:
         batch = x.shape[0]
         bad = non_finite_at(x)
         if bad is not None:  # a fused ReLU would map NaN to 0: the loss stays finite, the weights do not
-            raise NonFiniteError(f"input sample {bad // (x.size // batch)} holds NaN or infinity (layer "
-                                 f"{first.name}'s input)")
+            raise NonFiniteError(f"input sample {self.row_offset + bad // (x.size // batch)} of the minibatch holds NaN "
+                                 f"or infinity (layer {first.name}'s input)")
         ws = self.workspace(batch)
         first.input_into_blocked(x, ws.acts[0])
         for i, layer in enumerate(self.chain):

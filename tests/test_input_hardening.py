@@ -352,7 +352,7 @@ def test_non_finite_input_gradient_or_weights_stop_training(small_net):
     trainer.step(x, labels)
     before = net.params.copy()
     x[2, 1, 3, 3] = np.nan
-    with pytest.raises(NonFiniteError, match=r"step 1: input sample 2 holds NaN or infinity \(layer conv1"):
+    with pytest.raises(NonFiniteError, match=r"step 1: input sample 2 of the minibatch holds NaN or infinity \(layer conv1"):
         trainer.step(x, labels)
     np.testing.assert_array_equal(net.params, before)
     x[2, 1, 3, 3] = 0
