@@ -503,3 +503,23 @@ def test_train_stops_on_nan_images_without_normalisation(tmp_path, monkeypatch, 
                  "--batch-size", "16", "--epochs", "1", "--no-progress", "--threads", "1"])
     err = capsys.readouterr().err
     assert code == 2 and "step 0: input sample" in err and "layer conv1's input" in err, err
+
+
+def test_train_checks_the_parallel_mapping_before_compiling(tmp_path, monkeypatch, capsys, no_build):
+    """Under mpiexec, a --parallel mapping that names no layer, a conv, or a group size that
+    does not divide the ranks is refused from the net description (was: after the compile)."""
+    from pcldnn_gen import train_cli
+
+    class TwoRanks:
+        size, rank, aborted = 2, 0, None
+
+        def Abort(self, code):
+            TwoRanks.aborted = code
+
+    monkeypatch.setattr(train_cli, "world", TwoRanks)
+    net = str(Path(__file__).parent.parent / "examples" / "nets" / "digits.json")
+    for mapping, message in (('{"nothing*": "model"}', "matches no layer with weights"),
+                             ('{"conv1": "model"}', "only fc layers can be model parallel"),
+                             ('{"fc*": "model:3"}', "must divide the 2 ranks")):
+        assert main(["train", net, "--arch", ISA, "--data", "synthetic", "--parallel", mapping]) == 2
+        assert message in capsys.readouterr().err and TwoRanks.aborted == 2
