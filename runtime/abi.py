@@ -112,9 +112,10 @@ SIGNATURES: dict[str, str] = {
                                     "int batch, int nthreads",
     "act_to_bf16": "const float *src, unsigned short *dst, int batch, int nthreads",
     "peak": "long long iters, int nthreads, float *sink",
-    # one SGD update of n parameters (templates/sgd.c.j2); decay NULL: decay_all for every one
+    # one SGD update of n parameters (templates/sgd.c.j2); decay NULL: decay_all for every one;
+    # *nonfinite: 1 where an updated weight is NaN or infinite, else 0
     "sgd": "float *p, float *v, const float *g, const float *decay, float decay_all, float lr, float momentum, "
-           "long long n, int nthreads",
+           "long long n, int nthreads, int *nonfinite",
     "weight_layout": "const float *src, float *dst",
 }
 

@@ -57,6 +57,7 @@ class SGD:
         self._kernel = None  # the build's SGD update (Net.sgd_kernel), when bound to a net that has one
         self._threads = 1
         self._layers: list[tuple[int, int, str]] = []  # [start, stop) of each layer in params: errors name it
+        self._flag = np.zeros(1, np.int32)  # the update kernel's non-finite flag
 
     def config(self) -> dict:
         """Hyperparameters, for checkpoints and logs."""
@@ -101,9 +102,9 @@ class SGD:
             raise PcldnnError("SGD: bind(net) before the first update")
         lr = self.lr_at(step)
         p, v, g = params[sl], self.velocity[sl], grads[sl]
-        self._check_finite(g, "gradient", sl, step)  # before the update: the weights stay numbers
-        self._update(p, v, g, sl, lr)
-        self._check_finite(p, "updated weights", sl, step)
+        self._check_finite(g, "gradient", sl, step)  # a pass of its own, before the update: the weights stay numbers
+        if self._update(p, v, g, sl, lr):  # the update kernel's own flag; numpy: a pass
+            self._check_finite(p, "updated weights", sl, step)
 
     def _check_finite(self, buf: np.ndarray, what: str, sl: slice, step: int) -> None:
         """A NonFiniteError naming the step and the layer where `buf` (params[sl] or grads[sl])
@@ -116,13 +117,16 @@ class SGD:
         raise NonFiniteError(f"step {step}: the {what} of layer {layer} hold NaN or infinity (diverged, or NaN "
                              "in the data: lower the learning rate or check the inputs)")
 
-    def _update(self, p: np.ndarray, v: np.ndarray, g: np.ndarray, sl: slice, lr: float) -> None:
+    def _update(self, p: np.ndarray, v: np.ndarray, g: np.ndarray, sl: slice, lr: float) -> bool:
+        """The update in place; whether the weights must be checked for NaN and infinity (the
+        build's kernel checks them as it writes them and says where it found one)."""
         decay = self._decay[sl] if isinstance(self._decay, np.ndarray) else self._decay
         if self._kernel is not None:
             per_element = isinstance(decay, np.ndarray)
             self._kernel(ptr(p), ptr(v), ptr(g), ptr(decay if per_element else None),
-                         0.0 if per_element or decay is None else decay, lr, self.momentum, p.size, self._threads)
-            return
+                         0.0 if per_element or decay is None else decay, lr, self.momentum, p.size, self._threads,
+                         ptr(self._flag))
+            return bool(self._flag[0])
         if self._scratch is None:
             self._scratch = np.empty_like(self.velocity)
         tmp = self._scratch[sl]
@@ -138,6 +142,7 @@ class SGD:
         else:
             tmp *= lr
         p -= tmp
+        return True
 
     def bound_velocity(self) -> np.ndarray:
         """The momentum buffer (same layout as the net's params); `bind` allocates it."""

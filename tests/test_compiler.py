@@ -109,10 +109,9 @@ def test_refuses_to_overwrite_a_foreign_directory(tmp_path, fresh_cache):
 
 
 def test_a_build_of_an_older_format_is_refused_then_replaced(tmp_path, fresh_cache):
-    """A pcldnn-build/6 vdpbf16ps build ran its packed first layer's forward as the fp32 kernel,
-    which the manifest check now refuses by kind (/4's packed first-layer AMX forward read its
-    weights as fewer B tiles than the runtime now makes): loading one is refused; compiling over
-    it is allowed."""
+    """A pcldnn-build/7 build's SGD update says nothing of non-finite weights (/6: a vdpbf16ps
+    build ran its packed first layer's forward as the fp32 kernel): loading one is refused;
+    compiling over it is allowed."""
     import json
 
     import pcldnn_runtime as pr
@@ -120,9 +119,9 @@ def test_a_build_of_an_older_format_is_refused_then_replaced(tmp_path, fresh_cac
     spec = load_netspec(NETS / "cifar_small.json")
     build(spec, get_arch("scalar"), out)
     manifest = json.loads((out / "manifest.json").read_text())
-    manifest["format"] = "pcldnn-build/6"
+    manifest["format"] = "pcldnn-build/7"
     (out / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(BuildDirError, match="format is 'pcldnn-build/6', expected 'pcldnn-build/7'; recompile"):
+    with pytest.raises(BuildDirError, match="format is 'pcldnn-build/7', expected 'pcldnn-build/8'; recompile"):
         pr.load(out)
     build(spec, get_arch("scalar"), out)
     assert pr.load(out).name == "cifar_small"

@@ -361,6 +361,21 @@ def test_non_finite_input_gradient_or_weights_stop_training(small_net):
     with pytest.raises(NonFiniteError, match=r"step 1: the (gradient|updated weights) of layer \w+ hold NaN"):
         trainer.step(x * 1e5, labels)
     net.params[:] = before
+    # finite gradients, an update that overflows: the build's update kernel flags the weights
+    # as it writes them (and the numpy form, for builds without one, checks them after)
+    for kernel in (True, False):
+        opt = pr.SGD(2.0, weight_decay=1.0)
+        opt.bind(net)
+        assert opt._kernel is not None
+        if not kernel:
+            opt._kernel = None
+        p, g = np.zeros_like(net.params), np.zeros_like(net.grads)
+        start, stop = net.param_ranges["fc2"]
+        p[stop - 1] = np.float32(3e38)  # 3e38 * (1 + 2 * 1.0) overflows
+        with pytest.raises(NonFiniteError, match=r"step 7: the updated weights of layer fc2 hold NaN or infinity"):
+            opt.apply(p, g, 7)
+        p[stop - 1] = 1.0
+        opt.apply(p, g, 8)  # and a finite update passes
 
 
 # -- image modes -----------------------------------------------------------------------------
