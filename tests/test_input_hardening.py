@@ -95,21 +95,41 @@ def onnx_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_onnx_tensor_stored_outside_the_model_is_never_read(onnx_dir):
-    """Class 1: every tensor of a model file (initializer, Constant node, attribute of a
-    subgraph) goes through one policy: an external location is refused, wherever it sits."""
+@settings(max_examples=25, **SETTINGS)
+@given(where=st.sampled_from(["initializer", "constant", "subgraph", "sparse", "attribute list"]),
+       flag=st.sampled_from(["location", "entries only", "both"]))
+def test_onnx_tensor_stored_outside_the_model_is_never_read(onnx_dir, where, flag):
+    """Class 1: every tensor of a model file (initializer, Constant node, a subgraph's constant,
+    sparse initializer, a tensor-list attribute), marked external by its data_location, by
+    external_data entries alone, or both, is refused by one policy before anything reads it:
+    secret.bin sits in the working directory and beside the model."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from pcldnn_gen.onnx_frontend import import_onnx
+    tensor = _external("W" if where == "initializer" else "t", 108 if where == "initializer" else 4)
+    if flag == "entries only":
+        tensor.data_location = TensorProto.DEFAULT
+    model = {"initializer": lambda: _onnx_model(weight=tensor), "constant": lambda: _onnx_model(bias_const=tensor),
+             "subgraph": lambda: _onnx_model(subgraph_tensor=tensor)}.get(where, _onnx_model)()
+    if where == "sparse":
+        sparse = model.graph.sparse_initializer.add()
+        sparse.values.CopyFrom(tensor)
+        sparse.indices.CopyFrom(numpy_helper.from_array(np.arange(4, dtype=np.int64), "i"))
+        sparse.dims.extend([4])
+    elif where == "attribute list":
+        model.graph.node[0].attribute.append(helper.make_attribute("extra", [tensor]))
+    with pytest.raises(ModelImportError, match="stored in an external file") as e:
+        import_onnx(_save(model, onnx_dir / "m.onnx"))
+    _one_line(e.value, "m.onnx")
+
+
+def test_onnx_constant_bias_inside_the_model_imports(onnx_dir):
     from onnx import numpy_helper
 
     from pcldnn_gen.onnx_frontend import import_onnx
-    plain = np.zeros(4, np.float32)
-    for model in (_onnx_model(bias_const=_external("b")),
-                  _onnx_model(weight=_external("W", 108)),
-                  _onnx_model(subgraph_tensor=_external("k"))):
-        with pytest.raises(ModelImportError, match="stored in an external file") as e:
-            import_onnx(_save(model, onnx_dir / "m.onnx"))
-        _one_line(e.value, "m.onnx")
-    net, state = import_onnx(_save(_onnx_model(bias_const=numpy_helper.from_array(plain, "b")), onnx_dir / "ok.onnx"))
-    np.testing.assert_array_equal(state["conv.bias"], plain)  # the fixture's model imports: the refusal is the policy
+    bias = np.arange(4, dtype=np.float32)
+    net, state = import_onnx(_save(_onnx_model(bias_const=numpy_helper.from_array(bias, "b")), onnx_dir / "ok.onnx"))
+    np.testing.assert_array_equal(state["conv.bias"], bias)
 
 
 @settings(max_examples=60, **SETTINGS)
