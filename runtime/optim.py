@@ -130,18 +130,19 @@ class SGD:
         if self._scratch is None:
             self._scratch = np.empty_like(self.velocity)
         tmp = self._scratch[sl]
-        if decay is not None and (isinstance(decay, np.ndarray) or decay != 0.0):
-            np.multiply(p, decay, out=tmp)
-            tmp += g
-        else:
-            np.copyto(tmp, g)
-        if self.momentum:
-            v *= self.momentum
-            v += tmp
-            np.multiply(v, lr, out=tmp)  # v itself stays unscaled, as in PyTorch
-        else:
-            tmp *= lr
-        p -= tmp
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported by the check that follows
+            if decay is not None and (isinstance(decay, np.ndarray) or decay != 0.0):
+                np.multiply(p, decay, out=tmp)
+                tmp += g
+            else:
+                np.copyto(tmp, g)
+            if self.momentum:
+                v *= self.momentum
+                v += tmp
+                np.multiply(v, lr, out=tmp)  # v itself stays unscaled, as in PyTorch
+            else:
+                tmp *= lr
+            p -= tmp
         return True
 
     def bound_velocity(self) -> np.ndarray:
