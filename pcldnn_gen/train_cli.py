@@ -223,6 +223,9 @@ def run(args: argparse.Namespace, prog: str = "pcldnn-gen train") -> int:
             raise PcldnnError(f"{args.net}: the net has no softmax_cross_entropy layer to train")
         if comm is not None and isinstance(args.parallel, dict):  # checked here, not after the compile
             mapping_modes(args.parallel, {layer.name: layer.type for layer in spec.layers if layer.weighted}, comm.size)
+        if args.resume:  # the net it belongs to, before the compile
+            from pcldnn_runtime.trainer import checkpoint_meta
+            checkpoint_meta(args.resume, spec.name, spec.source_hash)
         train, test = datasets(args, spec, spec.layers[-1].in_shape[0])
         weights = None
         if args.weights:

@@ -374,6 +374,19 @@ def read_checkpoint(path: Path, net) -> tuple[dict, np.ndarray, np.ndarray]:
     defensively: zip directory, each member's npy header (dtype, shape against the net) before
     its data is read, metadata fields and ranges, finite values. Any defect is one
     CheckpointError with the reason."""
+    meta, arrays = _read_checkpoint(Path(path), net.name, net.net_hash, net.canonical_size)
+    assert arrays is not None
+    return meta, *arrays
+
+
+def checkpoint_meta(path: str | Path, net_name: str, net_hash: str) -> dict:
+    """A checkpoint's metadata, checked (members, fields, the net description's hash) before
+    anything is built: what `pcldnn-gen train --resume` checks before it compiles."""
+    return _read_checkpoint(Path(path), net_name, net_hash, None)[0]
+
+
+def _read_checkpoint(path: Path, net_name: str, net_hash: str,
+                     size: int | None) -> tuple[dict, tuple[np.ndarray, np.ndarray] | None]:
     try:
         with open_regular(path, CheckpointError) as f, zipfile.ZipFile(f) as z:
             names = sorted(z.namelist())
@@ -381,10 +394,15 @@ def read_checkpoint(path: Path, net) -> tuple[dict, np.ndarray, np.ndarray]:
                 raise CheckpointError(f"{path}: not a pcldnn checkpoint (members {names[:5]}, expected "
                                       f"{sorted(_MEMBERS)})")
             meta = _read_meta(path, _read_member(z, "meta.npy", path, (_MAX_META,)))
-            _check_meta_against(path, meta, net)
-            n = net.canonical_size
-            params = _read_member(z, "params.npy", path, (n,), exact=True)
-            velocity = _read_member(z, "velocity.npy", path, (n,), exact=True)
+            if meta["net_hash"] != net_hash:
+                raise CheckpointError(f"{path}: checkpoint of net {meta['net']!r} (description {meta['net_hash'][:12]}),"
+                                      f" but this net is {net_name!r} ({net_hash[:12]})")
+            if size is None:
+                return meta, None
+            if meta["params"] != size:
+                raise CheckpointError(f"{path}: holds {meta['params']} parameters, this net has {size}")
+            params = _read_member(z, "params.npy", path, (size,), exact=True)
+            velocity = _read_member(z, "velocity.npy", path, (size,), exact=True)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such checkpoint") from None
     except CheckpointError:
@@ -396,7 +414,7 @@ def read_checkpoint(path: Path, net) -> tuple[dict, np.ndarray, np.ndarray]:
         bad = np.flatnonzero(~np.isfinite(buf))
         if bad.size:
             raise CheckpointError(f"{path}: {name} hold {bad.size} NaN or infinite values (first at index {bad[0]})")
-    return meta, params, velocity
+    return meta, (params, velocity)
 
 
 def _read_member(z: zipfile.ZipFile, name: str, path: Path, shape: tuple[int], exact: bool = False) -> np.ndarray:
@@ -443,14 +461,6 @@ def _read_meta(path: Path, raw: np.ndarray) -> dict:
     f.choice(meta["precision"], "meta.precision", cpu.PRECISIONS)  # the state is fp32 whatever the build's kernels
     f.obj(meta["optimizer"], "meta.optimizer", set(), set(SGD(0.1).config()))
     return meta
-
-
-def _check_meta_against(path: Path, meta: dict, net) -> None:
-    if meta["net_hash"] != net.net_hash:
-        raise CheckpointError(f"{path}: checkpoint of net {meta['net']!r} (description {meta['net_hash'][:12]}), "
-                              f"but this net is {net.name!r} ({net.net_hash[:12]})")
-    if meta["params"] != net.canonical_size:
-        raise CheckpointError(f"{path}: holds {meta['params']} parameters, this net has {net.canonical_size}")
 
 
 def _optimizer_from(config: dict, path: Path) -> SGD:

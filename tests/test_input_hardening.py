@@ -514,6 +514,7 @@ def test_train_checks_options_and_paths_before_compiling(tmp_path, monkeypatch, 
             (npy + ["--batch-size", "9"], "--batch-size 9 is larger than the 8 training samples"),
             (npy + ["--checkpoint-dir", "file"], "--checkpoint-dir file: exists and is not a directory"),
             (npy + ["--resume", "nothere.npz"], "--resume nothere.npz: no such file"),
+            (npy + ["--resume", "x.npy"], "x.npy: not a readable pcldnn checkpoint"),
             (npy + ["--momentum", "1"], "--momentum: must be a number in [0, 1)")):
         assert main(["train", net, "--arch", ISA, "--no-progress", *extra]) == 2, extra
         err = capsys.readouterr().err
