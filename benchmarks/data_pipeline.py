@@ -35,7 +35,7 @@ def make_data(work: Path, gigabytes: float, pngs: int) -> None:
         images.flush()
         del images
         np.save(work / "labels.npy", np.random.default_rng(1).integers(0, 10, n).astype(np.int32))
-    small = int(50 * 2 ** 20 // (3 * 32 * 32 * 4))
+    small = 50 * 2 ** 20 // (3 * 32 * 32 * 4)
     np.save(work / "small_x.npy", np.load(work / "images.npy", mmap_mode="r")[:small].astype(np.float32) / 255)
     np.save(work / "small_y.npy", np.load(work / "labels.npy")[:small])
     folder = work / "png"

@@ -40,13 +40,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pcldnn_gen.arch import get_arch, native_arch  # noqa: E402
-from pcldnn_gen.bench import measure_peak  # noqa: E402
-from pcldnn_gen.build import build  # noqa: E402
-from pcldnn_gen.netspec import load_netspec  # noqa: E402
-from pcldnn_runtime.layers import WeightedLayer  # noqa: E402
-from pcldnn_runtime.limits import blocks  # noqa: E402
-from pcldnn_runtime.manifest import PASSES, LayerEntry, read_manifest  # noqa: E402
+from pcldnn_gen.arch import get_arch, native_arch
+from pcldnn_gen.bench import measure_peak
+from pcldnn_gen.build import build
+from pcldnn_gen.netspec import load_netspec
+from pcldnn_runtime.layers import WeightedLayer
+from pcldnn_runtime.limits import blocks
+from pcldnn_runtime.manifest import PASSES, LayerEntry, read_manifest
 
 KIND_CODE = {"fwd": 0, "bwd_data": 1, "bwd_weights": 2}
 

@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pcldnn_gen.arch import get_arch  # noqa: E402
-from pcldnn_gen.build import build  # noqa: E402
-from pcldnn_gen.zoo import load_zoo  # noqa: E402
+from pcldnn_gen.arch import get_arch
+from pcldnn_gen.build import build
+from pcldnn_gen.zoo import load_zoo
 
 STACK = re.compile(r"\((%rsp|%rbp)\)")
 FMA = re.compile(r"\s(vfn?madd\w*|vfn?msub\w*|vdpbf16ps|tdpbf16ps)\s")

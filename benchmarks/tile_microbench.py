@@ -28,9 +28,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pcldnn_gen.arch import PRESETS  # noqa: E402
-from pcldnn_gen.planner import RegisterTile  # noqa: E402
-from pcldnn_runtime import cpu  # noqa: E402
+from pcldnn_gen.arch import PRESETS
+from pcldnn_gen.planner import RegisterTile
+from pcldnn_runtime import cpu
 
 STEPS_PER_TRIP = 4
 
@@ -123,7 +123,7 @@ def program(tiles: list[tuple[int, int]], repeats: int, isa: str = "avx2") -> st
         "static volatile float sink;",
         "\n".join(peak), *(tile_function(w, v, isa) for w, v in tiles),
         "int main(void) {",
-        "    enum { R = %d }; const long FMAS = 400000000L;" % repeats,
+        f"    enum {{ R = {repeats} }}; const long FMAS = 400000000L;",
         f"    static double r[{len(tiles)}][R];",
         "    for (unsigned i = 0; i < sizeof in / sizeof *in; i++) in[i] = 1e-3f * i;",
         "    for (unsigned i = 0; i < sizeof wt / sizeof *wt; i++) wt[i] = 1e-4f;",

@@ -1,20 +1,30 @@
 """pcldnn-gen: generates, compiles and caches specialized CPU kernels for DNN training."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    import numpy as np
+
 __version__ = "0.1.0"
 
 
-def from_torch(module, input_shape, name=None, loss=True):
+def from_torch(module: Any, input_shape: Sequence[int], name: str | None = None,
+               loss: bool = True) -> tuple[dict, dict[str, np.ndarray]]:
     """(net dict, state) from a PyTorch module; see pcldnn_gen.torch_frontend (torch imported
     there, on call)."""
     from .torch_frontend import from_torch as convert
     return convert(module, input_shape, name, loss)
 
 
-def compile(net, arch: str = "native", out=None, weights=None):
+def compile(net: dict | str | Path, arch: str = "native", out: str | Path | None = None,
+            weights: Mapping[str, Any] | None = None) -> Path:
     """Compile a net description (a dict like net.json's, or a path to one) for `arch` into a
     build directory (default build/<net>-<isa>); `weights` (a state dict, canonical layouts)
     become the build's initial weights. Returns the directory, for pcldnn_runtime.load."""
-    from pathlib import Path
-
     from .arch import get_arch
     from .build import build
     from .netspec import load_netspec, parse_netspec
@@ -22,7 +32,7 @@ def compile(net, arch: str = "native", out=None, weights=None):
     return build(spec, get_arch(arch), Path(out) if out is not None else None, weights=weights).directory
 
 
-def source_state(net, state):
+def source_state(net: dict, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A state dict under the original framework's names (see pcldnn_gen.frontend.source_state)."""
     from .frontend import source_state as rename
     return rename(net, state)

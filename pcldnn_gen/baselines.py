@@ -18,6 +18,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -26,7 +27,7 @@ from .bench import median_seconds
 MARK = "@@pcldnn-baseline"
 
 
-def _numpy_conv(p, batch, rng):
+def _numpy_conv(p: Any, batch: Any, rng: Any) -> Any:
     c, h, w = p["in_shape"]
     oc, (kh, kw), (sh, sw), (ph, pw) = p["out_channels"], p["kernel"], p["stride"], p["pad"]
     oh, ow = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
@@ -34,14 +35,14 @@ def _numpy_conv(p, batch, rng):
     wt = rng.standard_normal((oc, c * kh * kw), dtype=np.float32)
     dy = rng.standard_normal((batch * oh * ow, oc), dtype=np.float32)
 
-    def im2col():
+    def im2col() -> Any:
         xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
         s = xp.strides
         view = np.lib.stride_tricks.as_strided(
             xp, (batch, oh, ow, c, kh, kw), (s[0], s[2] * sh, s[3] * sw, s[1], s[2], s[3]))
         return view.reshape(batch * oh * ow, c * kh * kw)
 
-    def col2im(cols):
+    def col2im(cols: Any) -> Any:
         dxp = np.zeros((batch, c, h + 2 * ph, w + 2 * pw), np.float32)
         cols = cols.reshape(batch, oh, ow, c, kh, kw)
         for i in range(kh):
@@ -54,7 +55,7 @@ def _numpy_conv(p, batch, rng):
             "bwd_weights": lambda: dy.T @ im2col()}
 
 
-def _numpy_fc(p, batch, rng):
+def _numpy_fc(p: Any, batch: Any, rng: Any) -> Any:
     k = int(np.prod(p["in_shape"]))
     x = rng.standard_normal((batch, k), dtype=np.float32)
     wt = rng.standard_normal((p["out_channels"], k), dtype=np.float32)
@@ -62,7 +63,7 @@ def _numpy_fc(p, batch, rng):
     return {"fwd": lambda: x @ wt.T, "bwd_data": lambda: dy @ wt, "bwd_weights": lambda: dy.T @ x}
 
 
-def numpy_times(req) -> dict:
+def numpy_times(req: Any) -> dict:
     rng = np.random.default_rng(0)
     out = {}
     for p in req["problems"]:
@@ -72,7 +73,7 @@ def numpy_times(req) -> dict:
     return out
 
 
-def onednn_runs(req) -> dict:
+def onednn_runs(req: Any) -> dict:
     """Run every conv and fc problem through PyTorch, printing a marker line before each timed call
     so the parent can attribute oneDNN's verbose lines. Returns PyTorch wall times."""
     import torch
@@ -94,7 +95,7 @@ def onednn_runs(req) -> dict:
     return wall
 
 
-def _conv_runs(torch, p, batch, dtype):
+def _conv_runs(torch: Any, p: Any, batch: Any, dtype: Any) -> Any:
     """(fwd, bwd) calls of PyTorch's convolution (oneDNN) for a conv problem; bwd is autograd's.
     bf16 tensors are channels_last, the layout oneDNN's bf16 brgemm and AMX kernels are written
     for (VGG-A conv3 forward on AMX, one thread: 17-18 ms channels_last, 26 ms NCHW)."""
@@ -106,18 +107,18 @@ def _conv_runs(torch, p, batch, dtype):
     dy = torch.randn_like(conv(x, wt))
     xg, wg = x.clone().requires_grad_(), wt.clone().requires_grad_()
 
-    def fwd():
+    def fwd() -> None:
         with torch.no_grad():
             conv(x, wt)
 
-    def bwd():
+    def bwd() -> None:
         xg.grad = wg.grad = None
         conv(xg, wg).backward(dy)
 
     return {"fwd": fwd, "bwd": bwd}
 
 
-def _inner_product_runs(torch, p, batch, dtype):
+def _inner_product_runs(torch: Any, p: Any, batch: Any, dtype: Any) -> Any:
     """(fwd, bwd) calls of oneDNN's inner product for an fc problem, on oneDNN tensors; bf16:
     the three matmuls of PyTorch's bf16 `linear` and its autograd (oneDNN's brgemm matmul;
     PyTorch's oneDNN fc backward refuses bf16 weights), one region each."""
@@ -131,11 +132,11 @@ def _inner_product_runs(torch, p, batch, dtype):
     xm, wm, dym = x.to_mkldnn(), wt.to_mkldnn(), dy.to_mkldnn()
     aten = torch.ops.aten
 
-    def fwd():
+    def fwd() -> None:
         with torch.no_grad():
             torch._C._nn.mkldnn_linear(xm, wm, None)
 
-    def bwd():
+    def bwd() -> None:
         aten.mkldnn_linear_backward_input([batch, k], dym, wt)
         aten.mkldnn_linear_backward_weights(dym, xm, wt, True)
 
@@ -244,7 +245,7 @@ def main(argv: list[str]) -> int:
             out.setdefault(key, {}).update(onednn=timing.seconds, onednn_impl=" ".join(timing.implementations),
                                            onednn_isa=isa)
         for key, t in wall.items():
-            layer, label = key.split("/")
+            _layer, label = key.split("/")
             if label == "fwd":
                 out.setdefault(key, {})["onednn_wall"] = t
     with open(result, "w") as f:

@@ -13,6 +13,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +35,7 @@ BASELINES = ("numpy", "onednn")
 BASELINE_TIMES = ("numpy", "onednn", "onednn_wall")
 
 
-def median_seconds(fn, repeats: int) -> float:
+def median_seconds(fn: Any, repeats: int) -> float:
     """Median wall time of `fn` over `repeats` runs after one warm-up run."""
     fn()
     times = []
@@ -61,7 +62,7 @@ MAX_REPEATS = 1000
 
 
 @functools.cache
-def _repeat_library():
+def _repeat_library() -> Any:
     """The timing loops (templates/repeat.c.j2), compiled once through the cache; plain C, so
     with the scalar preset's flags whatever the kernels' ISA."""
     kinds = [(kind, SIGNATURES[kind], ", ".join(param.split()[-1].lstrip("*") for param in SIGNATURES[kind].split(",")))
@@ -78,7 +79,7 @@ class KernelTimer:
     seconds per kernel call. The Python call around a kernel (3-4 us, most of a small fc
     layer's time) is left out, as oneDNN's primitive time leaves out PyTorch's."""
 
-    def __init__(self, kind: str, kernel, args: tuple):
+    def __init__(self, kind: str, kernel: Any, args: tuple) -> None:
         library = _repeat_library()
         self._library = library  # kept alive while the loop is called
         self._loop = library[f"pcldnn_repeat_{kind}"]
@@ -99,7 +100,7 @@ class KernelTimer:
         return self._run(self.reps)
 
 
-def kernel_timers(layer, batch: int) -> dict[str, KernelTimer]:
+def kernel_timers(layer: Any, batch: int) -> dict[str, KernelTimer]:
     """{pass: a KernelTimer of the layer's kernel} on blocked buffers of random values (fixed
     seed): what the benchmarks time, without layout conversions; activations and gradients
     stored as bf16 in the net (limits.bf16_outputs, bf16_gradients) are bf16 here too."""
@@ -152,9 +153,9 @@ class PassResult:
     batch: int = 0                         # the minibatch it ran at
 
 
-def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASSES,
-              layers: list[str] | None = None, repeats: int = 5, compare=(), peak: float | None = None,
-              build_dir: Path | None = None, rounds: int = 1, tuning=None,
+def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes: Any = PASSES,
+              layers: list[str] | None = None, repeats: int = 5, compare: Any = (), peak: float | None = None,
+              build_dir: Path | None = None, rounds: int = 1, tuning: Any = None,
               precision: str = "fp32") -> tuple[float, list[PassResult]]:
     """Time every (weighted layer, pass). Returns (peak GFLOP/s, results). `precision` bf16: a
     bf16 build (its vdpbf16ps forward kernels timed without the conversions that feed them; the
@@ -207,8 +208,9 @@ def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes=PASSES
     return best_peak, results
 
 
-def bench_curve(spec: NetSpec, arch: Arch, batches: list[int], threads: int, passes=PASSES,
-                layers: list[str] | None = None, repeats: int = 5, tuning=None) -> tuple[float, dict[int, list[PassResult]]]:
+def bench_curve(spec: NetSpec, arch: Arch, batches: list[int], threads: int, passes: Any = PASSES,
+                layers: list[str] | None = None, repeats: int = 5,
+                tuning: Any = None) -> tuple[float, dict[int, list[PassResult]]]:
     """Every (weighted layer, pass) at each minibatch of `batches`, in one run (one build): the
     efficiency against the per-node minibatch that `plan --machine local` uses. The FMA peak
     is measured before each minibatch and after the last; all rows use the highest."""
@@ -235,8 +237,8 @@ def format_curve(title: str, arch: Arch, threads: int, peak: float, curve: dict[
     return "\n".join(lines)
 
 
-def bench_zoo(shapes, arch: Arch, batch: int, threads: int, passes=PASSES, repeats: int = 5, compare=(),
-              rounds: int = 1, tuning=None, precision: str = "fp32") -> tuple[float, list[PassResult]]:
+def bench_zoo(shapes: Any, arch: Arch, batch: int, threads: int, passes: Any = PASSES, repeats: int = 5, compare: Any = (),
+              rounds: int = 1, tuning: Any = None, precision: str = "fp32") -> tuple[float, list[PassResult]]:
     """Every shape of a zoo (pcldnn_gen.zoo) as a one-layer net, like bench_net; in bf16, a
     convolution as inside a net (ZooShape.inner: bf16 activations and gradients in and out). The
     FMA peak is measured before and after the whole zoo; the efficiencies use the higher of the two."""
@@ -252,7 +254,7 @@ def bench_zoo(shapes, arch: Arch, batch: int, threads: int, passes=PASSES, repea
     return best, [replace(r, peak_fraction=r.gflops / best) for r in rows]
 
 
-def run_baselines(layers, arch: Arch, batch: int, threads: int, passes, repeats: int, compare,
+def run_baselines(layers: Any, arch: Arch, batch: int, threads: int, passes: Any, repeats: int, compare: Any,
                   precision: str = "fp32") -> dict:
     """Run pcldnn_gen.baselines in a subprocess whose environment pins the ISA and the thread
     count of the libraries (OpenBLAS, oneDNN) to what our kernels get; bf16: oneDNN on bf16
@@ -292,7 +294,7 @@ def format_table(title: str, arch: Arch, batch: int, threads: int, peak: float, 
              f"{'layer':<8} {'pass':<12} {'ms':>9} {'GFLOP/s':>8} {'%peak':>6} {'useful':>7} {'xnumpy':>7} {'xoneDNN':>8} "
              f"{'xoneDNN wall':>12}"]
 
-    def fmt(v, width):
+    def fmt(v: Any, width: Any) -> Any:
         return f"{v:{width}.2f}" if v is not None else f"{'-':>{width}}"
 
     for r in results:

@@ -12,9 +12,10 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from filelock import FileLock
@@ -156,7 +157,7 @@ def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | Non
 
 
 def _write_build(net: NetSpec, arch: Arch, out_dir: Path, sources: list[tuple[LayerSpec | None, str, Source]],
-                 results, plans, initial: dict[str, np.ndarray] | None, precision: str) -> None:
+                 results: Any, plans: Any, initial: dict[str, np.ndarray] | None, precision: str) -> None:
     """Sources, libraries and manifest into a staging folder, swapped in under a lock. A source
     of no layer is one of the build's own kernels ("peak", "sgd")."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any, NoReturn
 
 from pcldnn_runtime.cpu import PRECISIONS
 from pcldnn_runtime.validate import check_writable
@@ -57,7 +58,7 @@ def _import(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tuning(args: argparse.Namespace):
+def _tuning(args: argparse.Namespace) -> Any:
     """The tuning database unless --no-tuning (then the model decides every tile)."""
     from .tuning import TuningDB
     return None if args.no_tuning else TuningDB.load()
@@ -86,7 +87,7 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measured_lines(plan) -> str:
+def _measured_lines(plan: Any) -> str:
     """The model's prediction beside the tuner's measurement, one candidate per line (a bf16
     kernel's % of the fp32 FMA peak, as `bench` gives it: vdpbf16ps can run at twice it)."""
     from .tuning import kernel_precision
@@ -279,7 +280,7 @@ def _plan(args: argparse.Namespace) -> int:
 class _Parser(argparse.ArgumentParser):
     """Usage errors in one line, like every other error (the usage is one --help away)."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
@@ -418,7 +419,7 @@ def _max_memory_option(p: argparse.ArgumentParser) -> None:
                         "default PCLDNN_MAX_MEMORY or 16G)")
 
 
-def _size(option: str):
+def _size(option: str) -> Any:
     """argparse type: a byte count as `option` takes it (1M to 1024T, K/M/G/T binary)."""
     def parse(text: str) -> int:
         from pcldnn_runtime.limits import parse_bytes
@@ -439,7 +440,7 @@ def _days(text: str) -> float:
     return value
 
 
-def _int_in(lo: int, hi: int):
+def _int_in(lo: int, hi: int) -> Any:
     """argparse type: an int in [lo, hi] (thread counts, batch sizes, repeats all have a range)."""
     def parse(text: str) -> int:
         try:
@@ -452,7 +453,7 @@ def _int_in(lo: int, hi: int):
     return parse
 
 
-def _int_list(lo: int, hi: int):
+def _int_list(lo: int, hi: int) -> Any:
     """argparse type: comma-separated distinct ints in [lo, hi], at most 16, ascending."""
     one = _int_in(lo, hi)
 
@@ -484,7 +485,7 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _warning(message, category, filename, lineno, file=None, line=None) -> None:
+def _warning(message: Any, category: Any, filename: Any, lineno: Any, file: Any = None, line: Any = None) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
 

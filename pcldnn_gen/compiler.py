@@ -27,10 +27,10 @@ import subprocess
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from filelock import FileLock, Timeout
 
@@ -69,7 +69,7 @@ def c_compiler() -> str:
     return os.environ.get("CC", "cc")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiler_identity(cc: str) -> str:
     """Resolved path and first --version line: part of every cache key."""
     path = shutil.which(cc)
@@ -178,7 +178,7 @@ def _install(tmp: str, entry: Path, digest_file: Path) -> None:
 PRELUDE_INCLUDE = "#include <immintrin.h>"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _is_gcc(cc: str) -> bool:
     """GCC's --version names the Free Software Foundation; clang's and others' do not (their
     precompiled headers work differently: those compilers just parse the header)."""
@@ -189,7 +189,7 @@ def _is_gcc(cc: str) -> bool:
     return "Free Software Foundation" in out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def prelude_args(cc: str, flags: tuple[str, ...], cache: Path) -> tuple[str, ...]:
     """`-include` of <immintrin.h> precompiled with exactly these flags, or () where there is
     none to be had (not GCC, the build failed): the kernel then parses the header itself. The
@@ -409,7 +409,7 @@ def _remove_temporaries(cache: Path, now: float) -> int:
             continue
         for path in folder.iterdir():
             st = _stat(path)
-            if (path.name.startswith(".") and path.name.endswith(".tmp") or path.name.startswith(".probe-")) \
+            if ((path.name.startswith(".") and path.name.endswith(".tmp")) or path.name.startswith(".probe-")) \
                     and st is not None and now - st.st_mtime > STALE_TEMP_S and path.is_file() and not path.is_symlink():
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()

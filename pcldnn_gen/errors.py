@@ -24,5 +24,13 @@ class CompilerWarning(UserWarning):
     is checked."""
 
 
-__all__ = ["PcldnnError", "ArchError", "BuildDirError", "NetSpecError", "PlanError", "CompileError",
-           "ModelImportError", "CompilerWarning"]
+__all__ = [
+    "ArchError",
+    "BuildDirError",
+    "CompileError",
+    "CompilerWarning",
+    "ModelImportError",
+    "NetSpecError",
+    "PcldnnError",
+    "PlanError",
+]

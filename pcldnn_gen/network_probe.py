@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import numpy as np
 
 
-def probe(comm) -> dict:
+def probe(comm: Any) -> dict:
     """Alpha, beta (ping-pong between ranks 0 and 1), gamma (summing float32 arrays) and the
     memory bandwidth (copying them), medians of repeats."""
 
-    def median_time(fn, repeats: int) -> float:
+    def median_time(fn: Any, repeats: int) -> float:
         times = []
         for _ in range(repeats):
             comm.Barrier()

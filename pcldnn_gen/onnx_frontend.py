@@ -10,8 +10,9 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -56,7 +57,7 @@ def import_onnx(path: str | Path, name: str | None = None) -> tuple[dict, dict[s
         raise ModelImportError(f"{path}: cannot import ({type(e).__name__}: {str(e)[:200]})") from None
 
 
-def _translate(model, path: Path, name: str | None, onnx) -> tuple[dict, dict[str, np.ndarray]]:
+def _translate(model: Any, path: Path, name: str | None, onnx: Any) -> tuple[dict, dict[str, np.ndarray]]:
     graph, origin = model.graph, str(path)
     floats = sum(math.prod(max(d, 0) for d in t.dims) for t in graph.initializer)
     if floats * 4 > limits.max_memory():  # as float32 weights, before any is converted
@@ -85,7 +86,7 @@ def _translate(model, path: Path, name: str | None, onnx) -> tuple[dict, dict[st
 
 # Every TensorProto of a model, wherever it sits: the initializers, sparse initializers, and the
 # tensor-valued attributes of every node, subgraphs (If / Loop / Scan bodies) included.
-def _all_tensors(graph, where: str, onnx) -> Iterator[tuple[Any, str]]:
+def _all_tensors(graph: Any, where: str, onnx: Any) -> Iterator[tuple[Any, str]]:
     for t in graph.initializer:
         yield t, f"{where}initializer {t.name!r}"
     for st in graph.sparse_initializer:
@@ -110,7 +111,7 @@ def _all_tensors(graph, where: str, onnx) -> Iterator[tuple[Any, str]]:
                     yield from _all_tensors(g, f"{at}: ", onnx)
 
 
-def _check_tensors(graph, origin: str, onnx) -> None:
+def _check_tensors(graph: Any, origin: str, onnx: Any) -> None:
     """The one policy for every tensor of the model: its data is inside the file. An external
     location ("secret.bin") would be read relative to the working directory or the model's
     folder: a model file must not make the importer read other files."""
@@ -122,7 +123,7 @@ def _check_tensors(graph, origin: str, onnx) -> None:
                                        "weights inside (onnx.save(model, path, save_as_external_data=False))")
 
 
-def _check_opsets(model, origin: str, onnx) -> None:
+def _check_opsets(model: Any, origin: str, onnx: Any) -> None:
     """The default domain's opset in the range this onnx package defines; no other domain."""
     newest = onnx.defs.onnx_opset_version()
     for opset in model.opset_import:
@@ -139,7 +140,7 @@ NUMERIC_TYPES = ("FLOAT", "DOUBLE", "FLOAT16", "BFLOAT16", "INT8", "INT16", "INT
                  "UINT32", "UINT64", "BOOL")
 
 
-def load_tensor(tensor, what: str, origin: str, onnx) -> np.ndarray:
+def load_tensor(tensor: Any, what: str, origin: str, onnx: Any) -> np.ndarray:
     """A dense tensor of plain numbers as an array: its type, dims and the element count checked
     before numpy_helper allocates anything (the data must be inside the file: _check_tensors)."""
     names = {getattr(onnx.TensorProto, n) for n in NUMERIC_TYPES}
@@ -162,7 +163,7 @@ def load_tensor(tensor, what: str, origin: str, onnx) -> np.ndarray:
     return array
 
 
-def _constant_value(node, origin: str, onnx) -> np.ndarray | None:
+def _constant_value(node: Any, origin: str, onnx: Any) -> np.ndarray | None:
     """A Constant node's value as an array (its numbers go through load_tensor); None for a
     form that holds no numbers (strings: nothing of ours can use them)."""
     what = f"Constant node {node.name or node.output[0]!r}"
@@ -182,7 +183,7 @@ def _constant_value(node, origin: str, onnx) -> np.ndarray | None:
     return None
 
 
-def _attrs(node, onnx) -> dict[str, Any]:
+def _attrs(node: Any, onnx: Any) -> dict[str, Any]:
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
@@ -215,7 +216,7 @@ def _symmetric(pads: list[int]) -> list[int]:
     return pads[:2]
 
 
-def _window(a: dict, kernel_from=None) -> dict[str, Any]:
+def _window(a: dict, kernel_from: Any = None) -> dict[str, Any]:
     """kernel / stride / pad as read: the shared front end checks their ranges, naming the node."""
     kernel = _ints(a, "kernel_shape", [int(k) for k in kernel_from] if kernel_from is not None else [])
     if len(kernel) != 2:
@@ -234,7 +235,7 @@ class _Unsupported(Exception):
     """Why a node does not fit the net description."""
 
 
-def _ops(graph, constants: dict[str, np.ndarray], image: str, origin: str, onnx) -> list[Op]:
+def _ops(graph: Any, constants: dict[str, np.ndarray], image: str, origin: str, onnx: Any) -> list[Op]:
     problems: list[str] = []
     ops: list[Op] = []
     prev = image
@@ -276,7 +277,7 @@ def _ops(graph, constants: dict[str, np.ndarray], image: str, origin: str, onnx)
     return ops
 
 
-def _const(constants: dict[str, np.ndarray], node, index: int, what: str) -> np.ndarray | None:
+def _const(constants: dict[str, np.ndarray], node: Any, index: int, what: str) -> np.ndarray | None:
     if len(node.input) <= index or not node.input[index]:
         return None
     if node.input[index] not in constants:
@@ -284,7 +285,7 @@ def _const(constants: dict[str, np.ndarray], node, index: int, what: str) -> np.
     return np.asarray(constants[node.input[index]])
 
 
-def _node_op(node, following, source: str, constants, onnx) -> tuple[Op, bool]:
+def _node_op(node: Any, following: Any, source: str, constants: Any, onnx: Any) -> tuple[Op, bool]:
     """The Op of one node, and whether it consumed `following` (the Add after a MatMul)."""
     t, a = node.op_type, _attrs(node, onnx)
     if t == "Conv":

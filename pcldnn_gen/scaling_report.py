@@ -8,6 +8,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from pcldnn_runtime import mpi_safety, scaling
 from pcldnn_runtime.validate import read_json
@@ -73,7 +74,7 @@ def local_machine(spec: NetSpec, arch_name: str, batches: list[int], bench_json:
         cores=threads, arch="", step_cv=scaling.STEP_CV, efficiency_curve=curve)
 
 
-def efficiency_curve(rows, spec: NetSpec, peak: float) -> dict[str, tuple[tuple[int, float], ...]]:
+def efficiency_curve(rows: Any, spec: NetSpec, peak: float) -> dict[str, tuple[tuple[int, float], ...]]:
     """Per kernel kind, ((minibatch, efficiency), ...): the net's FLOPs of that kind over the
     time its kernels took, against `peak` (FLOP-weighted, so the model's per-kind figure
     reproduces the net's measured time of that kind)."""
@@ -170,7 +171,7 @@ def format_table(spec: NetSpec, machine: scaling.Machine, strategies: list[scali
     return "\n".join(lines)
 
 
-def report_json(spec: NetSpec, machine: scaling.Machine, strategies, simulated, min_batches, threshold,
+def report_json(spec: NetSpec, machine: scaling.Machine, strategies: Any, simulated: Any, min_batches: Any, threshold: Any,
                 epoch_images: int | None = None) -> dict:
     return {"net": spec.name, "machine": machine.to_json(), "threshold": threshold, "epoch_images": epoch_images,
             "plans": [pl.to_json() | {"simulated_time_s": sim, "min_batch_per_node": mb}
@@ -178,7 +179,7 @@ def report_json(spec: NetSpec, machine: scaling.Machine, strategies, simulated, 
                       for pl, sim, mb in zip(strategies, simulated, min_batches)]}
 
 
-def _pyplot():
+def _pyplot() -> Any:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -229,7 +230,7 @@ def plot_timeline(path: Path, spec: NetSpec, machine: scaling.Machine, pl: scali
     plt.close(fig)
 
 
-def run(spec: NetSpec, machine: scaling.Machine, nodes: list[int], batch: int, threshold: float = 0.8):
+def run(spec: NetSpec, machine: scaling.Machine, nodes: list[int], batch: int, threshold: float = 0.8) -> Any:
     """(strategies, simulated times, per-node minibatch minima, simulation of the largest count)."""
     if batch < 1:
         raise PcldnnError(f"--batch must be positive, got {batch}")

@@ -20,7 +20,7 @@ SUPPORTED = ("Conv2d (groups=1, dilation=1, zero padding), Linear, MaxPool2d, Av
              "and torch.flatten / F.relu / F.dropout / F.max_pool2d / F.avg_pool2d / view(N, -1) in forward")
 
 
-def from_torch(module, input_shape, name: str | None = None, loss: bool = True) -> tuple[dict, dict[str, np.ndarray]]:
+def from_torch(module: Any, input_shape: Any, name: str | None = None, loss: bool = True) -> tuple[dict, dict[str, np.ndarray]]:
     """(net dict, state) for a PyTorch module taking (N, C, H, W) images, input_shape = (C, H, W).
     The state maps `<layer>.weight` / `<layer>.bias` to float32 arrays in canonical layouts
     (bias-free convolutions get zeros). With `loss`, a softmax_cross_entropy layer follows the
@@ -50,7 +50,7 @@ def from_torch(module, input_shape, name: str | None = None, loss: bool = True) 
         raise ModelImportError(f"{origin}: cannot translate ({type(e).__name__}: {str(e)[:200]})") from None
 
 
-def _check_tensors(module, origin: str, torch) -> None:
+def _check_tensors(module: Any, origin: str, torch: Any) -> None:
     """Every parameter and buffer holds numbers we can copy: on a real device (a meta tensor has
     no values), dense, real-valued, and all of them together within the memory bound, checked
     from their sizes before any is copied."""
@@ -78,11 +78,11 @@ def _pair(value: Any) -> tuple:
     return tuple(value) if isinstance(value, (tuple, list)) else (value, value)
 
 
-def _array(t) -> np.ndarray:
+def _array(t: Any) -> np.ndarray:
     return t.detach().cpu().float().numpy().copy()
 
 
-def _ops(traced, torch, origin: str) -> list[Op]:
+def _ops(traced: Any, torch: Any, origin: str) -> list[Op]:
     """The traced graph as a chain of Ops; every unsupported node collected, then one error."""
     nn, F = torch.nn, torch.nn.functional
     modules = dict(traced.named_modules())
@@ -94,7 +94,7 @@ def _ops(traced, torch, origin: str) -> list[Op]:
     prev = placeholders[0]
     shape_nodes = set()  # x.size(0) / x.shape[0] feeding a view(N, -1): no tensor of their own
 
-    def tensor_users(node):
+    def tensor_users(node: Any) -> Any:
         return [u for u in node.users if u not in shape_nodes]
 
     for node in traced.graph.nodes:
@@ -135,7 +135,7 @@ class _Unsupported(Exception):
     """(type name[, reason]) of a node the net description cannot express."""
 
 
-def _is_shape_query(node, torch) -> bool:
+def _is_shape_query(node: Any, torch: Any) -> bool:
     """x.size(...), x.shape, or an index into one: only the minibatch size of a view(N, -1)."""
     if node.op == "call_method" and node.target == "size":
         return True
@@ -145,7 +145,7 @@ def _is_shape_query(node, torch) -> bool:
             and (node.args[0].op, node.args[0].target) in (("call_method", "size"), ("call_function", getattr)))
 
 
-def _module_op(target: str, m, nn) -> Op:
+def _module_op(target: str, m: Any, nn: Any) -> Op:
     kind = type(m).__name__
     if isinstance(m, nn.Conv2d):
         if m.groups != 1:
@@ -191,8 +191,8 @@ def _module_op(target: str, m, nn) -> Op:
     raise _Unsupported(kind)
 
 
-def _pool_op(target: str, kind: str, kernel, stride, padding, ceil_mode, dilation, return_indices,
-             count_include_pad, divisor_override) -> Op:
+def _pool_op(target: str, kind: str, kernel: Any, stride: Any, padding: Any, ceil_mode: Any, dilation: Any, return_indices: Any,
+             count_include_pad: Any, divisor_override: Any) -> Op:
     k = _pair(kernel)
     s = k if stride is None or stride == [] or stride == () else _pair(stride)
     p = _pair(padding)
@@ -211,7 +211,7 @@ def _pool_op(target: str, kind: str, kernel, stride, padding, ceil_mode, dilatio
     return Op("maxpool", target, kind, {"kernel": k, "stride": s, "pad": p})
 
 
-def _function_op(node, torch, F) -> Op:
+def _function_op(node: Any, torch: Any, F: Any) -> Op:
     """torch.* / F.* calls and tensor methods inside forward."""
     fn, args, kwargs = node.target, node.args, node.kwargs
     name = node.name

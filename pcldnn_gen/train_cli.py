@@ -12,6 +12,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pcldnn_runtime as pr
 from pcldnn_runtime.cpu import PRECISIONS
@@ -84,7 +85,7 @@ def add_arguments(ap: argparse.ArgumentParser, net_default: str | None = None, d
     ap.add_argument("--no-progress", action="store_true")
 
 
-def parallel_arg(text: str):
+def parallel_arg(text: str) -> Any:
     """--parallel: "auto", "data" or a JSON object of layer patterns to "data" / "model" / "model:G"."""
     if text in ("auto", "data"):
         return text
@@ -97,7 +98,7 @@ def parallel_arg(text: str):
     return mapping
 
 
-def world():
+def world() -> Any:
     """MPI.COMM_WORLD when launched by mpiexec with more than one rank, else None."""
     try:
         from mpi4py import MPI
@@ -163,7 +164,7 @@ def check_readable(path: str, flag: str) -> None:
         raise PcldnnError(f"{flag} {e}") from None
 
 
-def _dataset(path: str, labels: str | None, spec: NetSpec, size, augment: bool, what: str):
+def _dataset(path: str, labels: str | None, spec: NetSpec, size: Any, augment: bool, what: str) -> Any:
     """A dataset from --data / --val."""
     p = Path(path)
     aug = pr.Augment(crop_padding=max(1, spec.input[1] // 8), flip=True) if augment else None
@@ -180,7 +181,7 @@ def _dataset(path: str, labels: str | None, spec: NetSpec, size, augment: bool, 
     return data
 
 
-def datasets(args, spec: NetSpec, classes: int):
+def datasets(args: Any, spec: NetSpec, classes: int) -> Any:
     """(train, val or None), every label checked in [0, classes), with the per-channel
     normalisation of the training set unless --no-normalize."""
     if args.data == "digits":

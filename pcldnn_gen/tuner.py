@@ -15,9 +15,10 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 import pcldnn_runtime as pr
 
@@ -142,7 +143,7 @@ def _kernels_to_time(net: NetSpec, arch: Arch, batch: int, candidates: int, db: 
         if not layer.weighted:
             continue
 
-        def plan(p: str, choice: tuple[int, int] | None = None):
+        def plan(p: str, choice: tuple[int, int] | None = None) -> Any:
             return plan_kernel(layer, p, arch, None, choice, precision, activations[layer.name], gradients[layer.name])
 
         for p in LAYER_PASSES[layer.type]:

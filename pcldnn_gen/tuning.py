@@ -57,7 +57,7 @@ def _digest(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def template_version(template: str) -> str:
     """The family's template, every template it imports or includes (the shared macros) and the
     generator version: an edit to any of them makes old measurements miss."""

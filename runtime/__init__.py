@@ -7,7 +7,7 @@ limits, validate) without loading cffi.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import ArchError, BuildDirError, CheckpointError, NonFiniteError, PcldnnError
 
@@ -15,12 +15,27 @@ _LAZY = {"load": "net", "Net": "net", "SGD": "optim", "Trainer": "trainer",
          "ArrayDataset": "data", "MemmapDataset": "data", "ImageFolder": "data", "Augment": "data",
          "Dataset": "data", "digits": "data", "synthetic": "data"}
 
-__all__ = ["load", "Net", "SGD", "Trainer", "ArrayDataset", "MemmapDataset", "ImageFolder", "Augment", "Dataset",
-           "digits", "synthetic",
-           "PcldnnError", "ArchError", "BuildDirError", "CheckpointError", "NonFiniteError"]
+__all__ = [
+    "SGD",
+    "ArchError",
+    "ArrayDataset",
+    "Augment",
+    "BuildDirError",
+    "CheckpointError",
+    "Dataset",
+    "ImageFolder",
+    "MemmapDataset",
+    "Net",
+    "NonFiniteError",
+    "PcldnnError",
+    "Trainer",
+    "digits",
+    "load",
+    "synthetic",
+]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value

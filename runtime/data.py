@@ -13,9 +13,10 @@ import mmap
 import os
 import stat
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +35,7 @@ SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
 EIGHT_BIT_MODES = ("1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr", "HSV", "LAB")
 
 
-def checked_labels(y, origin: str, classes: int | None = None) -> np.ndarray:
+def checked_labels(y: Any, origin: str, classes: int | None = None) -> np.ndarray:
     """Integer labels as int32, every one checked in [0, classes) (without `classes`: in
     [0, 2^31)) before the conversion, so no value wraps (2^32 + 1 is not 1)."""
     y = np.asarray(y)
@@ -72,7 +73,7 @@ class Augment:
     flip: bool = True
     seed: int = 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         f = Fields("Augment")
         f.int_in(self.crop_padding, "crop_padding", 0, 1 << 12)
         f.int_in(self.seed, "seed", 0, 2 ** 63 - 1)
@@ -127,7 +128,7 @@ class Dataset:
         if labels is not None:
             checked_labels(labels, self.name, classes)
 
-    def read(self, indices, epoch: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def read(self, indices: Any, epoch: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         indices = self._indices(indices)
         x, y = self._load(indices)
         if epoch is not None and self.augment is not None:
@@ -136,7 +137,7 @@ class Dataset:
             x = (x - self.mean.reshape(1, -1, 1, 1)) / self.std.reshape(1, -1, 1, 1)
         return np.ascontiguousarray(x, dtype=np.float32), y
 
-    def _indices(self, indices) -> np.ndarray:
+    def _indices(self, indices: Any) -> np.ndarray:
         """Sample indices as int64, each checked in [0, len) first (no wrap, no float truncation)."""
         try:
             a = np.asarray(indices)
@@ -171,7 +172,7 @@ class Dataset:
             count += n
         return mean, np.sqrt(m2 / count)
 
-    def with_normalization(self, mean, std) -> "Dataset":
+    def with_normalization(self, mean: Any, std: Any) -> Dataset:
         """Normalise each channel as (x - mean) / std on every read (std floored at 1e-8)."""
         c = self.sample_shape[0]
         mean, std = (np.asarray(a, np.float32).reshape(-1) for a in (mean, std))
@@ -212,12 +213,12 @@ class ArrayDataset(Dataset):
     def sample_shape(self) -> tuple[int, int, int]:
         return self.x.shape[1:]  # type: ignore[return-value]
 
-    def normalized(self, mean, std) -> "ArrayDataset":
+    def normalized(self, mean: Any, std: Any) -> ArrayDataset:
         """A normalised copy (the arrays themselves rescaled)."""
         mean, std = (np.asarray(a, np.float32).reshape(1, -1, 1, 1) for a in (mean, std))
         return ArrayDataset((self.x - mean) / np.maximum(std, 1e-8), self.y, self.name, self.augment)
 
-    def batches(self, batch_size: int, order: np.ndarray | None = None):
+    def batches(self, batch_size: int, order: np.ndarray | None = None) -> Any:
         """(x, y) minibatches of exactly `batch_size` in `order` (default: as stored); a last
         partial batch is dropped so that every step has the same shape."""
         Fields(self.name).int_in(batch_size, "batch_size", 1, 1 << 20)
@@ -332,7 +333,7 @@ class ImageFolder(Dataset):
             raise PcldnnError(f"{path}: cannot decode the image ({type(e).__name__}: {str(e)[:200]})") from None
         return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
 
-    def _pixels(self, im, Image, path: Path) -> np.ndarray:
+    def _pixels(self, im: Any, Image: Any, path: Path) -> np.ndarray:
         """(H, W) or (H, W, 3) float32 in [0, 1] at `size`, scaled by the mode's full intensity."""
         size = (self.size[1], self.size[0])
         if im.mode in SIXTEEN_BIT_MODES or (im.mode == "I" and im.format == "PNG"):
@@ -401,7 +402,7 @@ def digits(size: int = 16, test_fraction: float = 0.2, seed: int = 0) -> tuple[A
     x = bunch.images.astype(np.float32)[:, None] / 16.0
     x = x.repeat(size // 8, axis=2).repeat(size // 8, axis=3)
     order = np.random.default_rng(seed).permutation(len(x))
-    n_test = int(round(len(x) * test_fraction))
+    n_test = round(len(x) * test_fraction)
     test_idx, train_idx = order[:n_test], order[n_test:]
     train = ArrayDataset(x[train_idx], bunch.target[train_idx], "digits-train")
     test = ArrayDataset(x[test_idx], bunch.target[test_idx], "digits-test")

@@ -77,8 +77,8 @@ class SyncSGD:
     each gradient rounded once (relative 2^-9), the sum exact to fp32. The part-broadcast of
     the updated weights stays fp32, so the ranks' weights stay identical."""
 
-    def __init__(self, net, optimizer, comm, *, parallel="auto", timeout: float | None = None,
-                 trace: list | None = None, gradient_exchange: str = "fp32"):
+    def __init__(self, net: Any, optimizer: Any, comm: Any, *, parallel: Any = "auto", timeout: float | None = None,
+                 trace: list | None = None, gradient_exchange: str = "fp32") -> None:
         from mpi4py import MPI
         if not isinstance(comm, MPI.Intracomm):
             raise PcldnnError(f"comm must be an MPI intracommunicator (e.g. MPI.COMM_WORLD), got {type(comm).__name__}")
@@ -169,7 +169,7 @@ class SyncSGD:
             else:
                 self.watch.span(name, "MPI waits" if cat == "wait" else "steps", start, end)
 
-    def blocking(self, call, what: str):
+    def blocking(self, call: Any, what: str) -> Any:
         """A blocking collective under the watchdog, counted as communication wait."""
         start = time.perf_counter()
         self.watchdog.waiting(what)
@@ -181,11 +181,11 @@ class SyncSGD:
         self._event(what, "wait", start, end)
         return out
 
-    def agree(self, op: str, values: dict, own=None) -> list:
+    def agree(self, op: str, values: dict, own: Any = None) -> list:
         """`agree` on this job's control communicator, under the watchdog."""
         return agree(self.ctl, op, values, own, self.watchdog)
 
-    def _wait(self, req, what: str) -> None:
+    def _wait(self, req: Any, what: str) -> None:
         if req is None:
             return
         start = time.perf_counter()
@@ -218,7 +218,7 @@ class SyncSGD:
             time.sleep(200e-6)
 
     # -- hooks called by Net between layers ---------------------------------------------------
-    def _before_forward(self, layer) -> None:
+    def _before_forward(self, layer: Any) -> None:
         for b in self.by_name.get(layer.name, ()):
             self._await_broadcast(b)
         self._progress()
@@ -232,7 +232,7 @@ class SyncSGD:
             done, b.gather_done = b.gather_done or time.perf_counter(), None
             self._event(f"part-broadcast {b.name}", "comm", b.gather_started, done)
 
-    def _after_backward(self, layer) -> None:
+    def _after_backward(self, layer: Any) -> None:
         for b in self.by_name.get(layer.name, ()):
             start, stop = b.range
             with self._lock:

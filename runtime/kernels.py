@@ -14,8 +14,9 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 import cffi
 import numpy as np
@@ -32,7 +33,7 @@ class KernelLibrary(dict):
     """{symbol: callable} of one loaded library. It holds the FFI and the library handle, which
     must outlive every call: keep the KernelLibrary as long as its functions are used."""
 
-    def __init__(self, functions: dict[str, Callable], ffi, handle):
+    def __init__(self, functions: dict[str, Callable], ffi: Any, handle: Any) -> None:
         super().__init__(functions)
         self._ffi, self._handle = ffi, handle
 
@@ -155,7 +156,7 @@ _C_TYPES = {np.dtype(np.float32): "float[]", np.dtype(np.int32): "int[]", np.dty
             np.dtype(np.uint16): "unsigned short[]"}  # uint16: bf16 values
 
 
-def ptr(arr: np.ndarray | None):
+def ptr(arr: np.ndarray | None) -> Any:
     """A typed C pointer to the data of a C-contiguous array (no copy; it keeps the array
     alive); NULL for None. Through the buffer protocol: 0.5 us a pointer against 1.7 us for a
     cast of `arr.ctypes.data`, and a kernel call passes four to seven of them."""
@@ -172,7 +173,7 @@ _ffi = cffi.FFI()
 CACHE_LINE_FLOATS = 16  # floats in a 64-byte cache line: parameter blocks and MPI parts start on one
 
 
-def empty_aligned(shape: tuple[int, ...], align: int = 64, dtype=np.float32, zeroed: bool = False) -> np.ndarray:
+def empty_aligned(shape: tuple[int, ...], align: int = 64, dtype: Any = np.float32, zeroed: bool = False) -> np.ndarray:
     """An uninitialised array (float32 unless said) whose data starts on an `align`-byte
     boundary (cache line), so vector loads never split lines at the start of a buffer.
     `zeroed`: through calloc, so a large buffer's pages are mapped zero and first written by

@@ -3,11 +3,12 @@ ranks), from the user's `parallel` argument or the communication model."""
 from __future__ import annotations
 
 import fnmatch
+from typing import Any
 
 from .errors import PcldnnError
 
 
-def layer_modes(net, parallel, p: int, batch: int) -> dict[str, int]:
+def layer_modes(net: Any, parallel: Any, p: int, batch: int) -> dict[str, int]:
     """{weighted layer: model-parallel group size} (1: data parallel) for `parallel`:
     "data"; "auto"; or a mapping of layer-name patterns (fnmatch) to "data", "model" (model
     parallel over all p ranks) or "model:G" (hybrid: model parallel within groups of G
@@ -31,7 +32,7 @@ def layer_modes(net, parallel, p: int, batch: int) -> dict[str, int]:
     return modes
 
 
-def mapping_modes(parallel, weighted: dict[str, str], p: int) -> dict[str, int]:
+def mapping_modes(parallel: Any, weighted: dict[str, str], p: int) -> dict[str, int]:
     """{layer: group size} of the layers a mapping of patterns names, checked against the
     weighted layers ({name: type}) and p ranks: what `pcldnn-gen train --parallel` checks
     from the net description before it compiles."""
@@ -51,7 +52,7 @@ def mapping_modes(parallel, weighted: dict[str, str], p: int) -> dict[str, int]:
     return modes
 
 
-def _group_size(pattern, how, p: int) -> int:
+def _group_size(pattern: Any, how: Any, p: int) -> int:
     if how == "data":
         return 1
     if how == "model":

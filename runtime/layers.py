@@ -9,7 +9,8 @@ input, output and argmax or dropout seed) for the backward calls that follow.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -29,8 +30,10 @@ from .limits import (
 )
 from .manifest import PASSES, LayerEntry
 
+Grads = tuple[np.ndarray, np.ndarray]  # a weighted layer's (weight, bias) gradient buffers
 
-def as_float32(x, what: str) -> np.ndarray:
+
+def as_float32(x: Any, what: str) -> np.ndarray:
     """A C-contiguous float32 copy or view of x, or a PcldnnError when x holds no numbers."""
     try:
         return np.ascontiguousarray(x, dtype=np.float32)
@@ -49,7 +52,7 @@ PARALLEL_MIN_BYTES = 512 * 1024
 class Layer:
     """Common part: shapes, the layer's kernels by role, canonical <-> blocked conversion."""
 
-    def __init__(self, spec: LayerEntry, kernels: dict[str, Callable], v: int, net):
+    def __init__(self, spec: LayerEntry, kernels: dict[str, Callable], v: int, net: Any) -> None:
         self.name: str = spec.name
         self.type: str = spec.type
         self.in_shape: tuple[int, int, int] = spec.in_shape
@@ -90,7 +93,7 @@ class Layer:
 
     def input_shape(self, batch: int) -> tuple[int, ...]:
         """The blocked input buffer's shape: (N, C/V, H, W, V), or (N, 1, H, W, C) when packed."""
-        c, h, w = self.in_shape
+        _, h, w = self.in_shape
         if self.in_pixel_floats != self._v:
             return (batch, 1, h, w, self.in_pixel_floats)
         return self.blocked_shape(self.in_shape, batch)
@@ -109,15 +112,16 @@ class Layer:
             team = self._teams[(batch, threads)] = 1 if small else threads
         return team
 
-    def aux_buffer(self, batch: int):
+    def aux_buffer(self, batch: int) -> Any:
         """Per-minibatch state the backward pass needs besides x and y (argmax, seed)."""
         return None
 
     # -- the blocked fast path (buffers owned by the caller) --------------------------
-    def forward_blocked(self, xb: np.ndarray, yb: np.ndarray, aux=None, training: bool = False) -> None:
+    def forward_blocked(self, xb: np.ndarray, yb: np.ndarray, aux: np.ndarray | None = None, training: bool = False) -> None:
         raise NotImplementedError
 
-    def backward_blocked(self, xb, yb, aux, dyb: np.ndarray, dxb: np.ndarray | None, grads=None) -> None:
+    def backward_blocked(self, xb: np.ndarray, yb: np.ndarray, aux: np.ndarray | None,
+                         dyb: np.ndarray, dxb: np.ndarray | None, grads: Grads | None = None) -> None:
         """Gradient w.r.t. the input into dxb (skipped when None); weighted layers also write
         (dw, db) into `grads` when given. dyb may be modified in place (ReLU mask). In a Net's
         chain a max pooling above a convolution with a fused ReLU applies that ReLU's mask
@@ -192,7 +196,7 @@ class Layer:
         bf16_bits(xb, bits, flush_subnormals=True)
         return bits
 
-    def _buffer(self, use: str, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+    def _buffer(self, use: str, shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
         """The blocked buffer the canonical API (or a bf16 copy) uses for `use`, kept from call
         to call while the shape stays: fresh buffers cost a page fault per 4 KiB on every call
         (VGG-A conv4 forward at minibatch 16: 51 MB of output, ~8% of the kernel's time)."""
@@ -245,9 +249,9 @@ class WeightedLayer(Layer):
     """conv and fc: blocked weights (OC/V, IC/V, KH, KW, V, V) and a padded bias, both views
     into the net's flat parameter buffer; their gradients are views into the gradient buffer."""
 
-    def __init__(self, spec: LayerEntry, kernels: dict[str, Callable], v: int, net,
+    def __init__(self, spec: LayerEntry, kernels: dict[str, Callable], v: int, net: Any,
                  params: tuple[np.ndarray, np.ndarray], grads: tuple[np.ndarray, np.ndarray],
-                 offsets: tuple[int, int] = (0, 0)):
+                 offsets: tuple[int, int] = (0, 0)) -> None:
         super().__init__(spec, kernels, v, net)
         if spec.weight_shape is None:  # the manifest schema gives every conv / fc layer one
             raise PcldnnError(f"layer {spec.name}: a {spec.type} layer without a weight shape")
@@ -386,13 +390,14 @@ class WeightedLayer(Layer):
     def grad_bias(self) -> np.ndarray:
         return self._dbias[: self.out_shape[0]].copy()
 
-    def forward_blocked(self, xb, yb, aux=None, training=False) -> None:
+    def forward_blocked(self, xb: np.ndarray, yb: np.ndarray, aux: np.ndarray | None = None, training: bool = False) -> None:
         if training and self.runner is not None:
             self.runner.forward(xb, yb)
         else:
             self.run_forward(xb, yb, self.ocb_range)
 
-    def backward_blocked(self, xb, yb, aux, dyb, dxb, grads=None, dy_masked: bool = False) -> None:
+    def backward_blocked(self, xb: np.ndarray, yb: np.ndarray | None, aux: np.ndarray | None, dyb: np.ndarray,
+                         dxb: np.ndarray | None, grads: Grads | None = None, dy_masked: bool = False) -> None:
         """dy_masked: dyb already carries this layer's fused ReLU mask (the max pooling above
         applied it, MaxPoolLayer.backward_blocked), so the kernels skip reading y for it."""
         if self.runner is not None:
@@ -443,7 +448,7 @@ class WeightedLayer(Layer):
         assert self._fc_tiles is not None
         return self._net.scratch(-(-self._fc_tiles.scratch_values(pass_name, batch) // 2)).view(np.uint16)
 
-    def run_forward(self, xb, yb, part: tuple[int, int] | None) -> None:
+    def run_forward(self, xb: np.ndarray, yb: np.ndarray, part: tuple[int, int] | None) -> None:
         """The forward kernel on this process's data; fc: output blocks `part` only."""
         extra = part if part is not None else ()
         batch, team = xb.shape[0], self.team(xb.shape[0])
@@ -469,7 +474,8 @@ class WeightedLayer(Layer):
             return
         self._k["fwd"](ptr(xb), self._wt_ptr, self._bias_ptr, ptr(yb), batch, team, *extra)
 
-    def run_backward(self, xb, yb, dyb, dxb, grads, part: tuple[int, int] | None, dy_masked: bool = False) -> None:
+    def run_backward(self, xb: np.ndarray, yb: np.ndarray | None, dyb: np.ndarray, dxb: np.ndarray | None,
+                     grads: Grads | None, part: tuple[int, int] | None, dy_masked: bool = False) -> None:
         """The backward kernels on this process's data (dxb / grads None: skip that pass)."""
         batch = xb.shape[0]
         threads = self.team(batch)
@@ -548,12 +554,13 @@ class MaxPoolLayer(Layer):
     def aux_buffer(self, batch: int) -> np.ndarray:
         return np.empty(self.blocked_shape(self.out_shape, batch), dtype=np.int32)  # argmax per output lane
 
-    def forward_blocked(self, xb, yb, aux=None, training=False) -> None:
+    def forward_blocked(self, xb: np.ndarray, yb: np.ndarray, aux: np.ndarray | None = None, training: bool = False) -> None:
         if aux is None:
             aux = self.aux_buffer(xb.shape[0])
         self._k["fwd"](ptr(xb), ptr(yb), ptr(aux), xb.shape[0], self.team(xb.shape[0]))
 
-    def backward_blocked(self, xb, yb, aux, dyb, dxb, grads=None, mask_input: bool = False) -> None:
+    def backward_blocked(self, xb: np.ndarray, yb: np.ndarray, aux: np.ndarray | None, dyb: np.ndarray,
+                         dxb: np.ndarray | None, grads: Grads | None = None, mask_input: bool = False) -> None:
         """mask_input: the input is a fused ReLU's output (the convolution below, in a Net):
         inputs that were not positive get no gradient, decided from this layer's own output
         (the max routed to each input is that input's value), so the convolution need not
@@ -563,18 +570,20 @@ class MaxPoolLayer(Layer):
 
 
 class AvgPoolLayer(Layer):
-    def forward_blocked(self, xb, yb, aux=None, training=False) -> None:
+    def forward_blocked(self, xb: np.ndarray, yb: np.ndarray, aux: np.ndarray | None = None, training: bool = False) -> None:
         self._k["fwd"](ptr(xb), ptr(yb), xb.shape[0], self.team(xb.shape[0]))
 
-    def backward_blocked(self, xb, yb, aux, dyb, dxb, grads=None) -> None:
+    def backward_blocked(self, xb: np.ndarray, yb: np.ndarray, aux: np.ndarray | None,
+                         dyb: np.ndarray, dxb: np.ndarray | None, grads: Grads | None = None) -> None:
         self._k["bwd_data"](ptr(dyb), ptr(dxb), dyb.shape[0], self.team(dyb.shape[0]))
 
 
 class ReluLayer(Layer):
-    def forward_blocked(self, xb, yb, aux=None, training=False) -> None:
+    def forward_blocked(self, xb: np.ndarray, yb: np.ndarray, aux: np.ndarray | None = None, training: bool = False) -> None:
         self._k["fwd"](ptr(xb), ptr(yb), xb.shape[0], self.team(xb.shape[0]))
 
-    def backward_blocked(self, xb, yb, aux, dyb, dxb, grads=None) -> None:
+    def backward_blocked(self, xb: np.ndarray, yb: np.ndarray, aux: np.ndarray | None,
+                         dyb: np.ndarray, dxb: np.ndarray | None, grads: Grads | None = None) -> None:
         self._k["bwd_data"](ptr(dyb), ptr(yb), ptr(dxb), dyb.shape[0], self.team(dyb.shape[0]))
 
 
@@ -589,14 +598,14 @@ class DropoutLayer(Layer):
     adding offset x G to the seed is the same as adding offset to i), and p ranks draw exactly
     the masks one process draws for the whole minibatch."""
 
-    def __init__(self, spec: LayerEntry, kernels: dict[str, Callable], v: int, net):
+    def __init__(self, spec: LayerEntry, kernels: dict[str, Callable], v: int, net: Any) -> None:
         super().__init__(spec, kernels, v, net)
         self.rate: float = spec.rate
 
     def aux_buffer(self, batch: int) -> np.ndarray:
         return np.zeros(1, dtype=np.uint64)
 
-    def forward_blocked(self, xb, yb, aux=None, training=False) -> None:
+    def forward_blocked(self, xb: np.ndarray, yb: np.ndarray, aux: np.ndarray | None = None, training: bool = False) -> None:
         if not training:  # the identity, between the activations' storage types
             if xb.dtype == yb.dtype:
                 np.copyto(yb, xb)
@@ -605,11 +614,14 @@ class DropoutLayer(Layer):
             else:
                 np.copyto(yb, bf16_values(xb))
             return
+        assert aux is not None  # the mask's seed, kept for the backward pass
         offset = self._net.row_offset * int(np.prod(yb.shape[1:]))
         aux[0] = (self._net.next_dropout_seed() + offset * DROPOUT_HASH_STEP) % 2 ** 64
         self._k["fwd"](ptr(xb), ptr(yb), int(aux[0]), xb.shape[0], self.team(xb.shape[0]))
 
-    def backward_blocked(self, xb, yb, aux, dyb, dxb, grads=None) -> None:
+    def backward_blocked(self, xb: np.ndarray, yb: np.ndarray, aux: np.ndarray | None,
+                         dyb: np.ndarray, dxb: np.ndarray | None, grads: Grads | None = None) -> None:
+        assert aux is not None
         self._k["bwd_data"](ptr(dyb), ptr(dxb), int(aux[0]), dyb.shape[0], self.team(dyb.shape[0]))
 
 
@@ -645,7 +657,7 @@ class LossLayer(Layer):
         self._saved = (probs, labels)
         return loss
 
-    def backward_data(self, dy=None) -> np.ndarray:
+    def backward_data(self, dy: Any = None) -> np.ndarray:
         """Gradient of the last forward's mean loss w.r.t. its logits, (N, classes)."""
         if self._saved is None:
             raise PcldnnError(f"layer {self.name}: backward_data needs a forward call first")

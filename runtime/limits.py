@@ -8,8 +8,9 @@ manifest against the same ranges, so a tampered manifest cannot ask for absurd b
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence
+from typing import Protocol
 
 from .errors import PcldnnError
 

@@ -328,7 +328,7 @@ def file_sha256(path: Path) -> str:
         return stream_sha256(f)
 
 
-def stream_sha256(f) -> str:
+def stream_sha256(f: Any) -> str:
     """sha256 of what remains of an open binary file."""
     h = hashlib.sha256()
     for chunk in iter(lambda: f.read(1 << 20), b""):

@@ -2,8 +2,9 @@
 group is smaller than the job)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +31,7 @@ class ModelParallelFC:
     group's rows, and the input gradients, partial sums over the owned features, are added
     and returned to their rows' owners (Reduce_scatter)."""
 
-    def __init__(self, layer, gcomm, blocking: Callable[[Callable[[], Any], str], Any]):
+    def __init__(self, layer: Any, gcomm: Any, blocking: Callable[[Callable[[], Any], str], Any]) -> None:
         """`blocking(call, what)`: runs a blocking collective under the job's watchdog."""
         from mpi4py import MPI
         self.MPI, self.layer, self.comm, self.blocking = MPI, layer, gcomm, blocking

@@ -10,6 +10,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 from .errors import PcldnnError
 
@@ -36,7 +37,7 @@ def mpiexec() -> str | None:
     return shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
 
 
-def world():
+def world() -> Any:
     """MPI.COMM_WORLD when this process is one of several MPI ranks, else None. mpi4py is
     imported only when a launcher announced a job of more than one rank (or the program
     already imported it)."""
@@ -52,7 +53,7 @@ def world():
     return MPI.COMM_WORLD
 
 
-def guard_world():
+def guard_world() -> Any:
     """Under an MPI job of more than one rank, an uncaught exception on any rank aborts the
     job (its traceback printed) instead of leaving the others waiting. Idempotent; returns
     COMM_WORLD or None. Needs no collective: ranks may call it at different times."""
@@ -77,7 +78,7 @@ def ranks_on_this_node() -> int:
     return comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
 
 
-def agree(comm, op: str, values: dict, own=None, watchdog: Watchdog | None = None) -> list:
+def agree(comm: Any, op: str, values: dict, own: Any = None, watchdog: Watchdog | None = None) -> list:
     """Every collective entry point (start-up, step, save, evaluate, reading weights, exit)
     begins here: the ranks exchange which operation they are in and the values they must share.
     A rank in another operation, or with other values, makes every rank raise the same
@@ -101,7 +102,7 @@ def agree(comm, op: str, values: dict, own=None, watchdog: Watchdog | None = Non
     return [o for _, _, o in everyone]
 
 
-def exit_agreement(comm) -> None:
+def exit_agreement(comm: Any) -> None:
     """At interpreter exit of a rank that trained: tell ranks still in a pcldnn collective
     (step, save, evaluate) that this one is leaving, so they fail with a message."""
     from mpi4py import MPI
@@ -113,16 +114,16 @@ def exit_agreement(comm) -> None:
         _abort(comm, f"[rank {comm.rank}] {e}\n", 1)
 
 
-def abort_on_exception(comm) -> None:
+def abort_on_exception(comm: Any) -> None:
     """An uncaught exception on any rank prints that rank's traceback and aborts the whole job
     (the other ranks would otherwise wait forever in the next collective)."""
-    def hook(kind, value, tb):
+    def hook(kind: Any, value: Any, tb: Any) -> None:
         text = "".join(traceback.format_exception(kind, value, tb))
         _abort(comm, f"[rank {comm.rank}] uncaught {kind.__name__}: {value}\n{text}", 1)
     sys.excepthook = hook
 
 
-def _abort(comm, message: str, code: int) -> None:
+def _abort(comm: Any, message: str, code: int) -> None:
     """Print `message` on this rank's stderr and end the whole job. The message goes straight
     to the file descriptor, and the launcher gets a moment to forward it before MPI_Abort
     kills every rank (under load, hydra lost it otherwise)."""
@@ -148,7 +149,7 @@ class Watchdog:
     """Reports (and aborts on) a collective that waits longer than `timeout` seconds: which
     rank, which layer, which operation."""
 
-    def __init__(self, comm, timeout: float):
+    def __init__(self, comm: Any, timeout: float) -> None:
         self.comm, self.timeout = comm, timeout
         self._what: tuple[str, float] | None = None
         self._lock = threading.Lock()
@@ -170,7 +171,7 @@ class Watchdog:
                                   "in the same order: step, save, evaluate, reading weights)\n", 3)
 
 
-def check_same_net(net, comm) -> None:
+def check_same_net(net: Any, comm: Any) -> None:
     """Refuse to start when ranks loaded different nets, builds or ISAs (a hash exchange)."""
     mine = (net.net_hash, int(net.params.size), net.isa, net.build_fingerprint())
     everyone = comm.allgather(mine)

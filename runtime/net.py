@@ -7,6 +7,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -41,7 +42,7 @@ class _Workspace:
     says), argmax / dropout state, two ping-pong buffers for activation gradients (each fp32, or
     bf16 where limits.bf16_gradients says), softmax probabilities and labels."""
 
-    def __init__(self, net: "Net", batch: int):
+    def __init__(self, net: Net, batch: int):
         chain = net.chain
         self.batch = batch
         self.acts = [empty_aligned(chain[0].input_shape(batch))]
@@ -184,7 +185,7 @@ class Net:
                                                    self.manifest.peak_flops_per_iteration, threads)
         return self._peaks[threads]
 
-    def _own(self, entry, symbol: str):
+    def _own(self, entry: Any, symbol: str) -> Any:
         """`symbol` of one of the build's kernels of no layer (peak, sgd), its library loaded on
         first use and held like the layers' libraries."""
         if symbol not in self._own_libraries:
@@ -192,7 +193,7 @@ class Net:
                                                        entry.symbols)
         return self._own_libraries[symbol][symbol]
 
-    def sgd_kernel(self):
+    def sgd_kernel(self) -> Any:
         """The build's SGD update (templates/sgd.c.j2, abi "sgd"), loaded on first use; None for a
         build made before it was part of builds (the optimizer then updates with numpy)."""
         entry = self.manifest.sgd
@@ -224,7 +225,7 @@ class Net:
         self.current()
         return self._grads
 
-    def complete_on_access(self, hook) -> None:
+    def complete_on_access(self, hook: Any) -> None:
         """Run `hook` before the next read of the weights (None: nothing pending). The MPI
         runtime registers its pending part-broadcasts here after a step."""
         self._on_access = hook
@@ -284,7 +285,7 @@ class Net:
         except OSError as e:
             raise PcldnnError(f"{path}: cannot write the ONNX model: {e.strerror or e}") from None
 
-    def load_state_dict(self, state, strict: bool = True) -> StateKeys:
+    def load_state_dict(self, state: Any, strict: bool = True) -> StateKeys:
         """Set weights and biases from a mapping like `state_dict()`'s: numpy arrays, torch
         tensors (anything with .detach().cpu().numpy()) or array-likes of any float dtype. Every
         entry is checked (shape, finite values) before anything is written, so a refused call
@@ -343,7 +344,7 @@ class Net:
 
     # -- passes --------------------------------------------------------------------------
     def forward(self, x: np.ndarray, *, training: bool = False, timings: dict[str, float] | None = None,
-                before_layer=None) -> np.ndarray:
+                before_layer: Any = None) -> np.ndarray:
         """Logits (N, classes) — or the last layer's output — for a canonical (N, C, H, W) batch.
         training=True applies dropout and keeps what `backward` needs. If `timings` is a dict,
         each layer's kernel time in seconds is stored under its name. `before_layer(layer)` is
@@ -370,7 +371,7 @@ class Net:
         return last.output_from_blocked(ws.acts[-1])
 
     def backward(self, labels: np.ndarray, *, timings: dict[str, float] | None = None,
-                 grad_scale: float = 1.0, after_layer=None) -> float:
+                 grad_scale: float = 1.0, after_layer: Any = None) -> float:
         """After `forward(x, training=True)`: the mean loss against `labels`, and every layer's
         gradients (in `grads`; per layer `grad_weights` / `grad_bias`). The gradients are those
         of grad_scale x the mean loss (the MPI runtime weights each rank's shard by its share of
@@ -407,7 +408,7 @@ class Net:
         self._pending = None
         return loss
 
-    def predict(self, x, batch_size: int = 256) -> np.ndarray:
+    def predict(self, x: Any, batch_size: int = 256) -> np.ndarray:
         """Logits of every sample of x (an (N, C, H, W) array or a dataset), in evaluation mode,
         `batch_size` samples per forward pass: memory stays one minibatch's workspace."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= 1 << 20:

@@ -24,8 +24,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 from .abi import SIGNATURES
 from .errors import PcldnnError
@@ -71,7 +72,7 @@ class KernelCall:
         return flops
 
 
-def shape_text(kind: str, in_shape, out_shape, kernel, stride, pad) -> str:
+def shape_text(kind: str, in_shape: Any, out_shape: Any, kernel: Any, stride: Any, pad: Any) -> str:
     """oneDNN-style problem descriptor, without the minibatch."""
     (ic, ih, iw), (oc, oh, ow) = in_shape, out_shape
     if kind in ("conv", "maxpool", "avgpool"):
@@ -118,7 +119,7 @@ class Observer:
 
     def wrap(self, fn: Callable, call: KernelCall, peak: Callable[[int], float | None]) -> Callable:
         """fn, timed: a verbose line and a timeline slice per call. `peak(threads)`: GFLOP/s."""
-        def timed(*args):
+        def timed(*args: Any) -> None:
             threads = args[call.threads_at]
             if self.verbose and threads not in self._peaks:  # measured once, outside any timed call
                 self._peaks[threads] = peak(threads)
@@ -153,7 +154,7 @@ class Observer:
               f"{threads},{seconds * 1e3:.4f},{rate},{share}")
 
     # -- MPI -----------------------------------------------------------------------------
-    def join(self, comm) -> None:
+    def join(self, comm: Any) -> None:
         """Under MPI: align this rank's clock with the others' (right after a barrier) and merge
         the events on rank 0 of `comm` at exit (a communicator only the runtime uses)."""
         comm.Barrier()

@@ -4,6 +4,7 @@ to the logits (dropout is the identity there, the loss is left out), weights fro
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -13,14 +14,14 @@ from .validate import write_atomic
 OPSET = 17
 
 
-def _weights(state: dict, name: str, inits: list, numpy_helper) -> list[str]:
+def _weights(state: dict, name: str, inits: list, numpy_helper: Any) -> list[str]:
     """The layer's weight (and bias, unless it has none) as initializers; their names."""
     keys = [k for k in (f"{name}.weight", f"{name}.bias") if k in state]
     inits += [numpy_helper.from_array(state[k], k) for k in keys]
     return keys
 
 
-def export_onnx(net, path: str | Path) -> Path:
+def export_onnx(net: Any, path: str | Path) -> Path:
     """Write `net` to `path` (atomically: a temporary file renamed over it)."""
     try:
         import onnx

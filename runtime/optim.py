@@ -9,6 +9,7 @@ what the MPI runtime reduces and broadcasts in slices.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +31,7 @@ class SGD:
                  schedule: str = "constant", step_size: int = 0, gamma: float = 0.1,
                  total_steps: int = 0, min_lr: float = 0.0, warmup_steps: int = 0,
                  decay_bias: bool = True):
-        def check(name, value, ok, what):
+        def check(name: Any, value: Any, ok: Any, what: Any) -> None:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
                 raise PcldnnError(f"SGD: {name} must be {what}, got {value!r}")
         check("lr", lr, lambda x: x > 0, "a positive number")
@@ -77,7 +78,7 @@ class SGD:
             lr *= (step + 1) / self.warmup_steps
         return lr
 
-    def bind(self, net) -> None:
+    def bind(self, net: Any) -> None:
         """Allocate the state for `net`'s flat buffers (zero velocity), and the per-element
         weight decay when biases are exempt."""
         self.velocity = np.zeros_like(net.params)

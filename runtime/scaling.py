@@ -32,6 +32,7 @@ exchanges also wait for the link), as the closed form's check and for timelines.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import random
@@ -76,7 +77,7 @@ class Machine:
             return self.efficiency[kind]
         if rows <= curve[0][0]:
             return curve[0][1]
-        for (b0, e0), (b1, e1) in zip(curve, curve[1:]):
+        for (b0, e0), (b1, e1) in itertools.pairwise(curve):
             if rows <= b1:
                 t = math.log(rows / b0) / math.log(b1 / b0)
                 return e0 + t * (e1 - e0)
@@ -186,7 +187,7 @@ MACHINE_RANGES = {"peak_gflops": (1e-3, 1e7), "memory_gbs": (1e-3, 1e5), "latenc
                   "bandwidth_gbs": (1e-6, 1e5), "reduce_gbs": (1e-3, 1e5)}
 
 
-def machine_from_dict(data, origin: str) -> Machine:
+def machine_from_dict(data: Any, origin: str) -> Machine:
     f = Fields(origin)
     optional = {"algorithm", "overlap", "source", "nodes_note", "cores", "arch", "step_cv", "efficiency_curve"}
     f.obj(data, "", {fld.name for fld in fields(Machine)} - optional, optional)
@@ -257,7 +258,7 @@ class LayerLoad:
     loops: dict = field(default_factory=dict, compare=False)
 
     @staticmethod
-    def from_shapes(name: str, type_: str, in_shape, out_shape, kernel, first: bool) -> "LayerLoad":
+    def from_shapes(name: str, type_: str, in_shape: Any, out_shape: Any, kernel: Any, first: bool) -> LayerLoad:
         ic, ih, iw = in_shape
         oc, oh, ow = out_shape
         kh, kw = kernel
@@ -266,7 +267,7 @@ class LayerLoad:
                          4.0 * oc * oh * ow, first)
 
 
-def loads_of(layers) -> list[LayerLoad]:
+def loads_of(layers: Any) -> list[LayerLoad]:
     """LayerLoads of the conv and fc layers among `layers` (objects with name, type, in_shape,
     out_shape and kernel: the generator's LayerSpec or a runtime Layer), bottom to top."""
     out: list[LayerLoad] = []

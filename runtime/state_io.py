@@ -3,8 +3,9 @@ user's mapping against a net, and reading one from an .npz file. Shared by Net.l
 `pcldnn-gen compile --weights` and `pr.load` of a build that carries initial weights."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -21,7 +22,7 @@ class StateKeys(NamedTuple):
     unexpected: tuple[str, ...]
 
 
-def expected_state(layers) -> dict[str, tuple[int, ...]]:
+def expected_state(layers: Any) -> dict[str, tuple[int, ...]]:
     """{key: canonical shape} of the weighted layers, from objects with name, type, out_shape and
     weight_shape (NetSpec layers and manifest entries alike)."""
     out: dict[str, tuple[int, ...]] = {}
@@ -54,7 +55,7 @@ def check_state(expected: Mapping[str, tuple[int, ...]], state: Any, origin: str
     strict: missing and unexpected keys are one, all of them listed."""
     if not hasattr(state, "items"):
         raise error(f"{origin}: expected a mapping of names to arrays, got {type(state).__name__}")
-    keys = [str(k) for k in state.keys()]
+    keys = [str(k) for k in state]
     missing = tuple(k for k in expected if k not in state)
     unexpected = tuple(k for k in keys if k not in expected)
     if strict and (missing or unexpected):

@@ -15,6 +15,7 @@ import time
 import warnings
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -42,8 +43,8 @@ def softmax_metrics(logits: np.ndarray, labels: np.ndarray) -> tuple[float, floa
 class Trainer:
     """`Trainer(net, optimizer=SGD(...), seed=0)`: `step`, `evaluate`, `fit`, `save`, `resume`."""
 
-    def __init__(self, net, optimizer: SGD | None = None, seed: int = 0, *, comm=None, parallel="auto",
-                 trace: list | None = None, gradient_exchange: str = "fp32"):
+    def __init__(self, net: Any, optimizer: SGD | None = None, seed: int = 0, *, comm: Any = None, parallel: Any = "auto",
+                 trace: list | None = None, gradient_exchange: str = "fp32") -> None:
         """comm: an MPI communicator (e.g. MPI.COMM_WORLD) for synchronous SGD over its ranks;
         each rank then passes its own shard to `step`. parallel: "auto" (fc layers that are
         large against the minibatch go model parallel), "data" (every layer data parallel), or
@@ -114,7 +115,7 @@ class Trainer:
         if self.dist is not None:
             self.dist.sync()
 
-    def evaluate(self, x, labels: np.ndarray | None = None, batch_size: int = 256) -> dict:
+    def evaluate(self, x: Any, labels: np.ndarray | None = None, batch_size: int = 256) -> dict:
         """{'loss', 'accuracy'} over all of (x, labels), or of a dataset, in evaluation mode
         (no dropout, no augmentation), read `batch_size` samples at a time."""
         Fields("evaluate").int_in(batch_size, "batch_size", 1, 1 << 20)
@@ -144,7 +145,7 @@ class Trainer:
     def epoch_order(self, epoch: int, n: int) -> np.ndarray:
         return np.random.default_rng(np.random.SeedSequence([self.seed, epoch])).permutation(n)
 
-    def _epoch_batches(self, train, epoch: int, batch_size: int | None, skip: int, workers: int, prefetch: int):
+    def _epoch_batches(self, train: Any, epoch: int, batch_size: int | None, skip: int, workers: int, prefetch: int) -> Any:
         """(x, labels, global minibatch) of one epoch from `skip` on; under MPI x and labels
         are this rank's rows only (a dataset reads nothing else)."""
         if _is_dataset(train):
@@ -179,7 +180,7 @@ class Trainer:
             raise PcldnnError(f"fit: the training data gave no batches in epoch {epoch + 1} (a generator is used up "
                               "after one pass: give a list, a dataset, or an object whose __iter__ starts again)")
 
-    def fit(self, train, val=None, *, epochs: int, batch_size: int | None = None,
+    def fit(self, train: Any, val: Any = None, *, epochs: int, batch_size: int | None = None,
             metrics_file: str | Path | None = None, checkpoint: str | Path | None = None,
             progress: bool = True, workers: int = 2, prefetch: int = 4) -> list[dict]:
         """Train until `epochs` epochs are done in total (a resumed trainer continues where it
@@ -226,7 +227,7 @@ class Trainer:
         lead = self.rank == 0  # progress, metrics and checkpoint files: rank 0 only
         progress = progress and lead
         try:
-            metrics = open(metrics_file, "a") if metrics_file and lead else None
+            metrics = open(metrics_file, "a") if metrics_file and lead else None  # noqa: SIM115 (closed in the finally)
         except OSError as e:
             raise PcldnnError(f"{metrics_file}: cannot write the metrics file: {e.strerror or e}") from None
         try:
@@ -320,7 +321,7 @@ class Trainer:
         return path
 
     @classmethod
-    def resume(cls, path: str | Path, net, optimizer: SGD | None = None, *, comm=None, **kwargs) -> "Trainer":
+    def resume(cls, path: str | Path, net: Any, optimizer: SGD | None = None, *, comm: Any = None, **kwargs: Any) -> Trainer:
         """A trainer in the state `save` recorded, for `net` (which must be built from the same
         net description). The optimizer's hyperparameters come from the checkpoint unless one
         is given. Under MPI (comm), every rank calls it, with any number of ranks: the file
@@ -364,12 +365,12 @@ def _warn_if_stuck(record: dict, classes: int, lr: float) -> None:
                       f"(1/{classes}): {cause}", RuntimeWarning, stacklevel=3)
 
 
-def _is_dataset(obj) -> bool:
+def _is_dataset(obj: Any) -> bool:
     """Random access by sample index (pcldnn_runtime.data.Dataset or the same two methods)."""
     return hasattr(obj, "read") and hasattr(obj, "__len__")
 
 
-def read_checkpoint(path: Path, net) -> tuple[dict, np.ndarray, np.ndarray]:
+def read_checkpoint(path: Path, net: Any) -> tuple[dict, np.ndarray, np.ndarray]:
     """(meta, params, velocity) of a checkpoint file, checked against `net`. The file is parsed
     defensively: zip directory, each member's npy header (dtype, shape against the net) before
     its data is read, metadata fields and ranges, finite values. Any defect is one
@@ -470,13 +471,13 @@ def _optimizer_from(config: dict, path: Path) -> SGD:
         raise CheckpointError(f"{path}: optimizer settings in the checkpoint are invalid: {e}") from None
 
 
-def _write_checkpoint(f, meta: dict, params: np.ndarray, velocity: np.ndarray) -> None:
+def _write_checkpoint(f: Any, meta: dict, params: np.ndarray, velocity: np.ndarray) -> None:
     buf = io.BytesIO()
     np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), params=params, velocity=velocity)
     f.write(buf.getbuffer())
 
 
-def _progress(total: int | None, desc: str, enabled: bool):
+def _progress(total: int | None, desc: str, enabled: bool) -> Any:
     if not enabled:
         return None
     from tqdm import tqdm

@@ -17,8 +17,9 @@ import os
 import re
 import stat
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -57,7 +58,7 @@ def full_match(pattern: re.Pattern, value: Any) -> bool:
     return isinstance(value, str) and pattern.fullmatch(value) is not None
 
 
-def open_regular(path: str | Path, error: type[PcldnnError] = PcldnnError):
+def open_regular(path: str | Path, error: type[PcldnnError] = PcldnnError) -> Any:
     """A user's file opened for binary reading, after checking on the open descriptor that it is
     a regular file: a FIFO (the open does not wait for a writer) or a device (`/dev/zero`) is
     refused, and no swap between a check and the open can slip one in. OSError and
@@ -78,7 +79,7 @@ def read_bounded(path: str | Path, max_bytes: int, error: type[PcldnnError] = Pc
     try:
         with open_regular(path, error) as f:
             if os.fstat(f.fileno()).st_size > max_bytes:
-                size = max_bytes >> 30 and f"{max_bytes >> 30} GiB" or f"{max_bytes} bytes"
+                size = (max_bytes >> 30 and f"{max_bytes >> 30} GiB") or f"{max_bytes} bytes"
                 raise error(f"{path}: larger than {size}")
             return f.read()
     except FileNotFoundError:
@@ -111,7 +112,7 @@ def read_json(path: str | Path, error: type[PcldnnError] = PcldnnError, max_byte
 def parse_json(text: str, origin: str, error: type[PcldnnError] = PcldnnError) -> Any:
     """Strict JSON: duplicate keys, NaN / Infinity, over-long integers and over-deep nesting
     are errors (Python's json accepts the first three and overflows the stack on the last)."""
-    def pairs(items):
+    def pairs(items: Any) -> Any:
         out = {}
         for key, value in items:
             if key in out:
@@ -119,15 +120,15 @@ def parse_json(text: str, origin: str, error: type[PcldnnError] = PcldnnError) -
             out[key] = value
         return out
 
-    def constant(name):
+    def constant(name: Any) -> None:
         raise _Bad(f"{name} is not a JSON number")
 
-    def integer(digits):
+    def integer(digits: Any) -> Any:
         if len(digits.lstrip("-")) > MAX_INT_DIGITS:
             raise _Bad(f"integer of {len(digits)} digits")
         return int(digits)
 
-    def number(text_):
+    def number(text_: Any) -> Any:
         value = float(text_)
         if not math.isfinite(value):
             raise _Bad(f"number {text_} overflows a double")
@@ -162,7 +163,7 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def non_finite_at(array) -> int | None:
+def non_finite_at(array: Any) -> int | None:
     """Flat index of the first NaN or infinity in a float array, None when there is none. One
     BLAS dot product of the array with itself (memory-bound, about half the time of np.sum):
     NaN and infinity propagate into it, so a finite result proves every element finite; only a

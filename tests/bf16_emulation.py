@@ -62,7 +62,7 @@ CAN_EMULATE = not HAS_BF16 and cpu.supports("avx512")
 WHY_NOT = "this CPU lacks AVX-512: bf16 kernels can neither run nor be emulated here"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def unavailable_instructions(library: Path) -> tuple[str, ...]:
     """The AVX512_BF16 and AMX instructions in `library`'s code (objdump)."""
     listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(library)], capture_output=True, text=True,

@@ -28,7 +28,7 @@ def _window(xp, i, j, stride, oh, ow):
 def conv2d(x, w, b, stride, pad, relu=False):
     """x (N, C, H, W), w (OC, C, KH, KW), b (OC,) -> (N, OC, OH, OW)."""
     x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
-    n, c, h, wd = x.shape
+    n, _, h, wd = x.shape
     oc, _, kh, kw = w.shape
     oh, ow = _out_size(h, wd, (kh, kw), stride, pad)
     xp = _pad(x, pad)

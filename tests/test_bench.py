@@ -203,7 +203,7 @@ def test_summarize_keys_rows_by_layer_and_refuses_a_second_timing(tmp_path):
     assert summarize.thread_ratios(groups) == {("n", "avx2", 4): [2.0, 4.0]}
     assert "| fwd × oneDNN, conv after the first | median ≥ 1.0, none < 0.9 | median 1.10, worst 0.80 (c) | **no** |" \
         in summarize.markdown(groups)
-    with pytest.raises(SystemExit, match="a fwd is also in .*full.json"):
+    with pytest.raises(SystemExit, match=r"a fwd is also in .*full\.json"):
         summarize.load([full, run("again.json", 1, [("a", 3.0, 0.6, 2.0)])])
     # the same net on another ISA is a group of its own
     wide = summarize.load([full, run("wide.json", 1, [("a", 3.0, 0.6, 2.0)], isa="avx512")])

@@ -815,7 +815,7 @@ def test_amx_build_is_refused_where_tiles_are_unavailable(tmp_path, monkeypatch)
         pr.load(out)
     doc = json.loads((out / "manifest.json").read_text())
     doc["arch"]["amx"] = "yes"
-    with pytest.raises(BuildDirError, match="arch.amx: must be true or false"):
+    with pytest.raises(BuildDirError, match=r"arch\.amx: must be true or false"):
         parse_manifest(doc, "manifest.json")
     doc["arch"]["amx"] = False  # the kinds must then be the vdpbf16ps ones
     with pytest.raises(BuildDirError, match=r"kernels\.fwd\.symbols\.pcldnn_conv_fwd: must be 'conv_fwd_bf16', "
@@ -844,7 +844,7 @@ def _forward_and_gradient(tmp_path, source, layer, pass_name, images, seed, arch
 def test_bf16_conv_backward_data_against_float64(tmp_path, source, layer):
     """dx = sum of bf16(dy masked by the ReLU) bf16(w) over oc, kh, kw: the same bound, n the
     output channels (padded) times the taps, and again off by more against unrounded inputs."""
-    conv, x, y, dy, masked, _ = _forward_and_gradient(tmp_path, source, layer, "bwd_data", images=2, seed=6)
+    conv, x, _, dy, masked, _ = _forward_and_gradient(tmp_path, source, layer, "bwd_data", images=2, seed=6)
     _check_backward_data(conv, layer, x, masked, conv.backward_data(dy), channel_block=16)
 
 
@@ -1717,8 +1717,8 @@ def test_inspect_shows_the_bf16_kernel(capsys):
 def test_verbose_lines_of_a_bf16_build(tmp_path):
     """PCLDNN_VERBOSE names the ISA of the bf16 kernels and copies (avx512_bf16) and leaves out weight copies."""
     out = _conv_net(tmp_path, *CONV_CASES[0], "bf16")
-    script = ("import numpy as np, pcldnn_runtime as pr; net = pr.load(%r, threads=1); "
-              "net.layers['conv'].forward(np.ones((2, 20, 9, 11), np.float32))" % str(out))
+    script = (f"import numpy as np, pcldnn_runtime as pr; net = pr.load({str(out)!r}, threads=1); "
+              "net.layers['conv'].forward(np.ones((2, 20, 9, 11), np.float32))")
     proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PCLDNN_VERBOSE": "1"},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -28,7 +28,7 @@ from pcldnn_runtime.errors import NonFiniteError, PcldnnError
 from pcldnn_runtime.state_io import read_npz
 
 ISA = RUNNABLE_ISAS[-1]
-SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]}
 SECRET = b"\x01\x02\x03\x04" * 8  # 8 float32 values: what an external tensor would read
 
 
@@ -128,7 +128,7 @@ def test_onnx_constant_bias_inside_the_model_imports(onnx_dir):
 
     from pcldnn_gen.onnx_frontend import import_onnx
     bias = np.arange(4, dtype=np.float32)
-    net, state = import_onnx(_save(_onnx_model(bias_const=numpy_helper.from_array(bias, "b")), onnx_dir / "ok.onnx"))
+    _, state = import_onnx(_save(_onnx_model(bias_const=numpy_helper.from_array(bias, "b")), onnx_dir / "ok.onnx"))
     np.testing.assert_array_equal(state["conv.bias"], bias)
 
 
@@ -233,7 +233,7 @@ def test_torch_meta_tensors_are_refused_from_their_sizes():
     pcldnn_gen.from_torch(big, (3, 4, 4))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PCLDNN_MAX_MEMORY", "1M")
-        with pytest.raises(ModelImportError, match="take 1.12 MiB as float32, more than the 1 MiB memory bound"):
+        with pytest.raises(ModelImportError, match=r"take 1\.12 MiB as float32, more than the 1 MiB memory bound"):
             pcldnn_gen.from_torch(big, (3, 4, 4))
 
 
@@ -291,14 +291,14 @@ def test_npz_members_are_checked_before_allocation(tmp_path):
         path = tmp_path / "w.npz"
         with zipfile.ZipFile(path, "w") as z:
             z.writestr("fc.weight.npy", _npy({"descr": "<f4", "fortran_order": False, "shape": shape}, data))
-        with pytest.raises(PcldnnError, match="w.npz: fc.weight.npy") as e:
+        with pytest.raises(PcldnnError, match=r"w\.npz: fc\.weight\.npy") as e:
             read_npz(path)
         _one_line(e.value, "w.npz")
     np.savez(tmp_path / "ok.npz", a=np.arange(6, dtype=np.float32).reshape(2, 3), b=np.zeros(300_000, np.float32))
     np.testing.assert_array_equal(read_npz(tmp_path / "ok.npz")["a"], np.arange(6).reshape(2, 3))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PCLDNN_MAX_MEMORY", "1M")  # 1.2 MB of arrays
-        with pytest.raises(PcldnnError, match="ok.npz: 1.14 MiB of arrays, more than the 1 MiB memory bound"):
+        with pytest.raises(PcldnnError, match=r"ok\.npz: 1\.14 MiB of arrays, more than the 1 MiB memory bound"):
             read_npz(tmp_path / "ok.npz")
 
 

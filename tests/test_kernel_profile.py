@@ -8,7 +8,7 @@ import sys
 from helpers import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-import kernel_profile as kp  # noqa: E402
+import kernel_profile as kp
 
 CALLGRIND = """version: 1
 creator: callgrind-3.19.0

@@ -117,7 +117,7 @@ def _check_bwd_data_phase(layer, p, w):
     ow, kw, sw = layer.out_shape[2], layer.kernel[1], layer.stride[1]
     c = p.cover
     assert c.width == w and c.rem == (c.mid_hi - c.mid_lo) % w and c.count == p.q_count
-    assert p.q_lo <= c.mid_lo and c.mid_hi <= p.q_hi or c.mid_lo == c.mid_hi
+    assert (p.q_lo <= c.mid_lo and c.mid_hi <= p.q_hi) or c.mid_lo == c.mid_hi
     for edge in (c.left, c.right):
         if edge is None:
             continue
@@ -362,7 +362,7 @@ def test_parallel_loop_items_match_the_rendered_kernels(isa):
             plan = plan_layer(layer, p, arch)
             text = render_kernel(layer, plan, arch).text
             loop = parallel_loop(layer, plan)
-            ic, ih, iw = layer.in_shape
+            ic, ih, _ = layer.in_shape
             oc, oh, _ = layer.out_shape
             if layer.type == "conv":  # the rows the kernel runs (a plane as one row: 1)
                 ih, oh = define(text, "IH"), define(text, "OH")

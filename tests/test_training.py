@@ -222,7 +222,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(build_dir, tmp_path, mon
         f.write(b"PK\x03\x04 half a zip")
         raise OSError("disk full")
     monkeypatch.setattr(tr, "_write_checkpoint", fail_midway)
-    with pytest.raises(pr.CheckpointError, match="c.npz: cannot write the checkpoint: disk full"):
+    with pytest.raises(pr.CheckpointError, match=r"c\.npz: cannot write the checkpoint: disk full"):
         trainer.save(path)
     assert path.read_bytes() == good
     assert [p.name for p in tmp_path.iterdir()] == ["c.npz"]  # no temporary file left behind
@@ -232,11 +232,11 @@ def test_interrupted_save_keeps_the_previous_checkpoint(build_dir, tmp_path, mon
 def test_resume_refuses_other_nets_and_corrupt_files(build_dir, tmp_path):
     path = pr.Trainer(_net(build_dir), pr.SGD(0.1)).save(tmp_path / "c.npz")
     other = build_and_load(tmp_path, LAYERS[:1] + LAYERS[2:], SHAPE, "scalar", name="other")
-    with pytest.raises(pr.PcldnnError, match="checkpoint of net 'tiny'.*this net is 'other'"):
+    with pytest.raises(pr.PcldnnError, match=r"checkpoint of net 'tiny'.*this net is 'other'"):
         pr.Trainer.resume(path, other)
     bad = tmp_path / "bad.npz"
     bad.write_bytes(path.read_bytes()[: 200])
-    with pytest.raises(pr.PcldnnError, match="bad.npz: not a readable pcldnn checkpoint"):
+    with pytest.raises(pr.PcldnnError, match=r"bad\.npz: not a readable pcldnn checkpoint"):
         pr.Trainer.resume(bad, _net(build_dir))
     with pytest.raises(pr.PcldnnError, match="no such checkpoint"):
         pr.Trainer.resume(tmp_path / "missing.npz", _net(build_dir))

@@ -288,7 +288,7 @@ def plan_conv_bwd_weights_amx(layer: LayerSpec, arch: Arch,
                f"{copy_per_unit // 1024} KiB a unit, would hold {fit} units in {L2_SHARE:.0%} of L2, under "
                f"{MIN_COPY_SPAN}); groups of {units} units: an item's dy rows and x pairs, {per_unit // 1024} KiB a "
                f"unit, fit {L2_SHARE:.0%} of L2 across its {kh * kw} taps")
-    oc, oh, ow = layer.out_shape
+    _, oh, ow = layer.out_shape
     useful = (oh * ow) / (geo.pixel_blocks * AMX_PIXEL_BLOCK)
     reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles, the reduction over flat pixels "
               f"({'' if phases == 1 else f'stride {geo.stride[0]}x{geo.stride[1]} on phase planes, '}rows of "

@@ -165,7 +165,7 @@ def _conv_fwd_blocking(layer: LayerSpec, tile: RegisterTile, slice_bytes: int, l
     v = arch.vector_floats
     pair = 4 // value_bytes
     ic, ih, iw = layer.in_shape
-    oc, oh, ow = layer.out_shape
+    _, oh, ow = layer.out_shape
     kh, kw = layer.kernel
     icb = blocks(ic, v)
     xv = input_pixel_floats(layer.index, layer.type, ic, v)
@@ -329,7 +329,7 @@ def plan_conv_bwd_weights_packed_bf16(layer: LayerSpec, arch: Arch,
     rows: their pair copies (two bands' in turn, so one barrier a band) within PACKED_BAND_SHARE of L2,
     the accumulators loaded and stored once a band."""
     v = arch.vector_floats
-    c, _, iw = layer.in_shape
+    c, _, _ = layer.in_shape
     oh, ow = layer.out_shape[1], layer.out_shape[2]
     kh, kw = layer.kernel
     sh, sw = layer.stride

@@ -2,6 +2,8 @@
 header and `pcldnn-gen inspect`. Arithmetic stays in the family modules; this only words it."""
 from __future__ import annotations
 
+from typing import Any
+
 from ..arch import Arch
 from ..netspec import LayerSpec
 from .tiles import LATENCY_SLACK, RegisterTile, RowCover
@@ -71,7 +73,7 @@ def conv_fwd(tile: RegisterTile, arch: Arch, ow: int, cover: RowCover, row_eff: 
 
 
 def conv_bwd_data(tile: RegisterTile, arch: Arch, stride: int, phases: int, row_eff: float, eff: float, ocb: int,
-                  blocking, rem_n: int = 0) -> str:
+                  blocking: Any, rem_n: int = 0) -> str:
     b = blocking
     return (
         f"input-gradient {tile_sentence(tile, arch, 'same-phase input px', 'ic-vectors')}"

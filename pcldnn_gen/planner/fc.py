@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
 from pcldnn_runtime.limits import blocks
 

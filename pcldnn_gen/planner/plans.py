@@ -348,5 +348,17 @@ class FcBwdWeightsPlan(KernelPlan):
         return f"{self.k_chunk} K elements"
 
 
-__all__ = ["Measured", "TileTiming", "BwdDataPhase", "ConvBwdDataPlan", "ConvBwdWeightsPlan", "ConvFwdPlan", "DropoutPlan",
-           "FcBwdDataPlan", "FcBwdWeightsPlan", "FcFwdPlan", "KernelPlan", "RowCover"]
+__all__ = [
+    "BwdDataPhase",
+    "ConvBwdDataPlan",
+    "ConvBwdWeightsPlan",
+    "ConvFwdPlan",
+    "DropoutPlan",
+    "FcBwdDataPlan",
+    "FcBwdWeightsPlan",
+    "FcFwdPlan",
+    "KernelPlan",
+    "Measured",
+    "RowCover",
+    "TileTiming",
+]

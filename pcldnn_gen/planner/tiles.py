@@ -10,8 +10,9 @@ cycles, so the fraction of the FMA peak a tile can reach is (FMAs / fma_units) /
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from ..arch import Arch
 from ..errors import PlanError
