@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pcldnn_runtime import mpi_safety, scaling
+from pcldnn_runtime import launcher, scaling
 from pcldnn_runtime.validate import read_json
 
 from .arch import get_arch
@@ -55,7 +55,7 @@ def local_machine(spec: NetSpec, arch_name: str, batches: list[int], bench_json:
         peak, rows = bench_curve(spec, arch, batches, threads, repeats=3)
         curve = efficiency_curve([r for batch_rows in rows.values() for r in batch_rows], spec, peak)
         where = f"efficiencies measured now at minibatch {', '.join(map(str, batches))}"
-    mpiexec = mpi_safety.mpiexec()
+    mpiexec = launcher.mpiexec()
     if mpiexec is None:
         raise PcldnnError("--machine local needs mpiexec (the mpich wheel provides one) for the network probe")
     proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "pcldnn_gen.network_probe"],

@@ -107,7 +107,8 @@ class SyncSGD:
         self.agree("start-up (Trainer with comm)", {"PCLDNN_TIMELINE set": self.watch is not None
                                                     and self.watch.timeline is not None})
         if self.watch is not None and self.watch.timeline is not None:
-            self.blocking(lambda: self.watch.join(self.ctl), "start-up: aligning the ranks' timeline clocks")
+            self.blocking(lambda: self.watch.join(self.ctl, self.MPI.Is_finalized),
+                          "start-up: aligning the ranks' timeline clocks")
         self.blocking(lambda: check_same_net(net, comm), "start-up: comparing the ranks' builds")
         layer_modes(net, parallel, self.p, self.p)  # refuse a bad mapping or machine before the first step
         self.blocking(lambda: comm.Bcast(net.params, root=0), "start-up: broadcast of rank 0's initial weights")

@@ -1,48 +1,27 @@
-"""What keeps an MPI job from hanging or silently diverging: finding the launcher and the world,
-aborting the job on an uncaught exception, the watchdog on collectives, and the agreement every
-collective entry point starts with (same operation, same values, same build on every rank)."""
+"""What keeps an MPI job from hanging or silently diverging: finding the world (from the
+launcher's environment, `launcher.py`), aborting the job on an uncaught exception, the watchdog
+on collectives, and the agreement every collective entry point starts with (same operation,
+same values, same build on every rank). The cluster layer: the core runtime never imports it."""
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import threading
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 from .errors import PcldnnError
+from .launcher import launched, local_ranks
 
-# Environment variables through which MPI launchers announce the job's size (MPICH / Intel
-# MPI hydra, Open MPI, MVAPICH) and the number of ranks on this node.
-# What launchers (hydra / PMI, Open MPI, MVAPICH) tell each process before MPI is initialised.
-WORLD_SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
-WORLD_RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PMIX_RANK")
-_LOCAL_SIZE_ENV = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
 _guarded: set[int] = set()
-
-
-def launcher_value(names: tuple[str, ...], default: int) -> int:
-    """The first of the launcher's variables `names` that holds a plain number, else `default`."""
-    for name in names:
-        text = os.environ.get(name, "")
-        if text.isdigit() and len(text) < 9:
-            return int(text)
-    return default
-
-
-def mpiexec() -> str | None:
-    """The MPI launcher: the one installed beside this Python (the mpich wheel's), else PATH's."""
-    return shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
 
 
 def world() -> Any:
     """MPI.COMM_WORLD when this process is one of several MPI ranks, else None. mpi4py is
     imported only when a launcher announced a job of more than one rank (or the program
     already imported it)."""
-    launched = any(os.environ.get(k, "").isdigit() and int(os.environ[k]) > 1 for k in WORLD_SIZE_ENV)
-    if not launched and "mpi4py.MPI" not in sys.modules:
+    if not launched() and "mpi4py.MPI" not in sys.modules:
         return None
     try:
         from mpi4py import MPI
@@ -67,10 +46,9 @@ def guard_world() -> Any:
 def ranks_on_this_node() -> int:
     """MPI ranks sharing this node: from the launcher's environment, else a shared-memory split
     of COMM_WORLD (a collective: every rank then calls it), 1 outside MPI."""
-    for key in _LOCAL_SIZE_ENV:
-        text = os.environ.get(key, "")
-        if text.isdigit() and int(text) >= 1:
-            return int(text)
+    announced = local_ranks()
+    if announced is not None:
+        return announced
     comm = world()
     if comm is None:
         return 1

@@ -22,6 +22,7 @@ from .kernels import (
     pin_openmp_runtimes,
     zeros_aligned,
 )
+from .launcher import local_ranks
 from .layers import AvgPoolLayer, DropoutLayer, Layer, LossLayer, MaxPoolLayer, ReluLayer, WeightedLayer
 from .limits import bf16_gradients, bf16_outputs
 from .manifest import PEAK_SYMBOL, SGD_SYMBOL, WEIGHTS_FILE, LayerEntry, Manifest, inside, read_manifest
@@ -442,17 +443,13 @@ def _round_up(n: int) -> int:
 
 
 def load(build_dir: str | Path, threads: int | None = None, seed: int = 0) -> Net:
-    """Load a build directory made by `pcldnn-gen compile`.
+    """Load a build directory made by `pcldnn-gen compile` (the core of `pcldnn_runtime.load`,
+    which adds the MPI job's part).
 
-    threads: OpenMP threads per kernel call. None: OMP_NUM_THREADS if set, else the cores this
-    process may use divided among the MPI ranks on this node (so ranks do not oversubscribe).
-    seed: seeds the He-normal weight initialisation (biases start at zero) and dropout.
-
-    Under mpiexec with more than one rank, an uncaught exception on any rank from here on
-    aborts the whole job (a rank whose load fails must not leave the others waiting).
+    threads: OpenMP threads per kernel call. None: default_threads() (the ranks on this node as
+    the launcher announced them). seed: seeds the He-normal weight initialisation (biases start
+    at zero) and dropout.
     """
-    from . import mpi_safety
-    mpi_safety.guard_world()
     build_dir = Path(build_dir)
     if threads is None:
         threads = default_threads()
@@ -495,13 +492,14 @@ def _manifest_changed(build_dir: Path, manifest: Manifest) -> bool:
         return True
 
 
-def default_threads() -> int:
+def default_threads(ranks_on_node: int | None = None) -> int:
     """OMP_NUM_THREADS when set (a positive int), else this process's usable cores divided
-    among the MPI ranks that share this node."""
+    among the ranks that share this node (`ranks_on_node`; None: as the launcher announced them,
+    else 1)."""
     text = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
     if text:
         if not text.isdigit() or not 1 <= int(text) <= 4096:
             raise PcldnnError(f"OMP_NUM_THREADS must be a positive int, got {text!r}")
         return int(text)
-    from .mpi_safety import ranks_on_this_node
-    return max(1, cpu.usable_cores() // ranks_on_this_node())
+    ranks = ranks_on_node if ranks_on_node is not None else local_ranks() or 1
+    return max(1, cpu.usable_cores() // ranks)

@@ -30,9 +30,9 @@ from typing import Any
 
 from .abi import SIGNATURES
 from .errors import PcldnnError
+from .launcher import WORLD_RANK_ENV, WORLD_SIZE_ENV, launcher_value
 from .limits import blocks
 from .manifest import LayerEntry
-from .mpi_safety import WORLD_RANK_ENV, WORLD_SIZE_ENV, launcher_value
 from .validate import write_atomic
 
 VERBOSE_ENV = "PCLDNN_VERBOSE"
@@ -93,6 +93,7 @@ class Observer:
         self.launched_ranks = launcher_value(WORLD_SIZE_ENV, 1)
         self.zero = time.perf_counter()  # this rank's clock at the common origin (MPI: after a barrier)
         self.comm = None                  # set by the MPI runtime: the events merge on its rank 0
+        self._finalized: Callable[[], bool] = lambda: True
         self.events: list[tuple] = []     # (phase, name, track, start, end, args)
         self.dropped = 0
         self._ids = itertools.count(1)
@@ -154,12 +155,13 @@ class Observer:
               f"{threads},{seconds * 1e3:.4f},{rate},{share}")
 
     # -- MPI -----------------------------------------------------------------------------
-    def join(self, comm: Any) -> None:
+    def join(self, comm: Any, finalized: Callable[[], bool]) -> None:
         """Under MPI: align this rank's clock with the others' (right after a barrier) and merge
-        the events on rank 0 of `comm` at exit (a communicator only the runtime uses)."""
+        the events on rank 0 of `comm` at exit (a communicator only the runtime uses), unless
+        `finalized()` says MPI has ended by then (the cluster layer's check: no MPI import here)."""
         comm.Barrier()
         self.zero = time.perf_counter()
-        self.rank, self.comm = comm.rank, comm
+        self.rank, self.comm, self._finalized = comm.rank, comm, finalized
 
     # -- the file ------------------------------------------------------------------------
     def trace_events(self, rank: int, zero: float, events: list[tuple], dropped: int) -> list[dict]:
@@ -191,9 +193,8 @@ class Observer:
         path, comm = self.timeline, self.comm
         if path is None:
             return
-        if comm is not None:
-            from mpi4py import MPI
-            comm = None if MPI.Is_finalized() else comm
+        if comm is not None and self._finalized():
+            comm = None
         mine = (self.rank, self.zero, self.events, self.dropped)
         if comm is not None:
             parts = comm.gather(mine, root=0)

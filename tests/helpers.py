@@ -13,7 +13,7 @@ from pcldnn_gen.build import build
 from pcldnn_gen.netspec import parse_netspec
 from pcldnn_gen.planner import LAYER_PASSES, plan_layer
 from pcldnn_runtime import cpu
-from pcldnn_runtime.mpi_safety import mpiexec
+from pcldnn_runtime.launcher import mpiexec
 
 REPO = Path(__file__).resolve().parent.parent
 NETS = REPO / "examples" / "nets"
