@@ -27,7 +27,9 @@ def dump(out: Path, nets: list[str], targets: list[str]) -> int:
     """Write out/<net>-<preset>-<precision>/<file>.c; returns the number of files."""
     count = 0
     for net_name in nets:
-        net = load_netspec(NETS / f"{net_name}.json")
+        path = Path(net_name) if net_name.endswith(".json") else NETS / f"{net_name}.json"
+        net = load_netspec(path)
+        net_name = path.stem
         for target in targets:
             preset, precision = target.split(":")
             arch = PRESETS[preset]
@@ -47,7 +49,8 @@ def dump(out: Path, nets: list[str], targets: list[str]) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--nets", default="vgg_a,overfeat_fast,cifar_small,digits")
+    ap.add_argument("--nets", default="vgg_a,overfeat_fast,cifar_small,digits",
+                    help="example net names, or paths of net.json files")
     ap.add_argument("--targets", default="scalar:fp32,avx2:fp32,avx512:fp32,zen5:bf16,sapphirerapids:bf16")
     args = ap.parse_args()
     print(f"{dump(args.out, args.nets.split(','), args.targets.split(','))} files in {args.out}")

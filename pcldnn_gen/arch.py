@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pcldnn_runtime import cpu
+from pcldnn_runtime.families import Target
 from pcldnn_runtime.validate import LABEL_RE, Fields, read_json, show
 
 from .errors import ArchError
@@ -70,6 +71,10 @@ class Arch:
     # measured on one core of the project's Xeon VM); `native` sets it where the CPU has the flags
     # and Linux grants the tile state. fp32 builds ignore it.
     amx: bool = False
+
+    def target(self, precision: str) -> Target:
+        """What the kernel families' choice needs of a build for this arch (families.choose)."""
+        return Target(precision, self.amx, self.vector_floats)
 
     def for_dot_products(self) -> Arch:
         """This arch as the vdpbf16ps kernels' planner sees it: their dot product's latency in

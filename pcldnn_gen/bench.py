@@ -103,7 +103,7 @@ class KernelTimer:
 def kernel_timers(layer: Any, batch: int) -> dict[str, KernelTimer]:
     """{pass: a KernelTimer of the layer's kernel} on blocked buffers of random values (fixed
     seed): what the benchmarks time, without layout conversions; activations and gradients
-    stored as bf16 in the net (limits.bf16_outputs, bf16_gradients) are bf16 here too."""
+    stored as bf16 in the net (families.bf16_outputs, bf16_gradients) are bf16 here too."""
     rng = np.random.default_rng(0)
 
     def random(shape: tuple[int, ...], bf16: bool) -> np.ndarray:

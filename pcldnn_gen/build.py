@@ -21,8 +21,8 @@ import numpy as np
 from filelock import FileLock
 
 from pcldnn_runtime import cpu
-from pcldnn_runtime.limits import bf16_gradients, bf16_outputs
-from pcldnn_runtime.manifest import FORMAT, FORMAT_FAMILY, MANIFEST, WEIGHTS_FILE, file_sha256, kernel_kinds
+from pcldnn_runtime.families import bf16_gradients, bf16_outputs
+from pcldnn_runtime.manifest import FORMAT, FORMAT_FAMILY, MANIFEST, WEIGHTS_FILE, file_sha256
 from pcldnn_runtime.state_io import check_state, expected_state
 from pcldnn_runtime.validate import check_writable
 
@@ -32,7 +32,7 @@ from .codegen import layer_amx, layer_bf16, peak_flops_per_iteration, render_ker
 from .compiler import Source, compile_all, compile_source
 from .errors import ArchError, BuildDirError
 from .netspec import LayerSpec, NetSpec
-from .planner import LAYER_PASSES, KernelPlan, plan_layer, reads_packed_image
+from .planner import LAYER_PASSES, KernelPlan, plan_layer
 
 if TYPE_CHECKING:
     from .tuning import TuningDB
@@ -64,34 +64,26 @@ def plan_net(net: NetSpec, arch: Arch, tuning: TuningDB | None = None,
              precision: str = "fp32") -> dict[tuple[str, str], KernelPlan]:
     """Every (layer, pass) plan: the model's, the tuning database's measured tile where an
     entry matches (bf16 kernels too: `tune --precision bf16`), or a forced candidate tile from
-    `choices` (the tuner's trial builds). Each plan's kernel
-    kind, and the bf16 activations and gradients it reads and writes (limits.bf16_outputs,
-    bf16_gradients), are the ones the runtime will ask of the build (manifest.kernel_kinds),
-    checked here so that the generator never writes a build its own loader refuses or misreads."""
+    `choices` (the tuner's trial builds). Each plan is of the family that computes the pass
+    (families.choose: the one decision the manifest reader and the runtime make alike), on the
+    bf16 activations and gradients the net stores (bf16_outputs, bf16_gradients)."""
     plans = {}
     activations, gradients = net_activations(net, arch, precision), net_gradients(net, arch, precision)
     for layer in net.layers:
-        packed = reads_packed_image(layer, arch)
-        kinds = kernel_kinds(layer.type, layer_bf16(layer, arch, precision), layer_amx(layer, arch, precision), packed)
         for p in LAYER_PASSES[layer.type]:
-            plan = plans[(layer.name, p)] = plan_kernel(layer, p, arch, tuning, (choices or {}).get((layer.name, p)),
-                                                        precision, activations[layer.name], gradients[layer.name])
-            expected = pass_activations(activations[layer.name], p), pass_gradients(gradients[layer.name], p)
-            if plan.kind != kinds[p][p] or (plan.activations, plan.gradients) != expected:
-                raise AssertionError(f"internal error: layer {layer.name} {p}: the planner chose a {plan.kind} kernel "
-                                     f"on {plan.activations} bf16 activations and {plan.gradients} gradients where "
-                                     f"the runtime expects {kinds[p][p]} on {expected}")
+            plans[(layer.name, p)] = plan_kernel(layer, p, arch, tuning, (choices or {}).get((layer.name, p)),
+                                                 precision, activations[layer.name], gradients[layer.name])
     return plans
 
 
 def net_activations(net: NetSpec, arch: Arch, precision: str) -> dict[str, tuple[bool, bool]]:
-    """Per layer, whether its (input, output) activations are stored as bf16 (limits.bf16_outputs)."""
+    """Per layer, whether its (input, output) activations are stored as bf16 (families.bf16_outputs)."""
     outputs = bf16_outputs(precision, arch.amx, arch.vector_floats, net.layers)
     return {layer.name: (i > 0 and outputs[i - 1], outputs[i]) for i, layer in enumerate(net.layers)}
 
 
 def net_gradients(net: NetSpec, arch: Arch, precision: str) -> dict[str, tuple[bool, bool]]:
-    """Per layer, whether the gradients of its (input, output) are stored as bf16 (limits.bf16_gradients)."""
+    """Per layer, whether the gradients of its (input, output) are stored as bf16 (families.bf16_gradients)."""
     grads = bf16_gradients(precision, arch.amx, arch.vector_floats, net.layers)
     return {layer.name: (i > 0 and grads[i - 1], grads[i]) for i, layer in enumerate(net.layers)}
 
@@ -130,7 +122,7 @@ def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | Non
     """Plan (through `tuning` when given; see plan_net), render, compile, write the directory.
     `weights` (canonical layouts, every weighted layer's `.weight` and `.bias`) are checked
     here and recorded in the build: `pr.load` starts from them instead of random ones.
-    `precision` bf16: the kernels of limits.bf16_kernels read bf16 copies (DESIGN §11)."""
+    `precision` bf16: the kernels of families.bf16_passes read bf16 copies (DESIGN §11)."""
     check_precision(precision, arch)
     out_dir = Path(out_dir) if out_dir is not None else default_build_dir(net, arch, precision)
     initial = None
@@ -207,8 +199,8 @@ def _sweep_stages(out_dir: Path) -> None:
 
 def _manifest(net: NetSpec, arch: Arch, kernels: dict[str, dict], precision: str) -> dict:
     """The build's manifest.json (runtime/manifest.py reads it); a layer whose output activation
-    is stored as bf16 (limits.bf16_outputs) says `"output": "bf16"`, one whose output's gradient
-    is (limits.bf16_gradients) `"gradient": "bf16"`."""
+    is stored as bf16 (families.bf16_outputs) says `"output": "bf16"`, one whose output's gradient
+    is (families.bf16_gradients) `"gradient": "bf16"`."""
     layers = []
     activations, gradients = net_activations(net, arch, precision), net_gradients(net, arch, precision)
     for layer in net.layers:

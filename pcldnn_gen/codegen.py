@@ -17,12 +17,11 @@ import jinja2
 
 from pcldnn_runtime import cpu
 from pcldnn_runtime.abi import SIGNATURES
+from pcldnn_runtime.families import Engine, amx_passes, bf16_passes
 from pcldnn_runtime.limits import (
     amx_conv_geometry,
-    amx_kernels,
     amx_packed_reduction,
     amx_packed_row_steps,
-    bf16_passes,
     bf16_weight_ring_rows,
     blocks,
     fc_tile_geometry,
@@ -289,15 +288,13 @@ def _comment_lines(plan: KernelPlan) -> list[str]:
 
 def layer_bf16(layer: LayerSpec, arch: Arch, precision: str) -> tuple[str, ...]:
     """The passes of `layer` with bf16 kernels (AMX or vdpbf16ps) in a build of `precision`
-    (limits.bf16_passes)."""
-    return bf16_passes(precision, arch.amx, layer.index, layer.type, layer.in_shape[0], arch.vector_floats,
-                       layer.stride, layer.kernel, layer.pad)
+    (the families that compute them: families.choose)."""
+    return bf16_passes(layer, arch.target(precision))
 
 
 def layer_amx(layer: LayerSpec, arch: Arch, precision: str) -> tuple[str, ...]:
-    """The passes of `layer` with AMX tile kernels in a build of `precision` (limits.amx_kernels)."""
-    return amx_kernels(precision, arch.amx, layer.index, layer.type, layer.in_shape[0], arch.vector_floats,
-                       layer.stride, layer.kernel, layer.pad)
+    """The passes of `layer` with AMX tile kernels in a build of `precision`."""
+    return amx_passes(layer, arch.target(precision))
 
 
 def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
@@ -310,9 +307,9 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
     c, h, w = layer.in_shape
     icb = blocks(c, v)
     kind = plan.kind
-    bf16 = kind.endswith("_bf16")
+    bf16 = plan.engine is Engine.VDPBF16
     lines = _comment_lines(plan)
-    if kind.endswith("_amx") or (layer.type == "fc" and bf16):
+    if plan.engine is Engine.AMX or (layer.type == "fc" and bf16):
         return _render_tiled(layer, plan, arch, symbol, lines)
     if bf16:
         pairs = "neighbouring output pixels" if plan.pass_name == "bwd_weights" else (
@@ -352,7 +349,7 @@ def _render_tiled(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, l
     """An AMX tile kernel, or an fc layer's vdpbf16ps kernel on the same tile layouts: bf16
     operands it converts itself (an fc layer's weights: its tile copies), fp32 results."""
     v = arch.vector_floats
-    amx = plan.kind.endswith("_amx")
+    amx = plan.engine is Engine.AMX
     if layer.type == "fc":
         text = {"fwd": "the input", "bwd_data": "the output gradient, masked by the ReLU",
                 "bwd_weights": "the input transposed, the output gradient, masked by the ReLU, in image pairs"
@@ -360,7 +357,7 @@ def _render_tiled(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, l
         if plan.pass_name != "bwd_weights":
             text += "; the weights: the layer's tile copy, made once after each change of the weights"
     else:
-        packed = plan.kind.endswith("_packed_amx")
+        packed = plan.kernel_kind.packed and amx
         in_place = getattr(plan, "in_place", False)
         text = {"fwd": ("the input as a padded bf16 copy whose kernel rows the A tiles read in place" if in_place else
                         "the input's windows as im2col rows") + ", the weights as B tiles" if packed else
@@ -399,9 +396,8 @@ def render_layout(layer: LayerSpec, arch: Arch, precision: str = "fp32") -> Sour
     """C source of a layer's canonical <-> blocked conversions (activations and weights), and
     in a bf16 build the bf16 copies its vdpbf16ps forward kernel reads, or an AMX fc layer's
     weight tiles."""
-    bf16 = layer_bf16(layer, arch, precision)
     packed = reads_packed_image(layer, arch)
-    roles = kernel_kinds(layer.type, bf16, layer_amx(layer, arch, precision), packed)["layout"]
+    roles = kernel_kinds(layer, arch.target(precision))["layout"]
     wshape = None
     if layer.weighted:
         oc, ic = layer.out_shape[0], layer.in_shape[0]

@@ -26,6 +26,7 @@ from filelock import FileLock, Timeout
 from jinja2 import meta
 
 from pcldnn_runtime import cpu
+from pcldnn_runtime.families import Engine
 from pcldnn_runtime.manifest import PASSES
 from pcldnn_runtime.validate import Fields, check_writable, read_json
 
@@ -79,7 +80,7 @@ def kernel_precision(plan: KernelPlan) -> str:
     """bf16 for a kernel that multiplies bf16 operands (vdpbf16ps and AMX kinds: *_bf16, *_amx),
     else fp32; an fp32 kernel of a bf16 build may still read or write bf16 activations or
     gradients, which the key records beside it."""
-    return "bf16" if plan.kind.endswith(("_bf16", "_amx")) else "fp32"
+    return "fp32" if plan.engine is Engine.FP32 else "bf16"
 
 
 @functools.lru_cache(maxsize=1)

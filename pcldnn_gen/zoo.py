@@ -22,7 +22,7 @@ class ZooShape:
     family: str                 # the architecture it comes from
     net: NetSpec                # one conv or fc layer on the shape's input
     # The same layer as inside a net: a convolution between two ReLU layers, so that a bf16
-    # build stores its input and output, and their gradients, as bf16 (limits.bf16_outputs,
+    # build stores its input and output, and their gradients, as bf16 (families.bf16_outputs,
     # bf16_gradients), as a layer between convolutions has them and as oneDNN's bf16 primitives
     # are given them; as a net's first and last layer it would convert an fp32 input and write
     # fp32 (the bf16 bench times this one). A first-layer shape (packed few-channel input) is a

@@ -16,15 +16,15 @@ _BWD_WEIGHTS = "const float *in, float *dy, const float *out, float *dwt, float 
 _SLICE = ", int ocb_lo, int ocb_hi"
 SIGNATURES: dict[str, str] = {
     # every conv kernel takes its output y (`out`: the forward's result, the backward passes'
-    # ReLU mask) as fp32 or, in a bf16 build where limits.bf16_outputs says, bf16 (the kernel
+    # ReLU mask) as fp32 or, in a bf16 build where families.bf16_outputs says, bf16 (the kernel
     # knows which); an fp32 kernel's input x is fp32
     "conv_fwd": _FWD.replace("float *out", "void *out"), "fc_fwd": _FWD + _SLICE,
     "conv_bwd_data": _BWD_DATA.replace("const float *out", "const void *out"), "fc_bwd_data": _BWD_DATA + _SLICE,
     "conv_bwd_weights": _BWD_WEIGHTS.replace("const float *out", "const void *out"),
     "fc_bwd_weights": _BWD_WEIGHTS + _SLICE,
     # pooling, ReLU and dropout take their activations (in, out) as fp32 or, where
-    # limits.bf16_outputs says, bf16, and the gradients (dy, dx) as fp32 or, where
-    # limits.bf16_gradients says, bf16 (the kernel knows which)
+    # families.bf16_outputs says, bf16, and the gradients (dy, dx) as fp32 or, where
+    # families.bf16_gradients says, bf16 (the kernel knows which)
     "maxpool_fwd": "const void *in, void *out, int *argmax, int batch, int nthreads",
     # max pooling's backward takes its own forward output `out` (or NULL): where given, it
     # routes no gradient to inputs that were not positive (the fused ReLU of the layer below)
@@ -44,7 +44,7 @@ SIGNATURES: dict[str, str] = {
     # round-to-nearest-even copy by act_to_bf16) and a bf16 copy of the weights (made by
     # conv_weight_tiles after each change of the weights), fp32 bias. The three vdpbf16ps conv
     # kinds take the output y (`out`: the forward's result, the backward passes' ReLU mask) as
-    # fp32 or, where limits.bf16_outputs says, bf16 (the kernel knows which), and
+    # fp32 or, where families.bf16_outputs says, bf16 (the kernel knows which), and
     # backward-weights its input x so too.
     "conv_fwd_bf16": "const unsigned short *in, const unsigned short *wt, const float *bias, void *out, "
                      "int batch, int nthreads",
@@ -52,7 +52,7 @@ SIGNATURES: dict[str, str] = {
     # masked by the ReLU as it is copied (dy itself left as it is), into bf16 scratch; a bf16 dy
     # with no mask to apply it reads in place.
     # The backward kinds of bf16 and AMX convolutions take the gradients (dy, dx) as fp32 or,
-    # where limits.bf16_gradients says, bf16 (the kernel knows which).
+    # where families.bf16_gradients says, bf16 (the kernel knows which).
     "conv_bwd_data_bf16": "void *dy, const void *out, const unsigned short *wt, unsigned short *scratch, void *dx, "
                           "int batch, int nthreads",
     # bwd_weights pairs neighbouring output pixels: bf16 pair copies of x and of dy (masked by
@@ -63,8 +63,8 @@ SIGNATURES: dict[str, str] = {
     # AMX builds: a conv forward on tiles, converting its input into its bf16 scratch itself
     # (limits.AmxConvGeometry), its weights the layer's B tiles (made by conv_weight_tiles after
     # each change of the weights). The three AMX conv kinds take their activations (x, y: `in`,
-    # `out`) as fp32 or, where limits.bf16_outputs says, bf16, and the backward ones the
-    # gradients (dy, dx) as limits.bf16_gradients says (the kernel knows which).
+    # `out`) as fp32 or, where families.bf16_outputs says, bf16, and the backward ones the
+    # gradients (dy, dx) as families.bf16_gradients says (the kernel knows which).
     "conv_fwd_amx": "const void *in, const unsigned short *wt, const float *bias, void *out, unsigned short *scratch, "
                     "int batch, int nthreads",
     # the fp32 blocked weights as the bf16 copy an AMX (B tiles) or vdpbf16ps conv forward or

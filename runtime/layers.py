@@ -70,11 +70,11 @@ class Layer:
         # Set by Net: inside the fully-connected part of the chain activations are vectors.
         self.flat_input = self.type == "fc"
         self.flat_output = self.type == "fc"
-        # Set by Net: the input / output activation is stored as bf16 (limits.bf16_outputs); the
+        # Set by Net: the input / output activation is stored as bf16 (families.bf16_outputs); the
         # canonical API converts at its boundary and stays float32
         self.in_bf16 = False
         self.out_bf16 = False
-        # and the gradients of the input / output are stored as bf16 (limits.bf16_gradients)
+        # and the gradients of the input / output are stored as bf16 (families.bf16_gradients)
         self.in_grad_bf16 = False
         self.out_grad_bf16 = False
 
@@ -274,7 +274,7 @@ class WeightedLayer(Layer):
         self.runner = None
         # where the blocked weights and the bias start in the net's flat params / grads buffers
         self.param_offsets: tuple[int, int] = offsets
-        # bf16 builds (vdpbf16ps, limits.bf16_kernels): the forward kernel reads bf16 copies of
+        # bf16 builds (vdpbf16ps, families.bf16_passes): the forward kernel reads bf16 copies of
         # the input (unless it is stored as bf16) and of the weights, backward-data a bf16 copy of
         # the transposed weights; the fp32 weights stay the master copy that optimizers and the
         # API see.
@@ -466,7 +466,7 @@ class WeightedLayer(Layer):
             self._k["fwd"](ptr(xb), ptr(tiles), self._bias_ptr, ptr(yb), ptr(scratch), batch, team)
             return
         if self.bf16_forward:
-            xb16 = xb  # an input stored as bf16 (limits.bf16_outputs) is read as it is
+            xb16 = xb  # an input stored as bf16 (families.bf16_outputs) is read as it is
             if not self.in_bf16:
                 xb16 = self._buffer("bf16.x", xb.shape, np.uint16)
                 self._k["in_to_bf16"](ptr(xb), ptr(xb16), batch, team)

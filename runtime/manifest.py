@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import cpu, limits
+from . import cpu, families, limits
 from .errors import BuildDirError
 from .validate import LABEL_RE, NAME_RE, SHA256_RE, Fields, read_json
 
@@ -57,27 +57,25 @@ BF16_LAYOUTS = {"in_to_bf16": "act_to_bf16"}
 FC_TILE_LAYOUTS = {"wt_to_tiles": "fc_weight_tiles"}
 
 
-def kernel_kinds(ltype: str, bf16_passes: tuple[str, ...], amx_passes: tuple[str, ...] = (),
-                 packed: bool = False) -> dict[str, dict[str, str]]:
+def kernel_kinds(layer: families.LayerShape, target: families.Target) -> dict[str, dict[str, str]]:
     """{pass or "layout": {symbol suffix: kernel kind}} of one layer: the one list generator
-    and manifest reader share. A pass in `amx_passes` (limits.amx_kernels) is *_amx, else one in
-    `bf16_passes` *_bf16 (a first layer's packed few-channel input, `packed`: *_packed_amx,
-    *_packed_bf16); the bf16 copies are converted by the layout library for a vdpbf16ps conv
+    and manifest reader share, each pass's kind from the family that computes it
+    (families.choose). The bf16 copies are converted by the layout library for a vdpbf16ps conv
     forward kernel's blocked input and an fc layer's weight tiles, by a conv forward or
     backward-data kernel's library (`<pass>_tiles`, AMX or vdpbf16ps) for its weight copy
     (weight copies are kept between calls: made once after each change of the weights); the
     other kernels convert their own operands (a packed image too)."""
-    amx, bf16 = ("_packed_amx", "_packed_bf16") if packed else ("_amx", "_bf16")
-    out = {p: {p: f"{ltype}_{p}" + (amx if p in amx_passes else bf16 if p in bf16_passes else "")}
-           for p in LAYER_PASSES[ltype]}
+    ltype = layer.type
+    chosen = {p: families.choose(layer, p, target) for p in LAYER_PASSES[ltype]}
+    out = {p: {p: kind.name} for p, (_, kind) in chosen.items()}
     for p in ("fwd", "bwd_data"):  # their weight tiles, made by a function of their own library
-        if ltype == "conv" and out[p][p] != f"conv_{p}":
+        if ltype == "conv" and chosen[p][1].engine is not families.Engine.FP32:
             out[p][f"{p}_tiles"] = "conv_weight_tiles"
     roles = ACT_LAYOUTS + (WEIGHT_LAYOUTS if ltype in WEIGHTED else ())
     out["layout"] = {r: ("weight_layout" if r.startswith("wt_") else "act_layout") for r in roles}
-    if ltype == "conv" and "fwd" in bf16_passes and "fwd" not in amx_passes and not packed:
+    if ltype == "conv" and chosen["fwd"][0].name == "conv_vdpbf16":
         out["layout"] |= BF16_LAYOUTS
-    if ltype == "fc" and bf16_passes:
+    if ltype == "fc" and any(kind.engine is not families.Engine.FP32 for _, kind in chosen.values()):
         out["layout"] |= FC_TILE_LAYOUTS
     return out
 
@@ -142,8 +140,9 @@ class Manifest:
     @property
     def uses_amx(self) -> bool:
         """Whether any kernel runs on AMX tiles (the process must be granted their state)."""
-        return any(kind.endswith("_amx") for layer in self.layers for entry in layer.kernels.values()
-                   for kind in entry.symbols.values())
+        kinds = (families.kind_named(kind) for layer in self.layers for entry in layer.kernels.values()
+                 for kind in entry.symbols.values())
+        return any(kind is not None and kind.engine is families.Engine.AMX for kind in kinds)
 
 
 def read_manifest(build_dir: Path) -> Manifest:
@@ -186,10 +185,10 @@ def parse_manifest(data: Any, origin: str) -> Manifest:
         layers.append(layer)
         shape = layer.out_shape
     # Activations and gradients stored as bf16: the build's kernels read and write what
-    # limits.bf16_outputs and bf16_gradients say, so the manifest must say the same (a build
+    # families.bf16_outputs and bf16_gradients say, so the manifest must say the same (a build
     # from a generator with another rule would have its activations misread).
-    for key, rule, what in (("output", limits.bf16_outputs, "that activation"),
-                            ("gradient", limits.bf16_gradients, "that activation's gradient")):
+    for key, rule, what in (("output", families.bf16_outputs, "that activation"),
+                            ("gradient", families.bf16_gradients, "that activation's gradient")):
         for i, bf16 in enumerate(rule(precision, arch.get("amx") is True, v, layers)):
             want = "bf16" if bf16 else "fp32"
             got = f.choice(raw_layers[i].get(key, "fp32"), f"layers[{i}].{key}", ("fp32", "bf16"))
@@ -287,10 +286,8 @@ def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: i
                        (limits.padded(out[0], v) * limits.padded(c, v) * kernel[0] * kernel[1], "weight_shape")):
         if size > limits.MAX_TENSOR_FLOATS:
             f.fail(f"{where}.{what}", f"a tensor of {size} floats per image, more than the {limits.MAX_TENSOR_FLOATS} allowed")
-    bf16 = limits.bf16_passes(precision, amx, index, ltype, c, v, stride, kernel, pad)
-    amx_passes = limits.amx_kernels(precision, amx, index, ltype, c, v, stride, kernel, pad)
-    packed = limits.input_pixel_floats(index, ltype, c, v) < v
-    kernels = _kernels(f, raw["kernels"], f"{where}.kernels", name, kernel_kinds(ltype, bf16, amx_passes, packed))
+    kinds = kernel_kinds(families.Shape(index, ltype, in_shape, kernel, stride, pad), families.Target(precision, amx, v))
+    kernels = _kernels(f, raw["kernels"], f"{where}.kernels", name, kinds)
     bias = f.boolean(raw.get("bias", True), f"{where}.bias")
     if not bias and ltype not in WEIGHTED:
         f.fail(f"{where}.bias", f"a {ltype} layer has no bias")

@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from . import cpu, observe
+from . import cpu, families, observe
 from .errors import BuildDirError, NonFiniteError, PcldnnError
+from .families import bf16_gradients, bf16_outputs
 from .kernels import (
     CACHE_LINE_FLOATS,
     KernelLibrary,
@@ -24,7 +25,6 @@ from .kernels import (
 )
 from .launcher import local_ranks
 from .layers import AvgPoolLayer, DropoutLayer, Layer, LossLayer, MaxPoolLayer, ReluLayer, WeightedLayer
-from .limits import bf16_gradients, bf16_outputs
 from .manifest import PEAK_SYMBOL, SGD_SYMBOL, WEIGHTS_FILE, LayerEntry, Manifest, inside, read_manifest
 from .state_io import StateKeys, check_state, expected_state, read_npz
 from .validate import non_finite_at
@@ -39,9 +39,9 @@ MAX_WORKSPACES = 2  # minibatch sizes whose buffers a Net keeps (see Net.workspa
 
 class _Workspace:
     """Everything a forward + backward pass of one minibatch size needs, allocated once:
-    every layer's blocked output (kept for the backward pass; bf16 where limits.bf16_outputs
+    every layer's blocked output (kept for the backward pass; bf16 where families.bf16_outputs
     says), argmax / dropout state, two ping-pong buffers for activation gradients (each fp32, or
-    bf16 where limits.bf16_gradients says), softmax probabilities and labels."""
+    bf16 where families.bf16_gradients says), softmax probabilities and labels."""
 
     def __init__(self, net: Net, batch: int):
         chain = net.chain
@@ -143,7 +143,7 @@ class Net:
             seen_fc = seen_fc or layer.type == "fc"
             layer.flat_output = seen_fc
         # bf16 builds with AMX: an activation whose writer and reader kernels all take bf16 is
-        # stored so (limits.bf16_outputs; the manifest says the same)
+        # stored so (families.bf16_outputs; the manifest says the same)
         outputs = bf16_outputs(self.precision, manifest.arch.get("amx") is True, v, specs)
         gradients = bf16_gradients(self.precision, manifest.arch.get("amx") is True, v, specs)
         for i, spec in enumerate(specs):
@@ -167,7 +167,7 @@ class Net:
                 kind = entry.symbols[symbol]
                 watch = observe.observer()
                 if watch is not None and observe.per_minibatch(kind):  # PCLDNN_VERBOSE / PCLDNN_TIMELINE
-                    isa = self.isa + next((f"_{k}" for k in ("bf16", "amx") if kind.endswith(f"_{k}")), "")
+                    isa = self.isa + families.isa_suffix(kind)
                     fn = watch.wrap(fn, observe.KernelCall(spec, role, kind, isa, self.vector_floats),
                                     self.peak_gflops)
                 roles[role] = fn

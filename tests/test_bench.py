@@ -269,7 +269,7 @@ def test_a_bf16_zoo_times_a_convolution_as_inside_a_net(tmp_path):
     first-layer shape (3 channels, packed) as a net's first layer, its output into a ReLU (bf16,
     its gradient fp32: the packed layer's backward kernels read it so); an fc layer as it is."""
     from pcldnn_gen.zoo import load_zoo
-    from pcldnn_runtime.limits import bf16_gradients, bf16_outputs
+    from pcldnn_runtime.families import bf16_gradients, bf16_outputs
     zoo = tmp_path / "zoo.json"
     zoo.write_text(json.dumps({"name": "z", "shapes": [
         {"name": "relu_before", "family": "X", "input": [32, 6, 6], "layer": {"type": "conv", "out_channels": 16,

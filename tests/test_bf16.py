@@ -28,7 +28,8 @@ from pcldnn_gen.planner import Measured, TileTiming, plan_layer
 from pcldnn_runtime import cpu
 from pcldnn_runtime.abi import SIGNATURES
 from pcldnn_runtime.errors import ArchError, BuildDirError
-from pcldnn_runtime.limits import amx_conv_geometry, bf16_gradients, bf16_outputs
+from pcldnn_runtime.families import bf16_gradients, bf16_outputs
+from pcldnn_runtime.limits import amx_conv_geometry
 from pcldnn_runtime.manifest import parse_manifest
 
 # vdpbf16ps kernels run on AVX512_BF16, and on other AVX-512 CPUs with its two instructions
@@ -321,7 +322,7 @@ def _pair(value) -> tuple[int, int]:
 def _check_backward_data(conv, layer, x, dy, dx, channel_block):
     """dx = sum of bf16(dy, masked by the ReLU) bf16(w) over oc, kh, kw: the same bound, n the
     output channels padded to `channel_block` times the taps; off by more against unrounded
-    inputs. dy: the masked gradient. Where dx is stored as bf16 (limits.bf16_gradients) that sum
+    inputs. dy: the masked gradient. Where dx is stored as bf16 (families.bf16_gradients) that sum
     is rounded once more, to nearest even: within 2^-8 of itself, relative."""
     stride, pad, kernel = _pair(layer["stride"]), _pair(layer["pad"]), _pair(layer["kernel"])
     dyr, wr = as_float(bf16_reference(dy)), as_float(bf16_reference(conv.weights))
@@ -863,9 +864,9 @@ def test_bf16_backward_data_with_a_narrower_last_group_builds(tmp_path):
 def test_few_channel_first_layer_kernels_by_arch(tmp_path):
     """Without AMX the packed few-channel first layer's forward is a vdpbf16ps kernel that
     converts the image itself (no bf16 copy by the layout library), its backward-weights one from
-    windows of 100 values (limits.BF16_PACKED_GRADIENT_WINDOW), its backward-data the fp32
+    windows of 100 values (families.BF16_PACKED_GRADIENT_WINDOW), its backward-data the fp32
     kernel; with AMX its forward and backward-data passes are on tiles, and its
-    backward-weights pass from windows of 64 values (limits.AMX_PACKED_GRADIENT_WINDOW); its
+    backward-weights pass from windows of 64 values (families.AMX_PACKED_GRADIENT_WINDOW); its
     output gradient stays fp32 (those backward-weights kernels read it so)."""
     source, layer = {"channels": 3, "height": 8, "width": 8}, {"out_channels": 16, "kernel": 3, "stride": 1, "pad": 1}
     out = _conv_net(tmp_path, source, layer, "bf16")
@@ -1045,7 +1046,7 @@ def test_bf16_packed_first_layer_keeps_a_broken_image_to_itself(tmp_path, thread
 SMALL_L2 = dataclasses.replace(get_arch("avx512"), name="avx512-small-l2", l2_bytes=16 * 1024)
 
 
-# Its backward-weights (windows of limits.BF16_PACKED_GRADIENT_WINDOW values or more): AlexNet's
+# Its backward-weights (windows of families.BF16_PACKED_GRADIENT_WINDOW values or more): AlexNet's
 # 11x11 stride 4 (363 values, 33 a kernel row), 7x7 stride 2 over 5 channels with a ReLU, a 7x7
 # window over 3 channels on rows of 13 pixels (an odd row: its last pair half missing) with a
 # ReLU, an 11x11 window over one channel at stride 2 (121 values, 11 a row)
@@ -1330,14 +1331,14 @@ def test_manifest_must_agree_on_bf16_activations(tmp_path):
 def _bf16_storage_builds(tmp_path, spec, arch=AMX_ARCH, modes=("fp32", "bf16")):
     """The same bf16 build for `arch` made once per mode, the rules switched off in generator and
     runtime as the mode says: "fp32", every activation and gradient fp32; "activations", the
-    activations as limits.bf16_outputs says and every gradient fp32; "bf16", both rules on."""
+    activations as families.bf16_outputs says and every gradient fp32; "bf16", both rules on."""
     import pcldnn_gen.build as generator
-    import pcldnn_runtime.limits as limits
+    import pcldnn_runtime.families as families
     import pcldnn_runtime.net as runtime_net
     nets = {}
     for mode in modes:
         with pytest.MonkeyPatch.context() as rules:
-            for module in (generator, limits, runtime_net):
+            for module in (generator, families, runtime_net):
                 for rule in {"fp32": ("bf16_outputs", "bf16_gradients"), "activations": ("bf16_gradients",)}.get(mode, ()):
                     rules.setattr(module, rule, lambda precision, amx, v, layers: (False,) * len(layers))
             build(spec, arch, tmp_path / mode, precision="bf16")
@@ -1441,7 +1442,7 @@ def test_amx_1x1_layers_read_bf16_sources_in_place(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("arch", BF16_BUILDS)
 def test_bf16_gradients_round_once_where_written(tmp_path, monkeypatch, arch):
-    """An activation gradient stored as bf16 (limits.bf16_gradients) is its fp32 value rounded
+    """An activation gradient stored as bf16 (families.bf16_gradients) is its fp32 value rounded
     once, where written: each convolution's backward-data fed bf16 values of dy gives exactly
     the rounded dx of the same kernel writing fp32 (which rounds those dy values to the same
     bf16 itself), and its backward-weights the same dw and bias gradient, bit for bit. In the

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 # Passes each layer type has (the loss's bwd_data is the gradient of the mean loss w.r.t. the
 # logits): one table, in the manifest schema the runtime validates builds against.
-from pcldnn_runtime.limits import input_pixel_floats
+from pcldnn_runtime import families
 from pcldnn_runtime.manifest import LAYER_PASSES, PASSES
 
 from ..arch import Arch
@@ -44,10 +44,14 @@ _PLANNERS: dict[tuple[str, str], Callable[[LayerSpec, Arch, tuple[int, int] | No
 }
 
 
+# The families whose convolution kernels read a small 1x1 plane as one row (conv.plane_as_row)
+PLANE_AS_ROW_FAMILIES = ("conv_direct", "conv_vdpbf16")
+
+
 def reads_packed_image(layer: LayerSpec, arch: Arch) -> bool:
     """Whether `layer` is the net's first convolution on the packed few-channel image
     (limits.input_pixel_floats): its kernels are a family of their own (AMX or vdpbf16ps)."""
-    return input_pixel_floats(layer.index, layer.type, layer.in_shape[0], arch.vector_floats) < arch.vector_floats
+    return families.reads_packed_image(layer, arch.vector_floats)
 
 
 def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, int] | None = None,
@@ -55,16 +59,21 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, 
                gradients: tuple[bool, bool] = (False, False)) -> KernelPlan:
     """The model's plan; with `choice` = (width, vectors), the plan built around that register
     tile instead (a measured choice: it must be one of the planner's own candidates). bf16: a
-    conv kernel on bf16 operands (2-byte values, two multiply-adds per dot-product lane); amx:
-    its AMX tile kernel (limits.amx_kernels); either reads and writes the (input, output)
-    activations as bf16 where `activations` says (limits.bf16_outputs), and a backward pass the
-    (input, output) gradients where `gradients` says (limits.bf16_gradients)."""
+    kernel of the vdpbf16ps family for the layer (bf16 operands, two multiply-adds per
+    dot-product lane); amx: of its AMX family (families.family_for: a build asks for the family
+    families.choose picks); either reads and writes the (input, output) activations as bf16
+    where `activations` says (families.bf16_outputs), and a backward pass the (input, output)
+    gradients where `gradients` says (families.bf16_gradients)."""
     passes = LAYER_PASSES.get(layer.type, ())
     if pass_name not in passes:
         raise PlanError(f"{layer.name}: a {layer.type} layer has no {pass_name!r} pass "
                         f"(it has: {', '.join(passes) or 'none'})")
-    row = None if amx or (bf16 and reads_packed_image(layer, arch)) else plane_as_row(layer, pass_name)
-    plan = _model_plan(row or layer, pass_name, arch, choice, bf16, amx, activations, gradients)
+    engine = families.Engine.AMX if amx else families.Engine.VDPBF16 if bf16 else families.Engine.FP32
+    family = families.family_for(layer, engine, arch.vector_floats)
+    if family is None:
+        raise PlanError(f"{layer.name}: no {engine.value} kernels for a {layer.type} layer")
+    row = plane_as_row(layer, pass_name) if family.name in PLANE_AS_ROW_FAMILIES else None
+    plan = _FAMILY_PLANNERS[family.name](row or layer, pass_name, arch, choice, activations, gradients)
     if row is not None:
         assert isinstance(plan, (ConvFwdPlan, ConvBwdDataPlan))
         plan = dataclasses.replace(plan, plane_as_row=True, reason=plan.reason + explain.plane_as_row(layer))
@@ -77,37 +86,68 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, 
     return plan
 
 
-def _model_plan(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, int] | None,
-                bf16: bool, amx: bool, activations: tuple[bool, bool], gradients: tuple[bool, bool]) -> KernelPlan:
-    planner = _PLANNERS.get((layer.type, pass_name))
-    if amx:
-        if layer.type == "fc":
-            return plan_fc_tiles_bwd_weights(layer, arch, amx) if pass_name == "bwd_weights" else \
-                plan_fc_tiles(layer, pass_name, arch, amx)
-        if reads_packed_image(layer, arch):
-            return plan_conv_packed_amx(layer, pass_name, arch)
-        if layer.type != "conv":
-            raise PlanError(f"{layer.name}: AMX kernels exist for convolutions and fc layers only")
-        return plan_conv_bwd_weights_amx(layer, arch, activations) if pass_name == "bwd_weights" else \
-            plan_conv_amx(layer, pass_name, arch, activations, gradients)
-    if bf16:
-        arch = arch.for_dot_products()
-        if layer.type == "fc":
-            return plan_fc_tiles_bwd_weights(layer, arch, False) if pass_name == "bwd_weights" else \
-                plan_fc_tiles(layer, pass_name, arch, False)
-        if layer.type != "conv":
-            raise PlanError(f"{layer.name}: no bf16 kernels for a {layer.type} layer")
-        if reads_packed_image(layer, arch):
-            if pass_name == "bwd_data":
-                raise PlanError(f"{layer.name}: a packed first layer's {pass_name} pass has no vdpbf16ps kernel")
-            return plan_conv_fwd_packed_bf16(layer, arch, choice) if pass_name == "fwd" else \
-                plan_conv_bwd_weights_packed_bf16(layer, arch, choice)
-        return _PLANNERS[("conv", pass_name)](layer, arch, choice, 2)  # type: ignore[call-arg]
-    if planner:
-        return planner(layer, arch, choice)
+_Planner = Callable[[LayerSpec, str, Arch, "tuple[int, int] | None", "tuple[bool, bool]", "tuple[bool, bool]"],
+                    KernelPlan]
+
+
+def _register_tiled(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, int] | None,
+                    activations: tuple[bool, bool], gradients: tuple[bool, bool]) -> KernelPlan:
+    """conv_direct, fc_gemm: the fp32 register-tile kernels."""
+    return _PLANNERS[(layer.type, pass_name)](layer, arch, choice)
+
+
+def _conv_vdpbf16(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, int] | None,
+                  activations: tuple[bool, bool], gradients: tuple[bool, bool]) -> KernelPlan:
+    """The fp32 kernels' planners with 2-byte operands, at the dot product's latency."""
+    planners = {"fwd": plan_conv_fwd, "bwd_data": plan_conv_bwd_data, "bwd_weights": plan_conv_bwd_weights}
+    return planners[pass_name](layer, arch.for_dot_products(), choice, 2)
+
+
+def _conv_packed_vdpbf16(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, int] | None,
+                         activations: tuple[bool, bool], gradients: tuple[bool, bool]) -> KernelPlan:
+    if pass_name == "bwd_data":
+        raise PlanError(f"{layer.name}: a packed first layer's {pass_name} pass has no vdpbf16ps kernel")
+    planner = plan_conv_fwd_packed_bf16 if pass_name == "fwd" else plan_conv_bwd_weights_packed_bf16
+    return planner(layer, arch.for_dot_products(), choice)
+
+
+def _fc_tiles(amx: bool) -> _Planner:
+    def plan(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, int] | None,
+             activations: tuple[bool, bool], gradients: tuple[bool, bool]) -> KernelPlan:
+        planning = arch if amx else arch.for_dot_products()
+        return plan_fc_tiles_bwd_weights(layer, planning, amx) if pass_name == "bwd_weights" else \
+            plan_fc_tiles(layer, pass_name, planning, amx)
+    return plan
+
+
+def _conv_amx(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, int] | None,
+              activations: tuple[bool, bool], gradients: tuple[bool, bool]) -> KernelPlan:
+    return plan_conv_bwd_weights_amx(layer, arch, activations) if pass_name == "bwd_weights" else \
+        plan_conv_amx(layer, pass_name, arch, activations, gradients)
+
+
+def _memory_bound(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, int] | None,
+                  activations: tuple[bool, bool], gradients: tuple[bool, bool]) -> KernelPlan:
+    """pool, eltwise, loss: no blocks to choose."""
     if choice is not None:
         raise PlanError(f"{layer.name}: the {pass_name} pass of a {layer.type} layer has no register tile to choose")
     return plan_memory_bound(layer, pass_name, arch, activations)
+
+
+# Each kernel family's planner (families.FAMILIES names them): the planner's half of the registry.
+_FAMILY_PLANNERS: dict[str, _Planner] = {
+    "conv_packed_amx": lambda layer, p, arch, choice, act, grad: plan_conv_packed_amx(layer, p, arch),
+    "conv_amx": _conv_amx,
+    "fc_tiles_amx": _fc_tiles(True),
+    "conv_packed_vdpbf16": _conv_packed_vdpbf16,
+    "conv_vdpbf16": _conv_vdpbf16,
+    "fc_tiles_vdpbf16": _fc_tiles(False),
+    "conv_direct": _register_tiled,
+    "fc_gemm": _register_tiled,
+    "pool": _memory_bound,
+    "eltwise": _memory_bound,
+    "loss": _memory_bound,
+}
 
 
 __all__ = ["L1_BUDGET", "LATENCY_SLACK", "LAYER_PASSES", "PASSES", "KernelPlan", "Measured", "RegisterTile",

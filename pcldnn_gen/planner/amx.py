@@ -100,8 +100,8 @@ def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch, activations: tup
     """Work item: 32 flat result pixels x 16 result channels, two C tiles (two A tiles of 16
     pixels share each B tile) accumulated over a chunk of source-channel blocks and all taps;
     the two other C tiles hold the previous item, stored while this one starts. `activations`:
-    whether the layer's input and output are stored as bf16 (limits.bf16_outputs), `gradients`
-    its (input, output) gradients (limits.bf16_gradients); a 1x1 layer's bf16 source may be
+    whether the layer's input and output are stored as bf16 (families.bf16_outputs), `gradients`
+    its (input, output) gradients (families.bf16_gradients); a 1x1 layer's bf16 source may be
     read in place (reads_source_in_place)."""
     kh, kw = layer.kernel
     geo = amx_conv_geometry(pass_name, layer.in_shape, layer.out_shape, layer.kernel, layer.pad, layer.stride)

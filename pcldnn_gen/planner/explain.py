@@ -169,7 +169,7 @@ def fc_bwd_weights(tile: RegisterTile, arch: Arch, rem_k: int, rem_n: int, batch
 
 
 def bf16_activations(pass_name: str, activations: tuple[bool, bool]) -> str:
-    """What a conv kernel reads or writes of the activations stored as bf16 (limits.bf16_outputs)."""
+    """What a conv kernel reads or writes of the activations stored as bf16 (families.bf16_outputs)."""
     roles = {"fwd": ("x read", "y written"), "bwd_data": (None, "the ReLU mask y read"),
              "bwd_weights": ("x read", "the ReLU mask y read")}[pass_name]
     said = [role for role, bf16 in zip(roles, activations) if bf16 and role]
@@ -177,7 +177,7 @@ def bf16_activations(pass_name: str, activations: tuple[bool, bool]) -> str:
 
 
 def bf16_gradients(pass_name: str, gradients: tuple[bool, bool]) -> str:
-    """What a backward kernel reads or writes of the gradients stored as bf16 (limits.bf16_gradients)."""
+    """What a backward kernel reads or writes of the gradients stored as bf16 (families.bf16_gradients)."""
     said = [role for role, bf16 in zip(("dx written", "dy read"), gradients) if bf16]
     return f". bf16 gradients: {', '.join(said)} as bf16, half the bytes" if said else ""
 

@@ -24,7 +24,7 @@ def plan_memory_bound(layer: LayerSpec, pass_name: str, arch: Arch,
     reason = explain.memory_bound(kind)
     if any(activations):
         which = " and ".join(w for w, b in zip(("input", "output"), activations) if b)
-        reason += f"; its {which} stored as bf16 (limits.bf16_outputs): half the bytes"
+        reason += f"; its {which} stored as bf16 (families.bf16_outputs): half the bytes"
     plan = KernelPlan(layer=layer.name, pass_name=pass_name, kind=kind, template=TEMPLATES[kind], isa=arch.isa,
                       vector_floats=arch.vector_floats, reason=reason, activations=activations)
     if layer.type == "dropout":

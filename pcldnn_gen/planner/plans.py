@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pcldnn_runtime.families import Engine, Kind, kind_named
+
 from .tiles import RegisterTile, RowCover
 
 
@@ -52,9 +54,9 @@ class KernelPlan:
     scratch_floats: int = 0         # scratch the runtime passes in (conv bwd_data: transposed weights)
     rejected: tuple[RegisterTile, ...] = ()  # the next-best candidates, for `inspect`
     measured: Measured | None = None    # set when the tuning database chose the tile
-    # (input, output) activations stored as bf16 (limits.bf16_outputs): read and written as such
+    # (input, output) activations stored as bf16 (families.bf16_outputs): read and written as such
     activations: tuple[bool, bool] = (False, False)
-    # (input, output) gradients dx, dy stored as bf16 (limits.bf16_gradients): backward passes only
+    # (input, output) gradients dx, dy stored as bf16 (families.bf16_gradients): backward passes only
     gradients: tuple[bool, bool] = (False, False)
 
     def reduction_chunk(self) -> str:
@@ -64,6 +66,18 @@ class KernelPlan:
     def blocks_summary(self) -> str:
         """The blocks line of the header for a kernel without a register tile ("" for none)."""
         return ""
+
+    @property
+    def kernel_kind(self) -> Kind:
+        """The typed kind (families.Kind) behind `kind`, the name builds record."""
+        kind = kind_named(self.kind)
+        assert kind is not None, self.kind
+        return kind
+
+    @property
+    def engine(self) -> Engine:
+        """What computes its dot products: fp32 FMAs, vdpbf16ps or AMX tiles."""
+        return self.kernel_kind.engine
 
     @property
     def candidate_tiles(self) -> tuple[RegisterTile, ...]:
@@ -208,7 +222,7 @@ class FcTilePlan(KernelPlan):
 
     def blocks_summary(self) -> str:
         result, reduced = ("features", "inputs") if self.pass_name == "fwd" else ("inputs", "features")
-        if self.kind.endswith("_amx"):
+        if self.engine is Engine.AMX:
             return (f"32 images x 32 {result} per work item (4 C tiles, 2 A of 16 images x 32 {reduced}, 2 B of 32 "
                     f"{reduced} x 16 {result}), reduction chunk: {self.reduction_chunk()}")
         return (f"8 images x {16 * self.column_blocks} {result} per work item (a register tile of 8 images x "
@@ -223,7 +237,7 @@ class FcTileBwdWeightsPlan(KernelPlan):
 
     def blocks_summary(self) -> str:
         how = ("4 C tiles, 2 A of 16 inputs x 32 images, 2 B of 32 images x 16 features"
-               if self.kind.endswith("_amx") else f"4 register tiles of 8 inputs x {self.column_blocks} vectors in turn, "
+               if self.engine is Engine.AMX else f"4 register tiles of 8 inputs x {self.column_blocks} vectors in turn, "
                "vdpbf16ps")
         return (f"32 inputs x {16 * self.column_blocks} features of dW per work item ({how}), streamed into dW; output "
                 f"blocks in chunks whose dy pairs fit {self.dy_bytes // 1024} KiB")
