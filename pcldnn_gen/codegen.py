@@ -18,15 +18,15 @@ import jinja2
 from pcldnn_runtime import cpu
 from pcldnn_runtime.abi import SIGNATURES
 from pcldnn_runtime.families import Engine, amx_passes, bf16_passes
-from pcldnn_runtime.limits import (
+from pcldnn_runtime.geometry import (
     amx_conv_geometry,
     amx_packed_reduction,
     amx_packed_row_steps,
     bf16_weight_ring_rows,
-    blocks,
     fc_tile_geometry,
     input_pixel_floats,
 )
+from pcldnn_runtime.limits import blocks
 from pcldnn_runtime.manifest import PEAK_SYMBOL, SGD_SYMBOL, kernel_kinds
 from pcldnn_runtime.validate import NAME_RE, full_match, show
 

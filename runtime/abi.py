@@ -56,12 +56,12 @@ SIGNATURES: dict[str, str] = {
     "conv_bwd_data_bf16": "void *dy, const void *out, const unsigned short *wt, unsigned short *scratch, void *dx, "
                           "int batch, int nthreads",
     # bwd_weights pairs neighbouring output pixels: bf16 pair copies of x and of dy (masked by
-    # the ReLU as it is copied; dy itself left as it is) in scratch (limits.bf16_weight_scratch),
+    # the ReLU as it is copied; dy itself left as it is) in scratch (geometry.bf16_weight_scratch),
     # the bias gradient from the masked dy, in fp32.
     "conv_bwd_weights_bf16": "const void *in, void *dy, const void *out, unsigned short *scratch, float *dwt, "
                              "float *dbias, int batch, int nthreads",
     # AMX builds: a conv forward on tiles, converting its input into its bf16 scratch itself
-    # (limits.AmxConvGeometry), its weights the layer's B tiles (made by conv_weight_tiles after
+    # (geometry.AmxConvGeometry), its weights the layer's B tiles (made by conv_weight_tiles after
     # each change of the weights). The three AMX conv kinds take their activations (x, y: `in`,
     # `out`) as fp32 or, where families.bf16_outputs says, bf16, and the backward ones the
     # gradients (dy, dx) as families.bf16_gradients says (the kernel knows which).
@@ -71,15 +71,15 @@ SIGNATURES: dict[str, str] = {
     # backward-data kernel reads (a second function of that kernel's library: the layout is its own)
     "conv_weight_tiles": "const float *wt, unsigned short *tiles, int nthreads",
     # and the packed few-channel first layer's forward pass, its kernel rows read in place (its
-    # weights: B tiles made by conv_weight_tiles, limits.amx_packed_weight_values)
+    # weights: B tiles made by conv_weight_tiles, geometry.amx_packed_weight_values)
     "conv_fwd_packed_amx": "const float *in, const unsigned short *wt, const float *bias, void *out, "
                            "int batch, int nthreads",
     # and its backward-weights pass (dy masked by the ReLU's output as it is copied, dy itself left
-    # as it is; scratch: limits.amx_packed_gradient_values)
+    # as it is; scratch: geometry.amx_packed_gradient_values)
     "conv_bwd_weights_packed_amx": "const float *in, const float *dy, const void *out, unsigned short *scratch, "
                                    "float *dwt, float *dbias, int batch, int nthreads",
     # and its backward-data pass (dy masked by the ReLU's output as it converts it; its weights: B
-    # tiles made by conv_weight_tiles, limits.amx_packed_data_weight_values; dx the packed image)
+    # tiles made by conv_weight_tiles, geometry.amx_packed_data_weight_values; dx the packed image)
     "conv_bwd_data_packed_amx": "const float *dy, const void *out, const unsigned short *wt, float *dx, int batch, "
                                 "int nthreads",
     # and backward-data: dy masked by the ReLU's output as it is copied
@@ -90,7 +90,7 @@ SIGNATURES: dict[str, str] = {
                             "float *dbias, int batch, int nthreads",
     # and an fc layer's passes on tiles; bf16 builds without AMX have vdpbf16ps kernels of the
     # same signatures (*_bf16). The weights are the layer's bf16 tile copies
-    # (limits.FcTileGeometry, made by fc_weight_tiles), the activations copied into scratch.
+    # (geometry.FcTileGeometry, made by fc_weight_tiles), the activations copied into scratch.
     **{f"fc_{p}_{impl}": sig for impl in ("amx", "bf16") for p, sig in (
         ("fwd", "const float *in, const unsigned short *wt, const float *bias, float *out, unsigned short *scratch, "
                 "int batch, int nthreads, int ocb_lo, int ocb_hi"),
@@ -103,7 +103,7 @@ SIGNATURES: dict[str, str] = {
                        "int ocb_hi, int nthreads",
     # bf16 builds without AMX: the packed first layer's forward on vdpbf16ps register tiles, a
     # kernel row's window values in pairs read in place from a padded bf16 copy of the image it
-    # makes itself (its weights: made by conv_weight_tiles, limits.packed_bf16_weight_values)
+    # makes itself (its weights: made by conv_weight_tiles, geometry.packed_bf16_weight_values)
     "conv_fwd_packed_bf16": "const float *in, const unsigned short *wt, const float *bias, void *out, "
                             "int batch, int nthreads",
     # and its backward-weights pass: the fp32 kernel's arguments, dy masked by the ReLU's output as

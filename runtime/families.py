@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from .limits import input_pixel_floats
+from .geometry import input_pixel_floats
 
 
 class Engine(enum.Enum):
@@ -86,7 +86,7 @@ class Shape:
 
 def reads_packed_image(layer: LayerShape, v: int) -> bool:
     """Whether `layer` is the net's first convolution on the packed few-channel image
-    (limits.input_pixel_floats): its bf16 and AMX kernels are families of their own."""
+    (geometry.input_pixel_floats): its bf16 and AMX kernels are families of their own."""
     return input_pixel_floats(layer.index, layer.type, layer.in_shape[0], v) < v
 
 

@@ -16,18 +16,18 @@ import numpy as np
 
 from .abi import DROPOUT_HASH_STEP
 from .errors import PcldnnError
-from .kernels import bf16_bits, bf16_values, empty_aligned, ptr
-from .limits import (
+from .geometry import (
     amx_conv_geometry,
     amx_packed_data_weight_values,
     amx_packed_gradient_values,
     amx_packed_weight_values,
     bf16_weight_scratch,
-    blocks,
     fc_tile_geometry,
     input_pixel_floats,
     packed_bf16_weight_values,
 )
+from .kernels import bf16_bits, bf16_values, empty_aligned, ptr
+from .limits import blocks
 from .manifest import PASSES, LayerEntry
 
 Grads = tuple[np.ndarray, np.ndarray]  # a weighted layer's (weight, bias) gradient buffers
@@ -62,7 +62,7 @@ class Layer:
         self._k = kernels
         self._v = v
         self._net = net
-        # V, or the packed channels of a first conv layer's few-channel input (limits.input_pixel_floats)
+        # V, or the packed channels of a first conv layer's few-channel input (geometry.input_pixel_floats)
         self.in_pixel_floats = input_pixel_floats(spec.index, spec.type, spec.in_shape[0], v)
         self._saved: tuple | None = None  # (xb, yb, aux) of the last canonical forward
         self._buffers: dict[str, np.ndarray] = {}  # blocked buffers of the canonical API, by use
@@ -291,7 +291,7 @@ class WeightedLayer(Layer):
         # they convert the image themselves
         self._packed_bf16 = {p for p in PASSES if self.kernel_kind(p) == f"conv_{p}_packed_bf16"}
         # bf16 fc layers (AMX or vdpbf16ps): all three passes read bf16 tile copies of the weights
-        # (limits.FcTileGeometry) made on first use after each change of the weights
+        # (geometry.FcTileGeometry) made on first use after each change of the weights
         self._fc_tiles = fc_tile_geometry(self.in_shape, self.out_shape[0], v) \
             if self.kernel_kind("fwd") in ("fc_fwd_amx", "fc_fwd_bf16") else None
         self._weight_tiles: tuple[np.ndarray, np.ndarray] | None = None

@@ -18,15 +18,15 @@ from . import cpu, families, limits
 from .errors import BuildDirError
 from .validate import LABEL_RE, NAME_RE, SHA256_RE, Fields, read_json
 
-# 2: the first layer's few-channel input is packed (limits.input_pixel_floats); a /1 build's
+# 2: the first layer's few-channel input is packed (geometry.input_pixel_floats); a /1 build's
 # kernels read it padded to V lanes, so it is refused rather than fed the wrong layout.
 # 3: stride-1 AMX conv forward and backward-data kernels copy each band's source rows into a
-# buffer of their own (limits.AmxConvGeometry.banded); a /2 build's wrote the whole padded source
+# buffer of their own (geometry.AmxConvGeometry.banded); a /2 build's wrote the whole padded source
 # into a scratch the runtime no longer sizes for them.
 # 4: vdpbf16ps conv backward-weights kernels pair x and dy rows per band into rings
-# (limits.bf16_weight_scratch); a /3 build's paired the whole minibatch into a scratch that big.
+# (geometry.bf16_weight_scratch); a /3 build's paired the whole minibatch into a scratch that big.
 # 5: the packed first layer's AMX forward reads kernel rows in place, its weight tiles sized for
-# either layout (limits.amx_packed_weight_values).
+# either layout (geometry.amx_packed_weight_values).
 # 6: the packed first layer's backward-data runs on AMX tiles (conv_bwd_data_packed_amx) in AMX
 # builds, where a /5 build has the fp32 kernel the manifest check would now refuse by kind.
 # 7: a vdpbf16ps build's packed first layer has bf16 forward and backward-weights kernels
@@ -53,7 +53,7 @@ WEIGHT_LAYOUTS = ("wt_to_blocked", "wt_from_blocked")
 # bf16 builds: a layer with a vdpbf16ps conv forward kernel also converts its blocked input to
 # the bf16 copy that kernel reads (where the input is not stored as bf16 already).
 BF16_LAYOUTS = {"in_to_bf16": "act_to_bf16"}
-# bf16 builds: an fc layer's weights as the bf16 tiles its kernels read (limits.FcTileGeometry)
+# bf16 builds: an fc layer's weights as the bf16 tiles its kernels read (geometry.FcTileGeometry)
 FC_TILE_LAYOUTS = {"wt_to_tiles": "fc_weight_tiles"}
 
 
@@ -98,7 +98,7 @@ class KernelEntry:
 
 @dataclass(frozen=True)
 class LayerEntry:
-    index: int          # position in the net (the first layer's input may be packed: limits.input_pixel_floats)
+    index: int          # position in the net (the first layer's input may be packed: geometry.input_pixel_floats)
     name: str
     type: str
     in_shape: tuple[int, int, int]

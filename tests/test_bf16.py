@@ -29,7 +29,7 @@ from pcldnn_runtime import cpu
 from pcldnn_runtime.abi import SIGNATURES
 from pcldnn_runtime.errors import ArchError, BuildDirError
 from pcldnn_runtime.families import bf16_gradients, bf16_outputs
-from pcldnn_runtime.limits import amx_conv_geometry
+from pcldnn_runtime.geometry import amx_conv_geometry
 from pcldnn_runtime.manifest import parse_manifest
 
 # vdpbf16ps kernels run on AVX512_BF16, and on other AVX-512 CPUs with its two instructions
@@ -412,7 +412,7 @@ def test_amx_conv_forward_against_float64(tmp_path, source, layer, threads):
     _check_conv_forward(conv, source, layer, pairs_per_row=16)
 
 
-# backward-data per phase of dx (limits.AmxResultPhase): the strided layers above, a stride-1
+# backward-data per phase of dx (geometry.AmxResultPhase): the strided layers above, a stride-1
 # layer padded by its window side (dy read from an offset), several reduction chunks over 200
 # channels of dy, a 2x2 window at stride 3 (a phase no tap reaches: zero) over a 17-channel
 # tail, and unequal strides and windows along rows and columns
@@ -1639,7 +1639,7 @@ def test_bf16_backward_weights_in_bands_of_a_few_rows(tmp_path, source, layer):
     ({"channels": 20, "height": 5, "width": 5}, {"out_channels": 16, "kernel": 3, "stride": 1, "pad": 1}, 13),
     ({"channels": 16, "height": 9, "width": 7}, {"out_channels": 24, "kernel": 3, "stride": 2, "pad": 0}, 25)])
 def test_bf16_backward_weights_in_bands_of_several_images(tmp_path, source, layer, images):
-    """Where an image is fewer than limits.BAND_MIN_PIXELS output pixels a band spans
+    """Where an image is fewer than geometry.BAND_MIN_PIXELS output pixels a band spans
     several whole images, BAND_PIXELS pixels (4x4: 8; 5x5: 6; 4x3 at stride 2: 11): more
     images than two bands hold, so the rings wrap across bands and the last band has fewer
     images. The bound, and the same bits for 1 and 3 threads."""

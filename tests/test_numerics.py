@@ -49,7 +49,7 @@ CONV_SHAPES = [
     (3, 40, 7, 7, 70, 1, 1, 0, True),
     (2, 17, 4, 5, 33, 1, 1, 0, False),
     (2, 16, 3, 1, 24, 1, 1, 0, True),
-    # a 4x4 plane: backward-weights pixel blocks of 8 whole images (limits.band_images), 19 images
+    # a 4x4 plane: backward-weights pixel blocks of 8 whole images (geometry.band_images), 19 images
     # as 8 + 8 + 3
     (19, 16, 4, 4, 24, 3, 1, 1, True),
 ]

@@ -50,7 +50,7 @@ PLANE_AS_ROW_FAMILIES = ("conv_direct", "conv_vdpbf16")
 
 def reads_packed_image(layer: LayerSpec, arch: Arch) -> bool:
     """Whether `layer` is the net's first convolution on the packed few-channel image
-    (limits.input_pixel_floats): its kernels are a family of their own (AMX or vdpbf16ps)."""
+    (geometry.input_pixel_floats): its kernels are a family of their own (AMX or vdpbf16ps)."""
     return families.reads_packed_image(layer, arch.vector_floats)
 
 

@@ -3,16 +3,16 @@ reduction chunk that keeps a work item's operands in L1 (forward, backward-data)
 of pixel blocks whose copies a work item's accumulators reduce from L2 (backward-weights)."""
 from __future__ import annotations
 
-from pcldnn_runtime.limits import (
+from pcldnn_runtime.geometry import (
     AMX_PIXEL_BLOCK,
     AMX_ROWS,
     AmxConvGeometry,
     amx_conv_geometry,
     amx_packed_reduction,
     amx_packed_row_steps,
-    blocks,
     fc_tile_geometry,
 )
+from pcldnn_runtime.limits import blocks
 
 from ..arch import Arch
 from ..netspec import LayerSpec

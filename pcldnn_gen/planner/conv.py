@@ -6,7 +6,8 @@ import functools
 import itertools
 from dataclasses import dataclass
 
-from pcldnn_runtime.limits import band_images, blocks, input_pixel_floats
+from pcldnn_runtime.geometry import band_images, input_pixel_floats
+from pcldnn_runtime.limits import blocks
 
 from ..arch import Arch
 from ..errors import PlanError
@@ -659,7 +660,7 @@ def plan_conv_bwd_weights(layer: LayerSpec, arch: Arch, choice: tuple[int, int] 
     rows, cols = block.rows, block.cols
     # On a small plane a block of one whole image is a few pixels per accumulator load and store
     # (VGG-A at 64x64, conv7: 16 pixels, 8 bf16 pairs at 4x4); it spans several images instead
-    # (limits.band_images), all within half of L2.
+    # (geometry.band_images), all within half of L2.
     images = 1
     if (rows, cols) == (oh, ow):
         images = max(1, min(band_images(layer.out_shape), (arch.l2_bytes // 2) // (oh * per_row)))
