@@ -122,7 +122,7 @@ def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | Non
     """Plan (through `tuning` when given; see plan_net), render, compile, write the directory.
     `weights` (canonical layouts, every weighted layer's `.weight` and `.bias`) are checked
     here and recorded in the build: `pr.load` starts from them instead of random ones.
-    `precision` bf16: the kernels of families.bf16_passes read bf16 copies (DESIGN §11)."""
+    `precision` bf16: the kernels of families.bf16_passes read bf16 copies (docs/design.md §2)."""
     check_precision(precision, arch)
     out_dir = Path(out_dir) if out_dir is not None else default_build_dir(net, arch, precision)
     initial = None

@@ -1,4 +1,4 @@
-"""The tuning database (DESIGN §9): measured register-tile choices that `compile` prefers to the
+"""The tuning database (docs/design.md §3): measured register-tile choices that `compile` prefers to the
 model's, one entry per (kernel shape, pass, ISA, precision, bf16 activations and gradients, CPU
 description, CPU model, compiler, template version).
 

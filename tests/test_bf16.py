@@ -1,4 +1,4 @@
-"""bf16 builds (DESIGN §11): the rounding and the bf16 copies in portable C on every machine, the
+"""bf16 builds (docs/design.md §2, docs/precision.md): the rounding and the bf16 copies in portable C on every machine, the
 bf16 kernels against float64 on CPUs with AVX512_BF16, and what a bf16 build promises (manifest,
 refusal on CPUs without the instructions, fp32 state, training)."""
 from __future__ import annotations

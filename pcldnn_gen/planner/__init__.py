@@ -1,4 +1,4 @@
-"""LayerSpec × pass × Arch → KernelPlan: register and cache blocks from a balance model (DESIGN §6).
+"""LayerSpec × pass × Arch → KernelPlan: register and cache blocks from a balance model (docs/design.md §3).
 
     tiles    the register-tile model (RegisterTile) and the row cover of the conv kernels
     conv     conv forward, backward-data (general, few-channel), backward-weights
