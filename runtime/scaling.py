@@ -137,8 +137,8 @@ def _eff(conv: tuple[float, float, float], fc: tuple[float, float, float]) -> di
 # Per-node compute time of a step varies (other processes, memory and frequency effects); a
 # synchronous iteration waits for the slowest node. The presets assume the coefficient of
 # variation measured by benchmarks/scaling.py on this project's machine: median 3.9% over 24
-# rank runs of cifar_small and VGG-A at 64x64 (range 1.0-67%; benchmarks/results/
-# scaling_native.json, docs/scaling.md "Stragglers"). No per-node figure is published for the
+# rank runs of cifar_small and VGG-A at 64x64 (range 1.0-67%; `benchmarks/scaling.py --arch
+# native --repeats 3`, docs/scaling.md "Stragglers"). No per-node figure is published for the
 # paper's clusters.
 STEP_CV = 0.039
 

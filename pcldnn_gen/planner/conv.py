@@ -50,7 +50,7 @@ STREAMED_VECTORS = 3
 # pw13, Inception 5b 1x1) forward 1.07-1.11x, backward-data 1.02-1.15x, two threads 1.05-1.14x;
 # 4x4 (1024 -> 256, 256 -> 1024) 1.03-1.12x; AVX2 7x7 0.98-1.14x. A 7-pixel row that was one
 # whole tile already (96 -> 40 channels: 7x3) loses a little, 0.89-1.02x on 0.03-0.14 ms kernels
-# (benchmarks/results/ab_icelake_1x1_plane_as_row.txt). Not at 8 pixels and wider: 8x8 planes
+# (benchmarks/ab.py, Ice Lake VM). Not at 8 pixels and wider: 8x8 planes
 # 0.86-1.00x forward, 14x14 0.82-0.85x. Backward-weights keeps the plane: 0.97-1.01x (AVX-512),
 # 0.72x (AVX2) on 7x7. Only planes of fewer than SMALL_PLANE pixels (what was measured): a tall
 # narrow plane as one row would put hundreds of pixels in a row block that no longer fits L1.
