@@ -270,8 +270,8 @@ def fc_tile_geometry(in_shape: tuple[int, int, int], features: int, v: int = 16)
 # A conv backward-weights tile loads and stores its accumulators once a pixel block (a bf16
 # kernel's band). Where one image is fewer than BAND_MIN_PIXELS output pixels (a 4x4 plane: 8
 # pixel pairs for bf16, 16 pixels for fp32) a block spans several whole images (band_images),
-# as many as make up BAND_PIXELS pixels. Measured (emulated Zen 4, Ice Lake VM, RESULTS.md
-# session 42): bf16 on 4x4 planes 1.7-2.3x; on 7x7 and 8x8 planes 0.71-1.67x, so not there.
+# as many as make up BAND_PIXELS pixels. Measured (emulated Zen 4, Ice Lake VM, benchmarks/ab.py):
+# bf16 on 4x4 planes 1.7-2.3x; on 7x7 and 8x8 planes 0.71-1.67x, so not there.
 BAND_MIN_PIXELS = 32
 BAND_PIXELS = 128
 
