@@ -198,6 +198,12 @@ def kind_named(name: str) -> Kind | None:
 _KINDS: dict[str, Kind] | None = None  # every family's kinds by name, made on first use (a cache)
 
 
+def family_of(kind: Kind) -> Family:
+    """The family whose kernels have this kind."""
+    return next(f for f in FAMILIES if f.engine is kind.engine and kind.layer_type in f.layer_types
+                and (f.packed is None or f.packed == kind.packed))
+
+
 def isa_suffix(kind_name: str) -> str:
     """What PCLDNN_VERBOSE adds to the ISA of a kernel of this kind: _amx, _bf16 (vdpbf16ps
     kernels and the copies into their bf16 operands), else nothing."""

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from . import families
 from .abi import DROPOUT_HASH_STEP
 from .errors import PcldnnError
 from .geometry import (
@@ -274,26 +275,20 @@ class WeightedLayer(Layer):
         self.runner = None
         # where the blocked weights and the bias start in the net's flat params / grads buffers
         self.param_offsets: tuple[int, int] = offsets
-        # bf16 builds (vdpbf16ps, families.bf16_passes): the forward kernel reads bf16 copies of
-        # the input (unless it is stored as bf16) and of the weights, backward-data a bf16 copy of
-        # the transposed weights; the fp32 weights stay the master copy that optimizers and the
-        # API see.
-        self.bf16_forward = self.kernel_kind("fwd") == "conv_fwd_bf16"
-        self.bf16_backward_data = self.kernel_kind("bwd_data") == "conv_bwd_data_bf16"
-        self.bf16_backward_weights = self.kernel_kind("bwd_weights") == "conv_bwd_weights_bf16"
-        # AMX builds: the passes on tiles convert their activations into their own scratch
+        # The family that computes each pass (families.choose, as the manifest recorded it): how
+        # its kernel is called (scratch, weight copies, the ReLU mask) is _FORWARD / _BACKWARD_*.
+        self.family: dict[str, str] = {}
+        for p in PASSES:
+            kind = families.kind_named(self.kernel_kind(p))
+            assert kind is not None, self.kernel_kind(p)  # the manifest reader checked the kinds
+            self.family[p] = families.family_of(kind).name
+        # the AMX tile kernels' geometry (their scratch and weight copies), by pass
         self._amx = {p: amx_conv_geometry(p, self.in_shape, self.out_shape, self.kernel, self.spec.pad, self.spec.stride)
-                     for p in ("fwd", "bwd_data", "bwd_weights") if self.kernel_kind(p) == f"conv_{p}_amx"}
-        # the packed few-channel first layer's passes on AMX tiles (forward and backward-data: their
-        # weight tiles; backward-weights over im2col rows; the backward passes mask their dy copies)
-        self._packed_amx = {p for p in PASSES if self.kernel_kind(p) == f"conv_{p}_packed_amx"}
-        # its forward and backward-weights on vdpbf16ps register tiles (bf16 builds without AMX):
-        # they convert the image themselves
-        self._packed_bf16 = {p for p in PASSES if self.kernel_kind(p) == f"conv_{p}_packed_bf16"}
+                     for p in PASSES if self.family[p] == "conv_amx"}
         # bf16 fc layers (AMX or vdpbf16ps): all three passes read bf16 tile copies of the weights
         # (geometry.FcTileGeometry) made on first use after each change of the weights
         self._fc_tiles = fc_tile_geometry(self.in_shape, self.out_shape[0], v) \
-            if self.kernel_kind("fwd") in ("fc_fwd_amx", "fc_fwd_bf16") else None
+            if self.family["fwd"] in FC_TILE_FAMILIES else None
         self._weight_tiles: tuple[np.ndarray, np.ndarray] | None = None
         self._tiles_made: tuple[int, int, int] | None = None  # (weights version, ocb_lo, ocb_hi) they hold
         # bf16 conv forward / backward-data (AMX or vdpbf16ps): the bf16 copy of the weights each
@@ -430,19 +425,15 @@ class WeightedLayer(Layer):
         made = self._conv_tiles.get(pass_name)
         version = self._net.weights_version
         if made is None or made[1] != version:
-            if pass_name in self._amx:
-                values = self._amx[pass_name].weight_values
-            elif pass_name in self._packed_amx:
-                values = amx_packed_weight_values(self.in_shape, self.out_shape[0], self.kernel) if pass_name == "fwd" \
-                    else amx_packed_data_weight_values(self.out_shape[0], self.kernel, self.in_shape[0])
-            elif pass_name in self._packed_bf16:  # vdpbf16ps, pairs of a kernel row's window values
-                values = packed_bf16_weight_values(self.in_shape[0], self.out_shape[0], self.kernel, self._v)
-            else:  # vdpbf16ps: the blocked weights re-laid in pairs
-                values = self._wt.size
-            tiles = made[0] if made is not None else empty_aligned((values,), dtype=np.uint16)
+            tiles = made[0] if made is not None else \
+                empty_aligned((_WEIGHT_COPY_VALUES[self.family[pass_name]](self, pass_name),), dtype=np.uint16)
             self._k[f"{pass_name}_tiles"](self._wt_ptr, ptr(tiles), self._net.threads)
             made = self._conv_tiles[pass_name] = (tiles, version)
         return made[0]
+
+    def scratch16(self, values: int) -> np.ndarray:
+        """The net's shared scratch as `values` bf16 values."""
+        return self._net.scratch(-(-values // 2)).view(np.uint16)
 
     def _tile_scratch(self, pass_name: str, batch: int) -> np.ndarray:
         assert self._fc_tiles is not None
@@ -450,85 +441,24 @@ class WeightedLayer(Layer):
 
     def run_forward(self, xb: np.ndarray, yb: np.ndarray, part: tuple[int, int] | None) -> None:
         """The forward kernel on this process's data; fc: output blocks `part` only."""
-        extra = part if part is not None else ()
-        batch, team = xb.shape[0], self.team(xb.shape[0])
-        if self._fc_tiles is not None and part is not None:
-            tiles, _ = self.weight_tiles(part)
-            self._k["fwd"](ptr(xb), ptr(tiles), self._bias_ptr, ptr(yb), ptr(self._tile_scratch("fwd", batch)), batch,
-                           team, *part)
-            return
-        if "fwd" in self._packed_amx or "fwd" in self._packed_bf16:
-            self._k["fwd"](ptr(xb), ptr(self.conv_weight_tiles("fwd")), self._bias_ptr, ptr(yb), batch, team)
-            return
-        if "fwd" in self._amx:
-            tiles = self.conv_weight_tiles("fwd")
-            scratch = self._net.scratch(-(-self._amx["fwd"].scratch_values(batch) // 2)).view(np.uint16)
-            self._k["fwd"](ptr(xb), ptr(tiles), self._bias_ptr, ptr(yb), ptr(scratch), batch, team)
-            return
-        if self.bf16_forward:
-            xb16 = xb  # an input stored as bf16 (families.bf16_outputs) is read as it is
-            if not self.in_bf16:
-                xb16 = self._buffer("bf16.x", xb.shape, np.uint16)
-                self._k["in_to_bf16"](ptr(xb), ptr(xb16), batch, team)
-            self._k["fwd"](ptr(xb16), ptr(self.conv_weight_tiles("fwd")), self._bias_ptr, ptr(yb), batch, team)
-            return
-        self._k["fwd"](ptr(xb), self._wt_ptr, self._bias_ptr, ptr(yb), batch, team, *extra)
+        _FORWARD[self.family["fwd"]](self, xb, yb, part, xb.shape[0], self.team(xb.shape[0]))
 
     def run_backward(self, xb: np.ndarray, yb: np.ndarray | None, dyb: np.ndarray, dxb: np.ndarray | None,
                      grads: Grads | None, part: tuple[int, int] | None, dy_masked: bool = False) -> None:
-        """The backward kernels on this process's data (dxb / grads None: skip that pass)."""
+        """The backward kernels on this process's data (dxb / grads None: skip that pass).
+        Backward-weights runs first: a family that masks dy in place by the ReLU (the fp32
+        and fc-tile kernels) leaves backward-data nothing to mask."""
         batch = xb.shape[0]
         threads = self.team(batch)
-        extra = part if part is not None else ()
         mask = yb if self.relu and not dy_masked else None
-        if self._fc_tiles is not None and part is not None:
-            if grads is not None:  # dy masked in place, as the fp32 kernels do
-                self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(self._tile_scratch("bwd_weights", batch)),
-                                       ptr(grads[0]), ptr(grads[1]), batch, threads, *part)
-                mask = None
-                if not self.spec.bias:
-                    grads[1][...] = 0.0
-            if dxb is not None:
-                _, tiles = self.weight_tiles(part)
-                self._k["bwd_data"](ptr(dyb), ptr(mask), ptr(tiles), ptr(self._tile_scratch("bwd_data", batch)),
-                                    ptr(dxb), batch, threads, *part)
-            return
         if grads is not None:
             dw, db = grads
-            values = None  # bf16 values of scratch, for the kernels that take it
-            if "bwd_weights" in self._amx:
-                values = self._amx["bwd_weights"].gradient_scratch_values(batch, self.kernel[0] * self.kernel[1])
-            elif self.bf16_backward_weights:
-                values = bf16_weight_scratch(self.in_shape, self.out_shape, self.kernel, self.spec.stride, self._v, batch)
-            elif "bwd_weights" in self._packed_amx:
-                values = amx_packed_gradient_values(self.in_shape, self.out_shape, self.kernel, batch)
-            if values is not None:
-                scratch = self._net.scratch(-(-values // 2)).view(np.uint16)
-                self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(scratch), ptr(dw), ptr(db), batch, threads)
-            else:
-                self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(dw), ptr(db), batch, threads, *extra)
+            if _BACKWARD_WEIGHTS[self.family["bwd_weights"]](self, xb, dyb, mask, dw, db, part, batch, threads):
+                mask = None
             if not self.spec.bias:
                 db[...] = 0.0  # a bias-free layer's bias stays zero: no gradient, no update, no decay
-            if "bwd_weights" not in self._amx and "bwd_weights" not in self._packed_amx \
-                    and "bwd_weights" not in self._packed_bf16 and not self.bf16_backward_weights:
-                mask = None  # dy is masked in place now (AMX and vdpbf16ps kernels mask their copies, leave dy)
         if dxb is not None:
-            if "bwd_data" in self._packed_amx:
-                self._k["bwd_data"](ptr(dyb), ptr(mask), ptr(self.conv_weight_tiles("bwd_data")), ptr(dxb), batch,
-                                    threads)
-                return
-            if "bwd_data" in self._amx:
-                tiles = self.conv_weight_tiles("bwd_data")
-                scratch = self._net.scratch(-(-self._amx["bwd_data"].scratch_values(batch) // 2)).view(np.uint16)
-                self._k["bwd_data"](ptr(dyb), ptr(mask), ptr(tiles), ptr(scratch), ptr(dxb), batch, threads)
-                return
-            if self.bf16_backward_data:  # scratch: dy as bf16
-                scratch = self._net.scratch(-(-dyb.size // 2)).view(np.uint16)
-                self._k["bwd_data"](ptr(dyb), ptr(mask), ptr(self.conv_weight_tiles("bwd_data")), ptr(scratch),
-                                    ptr(dxb), batch, threads)
-                return
-            scratch = self._net.scratch(self.scratch_floats)
-            self._k["bwd_data"](ptr(dyb), ptr(mask), self._wt_ptr, ptr(scratch), ptr(dxb), batch, threads, *extra)
+            _BACKWARD_DATA[self.family["bwd_data"]](self, dyb, mask, dxb, part, batch, threads)
 
     def backward_weights(self, x: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(dw, db) in canonical layouts for input x and output gradient dy (does not touch
@@ -548,6 +478,139 @@ class WeightedLayer(Layer):
         dw, db = self._buffer("weights.dw", self._dwt.shape), self._buffer("weights.db", self._dbias.shape)
         self.backward_blocked(xb, yb, None, dyb, None, grads=(dw, db))
         return self._canonical(dw), db[: self.out_shape[0]].copy()
+
+
+# -- how the runtime calls each family's kernels (families.py decides which family runs) --------
+# Each takes the layer and the pass's buffers; backward-weights returns whether it masked dy in
+# place (the fp32 and fc-tile kernels do; the AMX and vdpbf16ps conv kernels mask their copies).
+
+FC_TILE_FAMILIES = ("fc_tiles_amx", "fc_tiles_vdpbf16")
+
+
+def _forward_plain(layer: WeightedLayer, xb: np.ndarray, yb: np.ndarray, part: tuple[int, int] | None, batch: int,
+                   team: int) -> None:
+    """conv_direct, fc_gemm: the fp32 weights as they are (fc: output blocks `part`)."""
+    layer._k["fwd"](ptr(xb), layer._wt_ptr, layer._bias_ptr, ptr(yb), batch, team, *(part or ()))
+
+
+def _forward_fc_tiles(layer: WeightedLayer, xb: np.ndarray, yb: np.ndarray, part: tuple[int, int] | None,
+                      batch: int, team: int) -> None:
+    assert part is not None
+    tiles, _ = layer.weight_tiles(part)
+    layer._k["fwd"](ptr(xb), ptr(tiles), layer._bias_ptr, ptr(yb), ptr(layer._tile_scratch("fwd", batch)), batch,
+                    team, *part)
+
+
+def _forward_packed(layer: WeightedLayer, xb: np.ndarray, yb: np.ndarray, part: tuple[int, int] | None,
+                    batch: int, team: int) -> None:
+    """conv_packed_amx, conv_packed_vdpbf16: they convert the image themselves."""
+    layer._k["fwd"](ptr(xb), ptr(layer.conv_weight_tiles("fwd")), layer._bias_ptr, ptr(yb), batch, team)
+
+
+def _forward_amx(layer: WeightedLayer, xb: np.ndarray, yb: np.ndarray, part: tuple[int, int] | None, batch: int,
+                 team: int) -> None:
+    tiles = layer.conv_weight_tiles("fwd")
+    scratch = layer.scratch16(layer._amx["fwd"].scratch_values(batch))
+    layer._k["fwd"](ptr(xb), ptr(tiles), layer._bias_ptr, ptr(yb), ptr(scratch), batch, team)
+
+
+def _forward_vdpbf16(layer: WeightedLayer, xb: np.ndarray, yb: np.ndarray, part: tuple[int, int] | None,
+                     batch: int, team: int) -> None:
+    """The input's bf16 copy (unless it is stored as bf16: families.bf16_outputs) and the weights'."""
+    xb16 = xb
+    if not layer.in_bf16:
+        xb16 = layer._buffer("bf16.x", xb.shape, np.uint16)
+        layer._k["in_to_bf16"](ptr(xb), ptr(xb16), batch, team)
+    layer._k["fwd"](ptr(xb16), ptr(layer.conv_weight_tiles("fwd")), layer._bias_ptr, ptr(yb), batch, team)
+
+
+def _weights_plain(layer: WeightedLayer, xb: np.ndarray, dyb: np.ndarray, mask: np.ndarray | None, dw: np.ndarray,
+                   db: np.ndarray, part: tuple[int, int] | None, batch: int, threads: int) -> bool:
+    """conv_direct, fc_gemm, conv_packed_vdpbf16 (which pairs its own copies without scratch)."""
+    layer._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(dw), ptr(db), batch, threads, *(part or ()))
+    return layer.family["bwd_weights"] != "conv_packed_vdpbf16"
+
+
+def _weights_scratch(values: Callable[[WeightedLayer, int], int]) -> Callable[..., bool]:
+    """conv_amx, conv_vdpbf16, conv_packed_amx: bf16 copies of x and dy in `values` of scratch."""
+    def call(layer: WeightedLayer, xb: np.ndarray, dyb: np.ndarray, mask: np.ndarray | None, dw: np.ndarray,
+             db: np.ndarray, part: tuple[int, int] | None, batch: int, threads: int) -> bool:
+        scratch = layer.scratch16(values(layer, batch))
+        layer._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(scratch), ptr(dw), ptr(db), batch, threads)
+        return False
+    return call
+
+
+def _weights_fc_tiles(layer: WeightedLayer, xb: np.ndarray, dyb: np.ndarray, mask: np.ndarray | None,
+                      dw: np.ndarray, db: np.ndarray, part: tuple[int, int] | None, batch: int, threads: int) -> bool:
+    assert part is not None
+    layer._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(layer._tile_scratch("bwd_weights", batch)), ptr(dw),
+                            ptr(db), batch, threads, *part)
+    return True
+
+
+def _data_plain(layer: WeightedLayer, dyb: np.ndarray, mask: np.ndarray | None, dxb: np.ndarray,
+                part: tuple[int, int] | None, batch: int, threads: int) -> None:
+    """conv_direct (its transposed weights in fp32 scratch), fc_gemm."""
+    scratch = layer._net.scratch(layer.scratch_floats)
+    layer._k["bwd_data"](ptr(dyb), ptr(mask), layer._wt_ptr, ptr(scratch), ptr(dxb), batch, threads, *(part or ()))
+
+
+def _data_fc_tiles(layer: WeightedLayer, dyb: np.ndarray, mask: np.ndarray | None, dxb: np.ndarray,
+                   part: tuple[int, int] | None, batch: int, threads: int) -> None:
+    assert part is not None
+    _, tiles = layer.weight_tiles(part)
+    layer._k["bwd_data"](ptr(dyb), ptr(mask), ptr(tiles), ptr(layer._tile_scratch("bwd_data", batch)), ptr(dxb),
+                         batch, threads, *part)
+
+
+def _data_packed_amx(layer: WeightedLayer, dyb: np.ndarray, mask: np.ndarray | None, dxb: np.ndarray,
+                     part: tuple[int, int] | None, batch: int, threads: int) -> None:
+    layer._k["bwd_data"](ptr(dyb), ptr(mask), ptr(layer.conv_weight_tiles("bwd_data")), ptr(dxb), batch, threads)
+
+
+def _data_scratch(values: Callable[[WeightedLayer, np.ndarray, int], int]) -> Callable[..., None]:
+    """conv_amx (its padded dy copy), conv_vdpbf16 (dy as bf16): the weights' copy and scratch."""
+    def call(layer: WeightedLayer, dyb: np.ndarray, mask: np.ndarray | None, dxb: np.ndarray,
+             part: tuple[int, int] | None, batch: int, threads: int) -> None:
+        tiles = layer.conv_weight_tiles("bwd_data")
+        scratch = layer.scratch16(values(layer, dyb, batch))
+        layer._k["bwd_data"](ptr(dyb), ptr(mask), ptr(tiles), ptr(scratch), ptr(dxb), batch, threads)
+    return call
+
+
+_FORWARD: dict[str, Callable[..., None]] = {
+    "conv_direct": _forward_plain, "fc_gemm": _forward_plain,
+    "fc_tiles_amx": _forward_fc_tiles, "fc_tiles_vdpbf16": _forward_fc_tiles,
+    "conv_packed_amx": _forward_packed, "conv_packed_vdpbf16": _forward_packed,
+    "conv_amx": _forward_amx, "conv_vdpbf16": _forward_vdpbf16,
+}
+_BACKWARD_WEIGHTS: dict[str, Callable[..., bool]] = {
+    "conv_direct": _weights_plain, "fc_gemm": _weights_plain, "conv_packed_vdpbf16": _weights_plain,
+    "fc_tiles_amx": _weights_fc_tiles, "fc_tiles_vdpbf16": _weights_fc_tiles,
+    "conv_amx": _weights_scratch(lambda layer, batch: layer._amx["bwd_weights"].gradient_scratch_values(
+        batch, layer.kernel[0] * layer.kernel[1])),
+    "conv_vdpbf16": _weights_scratch(lambda layer, batch: bf16_weight_scratch(
+        layer.in_shape, layer.out_shape, layer.kernel, layer.spec.stride, layer._v, batch)),
+    "conv_packed_amx": _weights_scratch(lambda layer, batch: amx_packed_gradient_values(
+        layer.in_shape, layer.out_shape, layer.kernel, batch)),
+}
+_BACKWARD_DATA: dict[str, Callable[..., None]] = {
+    "conv_direct": _data_plain, "fc_gemm": _data_plain,
+    "fc_tiles_amx": _data_fc_tiles, "fc_tiles_vdpbf16": _data_fc_tiles,
+    "conv_packed_amx": _data_packed_amx,
+    "conv_amx": _data_scratch(lambda layer, dyb, batch: layer._amx["bwd_data"].scratch_values(batch)),
+    "conv_vdpbf16": _data_scratch(lambda layer, dyb, batch: dyb.size),
+}
+# bf16 values of each family's copy of the weights for a forward or backward-data pass
+_WEIGHT_COPY_VALUES: dict[str, Callable[[WeightedLayer, str], int]] = {
+    "conv_amx": lambda layer, p: layer._amx[p].weight_values,
+    "conv_packed_amx": lambda layer, p: amx_packed_weight_values(layer.in_shape, layer.out_shape[0], layer.kernel)
+    if p == "fwd" else amx_packed_data_weight_values(layer.out_shape[0], layer.kernel, layer.in_shape[0]),
+    "conv_packed_vdpbf16": lambda layer, p: packed_bf16_weight_values(layer.in_shape[0], layer.out_shape[0],
+                                                                       layer.kernel, layer._v),
+    "conv_vdpbf16": lambda layer, p: layer._wt.size,  # the blocked weights re-laid in pairs
+}
 
 
 class MaxPoolLayer(Layer):
