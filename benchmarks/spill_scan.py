@@ -7,7 +7,8 @@ A register tile only runs at the FMA rate while its accumulators stay in registe
 that, and has spilled them where the template gave it room to hold other values: broadcasts and
 dy vectors that overlapping kernel columns read again (the packed first layer's forward and
 backward-data: 56-67 stack accesses a kernel, 1.3-1.5x slower; the bf16 packed forward). This
-compiles every kernel of every zoo shape (a bf16 build's shapes between ReLUs, as `bench` times them) through the kernel cache and counts, in each library's
+compiles every kernel of every zoo shape (a bf16 build's shapes between ReLUs, as `bench` times
+them) through the kernel cache and counts, in each library's
 disassembly (`objdump`), the instructions that move a vector register (zmm, or ymm for AVX2) to
 or from the stack, beside its vector FMAs and dot products. Where that count is a sizeable share
 of the FMAs, read the kernel's loop (`pcldnn-gen inspect`, `objdump -d`). Nothing runs, so any
