@@ -1,0 +1,73 @@
+"""The layering docs/design.md states, checked on the import statements (module level and
+inside functions): the runtime's core loads and runs kernels without MPI or the scaling model,
+and the generator's compile path depends on the shared contract only, not on the runtime's
+internals."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CORE = ("net", "layers", "kernels", "optim", "data", "npyfile", "observe", "launcher", "families", "geometry",
+        "limits", "manifest", "validate", "cpu", "abi", "errors", "state_io", "onnx_export", "partition")
+CLUSTER = {"mpi_safety", "distributed", "model_parallel", "layer_modes", "scaling", "mpi4py"}
+# What generator and runtime share: the manifest schema, ranges, the kernel ABI, the kernel
+# families and their geometry, CPU flags, the user-file reader, weights by name, error types.
+CONTRACT = {"cpu", "limits", "manifest", "families", "geometry", "abi", "validate", "state_io", "errors"}
+COMPILE_PATH = ("netspec.py", "arch.py", "codegen.py", "compiler.py", "build.py", "tuning.py", "frontend.py",
+                "onnx_frontend.py", "torch_frontend.py", "planner/__init__.py", "planner/conv.py", "planner/fc.py",
+                "planner/amx.py", "planner/memory.py", "planner/plans.py", "planner/tiles.py", "planner/explain.py")
+# (planner/parallel.py feeds the communication model of `pcldnn-gen plan` its thread division: it
+# is the generator's side of the cluster layer, not on the path from net.json to a build.)
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """Modules of `package` (and top-level third-party names) a file imports, anywhere in it."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                found.add(parts[1] if parts[0] == package and len(parts) > 1 else parts[0])
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:  # relative: from . import x / from .x import y
+                found |= {module.split(".")[0]} if module else {a.name for a in node.names}
+            elif module.startswith(package + ".") or module == package:
+                rest = module[len(package) + 1:]
+                found |= {rest.split(".")[0]} if rest else {a.name for a in node.names}
+            else:
+                found.add(module.split(".")[0])
+    return found
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_the_runtime_core_imports_no_mpi_and_no_scaling_model(module):
+    assert not _imports(REPO / "runtime" / f"{module}.py", "pcldnn_runtime") & CLUSTER
+
+
+def _runtime_modules(path: Path) -> set[str]:
+    """The pcldnn_runtime modules a generator file imports (`from pcldnn_runtime.x import ...`,
+    `from pcldnn_runtime import x`), anywhere in it."""
+    modules = {p.stem for p in (REPO / "runtime").glob("*.py")} - {"__init__"}
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pcldnn_runtime"):
+            rest = node.module[len("pcldnn_runtime"):].lstrip(".")
+            found |= {rest.split(".")[0]} if rest else {a.name for a in node.names if a.name in modules}
+    return found
+
+
+@pytest.mark.parametrize("module", COMPILE_PATH)
+def test_the_compile_path_depends_on_the_shared_contract_only(module):
+    assert _runtime_modules(REPO / "pcldnn_gen" / module) <= CONTRACT
+
+
+def test_the_check_sees_what_it_checks():
+    """The parser finds the imports it must: distributed's of mpi_safety, and the MPI import."""
+    found = _imports(REPO / "runtime" / "distributed.py", "pcldnn_runtime")
+    assert {"mpi_safety", "layer_modes"} <= found
+    assert "mpi_safety" in _imports(REPO / "runtime" / "__init__.py", "pcldnn_runtime")
+    assert "scaling" in _runtime_modules(REPO / "pcldnn_gen" / "planner" / "parallel.py")  # outside the contract
