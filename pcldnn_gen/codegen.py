@@ -340,7 +340,7 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
         ic_tail=c - (icb - 1) * v, k=icb * v * h * w, size=icb * v * h * w, classes=c, ld=icb * v)
     flags = cpu.PRECISION_CFLAGS["bf16"] if bf16 or any(plan.activations) or any(plan.gradients) else ()
     symbols = {symbol: kind}
-    if kind in ("conv_fwd_bf16", "conv_bwd_data_bf16", "conv_fwd_packed_bf16"):  # and the function making its weight copy
+    if plan.kernel_kind.weight_copy:  # and the function making its weight copy
         symbols[symbol + "_tiles"] = "conv_weight_tiles"
     return Source(f"{layer.name}_{plan.pass_name}.c", text, symbols, flags)
 
@@ -385,8 +385,7 @@ def _render_tiled(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, l
         if layer.type == "conv" else fc_tile_geometry(layer.in_shape, layer.out_shape[0], v),
         kp=amx_packed_reduction(layer.in_shape, layer.kernel), row_steps=amx_packed_row_steps(layer.in_shape, layer.kernel))
     symbols = {symbol: plan.kind}
-    # and the function making its weight tiles
-    if plan.kind in ("conv_fwd_amx", "conv_fwd_packed_amx", "conv_bwd_data_amx", "conv_bwd_data_packed_amx"):
+    if plan.kernel_kind.weight_copy:  # and the function making its weight tiles
         symbols[symbol + "_tiles"] = "conv_weight_tiles"
     return Source(f"{layer.name}_{plan.pass_name}.c", text, symbols,
                   cpu.PRECISION_CFLAGS["bf16"] + (cpu.AMX_CFLAGS if amx else ()))

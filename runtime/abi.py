@@ -3,6 +3,8 @@ the constants both sides must share. No cffi here: the generator renders prototy
 without loading the runtime's machinery."""
 from __future__ import annotations
 
+from .families import all_kinds
+
 # Parameter lists, by kernel kind. Activations are blocked (N, C/V, H, W, V); weights are
 # blocked (OC/V, IC/V, KH, KW, V_ic, V_oc); `batch` is the minibatch, `nthreads` the
 # OpenMP thread count of this call.
@@ -120,13 +122,9 @@ SIGNATURES: dict[str, str] = {
 }
 
 # Timing loops of `bench` (templates/repeat.c.j2): a weighted kernel's own arguments after the
-# kernel, the call count and where the seconds per call go.
-REPEATED_KINDS = ("conv_fwd", "conv_bwd_data", "conv_bwd_weights", "fc_fwd", "fc_bwd_data", "fc_bwd_weights",
-                  "conv_fwd_bf16", "conv_bwd_data_bf16", "conv_bwd_weights_bf16", "conv_fwd_amx",
-                  "conv_bwd_data_amx", "conv_bwd_weights_amx", "conv_fwd_packed_amx", "conv_fwd_packed_bf16",
-                  "conv_bwd_weights_packed_bf16", "conv_bwd_data_packed_amx", "conv_bwd_weights_packed_amx",
-                  "fc_fwd_amx", "fc_bwd_data_amx", "fc_bwd_weights_amx", "fc_fwd_bf16", "fc_bwd_data_bf16",
-                  "fc_bwd_weights_bf16")
+# kernel, the call count and where the seconds per call go; one for every kind of the families
+# of conv and fc layers (families.all_kinds).
+REPEATED_KINDS = tuple(k.name for k in all_kinds() if k.layer_type in ("conv", "fc"))
 SIGNATURES |= {f"repeat_{kind}": "void *fn, long long reps, double *seconds, " + SIGNATURES[kind]
                for kind in REPEATED_KINDS}
 

@@ -38,6 +38,13 @@ class Kind:
     packed: bool = False
 
     @property
+    def weight_copy(self) -> bool:
+        """Whether the kernel's library also makes its bf16 copy of the weights (`<pass>_tiles`,
+        kind conv_weight_tiles): a bf16 convolution's forward and backward-data (fc layers' tile
+        copies are made by their layout library)."""
+        return self.layer_type == "conv" and self.pass_name in ("fwd", "bwd_data") and self.engine is not Engine.FP32
+
+    @property
     def name(self) -> str:
         if self.engine is Engine.FP32:
             return f"{self.layer_type}_{self.pass_name}"
@@ -121,6 +128,11 @@ class Family:
     layer_types: tuple[str, ...]
     packed: bool | None = None  # True: only the packed first layer; False: never it; None: either
     policy: Callable[[LayerShape, str, Target], str | None] = lambda layer, pass_name, target: None
+    passes: tuple[str, ...] | None = None  # the passes it has kernels for (None: every pass of its layers)
+
+    def has_pass(self, layer_type: str, pass_name: str) -> bool:
+        from .manifest import LAYER_PASSES
+        return pass_name in (self.passes if self.passes is not None else LAYER_PASSES[layer_type])
 
     def kind(self, layer_type: str, pass_name: str) -> Kind:
         return Kind(layer_type, pass_name, self.engine, bool(self.packed))
@@ -136,6 +148,8 @@ class Family:
             return f"computes {', '.join(self.layer_types)} layers, not {layer.type}"
         if self.packed is not None and self.packed != reads_packed_image(layer, target.vector_floats):
             return "reads the first layer's packed image only" if self.packed else "not the packed first layer"
+        if not self.has_pass(layer.type, pass_name):
+            return f"has no {pass_name} kernel"
         if self.engine is not Engine.FP32:
             if target.precision != "bf16":
                 return f"a {target.precision} build"
@@ -152,8 +166,6 @@ def _packed_amx(layer: LayerShape, pass_name: str, target: Target) -> str | None
 
 
 def _packed_vdpbf16(layer: LayerShape, pass_name: str, target: Target) -> str | None:
-    if pass_name == "bwd_data":
-        return "the packed first layer's backward-data is not part of training: it stays fp32"
     if pass_name == "bwd_weights" and window_values(layer) < BF16_PACKED_GRADIENT_WINDOW:
         return (f"a window of {window_values(layer)} values (< {BF16_PACKED_GRADIENT_WINDOW}): pixel pairs gain "
                 "less than the fp32 kernel's single pass")
@@ -171,7 +183,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("conv_packed_amx", Engine.AMX, ("conv",), packed=True, policy=_packed_amx),
     Family("conv_amx", Engine.AMX, ("conv",), packed=False),
     Family("fc_tiles_amx", Engine.AMX, ("fc",)),
-    Family("conv_packed_vdpbf16", Engine.VDPBF16, ("conv",), packed=True, policy=_packed_vdpbf16),
+    # (the packed first layer's backward-data is not part of training: it stays fp32)
+    Family("conv_packed_vdpbf16", Engine.VDPBF16, ("conv",), packed=True, policy=_packed_vdpbf16,
+           passes=("fwd", "bwd_weights")),
     Family("conv_vdpbf16", Engine.VDPBF16, ("conv",), packed=False, policy=_conv_vdpbf16),
     Family("fc_tiles_vdpbf16", Engine.VDPBF16, ("fc",)),
     Family("conv_direct", Engine.FP32, ("conv",)),
@@ -182,9 +196,14 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 
-def _all_kinds() -> dict[str, Kind]:
+def all_kinds() -> tuple[Kind, ...]:
+    """Every kernel kind some family computes, in the families' order."""
     from .manifest import LAYER_PASSES
-    return {f.kind(t, p).name: f.kind(t, p) for f in FAMILIES for t in f.layer_types for p in LAYER_PASSES[t]}
+    return tuple(f.kind(t, p) for f in FAMILIES for t in f.layer_types for p in LAYER_PASSES[t] if f.has_pass(t, p))
+
+
+def _all_kinds() -> dict[str, Kind]:
+    return {k.name: k for k in all_kinds()}
 
 
 def kind_named(name: str) -> Kind | None:

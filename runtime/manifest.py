@@ -68,8 +68,8 @@ def kernel_kinds(layer: families.LayerShape, target: families.Target) -> dict[st
     ltype = layer.type
     chosen = {p: families.choose(layer, p, target) for p in LAYER_PASSES[ltype]}
     out = {p: {p: kind.name} for p, (_, kind) in chosen.items()}
-    for p in ("fwd", "bwd_data"):  # their weight tiles, made by a function of their own library
-        if ltype == "conv" and chosen[p][1].engine is not families.Engine.FP32:
+    for p, (_, kind) in chosen.items():  # their weight copies, made by a function of their own library
+        if kind.weight_copy:
             out[p][f"{p}_tiles"] = "conv_weight_tiles"
     roles = ACT_LAYOUTS + (WEIGHT_LAYOUTS if ltype in WEIGHTED else ())
     out["layout"] = {r: ("weight_layout" if r.startswith("wt_") else "act_layout") for r in roles}

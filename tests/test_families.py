@@ -58,18 +58,23 @@ def test_vdpbf16_without_amx_needs_channel_pairs_and_a_wide_enough_window():
     rgb3 = _conv(3, 3, index=0)
     assert _chosen(rgb3, VDPBF16) == {"fwd": "conv_packed_vdpbf16", "bwd_data": "conv_direct",
                                       "bwd_weights": "conv_direct"}
-    assert "not part of training" in dict(declined(rgb3, "bwd_data", VDPBF16))["conv_packed_vdpbf16"]
+    assert dict(declined(rgb3, "bwd_data", VDPBF16))["conv_packed_vdpbf16"] == "has no bwd_data kernel"
     assert _chosen(_conv(3, 11, index=0), VDPBF16)["bwd_weights"] == "conv_packed_vdpbf16"  # 363 values
     assert dict(declined(_conv(64), "fwd", VDPBF16))["conv_amx"] == "the CPU has no AMX"
 
 
 def test_kinds_are_typed_and_their_names_unique_and_round_trip():
-    kinds = {f.kind(t, p) for f in FAMILIES for t in f.layer_types for p in LAYER_PASSES[t]}
+    kinds = set(families.all_kinds())
+    assert kinds == {f.kind(t, p) for f in FAMILIES for t in f.layer_types for p in LAYER_PASSES[t] if f.has_pass(t, p)}
     names = [k.name for k in kinds]
     assert len(names) == len(set(names))
     assert all(kind_named(k.name) == k for k in kinds)
     assert kind_named("conv_fwd_packed_amx") == families.Kind("conv", "fwd", Engine.AMX, True)
     assert kind_named("act_layout") is None and families.isa_suffix("act_to_bf16") == "_bf16"
+    assert kind_named("conv_bwd_data_packed_bf16") is None  # no family has that kernel
+    assert {k.name for k in kinds if k.weight_copy} == {"conv_fwd_bf16", "conv_bwd_data_bf16", "conv_fwd_packed_bf16",
+                                                        "conv_fwd_amx", "conv_bwd_data_amx", "conv_fwd_packed_amx",
+                                                        "conv_bwd_data_packed_amx"}
 
 
 @pytest.mark.parametrize("target", [FP32, VDPBF16, AMX], ids=["fp32", "vdpbf16ps", "amx"])
