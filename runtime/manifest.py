@@ -31,6 +31,7 @@ from .validate import LABEL_RE, NAME_RE, SHA256_RE, Fields, read_json
 # builds, where a /5 build has the fp32 kernel the manifest check would now refuse by kind.
 # 7: a vdpbf16ps build's packed first layer has bf16 forward and backward-weights kernels
 # (conv_fwd_packed_bf16, conv_bwd_weights_packed_bf16) where a /6 build has the fp32 ones.
+# 8: the SGD update kernel reports non-finite weights through a flag argument a /7 build's lacks.
 FORMAT = "pcldnn-build/8"
 FORMAT_FAMILY = "pcldnn-build/"
 MANIFEST = "manifest.json"
