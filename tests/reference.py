@@ -206,3 +206,36 @@ def net_gradients(spec, net, x, labels):
         elif layer.type == "avgpool":
             dy = avgpool_bwd(dy, xin.shape, layer.kernel, layer.stride, layer.pad)
     return grads
+
+
+# bf16: the rounding every bf16 copy and kernel must match
+def bf16_reference(x: np.ndarray) -> np.ndarray:
+    """bf16 bits of float32 x by comparing distances in float64 (not by the C code's bit trick):
+    the nearer of the two bf16 values around x, the even one on a tie; inputs below the normal
+    range give a signed zero and NaN a quiet NaN, as AVX512_BF16's vcvtneps2bf16 does."""
+    with np.errstate(invalid="ignore"):  # NaN inputs: their result is set below
+        return _bf16_reference(x)
+
+
+def _bf16_reference(x: np.ndarray) -> np.ndarray:
+    bits = x.view(np.uint32)
+    sign = (bits >> 16) & 0x8000
+    low = (bits >> 16).astype(np.uint32)  # truncated toward zero
+    down = (low << 16).view(np.float32).astype(np.float64)
+    up_bits = ((low + 1) << 16).astype(np.uint32)
+    up = np.where((up_bits & 0x7FFFFFFF) == 0x7F800000, np.copysign(2.0 ** 128, x.astype(np.float64)),
+                  up_bits.view(np.float32).astype(np.float64))  # past the largest bf16: 2^128, i.e. inf
+    value = x.astype(np.float64)
+    d_down, d_up = np.abs(value - down), np.abs(up - value)
+    take_up = (d_up < d_down) | ((d_up == d_down) & (low % 2 == 1))
+    out = np.where(take_up, low + 1, low).astype(np.uint32)
+    exponent, mantissa = bits & 0x7F800000, bits & 0x7FFFFF
+    out = np.where(exponent == 0, sign, out)
+    out = np.where((exponent == 0x7F800000) & (mantissa == 0), bits >> 16, out)  # infinities stay
+    out = np.where((exponent == 0x7F800000) & (mantissa != 0), (bits >> 16) | 0x40, out)
+    return out.astype(np.uint16)
+
+
+def as_float(bits: np.ndarray) -> np.ndarray:
+    """float32 values of bf16 bits."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)

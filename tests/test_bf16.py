@@ -15,8 +15,9 @@ import cffi
 import numpy as np
 import pytest
 from bf16_emulation import HAS_BF16, WHY_NOT
+from cases import AMX_ARCH, AMX_CASES, AMX_STRIDED_CASES, CONV_CASES, FC_CASES, SMALL_L2_AVX512
 from helpers import U32, build_and_load, check_relu_pool_masks
-from reference import conv2d, conv2d_bwd_data, conv2d_bwd_weights
+from reference import as_float, bf16_reference, conv2d, conv2d_bwd_data, conv2d_bwd_weights
 
 import pcldnn_runtime as pr
 from pcldnn_gen.arch import get_arch
@@ -40,46 +41,9 @@ needs_real_bf16 = pytest.mark.skipif(not HAS_BF16, reason="this CPU lacks AVX512
 HAS_AMX = HAS_BF16 and cpu.request_amx() is None
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU lacks AMX bf16 tiles (or Linux does not grant "
                                                   "their state): AMX kernels cannot run here")
-# An L2 of 64 KiB: the backward-weights kernel then reduces a few pixel blocks per residency of
-# its accumulators and reloads them between groups (the path large layers take).
-AMX_ARCH = dataclasses.replace(get_arch("avx512"), name="avx512-amx", amx=True, l2_bytes=64 * 1024)
-
-
 # bf16 builds of either kind: AMX tiles, and vdpbf16ps (no AMX: an AVX512_BF16 CPU such as Zen 4/5)
 BF16_BUILDS = [pytest.param(AMX_ARCH, marks=needs_amx, id="amx"),
                pytest.param(get_arch("avx512"), marks=bf16_kernels, id="vdpbf16ps")]
-
-
-def bf16_reference(x: np.ndarray) -> np.ndarray:
-    """bf16 bits of float32 x by comparing distances in float64 (not by the C code's bit trick):
-    the nearer of the two bf16 values around x, the even one on a tie; inputs below the normal
-    range give a signed zero and NaN a quiet NaN, as AVX512_BF16's vcvtneps2bf16 does."""
-    with np.errstate(invalid="ignore"):  # NaN inputs: their result is set below
-        return _bf16_reference(x)
-
-
-def _bf16_reference(x: np.ndarray) -> np.ndarray:
-    bits = x.view(np.uint32)
-    sign = (bits >> 16) & 0x8000
-    low = (bits >> 16).astype(np.uint32)  # truncated toward zero
-    down = (low << 16).view(np.float32).astype(np.float64)
-    up_bits = ((low + 1) << 16).astype(np.uint32)
-    up = np.where((up_bits & 0x7FFFFFFF) == 0x7F800000, np.copysign(2.0 ** 128, x.astype(np.float64)),
-                  up_bits.view(np.float32).astype(np.float64))  # past the largest bf16: 2^128, i.e. inf
-    value = x.astype(np.float64)
-    d_down, d_up = np.abs(value - down), np.abs(up - value)
-    take_up = (d_up < d_down) | ((d_up == d_down) & (low % 2 == 1))
-    out = np.where(take_up, low + 1, low).astype(np.uint32)
-    exponent, mantissa = bits & 0x7F800000, bits & 0x7FFFFF
-    out = np.where(exponent == 0, sign, out)
-    out = np.where((exponent == 0x7F800000) & (mantissa == 0), bits >> 16, out)  # infinities stay
-    out = np.where((exponent == 0x7F800000) & (mantissa != 0), (bits >> 16) | 0x40, out)
-    return out.astype(np.uint16)
-
-
-def as_float(bits: np.ndarray) -> np.ndarray:
-    """float32 values of bf16 bits."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 SPECIAL = np.array([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x7F7F7FFF, 0x7F7F8000, 0x00000001, 0x80000001,
@@ -274,16 +238,6 @@ def test_pair_copies_on_bf16_words_match_the_widened_fp32_forms():
 
 # Convolutions of the bf16 forward kernel: stride, padding edges, odd last input block, 1x1,
 # and a first layer of few channels (packed input: stays fp32).
-CONV_CASES = [
-    ({"channels": 20, "height": 9, "width": 11}, {"out_channels": 16, "kernel": 3, "stride": 1, "pad": 1, "activation": "relu"}),
-    ({"channels": 16, "height": 10, "width": 7}, {"out_channels": 35, "kernel": 3, "stride": 2, "pad": 1}),
-    ({"channels": 19, "height": 6, "width": 6}, {"out_channels": 24, "kernel": 5, "stride": 1, "pad": 2}),
-    ({"channels": 48, "height": 7, "width": 7}, {"out_channels": 24, "kernel": 1, "stride": 1, "pad": 0}),
-    # 13 input-channel blocks: backward-data's last ic group is narrower than its tiles
-    ({"channels": 208, "height": 5, "width": 9}, {"out_channels": 16, "kernel": 3, "stride": 1, "pad": 1, "activation": "relu"}),
-]
-
-
 def _conv_net(tmp_path, source, layer, precision, name="b", arch=None):
     spec = parse_netspec({"name": name, "input": source, "layers": [{"name": "conv", "type": "conv", **layer}]})
     out = tmp_path / f"{name}-{precision}"
@@ -354,16 +308,6 @@ def _check_backward_weights(layer, x, dy, dw, db, n):
 
 
 @bf16_kernels
-@pytest.mark.parametrize("source,layer", CONV_CASES)
-def test_bf16_conv_forward_against_float64(tmp_path, source, layer):
-    """The vdpbf16ps kernel: input channels in blocks of 8 pairs (see _check_conv_forward)."""
-    net = pr.load(_conv_net(tmp_path, source, layer, "bf16"), threads=2)
-    conv = net.layers["conv"]
-    assert conv.kernel_kind("fwd") == "conv_fwd_bf16" and net.precision == "bf16"
-    _check_conv_forward(conv, source, layer, pairs_per_row=8)
-
-
-@bf16_kernels
 def test_bf16_1x1_forward_keeps_the_whole_reduction(tmp_path):
     """A bf16 1x1 layer whose weights do not fit L1 with its inputs (16 channel blocks) keeps the
     whole reduction in the registers, each tile streaming its weights from L2 (planner.conv:
@@ -374,77 +318,6 @@ def test_bf16_1x1_forward_keeps_the_whole_reduction(tmp_path):
     assert re.search(r"#define IFB +16 ", (out / "src" / "conv_fwd.c").read_text())
     conv = pr.load(out, threads=2).layers["conv"]
     _check_conv_forward(conv, source, layer, pairs_per_row=8)
-
-
-# Stride-1 convolutions of the AMX forward kernel: the bf16 cases above, several reduction
-# chunks with an odd number of output blocks, and a layer whose band is one work item (its
-# partial sums are stored before the next chunk reads them back).
-AMX_CASES = [case for case in CONV_CASES if case[1]["stride"] == 1] + [
-    ({"channels": 200, "height": 13, "width": 17}, {"out_channels": 40, "kernel": 3, "stride": 1, "pad": 0}),
-    ({"channels": 100, "height": 4, "width": 4}, {"out_channels": 16, "kernel": 3, "stride": 1, "pad": 1}),
-]
-
-
-# strided forward passes on phase planes: odd padded sizes (plane rows and columns of unequal
-# phases), a 1x1 stride-2 projection, 40 channels (2 blocks of 32), a 5x5 window at stride 4
-# (windows of more taps pass the bound too, but their bound outgrows bf16's own error: the
-# "differs from unrounded" check cannot tell there)
-AMX_STRIDED_CASES = [
-    CONV_CASES[1],
-    ({"channels": 32, "height": 9, "width": 9}, {"out_channels": 16, "kernel": 1, "stride": 2, "pad": 0}),
-    ({"channels": 40, "height": 23, "width": 25}, {"out_channels": 20, "kernel": 3, "stride": 2, "pad": 1,
-                                                    "activation": "relu"}),
-    ({"channels": 16, "height": 19, "width": 21}, {"out_channels": 16, "kernel": 5, "stride": 4, "pad": 2}),
-    ({"channels": 24, "height": 12, "width": 13}, {"out_channels": 16, "kernel": 3, "stride": 3, "pad": 1}),
-]
-
-
-@needs_amx
-@pytest.mark.parametrize("source,layer", AMX_CASES + AMX_STRIDED_CASES)
-@pytest.mark.parametrize("threads", [1, 2])
-def test_amx_conv_forward_against_float64(tmp_path, source, layer, threads):
-    """The AMX kernel: a tile row is 16 input-channel pairs, the same bound with n counting the
-    channels padded to 32; one thread and two (a thread's share ends inside a band); strided
-    layers on phase planes."""
-    out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
-    conv = pr.load(out, threads=threads).layers["conv"]
-    assert conv.kernel_kind("fwd") == "conv_fwd_amx"
-    _check_conv_forward(conv, source, layer, pairs_per_row=16)
-
-
-# backward-data per phase of dx (geometry.AmxResultPhase): the strided layers above, a stride-1
-# layer padded by its window side (dy read from an offset), several reduction chunks over 200
-# channels of dy, a 2x2 window at stride 3 (a phase no tap reaches: zero) over a 17-channel
-# tail, and unequal strides and windows along rows and columns
-AMX_PHASED_CASES = AMX_STRIDED_CASES + [
-    ({"channels": 20, "height": 8, "width": 9}, {"out_channels": 24, "kernel": 3, "stride": 1, "pad": 3}),
-    ({"channels": 16, "height": 11, "width": 10}, {"out_channels": 200, "kernel": 3, "stride": 2, "pad": 1,
-                                                    "activation": "relu"}),
-    ({"channels": 17, "height": 10, "width": 11}, {"out_channels": 16, "kernel": 2, "stride": 3, "pad": 1}),
-    ({"channels": 16, "height": 9, "width": 12}, {"out_channels": 32, "kernel": [3, 5], "stride": [2, 1],
-                                                   "pad": [1, 2]}),
-]
-
-
-@needs_amx
-@pytest.mark.parametrize("source,layer,threads", [(*case, 2) for case in AMX_CASES + AMX_PHASED_CASES] +
-                         [(*case, 1) for case in AMX_PHASED_CASES[-3:]])
-def test_amx_conv_backward_data_against_float64(tmp_path, source, layer, threads):
-    """The AMX backward-data kernel (the forward kernel's tiling on dy, with the window flipped
-    and the weights transposed; strided or widely padded layers per phase of dx): the bound with
-    n the output channels padded to 32 times the taps; dy is passed unmasked, the kernel masks
-    it by the ReLU's output as it converts it; pixels no tap reaches are exactly zero."""
-    out = _conv_net(tmp_path, source, layer, "bf16", name="amx", arch=AMX_ARCH)
-    conv = pr.load(out, threads=threads).layers["conv"]
-    assert conv.kernel_kind("bwd_data") == "conv_bwd_data_amx"
-    rng = np.random.default_rng(6)
-    x = rng.standard_normal((2, *conv.in_shape)).astype(np.float32)
-    y = conv.forward(x)
-    dy = rng.standard_normal(y.shape).astype(np.float32)
-    dx = conv.backward_data(dy)
-    if layer.get("activation") == "relu":
-        dy = np.where(y > 0, dy, np.float32(0))
-    _check_backward_data(conv, layer, x, dy, dx, channel_block=32)
 
 
 @needs_amx
@@ -549,14 +422,12 @@ def test_amx_conv_backward_weights_shares_taps_between_threads(tmp_path):
 # column group, FP = 64 with a zero half tile), K = 144 = 16 mod 32 (a half-zero last tile row),
 # K = 64 with 70 features (4 input and 5 output blocks: every narrower last group of a
 # vdpbf16ps work item of 2 or 3 blocks, after a whole one)
-FC_CASES = [((20, 3, 3), 40, "relu"), ((16, 3, 3), 24, None), ((16, 2, 2), 70, "relu")]
 
 
 # fc kernels of a bf16 build: AMX where the arch has it, vdpbf16ps without (the same copies and
 # work items); both archs with a 64 KiB L2, so the small test layers take several chunks
 FC_ARCHS = [pytest.param(AMX_ARCH, marks=needs_amx, id="amx"),
-            pytest.param(dataclasses.replace(AMX_ARCH, name="avx512-small-l2", amx=False), marks=bf16_kernels,
-                         id="vdpbf16ps")]
+            pytest.param(SMALL_L2_AVX512, marks=bf16_kernels, id="vdpbf16ps")]
 
 
 def _fc_net(tmp_path, in_shape, features, activation, threads=2, loss=False, arch=AMX_ARCH):
@@ -838,15 +709,6 @@ def _forward_and_gradient(tmp_path, source, layer, pass_name, images, seed, arch
     dy = rng.standard_normal(y.shape).astype(np.float32)
     masked = np.where(y > 0, dy, np.float32(0)) if layer.get("activation") == "relu" else dy
     return conv, x, y, dy, masked, net
-
-
-@bf16_kernels
-@pytest.mark.parametrize("source,layer", CONV_CASES)
-def test_bf16_conv_backward_data_against_float64(tmp_path, source, layer):
-    """dx = sum of bf16(dy masked by the ReLU) bf16(w) over oc, kh, kw: the same bound, n the
-    output channels (padded) times the taps, and again off by more against unrounded inputs."""
-    conv, x, _, dy, masked, _ = _forward_and_gradient(tmp_path, source, layer, "bwd_data", images=2, seed=6)
-    _check_backward_data(conv, layer, x, masked, conv.backward_data(dy), channel_block=16)
 
 
 def test_bf16_backward_data_with_a_narrower_last_group_builds(tmp_path):
