@@ -115,9 +115,6 @@ AMX_PACKED_GRADIENT_WINDOW = 64
 # both; between 81 and 147 not measured.
 BF16_PACKED_GRADIENT_WINDOW = 100
 
-ALL_PASSES = ("fwd", "bwd_data", "bwd_weights")
-
-
 @dataclass(frozen=True)
 class Family:
     """One kernel family. `layer_types` and `packed` say which layers its kernels are written
