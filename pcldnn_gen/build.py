@@ -21,14 +21,14 @@ import numpy as np
 from filelock import FileLock
 
 from pcldnn_runtime import cpu
-from pcldnn_runtime.families import bf16_gradients, bf16_outputs
+from pcldnn_runtime.families import Engine, bf16_gradients, bf16_outputs, choose
 from pcldnn_runtime.manifest import FORMAT, FORMAT_FAMILY, MANIFEST, WEIGHTS_FILE, file_sha256
 from pcldnn_runtime.state_io import check_state, expected_state
 from pcldnn_runtime.validate import check_writable
 
 from . import __version__
 from .arch import Arch
-from .codegen import layer_amx, layer_bf16, peak_flops_per_iteration, render_kernel, render_layout, render_peak, render_sgd
+from .codegen import peak_flops_per_iteration, render_kernel, render_layout, render_peak, render_sgd
 from .compiler import Source, compile_all, compile_source
 from .errors import ArchError, BuildDirError
 from .netspec import LayerSpec, NetSpec
@@ -108,7 +108,9 @@ def plan_kernel(layer: LayerSpec, pass_name: str, arch: Arch, tuning: TuningDB |
     """One kernel's plan by plan_net's rule (compile, `inspect` and `tune` alike): a forced tile,
     else the database's measured one, else the model's (`activations`, `gradients`:
     net_activations and net_gradients of the layer; AMX kernels have no register tile to tune)."""
-    bf16, amx = pass_name in layer_bf16(layer, arch, precision), pass_name in layer_amx(layer, arch, precision)
+    has_pass = pass_name in LAYER_PASSES[layer.type]  # else plan_layer says which passes the layer has
+    engine = choose(layer, pass_name, arch.target(precision))[1].engine if has_pass else Engine.FP32
+    bf16, amx = engine is not Engine.FP32, engine is Engine.AMX
     activations, gradients = pass_activations(activations, pass_name), pass_gradients(gradients, pass_name)
     if choice or tuning is None:
         return plan_layer(layer, pass_name, arch, choice, bf16, amx, activations, gradients)

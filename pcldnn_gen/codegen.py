@@ -17,7 +17,7 @@ import jinja2
 
 from pcldnn_runtime import cpu
 from pcldnn_runtime.abi import SIGNATURES
-from pcldnn_runtime.families import Engine, amx_passes, bf16_passes
+from pcldnn_runtime.families import Engine
 from pcldnn_runtime.geometry import (
     amx_conv_geometry,
     amx_packed_reduction,
@@ -284,17 +284,6 @@ def _comment_lines(plan: KernelPlan) -> list[str]:
                  f"measured at minibatch {m.batch}, {m.threads} thread(s): {times}")
         lines += [("tuned   : " if i == 0 else "          ") + w for i, w in enumerate(textwrap.wrap(c_comment(tuned), 88))]
     return lines
-
-
-def layer_bf16(layer: LayerSpec, arch: Arch, precision: str) -> tuple[str, ...]:
-    """The passes of `layer` with bf16 kernels (AMX or vdpbf16ps) in a build of `precision`
-    (the families that compute them: families.choose)."""
-    return bf16_passes(layer, arch.target(precision))
-
-
-def layer_amx(layer: LayerSpec, arch: Arch, precision: str) -> tuple[str, ...]:
-    """The passes of `layer` with AMX tile kernels in a build of `precision`."""
-    return amx_passes(layer, arch.target(precision))
 
 
 def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:

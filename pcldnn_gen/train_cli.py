@@ -130,9 +130,10 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, given, needs in (("--labels", args.labels, args.data), ("--val-labels", args.val_labels, args.val)):
         if given and not (needs and needs.endswith(".npy")):
             f.fail(flag, "is read only with an images .npy file (--data / --val)")
-    for flag in ("--weights", "--resume", "--labels", "--val-labels"):
-        if getattr(args, flag[2:].replace("-", "_")):
-            check_readable(getattr(args, flag[2:].replace("-", "_")), flag)
+    for flag, path in (("--weights", args.weights), ("--resume", args.resume), ("--labels", args.labels),
+                       ("--val-labels", args.val_labels)):
+        if path:
+            check_readable(path, flag)
     for flag, path in (("--data", args.data), ("--val", args.val)):
         if path and path not in ("digits", "synthetic") and not Path(path).is_dir():
             check_readable(path, flag)

@@ -23,4 +23,9 @@ class CheckpointError(PcldnnError):
 
 class NonFiniteError(PcldnnError):
     """NaN or infinity in a training input, a gradient or the weights: training stops at that
-    step, naming the layer, instead of carrying on with weights that are no longer numbers."""
+    step, naming the layer, instead of carrying on with weights that are no longer numbers.
+    `step`: the training step, where the raiser knows it (the trainer adds it otherwise)."""
+
+    def __init__(self, message: str, step: int | None = None) -> None:
+        super().__init__(message if step is None else f"step {step}: {message}")
+        self.message, self.step = message, step

@@ -437,7 +437,7 @@ class WeightedLayer(Layer):
 
     def _tile_scratch(self, pass_name: str, batch: int) -> np.ndarray:
         assert self._fc_tiles is not None
-        return self._net.scratch(-(-self._fc_tiles.scratch_values(pass_name, batch) // 2)).view(np.uint16)
+        return self.scratch16(self._fc_tiles.scratch_values(pass_name, batch))
 
     def run_forward(self, xb: np.ndarray, yb: np.ndarray, part: tuple[int, int] | None) -> None:
         """The forward kernel on this process's data; fc: output blocks `part` only."""

@@ -6,6 +6,8 @@ OverflowError or MemoryError. Shared by datasets (`MemmapDataset`), weight files
 and checkpoints."""
 from __future__ import annotations
 
+import hashlib
+import io
 import math
 import zipfile
 from dataclasses import dataclass
@@ -98,8 +100,6 @@ def read_npz(path: str | Path, error: type[PcldnnError] = PcldnnError, max_bytes
     """Every array of an .npz file, each member's header checked against the member's size and
     all of them together against the memory bound before one is read. With `sha256`, the bytes
     read are the bytes checked against it."""
-    import hashlib
-    import io
     path = Path(path)
     bound = limits.max_memory()
     data = read_bounded(path, min(max_bytes, bound + (64 << 20)), error)  # a file far over the bound: not read

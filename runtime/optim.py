@@ -109,14 +109,14 @@ class SGD:
 
     def _check_finite(self, buf: np.ndarray, what: str, sl: slice, step: int) -> None:
         """A NonFiniteError naming the step and the layer where `buf` (params[sl] or grads[sl])
-        holds NaN or infinity: one summing pass (validate.non_finite_at)."""
+        holds NaN or infinity: one pass (validate.non_finite_at)."""
         bad = non_finite_at(buf)
         if bad is None:
             return
         at = (sl.start or 0) + bad
         layer = next((name for start, stop, name in self._layers if start <= at < stop), "?")
-        raise NonFiniteError(f"step {step}: the {what} of layer {layer} hold NaN or infinity (diverged, or NaN "
-                             "in the data: lower the learning rate or check the inputs)")
+        raise NonFiniteError(f"the {what} of layer {layer} hold NaN or infinity (diverged, or NaN in the data: lower "
+                             "the learning rate or check the inputs)", step)
 
     def _update(self, p: np.ndarray, v: np.ndarray, g: np.ndarray, sl: slice, lr: float) -> bool:
         """The update in place; whether the weights must be checked for NaN and infinity (the

@@ -84,9 +84,10 @@ class Trainer:
     def _step(self, x: np.ndarray, labels: np.ndarray, global_batch: int | None) -> float:
         try:
             return self._checked_step(x, labels, global_batch)
-        except NonFiniteError as e:  # the input check knows no step; the optimizer's names it
-            text = str(e)
-            raise NonFiniteError(text if text.startswith("step ") else f"step {self.step_count}: {text}") from None
+        except NonFiniteError as e:
+            if e.step is not None:  # the optimizer's names its step; the input check knows none
+                raise
+            raise NonFiniteError(e.message, self.step_count) from None
 
     def _checked_step(self, x: np.ndarray, labels: np.ndarray, global_batch: int | None) -> float:
         labels = np.asarray(labels)

@@ -19,11 +19,12 @@ import stat
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, BinaryIO, NoReturn
 
 import numpy as np
 
 from .errors import PcldnnError
+from .limits import format_bytes
 
 # Layer, net and C-identifier-bound names: they become C symbols and file names.
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
@@ -58,7 +59,7 @@ def full_match(pattern: re.Pattern, value: Any) -> bool:
     return isinstance(value, str) and pattern.fullmatch(value) is not None
 
 
-def open_regular(path: str | Path, error: type[PcldnnError] = PcldnnError) -> Any:
+def open_regular(path: str | Path, error: type[PcldnnError] = PcldnnError) -> BinaryIO:
     """A user's file opened for binary reading, after checking on the open descriptor that it is
     a regular file: a FIFO (the open does not wait for a writer) or a device (`/dev/zero`) is
     refused, and no swap between a check and the open can slip one in. OSError and
@@ -79,8 +80,7 @@ def read_bounded(path: str | Path, max_bytes: int, error: type[PcldnnError] = Pc
     try:
         with open_regular(path, error) as f:
             if os.fstat(f.fileno()).st_size > max_bytes:
-                size = (max_bytes >> 30 and f"{max_bytes >> 30} GiB") or f"{max_bytes} bytes"
-                raise error(f"{path}: larger than {size}")
+                raise error(f"{path}: larger than {format_bytes(max_bytes)}")
             return f.read()
     except FileNotFoundError:
         raise error(f"{path}: no such file") from None
@@ -167,8 +167,8 @@ def non_finite_at(array: Any) -> int | None:
     """Flat index of the first NaN or infinity in a float array, None when there is none. One
     BLAS dot product of the array with itself (memory-bound, about half the time of np.sum):
     NaN and infinity propagate into it, so a finite result proves every element finite; only a
-    result that is not (or an overflow of huge finite values, above 1e19) pays for the exact
-    search."""
+    result that is not (or a sum of squares past float32's range: values of 1e19 and more)
+    pays for the exact search."""
     flat = np.ravel(array)
     with np.errstate(over="ignore", invalid="ignore"):
         if math.isfinite(float(np.dot(flat, flat))):

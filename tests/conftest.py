@@ -1,4 +1,4 @@
-"""Fixtures and session set-up: a persistent kernel cache for the test suite, the ISA fixture.
+"""Fixtures and test-run set-up: a persistent kernel cache for the test suite, the ISA fixture.
 Shared helpers live in helpers.py."""
 from __future__ import annotations
 

@@ -37,8 +37,8 @@ SHAPE = (3, 10, 14)
 
 
 def _run_onnx(path, x):
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return session.run(None, {session.get_inputs()[0].name: x})[0]
+    model = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return model.run(None, {model.get_inputs()[0].name: x})[0]
 
 
 def _close(got, want):

@@ -37,9 +37,12 @@ from .memory import plan_memory_bound
 from .plans import ConvBwdDataPlan, ConvFwdPlan, KernelPlan, Measured, TileTiming
 from .tiles import LATENCY_SLACK, RegisterTile
 
+# The register-tile planners by (layer type, pass); the conv ones take the operands' bytes too
+# (4: fp32, 2: the vdpbf16ps family's bf16 pairs).
+_CONV_PLANNERS: dict[str, Callable[..., KernelPlan]] = {
+    "fwd": plan_conv_fwd, "bwd_data": plan_conv_bwd_data, "bwd_weights": plan_conv_bwd_weights}
 _PLANNERS: dict[tuple[str, str], Callable[[LayerSpec, Arch, tuple[int, int] | None], KernelPlan]] = {
-    ("conv", "fwd"): plan_conv_fwd, ("conv", "bwd_data"): plan_conv_bwd_data,
-    ("conv", "bwd_weights"): plan_conv_bwd_weights,
+    **{("conv", p): planner for p, planner in _CONV_PLANNERS.items()},
     ("fc", "fwd"): plan_fc_fwd, ("fc", "bwd_data"): plan_fc_bwd_data, ("fc", "bwd_weights"): plan_fc_bwd_weights,
 }
 
@@ -99,8 +102,7 @@ def _register_tiled(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[
 def _conv_vdpbf16(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, int] | None,
                   activations: tuple[bool, bool], gradients: tuple[bool, bool]) -> KernelPlan:
     """The fp32 kernels' planners with 2-byte operands, at the dot product's latency."""
-    planners = {"fwd": plan_conv_fwd, "bwd_data": plan_conv_bwd_data, "bwd_weights": plan_conv_bwd_weights}
-    return planners[pass_name](layer, arch.for_dot_products(), choice, 2)
+    return _CONV_PLANNERS[pass_name](layer, arch.for_dot_products(), choice, 2)
 
 
 def _conv_packed_vdpbf16(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, int] | None,
