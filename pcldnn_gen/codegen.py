@@ -1,16 +1,14 @@
 """KernelPlan → C source, by rendering the Jinja templates in `templates/`.
 
 Templates stay free of decisions: block sizes and edge geometry come from the plan, and
-the few ISA spellings (vector type, load, broadcast, FMA) come from `VectorISA`, so one
+every C intrinsic from the target's spelling tables (`spelling`: `vec`, `bf`, `tile`), so one
 template serves scalar C, AVX2 and AVX-512 and never assumes a vector width.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 import textwrap
-from dataclasses import dataclass
 from importlib import resources
 
 import jinja2
@@ -37,168 +35,7 @@ from .errors import PlanError
 from .netspec import LayerSpec
 from .planner import KernelPlan, kernel_layer, reads_packed_image
 from .planner.plans import ConvBwdWeightsPlan
-
-
-@dataclass(frozen=True)
-class VectorISA:
-    """How one ISA spells the vector operations the templates use."""
-
-    type: str
-    include: str
-    _load: str
-    _store: str
-    _broadcast: str
-    _fma: str
-    _max: str
-    _set1: str
-    _add: str
-    index_type: str       # a vector of int32 lane indices (kept as float bits in AVX registers)
-    _argmax: str          # statement: where the value beats best, take it and its index
-    _index_store: str
-    # Statement that pins a value in a register: gcc otherwise folds a streamed weight load into
-    # every FMA that uses it (3 loads instead of 1 for a 3-pixel tile), which saturates the load
-    # ports (llvm-mca: VGG-A conv2 forward's 3x4 tile at 84% of peak, 100% with the value pinned).
-    _pin: str = ""
-    _hsum: str = "{v}"   # expression: the sum of a vector's lanes (few-channel conv backward-data)
-    # Body of transpose_vxv(s, ss, d, ds): d[j * ds + i] = s[i * ss + j] for one V x V block, in
-    # registers (fc backward-data panels, layout conversions); empty: _common's scalar loop.
-    transpose: str = ""
-    # The reduction operands (weights, broadcast inputs) where they differ from the accumulators:
-    # bf16 kernels hold bf16 pairs (operand_type) and accumulate them with a dot product (_fma).
-    operand_type: str = ""
-    _operand_load: str = ""
-    _operand_broadcast: str = ""
-
-    def operand(self) -> str:
-        return self.operand_type or self.type
-
-    def operand_load(self, addr: str) -> str:
-        return (self._operand_load or self._load).format(a=addr)
-
-    def operand_broadcast(self, addr: str) -> str:
-        return (self._operand_broadcast or self._broadcast).format(a=addr)
-
-    def pin(self, var: str) -> str:
-        return self._pin.format(v=var)
-
-    def hsum(self, var: str) -> str:
-        return self._hsum.format(v=var)
-
-    def argmax_update(self, value: str, best: str, where: str, pos: str) -> str:
-        return self._argmax.format(v=value, b=best, w=where, p=pos)
-
-    def index_zero(self) -> str:
-        return "0" if self.index_type == "int" else self.zero()  # all-zero bits are int32 zeros
-
-    def index_store(self, addr: str, value: str) -> str:
-        return self._index_store.format(a=addr, v=value)
-
-    def load(self, addr: str) -> str:
-        return self._load.format(a=addr)
-
-    def store(self, addr: str, value: str) -> str:
-        return self._store.format(a=addr, v=value)
-
-    def broadcast(self, addr: str) -> str:
-        return self._broadcast.format(a=addr)
-
-    def fma(self, a: str, b: str, acc: str) -> str:
-        """acc + a*b"""
-        return self._fma.format(a=a, b=b, c=acc)
-
-    def max(self, a: str, b: str) -> str:
-        return self._max.format(a=a, b=b)
-
-    def set1(self, value: str) -> str:
-        return self._set1.format(v=value)
-
-    def zero(self) -> str:
-        return self.set1("0.0f")
-
-    def add(self, a: str, b: str) -> str:
-        return self._add.format(a=a, b=b)
-
-
-_AVX2_TRANSPOSE = """\
-    /* unpack pairs of rows, shuffle (4 x 4 blocks within 128-bit halves), swap halves */
-    const __m256 r0 = _mm256_loadu_ps(s), r1 = _mm256_loadu_ps(s + ss), r2 = _mm256_loadu_ps(s + 2 * ss),
-                 r3 = _mm256_loadu_ps(s + 3 * ss), r4 = _mm256_loadu_ps(s + 4 * ss), r5 = _mm256_loadu_ps(s + 5 * ss),
-                 r6 = _mm256_loadu_ps(s + 6 * ss), r7 = _mm256_loadu_ps(s + 7 * ss);
-    const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1),
-                 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3),
-                 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
-                 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
-    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
-                 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
-                 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
-                 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    _mm256_storeu_ps(d + 0 * ds, _mm256_permute2f128_ps(u0, u4, 0x20));
-    _mm256_storeu_ps(d + 1 * ds, _mm256_permute2f128_ps(u1, u5, 0x20));
-    _mm256_storeu_ps(d + 2 * ds, _mm256_permute2f128_ps(u2, u6, 0x20));
-    _mm256_storeu_ps(d + 3 * ds, _mm256_permute2f128_ps(u3, u7, 0x20));
-    _mm256_storeu_ps(d + 4 * ds, _mm256_permute2f128_ps(u0, u4, 0x31));
-    _mm256_storeu_ps(d + 5 * ds, _mm256_permute2f128_ps(u1, u5, 0x31));
-    _mm256_storeu_ps(d + 6 * ds, _mm256_permute2f128_ps(u2, u6, 0x31));
-    _mm256_storeu_ps(d + 7 * ds, _mm256_permute2f128_ps(u3, u7, 0x31));"""
-
-
-def _avx512_transpose() -> str:
-    """16 x 16 in registers: unpack pairs of rows (2 x 2 float blocks), shuffle pairs of those
-    (4 x 4 within each 128-bit lane), then exchange 128-bit lanes twice."""
-    lines = ["    /* unpack, shuffle, two lane exchanges */"]
-    decl = lambda name, exprs: "    const __m512 " + ",\n                 ".join(  # noqa: E731
-        ", ".join(f"{name}{i} = {e}" for i, e in list(enumerate(exprs))[k:k + 2]) for k in range(0, 16, 2)) + ";"
-    lines.append(decl("r", [f"_mm512_loadu_ps(s + {i} * ss)" for i in range(16)]))
-    lines.append(decl("t", [f"_mm512_unpack{'lo' if i % 2 == 0 else 'hi'}_ps(r{i - i % 2}, r{i - i % 2 + 1})"
-                            for i in range(16)]))
-    u = []
-    for i in range(16):  # within each group of four: (t0, t2) lo/hi halves, (t1, t3) lo/hi halves
-        g, j = divmod(i, 4)
-        a, b = (4 * g, 4 * g + 2) if j < 2 else (4 * g + 1, 4 * g + 3)
-        u.append(f"_mm512_shuffle_ps(t{a}, t{b}, {'0x44' if j % 2 == 0 else '0xEE'})")
-    lines.append(decl("u", u))
-    v = []
-    for i in range(16):  # 128-bit lanes 0, 2 (0x88) and 1, 3 (0xDD) of rows j and j + 4 in each half
-        h, j = divmod(i, 8)
-        v.append(f"_mm512_shuffle_f32x4(u{8 * h + j % 4}, u{8 * h + 4 + j % 4}, {'0x88' if j < 4 else '0xDD'})")
-    lines.append(decl("v", v))
-    for i in range(16):
-        lines.append(f"    _mm512_storeu_ps(d + {i} * ds, _mm512_shuffle_f32x4(v{i % 8}, v{8 + i % 8}, "
-                     f"{'0x88' if i < 8 else '0xDD'}));")
-    return "\n".join(lines)
-
-
-VECTOR_ISAS: dict[str, VectorISA] = {
-    "avx2": VectorISA("__m256", "immintrin.h", "_mm256_loadu_ps({a})", "_mm256_storeu_ps({a}, {v})",
-                      "_mm256_broadcast_ss({a})", "_mm256_fmadd_ps({a}, {b}, {c})",
-                      "_mm256_max_ps({a}, {b})", "_mm256_set1_ps({v})", "_mm256_add_ps({a}, {b})", "__m256",
-                      "{{ const __m256 gt = _mm256_cmp_ps({v}, {b}, _CMP_GT_OQ); {b} = _mm256_blendv_ps({b}, {v}, gt); "
-                      "{w} = _mm256_blendv_ps({w}, _mm256_castsi256_ps(_mm256_set1_epi32({p})), gt); }}",
-                      "_mm256_storeu_ps((float *)({a}), {v})", '__asm__("" : "+x"({v}));',
-                      "({{ __m128 s_ = _mm_add_ps(_mm256_castps256_ps128({v}), _mm256_extractf128_ps({v}, 1)); "
-                      "s_ = _mm_add_ps(s_, _mm_movehl_ps(s_, s_)); _mm_cvtss_f32(_mm_add_ss(s_, _mm_movehdup_ps(s_))); }})",
-                      _AVX2_TRANSPOSE),
-    "avx512": VectorISA("__m512", "immintrin.h", "_mm512_loadu_ps({a})", "_mm512_storeu_ps({a}, {v})",
-                        "_mm512_set1_ps(*({a}))", "_mm512_fmadd_ps({a}, {b}, {c})",
-                        "_mm512_max_ps({a}, {b})", "_mm512_set1_ps({v})", "_mm512_add_ps({a}, {b})", "__m512",
-                        "{{ const __mmask16 gt = _mm512_cmp_ps_mask({v}, {b}, _CMP_GT_OQ); "
-                        "{b} = _mm512_mask_blend_ps(gt, {b}, {v}); "
-                        "{w} = _mm512_mask_blend_ps(gt, {w}, _mm512_castsi512_ps(_mm512_set1_epi32({p}))); }}",
-                        "_mm512_storeu_ps((float *)({a}), {v})", '__asm__("" : "+v"({v}));', "_mm512_reduce_add_ps({v})",
-                        _avx512_transpose()),
-    "scalar": VectorISA("float", "", "*({a})", "*({a}) = {v}", "*({a})", "{c} + {a} * {b}",
-                        "fmaxf({a}, {b})", "({v})", "{a} + {b}", "int",
-                        "if ({v} > {b}) {{ {b} = {v}; {w} = {p}; }}", "*({a}) = {v}"),
-}
-
-# bf16 kernels: the AVX-512 spellings, except for the reduction. A weight vector is 16 oc lanes
-# x a pair of input channels (32 bf16), an input operand is one pixel's pair broadcast to every
-# lane (32 bits), and vdpbf16ps adds both products of each lane's pair to its fp32 accumulator.
-BF16_ISA = dataclasses.replace(
-    VECTOR_ISAS["avx512"], operand_type="__m512bh",
-    _operand_load="(__m512bh)_mm512_loadu_si512((const void *)({a}))",
-    _operand_broadcast="(__m512bh)_mm512_set1_epi32(bf16_pair({a}))",
-    _fma="_mm512_dpbf16_ps({c}, {a}, {b})")
+from .spelling import BF16_ISA, VECTOR_ISAS, target_spellings
 
 
 def c_comment(text: object) -> str:
@@ -321,7 +158,7 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
         lines += [("precision: " if i == 0 else "           ") + w for i, w in enumerate(textwrap.wrap(text, 87))]
     text = template_env().get_template(plan.template).render(
         layer=layer, net_layer=net_layer, arch=arch, plan=plan, V=v, vec=BF16_ISA if bf16 else VECTOR_ISAS[arch.isa],
-        symbol=symbol,
+        symbol=symbol, **target_spellings(arch.isa, arch.amx),
         params=SIGNATURES[kind], tile_params=SIGNATURES["conv_weight_tiles"], version=__version__, plan_lines=lines,
         elem="unsigned short" if bf16 else "float", lane_step=2 if bf16 else 1,
         R=plan.tile.vectors if plan.tile else 0, icb=icb, ocb=blocks(layer.out_shape[0], v),
@@ -367,7 +204,7 @@ def _render_tiled(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, l
     c, h, w = layer.in_shape
     text = template_env().get_template(plan.template).render(
         layer=layer, arch=arch, plan=plan, V=v, symbol=symbol, params=SIGNATURES[plan.kind],
-        tile_params=SIGNATURES["conv_weight_tiles"],
+        tile_params=SIGNATURES["conv_weight_tiles"], **target_spellings(arch.isa, arch.amx),
         version=__version__, plan_lines=lines, vec=VECTOR_ISAS[arch.isa], dot=BF16_ISA, amx=amx,
         icb=blocks(c, v), ocb=blocks(layer.out_shape[0], v), k=blocks(c, v) * v * h * w,
         geo=amx_conv_geometry(plan.pass_name, layer.in_shape, layer.out_shape, layer.kernel, layer.pad, layer.stride)
@@ -392,7 +229,7 @@ def render_layout(layer: LayerSpec, arch: Arch, precision: str = "fp32") -> Sour
         wshape = (oc, ic, *layer.kernel)
     text = template_env().get_template("layout.c.j2").render(
         layer=layer, arch=arch, V=arch.vector_floats, vec=VECTOR_ISAS[arch.isa], version=__version__,
-        prefix=f"pcldnn_{c_identifier(layer.name)}", wshape=wshape, params=SIGNATURES,
+        prefix=f"pcldnn_{c_identifier(layer.name)}", wshape=wshape, params=SIGNATURES, **target_spellings(arch.isa, arch.amx),
         packed_input=packed,
         bf16="in_to_bf16" in roles,
         fc_tiles=fc_tile_geometry(layer.in_shape, layer.out_shape[0], arch.vector_floats) if "wt_to_tiles" in roles else None)

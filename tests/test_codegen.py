@@ -112,3 +112,41 @@ def test_names_that_are_not_identifiers_are_refused_by_codegen(name):
         render_kernel(layer, plan, PRESETS["avx2"])
     with pytest.raises(PlanError, match="cannot be used in a C identifier"):
         render_layout(layer, PRESETS["avx2"])
+
+
+def test_templates_spell_intrinsics_only_through_the_target_tables():
+    """Every C intrinsic comes from a spelling table (pcldnn_gen.spelling), never from a template,
+    and every table entry is used by some template: a new target is a new table. The tables
+    themselves are read back through Spelling, so an op named with a pattern that does not parse
+    as one call (a typo in a brace) is caught too."""
+    from importlib import resources
+
+    from pcldnn_gen import spelling
+    texts = {p.name: p.read_text() for p in resources.files("pcldnn_gen.templates").iterdir() if p.name.endswith(".j2")}
+    raw = {name: sorted(set(re.findall(r"\b_(?:mm\d*|tile)_\w+\s*\(", t))) for name, t in texts.items()}
+    assert {name: calls for name, calls in raw.items() if calls} == {}
+    every = "".join(texts.values())
+    for var, table in (("bf", spelling.AVX512_BF16), ("tile", spelling.AMX_TILES)):
+        unused = [op for op in table.ops if not re.search(rf"(?<![\w.]){var}\.{op}\b", every)]
+        assert unused == [], f"{table.target}: ops no template uses"
+        for op, pattern in table.ops.items():
+            operands = [f"x{i}" for i in range(pattern.count("{") if "{*}" not in pattern else 3)]
+            spelled = getattr(table, op)(*operands)
+            assert "{" not in spelled and all(o in spelled for o in operands), (op, spelled)
+
+
+def test_an_operation_a_target_lacks_fails_the_render():
+    """A template reaching an op the target's table does not spell is an error naming both, and a
+    target without a bf16 table (AVX2) cannot render a bf16 operation at all."""
+    import jinja2
+
+    from pcldnn_gen.spelling import AVX512_BF16, target_spellings
+    with pytest.raises(AttributeError, match="AVX-512 with AVX512_BF16 has no spelling of 'load_twice'"):
+        AVX512_BF16.load_twice("p")
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+    template = env.from_string("{{ bf.load('p') }}")
+    assert template.render(**target_spellings("avx512", False)) == "_mm512_loadu_ps(p)"
+    with pytest.raises(jinja2.UndefinedError):
+        template.render(**target_spellings("avx2", False))
+    with pytest.raises(jinja2.UndefinedError):
+        env.from_string("{{ tile.zero(0) }}").render(**target_spellings("avx512", False))
