@@ -1,9 +1,9 @@
 """AVX512_BF16 spelled in AVX-512F, exactly: the vdpbf16ps kernels' tests run on AVX-512 CPUs
 without it (Ice Lake, Skylake-X), as oneDNN's avx512_core bf16 emulation lets it run there.
 
-The kernels use two bf16 instructions, each through one intrinsic (spelled by
-pcldnn_gen.spelling: BF16_ISA's dot product, AVX512_BF16's conversions): vdpbf16ps and vcvtneps2bf16. `emulate` compiles every non-AMX bf16 source
-with both defined as AVX-512F functions that follow the Intel SDM's pseudo-code bit for bit
+The kernels use two bf16 instructions, each through one intrinsic (pcldnn_gen.spelling: BF16_ISA's
+dot product, AVX512_BF16's conversions): vdpbf16ps and vcvtneps2bf16. `emulate` compiles every
+non-AMX bf16 source with both defined as AVX-512F functions that follow the Intel SDM's pseudo-code bit for bit
 (vdpbf16ps: the odd pair's product then the even pair's, each a fused multiply-add, subnormal
 inputs read as zero; vcvtneps2bf16: round to nearest even, subnormals to a signed zero, a NaN
 quiet), lets the runtime load such builds, and refuses any library that still holds an AVX512_BF16
