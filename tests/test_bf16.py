@@ -26,6 +26,7 @@ from pcldnn_gen.codegen import template_env
 from pcldnn_gen.compiler import Source, compile_source
 from pcldnn_gen.netspec import parse_netspec
 from pcldnn_gen.planner import Measured, TileTiming, plan_layer
+from pcldnn_gen.spelling import AVX512_BF16
 from pcldnn_runtime import cpu
 from pcldnn_runtime.abi import SIGNATURES
 from pcldnn_runtime.errors import ArchError, BuildDirError
@@ -75,7 +76,7 @@ C, H, W, ROWS = 21, 3, 5, 7  # 21 channels: two blocks of 16, the second with 5 
 def _conversions(flags: str):
     """The templates' conversions (V = 16) compiled with `flags`: "scalar" (no ISA flags: the
     portable C path every machine checks) or "bf16" (AVX-512 + AVX512_BF16: the vector path)."""
-    text = template_env().from_string(_CONVERT).render(V=16, params=SIGNATURES, c=C, h=H, w=W, rows=ROWS)
+    text = template_env().from_string(_CONVERT).render(V=16, params=SIGNATURES, c=C, h=H, w=W, rows=ROWS, bf=AVX512_BF16)
     source = Source(f"bf16_convert_{flags}.c", text, {}, cpu.PRECISION_CFLAGS["bf16"] if flags == "bf16" else ())
     library = compile_source(source, get_arch("avx512" if flags == "bf16" else "scalar")).library
     ffi = cffi.FFI()
@@ -206,7 +207,7 @@ def test_pair_copies_on_bf16_words_match_the_widened_fp32_forms():
     masked where the ReLU's bf16 output is not > 0 as an fp32 compare says, over every one of
     the 65536 bf16 patterns of y (NaNs, infinities, signed zeros, subnormals), with the two
     pixels' masked dy summed in fp32 for the bias."""
-    text = template_env().from_string(_PAIRS).render(V=16)
+    text = template_env().from_string(_PAIRS).render(V=16, bf=AVX512_BF16)
     source = Source("bf16_pairs.c", text, {}, cpu.PRECISION_CFLAGS["bf16"])
     ffi = cffi.FFI()
     ffi.cdef("void interleave(unsigned short live, const unsigned short *a, const unsigned short *b, unsigned short *dst);"
