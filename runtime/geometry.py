@@ -5,6 +5,7 @@ and weight rings. The planner plans with these figures and the runtime allocates
 kernel and its caller agree on every size (limits.py holds the ranges and the memory bound)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .limits import blocks
@@ -131,6 +132,7 @@ class AmxConvGeometry:
         return batch * (dy + x) + 2 * (ocb * icb * taps * 256 + batch * ocb * 16)
 
 
+@functools.lru_cache(maxsize=512)  # a pure function of shapes: the runtime sizes scratch by it per call
 def amx_conv_geometry(pass_name: str, in_shape: tuple[int, int, int], out_shape: tuple[int, int, int],
                       kernel: tuple[int, int], pad: tuple[int, int],
                       stride: tuple[int, int] = (1, 1)) -> AmxConvGeometry:
@@ -261,6 +263,7 @@ class FcTileGeometry:
         return rows * {"fwd": self.kp, "bwd_data": self.fp, "bwd_weights": self.k + self.features}[pass_name]
 
 
+@functools.lru_cache(maxsize=512)  # the same
 def fc_tile_geometry(in_shape: tuple[int, int, int], features: int, v: int = 16) -> FcTileGeometry:
     c, h, w = in_shape
     k, f = blocks(c, v) * v * h * w, blocks(features, v) * v

@@ -18,14 +18,8 @@ from . import families
 from .abi import DROPOUT_HASH_STEP
 from .errors import PcldnnError
 from .geometry import (
-    amx_conv_geometry,
-    amx_packed_data_weight_values,
-    amx_packed_gradient_values,
-    amx_packed_weight_values,
-    bf16_weight_scratch,
     fc_tile_geometry,
     input_pixel_floats,
-    packed_bf16_weight_values,
 )
 from .kernels import bf16_bits, bf16_values, empty_aligned, ptr
 from .limits import blocks
@@ -61,6 +55,7 @@ class Layer:
         self.kernel: tuple[int, int] = spec.kernel
         self.spec = spec
         self._k = kernels
+        self.kernels = kernels  # the layer's kernels by role (the family modules call them)
         self._v = v
         self._net = net
         # V, or the packed channels of a first conv layer's few-channel input (geometry.input_pixel_floats)
@@ -248,7 +243,10 @@ class Layer:
 
 class WeightedLayer(Layer):
     """conv and fc: blocked weights (OC/V, IC/V, KH, KW, V, V) and a padded bias, both views
-    into the net's flat parameter buffer; their gradients are views into the gradient buffer."""
+    into the net's flat parameter buffer; their gradients are views into the gradient buffer.
+    Its family modules (runtime/families/) run its kernels: `kernels[role]` on `ptr(array)`."""
+
+    ptr = staticmethod(ptr)  # an array as a C pointer to its data, None as NULL
 
     def __init__(self, spec: LayerEntry, kernels: dict[str, Callable], v: int, net: Any,
                  params: tuple[np.ndarray, np.ndarray], grads: tuple[np.ndarray, np.ndarray],
@@ -262,10 +260,8 @@ class WeightedLayer(Layer):
         self._dwt, self._dbias = grads
         # Views into the net's parameter buffer for the layer's life: their C pointers are made
         # once, not on every kernel call (each costs about a microsecond).
-        self._wt_ptr, self._bias_ptr = ptr(self._wt), ptr(self._bias)
-        # conv backward-data may transpose the weights into scratch: room for all of them (the
-        # runtime sizes it from the shapes, not from a number in the manifest)
-        self.scratch_floats: int = self._wt.size if self.type == "conv" else 0
+        self.weights_ptr, self.bias_ptr = ptr(self._wt), ptr(self._bias)
+        self.weights_size: int = self._wt.size  # floats of the blocked weights
         # fc: the output-feature blocks this process computes (all of them unless a model-parallel
         # runtime gives it a slice); conv kernels always compute the whole layer.
         self.ocb_range: tuple[int, int] | None = (0, blocks(self.out_shape[0], v)) if self.type == "fc" else None
@@ -275,26 +271,35 @@ class WeightedLayer(Layer):
         self.runner = None
         # where the blocked weights and the bias start in the net's flat params / grads buffers
         self.param_offsets: tuple[int, int] = offsets
-        # The family that computes each pass (families.choose, as the manifest recorded it): how
-        # its kernel is called (scratch, weight copies, the ReLU mask) is _FORWARD / _BACKWARD_*.
-        self.family: dict[str, str] = {}
+        # The family that computes each pass (families.choose, as the manifest recorded it): its
+        # module says how its kernel is called (scratch, weight copies, the ReLU mask).
+        self.family: dict[str, families.Family] = {}
         for p in PASSES:
             kind = families.kind_named(self.kernel_kind(p))
             assert kind is not None, self.kernel_kind(p)  # the manifest reader checked the kinds
-            self.family[p] = families.family_of(kind).name
-        # the AMX tile kernels' geometry (their scratch and weight copies), by pass
-        self._amx = {p: amx_conv_geometry(p, self.in_shape, self.out_shape, self.kernel, self.spec.pad, self.spec.stride)
-                     for p in PASSES if self.family[p] == "conv_amx"}
+            self.family[p] = families.family_of(kind)
+        self._calls = {p: self._calls_of(p) for p in PASSES}
         # bf16 fc layers (AMX or vdpbf16ps): all three passes read bf16 tile copies of the weights
         # (geometry.FcTileGeometry) made on first use after each change of the weights
-        self._fc_tiles = fc_tile_geometry(self.in_shape, self.out_shape[0], v) \
-            if self.family["fwd"] in FC_TILE_FAMILIES else None
         self._weight_tiles: tuple[np.ndarray, np.ndarray] | None = None
         self._tiles_made: tuple[int, int, int] | None = None  # (weights version, ocb_lo, ocb_hi) they hold
         # bf16 conv forward / backward-data (AMX or vdpbf16ps): the bf16 copy of the weights each
         # kernel reads, by pass, with the weights version it was made at (kept between calls, as
         # the fc tiles)
         self._conv_tiles: dict[str, tuple[np.ndarray, int]] = {}
+
+    def _calls_of(self, pass_name: str) -> families.Calls:
+        calls = self.family[pass_name].calls
+        assert calls is not None, self.family[pass_name].name  # every conv and fc family has them
+        return calls
+
+    def buffer(self, use: str, shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
+        """A blocked buffer the layer keeps for `use` (a kernel's converted input, say)."""
+        return self._buffer(use, shape, dtype)
+
+    def scratch(self, floats: int) -> np.ndarray:
+        """The net's shared scratch as `floats` floats."""
+        return self._net.scratch(floats)
 
     @property
     def blocked_weight_shape(self) -> tuple[int, ...]:
@@ -357,7 +362,7 @@ class WeightedLayer(Layer):
             raise PcldnnError(f"layer {self.name}: weights shape {value.shape}, expected {self.weight_shape}")
         value = as_float32(value, f"layer {self.name}: weights")
         self._net.current()
-        self._k["wt_to_blocked"](ptr(value), self._wt_ptr)
+        self._k["wt_to_blocked"](ptr(value), self.weights_ptr)
         self._net.weights_changed()
 
     @property
@@ -404,15 +409,15 @@ class WeightedLayer(Layer):
         """A bf16 fc layer's (forward, backward-data) tile copies of the weights, holding
         output blocks `part`: remade from the fp32 master weights when these changed since they
         were made (Net.weights_version), so once a training step, not once a kernel call."""
-        assert self._fc_tiles is not None
         self._net.current()
         if self._weight_tiles is None:
-            self._weight_tiles = (empty_aligned((self._fc_tiles.forward_tile_values,), dtype=np.uint16),
-                                  empty_aligned((self._fc_tiles.data_tile_values,), dtype=np.uint16))
+            geometry = fc_tile_geometry(self.in_shape, self.out_shape[0], self._v)
+            self._weight_tiles = (empty_aligned((geometry.forward_tile_values,), dtype=np.uint16),
+                                  empty_aligned((geometry.data_tile_values,), dtype=np.uint16))
         made, version = self._tiles_made, self._net.weights_version
         if made is None or made[0] != version or not made[1] <= part[0] <= part[1] <= made[2]:
             fwd, data = self._weight_tiles
-            self._k["wt_to_tiles"](self._wt_ptr, ptr(fwd), ptr(data), part[0], part[1], self._net.threads)
+            self.kernels["wt_to_tiles"](self.weights_ptr, ptr(fwd), ptr(data), part[0], part[1], self._net.threads)
             self._tiles_made = (version, *part)
         return self._weight_tiles
 
@@ -425,9 +430,10 @@ class WeightedLayer(Layer):
         made = self._conv_tiles.get(pass_name)
         version = self._net.weights_version
         if made is None or made[1] != version:
-            tiles = made[0] if made is not None else \
-                empty_aligned((_WEIGHT_COPY_VALUES[self.family[pass_name]](self, pass_name),), dtype=np.uint16)
-            self._k[f"{pass_name}_tiles"](self._wt_ptr, ptr(tiles), self._net.threads)
+            values = self._calls[pass_name].weight_copy_values
+            assert values is not None, self.family[pass_name].name  # a family with a weight copy says its size
+            tiles = made[0] if made is not None else empty_aligned((values(self, pass_name),), dtype=np.uint16)
+            self.kernels[f"{pass_name}_tiles"](self.weights_ptr, ptr(tiles), self._net.threads)
             made = self._conv_tiles[pass_name] = (tiles, version)
         return made[0]
 
@@ -435,13 +441,9 @@ class WeightedLayer(Layer):
         """The net's shared scratch as `values` bf16 values."""
         return self._net.scratch(-(-values // 2)).view(np.uint16)
 
-    def _tile_scratch(self, pass_name: str, batch: int) -> np.ndarray:
-        assert self._fc_tiles is not None
-        return self.scratch16(self._fc_tiles.scratch_values(pass_name, batch))
-
     def run_forward(self, xb: np.ndarray, yb: np.ndarray, part: tuple[int, int] | None) -> None:
         """The forward kernel on this process's data; fc: output blocks `part` only."""
-        _FORWARD[self.family["fwd"]](self, xb, yb, part, xb.shape[0], self.team(xb.shape[0]))
+        self._calls["fwd"].forward(self, xb, yb, part, xb.shape[0], self.team(xb.shape[0]))
 
     def run_backward(self, xb: np.ndarray, yb: np.ndarray | None, dyb: np.ndarray, dxb: np.ndarray | None,
                      grads: Grads | None, part: tuple[int, int] | None, dy_masked: bool = False) -> None:
@@ -453,12 +455,12 @@ class WeightedLayer(Layer):
         mask = yb if self.relu and not dy_masked else None
         if grads is not None:
             dw, db = grads
-            if _BACKWARD_WEIGHTS[self.family["bwd_weights"]](self, xb, dyb, mask, dw, db, part, batch, threads):
+            if self._calls["bwd_weights"].backward_weights(self, xb, dyb, mask, dw, db, part, batch, threads):
                 mask = None
             if not self.spec.bias:
                 db[...] = 0.0  # a bias-free layer's bias stays zero: no gradient, no update, no decay
         if dxb is not None:
-            _BACKWARD_DATA[self.family["bwd_data"]](self, dyb, mask, dxb, part, batch, threads)
+            self._calls["bwd_data"].backward_data(self, dyb, mask, dxb, part, batch, threads)
 
     def backward_weights(self, x: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(dw, db) in canonical layouts for input x and output gradient dy (does not touch
@@ -478,139 +480,6 @@ class WeightedLayer(Layer):
         dw, db = self._buffer("weights.dw", self._dwt.shape), self._buffer("weights.db", self._dbias.shape)
         self.backward_blocked(xb, yb, None, dyb, None, grads=(dw, db))
         return self._canonical(dw), db[: self.out_shape[0]].copy()
-
-
-# -- how the runtime calls each family's kernels (families.py decides which family runs) --------
-# Each takes the layer and the pass's buffers; backward-weights returns whether it masked dy in
-# place (the fp32 and fc-tile kernels do; the AMX and vdpbf16ps conv kernels mask their copies).
-
-FC_TILE_FAMILIES = ("fc_tiles_amx", "fc_tiles_vdpbf16")
-
-
-def _forward_plain(layer: WeightedLayer, xb: np.ndarray, yb: np.ndarray, part: tuple[int, int] | None, batch: int,
-                   team: int) -> None:
-    """conv_direct, fc_gemm: the fp32 weights as they are (fc: output blocks `part`)."""
-    layer._k["fwd"](ptr(xb), layer._wt_ptr, layer._bias_ptr, ptr(yb), batch, team, *(part or ()))
-
-
-def _forward_fc_tiles(layer: WeightedLayer, xb: np.ndarray, yb: np.ndarray, part: tuple[int, int] | None,
-                      batch: int, team: int) -> None:
-    assert part is not None
-    tiles, _ = layer.weight_tiles(part)
-    layer._k["fwd"](ptr(xb), ptr(tiles), layer._bias_ptr, ptr(yb), ptr(layer._tile_scratch("fwd", batch)), batch,
-                    team, *part)
-
-
-def _forward_packed(layer: WeightedLayer, xb: np.ndarray, yb: np.ndarray, part: tuple[int, int] | None,
-                    batch: int, team: int) -> None:
-    """conv_packed_amx, conv_packed_vdpbf16: they convert the image themselves."""
-    layer._k["fwd"](ptr(xb), ptr(layer.conv_weight_tiles("fwd")), layer._bias_ptr, ptr(yb), batch, team)
-
-
-def _forward_amx(layer: WeightedLayer, xb: np.ndarray, yb: np.ndarray, part: tuple[int, int] | None, batch: int,
-                 team: int) -> None:
-    tiles = layer.conv_weight_tiles("fwd")
-    scratch = layer.scratch16(layer._amx["fwd"].scratch_values(batch))
-    layer._k["fwd"](ptr(xb), ptr(tiles), layer._bias_ptr, ptr(yb), ptr(scratch), batch, team)
-
-
-def _forward_vdpbf16(layer: WeightedLayer, xb: np.ndarray, yb: np.ndarray, part: tuple[int, int] | None,
-                     batch: int, team: int) -> None:
-    """The input's bf16 copy (unless it is stored as bf16: families.bf16_outputs) and the weights'."""
-    xb16 = xb
-    if not layer.in_bf16:
-        xb16 = layer._buffer("bf16.x", xb.shape, np.uint16)
-        layer._k["in_to_bf16"](ptr(xb), ptr(xb16), batch, team)
-    layer._k["fwd"](ptr(xb16), ptr(layer.conv_weight_tiles("fwd")), layer._bias_ptr, ptr(yb), batch, team)
-
-
-def _weights_plain(layer: WeightedLayer, xb: np.ndarray, dyb: np.ndarray, mask: np.ndarray | None, dw: np.ndarray,
-                   db: np.ndarray, part: tuple[int, int] | None, batch: int, threads: int) -> bool:
-    """conv_direct, fc_gemm, conv_packed_vdpbf16 (which pairs its own copies without scratch)."""
-    layer._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(dw), ptr(db), batch, threads, *(part or ()))
-    return layer.family["bwd_weights"] != "conv_packed_vdpbf16"
-
-
-def _weights_scratch(values: Callable[[WeightedLayer, int], int]) -> Callable[..., bool]:
-    """conv_amx, conv_vdpbf16, conv_packed_amx: bf16 copies of x and dy in `values` of scratch."""
-    def call(layer: WeightedLayer, xb: np.ndarray, dyb: np.ndarray, mask: np.ndarray | None, dw: np.ndarray,
-             db: np.ndarray, part: tuple[int, int] | None, batch: int, threads: int) -> bool:
-        scratch = layer.scratch16(values(layer, batch))
-        layer._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(scratch), ptr(dw), ptr(db), batch, threads)
-        return False
-    return call
-
-
-def _weights_fc_tiles(layer: WeightedLayer, xb: np.ndarray, dyb: np.ndarray, mask: np.ndarray | None,
-                      dw: np.ndarray, db: np.ndarray, part: tuple[int, int] | None, batch: int, threads: int) -> bool:
-    assert part is not None
-    layer._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(layer._tile_scratch("bwd_weights", batch)), ptr(dw),
-                            ptr(db), batch, threads, *part)
-    return True
-
-
-def _data_plain(layer: WeightedLayer, dyb: np.ndarray, mask: np.ndarray | None, dxb: np.ndarray,
-                part: tuple[int, int] | None, batch: int, threads: int) -> None:
-    """conv_direct (its transposed weights in fp32 scratch), fc_gemm."""
-    scratch = layer._net.scratch(layer.scratch_floats)
-    layer._k["bwd_data"](ptr(dyb), ptr(mask), layer._wt_ptr, ptr(scratch), ptr(dxb), batch, threads, *(part or ()))
-
-
-def _data_fc_tiles(layer: WeightedLayer, dyb: np.ndarray, mask: np.ndarray | None, dxb: np.ndarray,
-                   part: tuple[int, int] | None, batch: int, threads: int) -> None:
-    assert part is not None
-    _, tiles = layer.weight_tiles(part)
-    layer._k["bwd_data"](ptr(dyb), ptr(mask), ptr(tiles), ptr(layer._tile_scratch("bwd_data", batch)), ptr(dxb),
-                         batch, threads, *part)
-
-
-def _data_packed_amx(layer: WeightedLayer, dyb: np.ndarray, mask: np.ndarray | None, dxb: np.ndarray,
-                     part: tuple[int, int] | None, batch: int, threads: int) -> None:
-    layer._k["bwd_data"](ptr(dyb), ptr(mask), ptr(layer.conv_weight_tiles("bwd_data")), ptr(dxb), batch, threads)
-
-
-def _data_scratch(values: Callable[[WeightedLayer, np.ndarray, int], int]) -> Callable[..., None]:
-    """conv_amx (its padded dy copy), conv_vdpbf16 (dy as bf16): the weights' copy and scratch."""
-    def call(layer: WeightedLayer, dyb: np.ndarray, mask: np.ndarray | None, dxb: np.ndarray,
-             part: tuple[int, int] | None, batch: int, threads: int) -> None:
-        tiles = layer.conv_weight_tiles("bwd_data")
-        scratch = layer.scratch16(values(layer, dyb, batch))
-        layer._k["bwd_data"](ptr(dyb), ptr(mask), ptr(tiles), ptr(scratch), ptr(dxb), batch, threads)
-    return call
-
-
-_FORWARD: dict[str, Callable[..., None]] = {
-    "conv_direct": _forward_plain, "fc_gemm": _forward_plain,
-    "fc_tiles_amx": _forward_fc_tiles, "fc_tiles_vdpbf16": _forward_fc_tiles,
-    "conv_packed_amx": _forward_packed, "conv_packed_vdpbf16": _forward_packed,
-    "conv_amx": _forward_amx, "conv_vdpbf16": _forward_vdpbf16,
-}
-_BACKWARD_WEIGHTS: dict[str, Callable[..., bool]] = {
-    "conv_direct": _weights_plain, "fc_gemm": _weights_plain, "conv_packed_vdpbf16": _weights_plain,
-    "fc_tiles_amx": _weights_fc_tiles, "fc_tiles_vdpbf16": _weights_fc_tiles,
-    "conv_amx": _weights_scratch(lambda layer, batch: layer._amx["bwd_weights"].gradient_scratch_values(
-        batch, layer.kernel[0] * layer.kernel[1])),
-    "conv_vdpbf16": _weights_scratch(lambda layer, batch: bf16_weight_scratch(
-        layer.in_shape, layer.out_shape, layer.kernel, layer.spec.stride, layer._v, batch)),
-    "conv_packed_amx": _weights_scratch(lambda layer, batch: amx_packed_gradient_values(
-        layer.in_shape, layer.out_shape, layer.kernel, batch)),
-}
-_BACKWARD_DATA: dict[str, Callable[..., None]] = {
-    "conv_direct": _data_plain, "fc_gemm": _data_plain,
-    "fc_tiles_amx": _data_fc_tiles, "fc_tiles_vdpbf16": _data_fc_tiles,
-    "conv_packed_amx": _data_packed_amx,
-    "conv_amx": _data_scratch(lambda layer, dyb, batch: layer._amx["bwd_data"].scratch_values(batch)),
-    "conv_vdpbf16": _data_scratch(lambda layer, dyb, batch: dyb.size),
-}
-# bf16 values of each family's copy of the weights for a forward or backward-data pass
-_WEIGHT_COPY_VALUES: dict[str, Callable[[WeightedLayer, str], int]] = {
-    "conv_amx": lambda layer, p: layer._amx[p].weight_values,
-    "conv_packed_amx": lambda layer, p: amx_packed_weight_values(layer.in_shape, layer.out_shape[0], layer.kernel)
-    if p == "fwd" else amx_packed_data_weight_values(layer.out_shape[0], layer.kernel, layer.in_shape[0]),
-    "conv_packed_vdpbf16": lambda layer, p: packed_bf16_weight_values(layer.in_shape[0], layer.out_shape[0],
-                                                                       layer.kernel, layer._v),
-    "conv_vdpbf16": lambda layer, p: layer._wt.size,  # the blocked weights re-laid in pairs
-}
 
 
 class MaxPoolLayer(Layer):
