@@ -20,8 +20,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from cases import AMX_ARCH
 
 from pcldnn_gen import compiler
+from pcldnn_gen.arch import get_arch
 from pcldnn_runtime import cpu
 
 HEADER = r"""#include <immintrin.h>
@@ -60,6 +62,16 @@ UNAVAILABLE = re.compile(r"\s(vdpbf16ps|vcvtne2?ps2bf16[xy]?|tdpbf16ps|tileloadd
 HAS_BF16 = cpu.supports("avx512") and "avx512_bf16" in cpu.cpu_flags()
 CAN_EMULATE = not HAS_BF16 and cpu.supports("avx512")
 WHY_NOT = "this CPU lacks AVX-512: bf16 kernels can neither run nor be emulated here"
+# vdpbf16ps kernels run on AVX512_BF16, and on other AVX-512 CPUs with its two instructions
+# emulated exactly in AVX-512F (the `_bf16_kernels` fixture in conftest.py); AMX kernels only
+# where the CPU has tiles and Linux grants their state
+bf16_kernels = pytest.mark.bf16_kernels
+HAS_AMX = HAS_BF16 and cpu.request_amx() is None
+needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU lacks AMX bf16 tiles (or Linux does not grant "
+                                                  "their state): AMX kernels cannot run here")
+# bf16 builds of either kind: AMX tiles, and vdpbf16ps (no AMX: an AVX512_BF16 CPU such as Zen 4/5)
+BF16_BUILDS = [pytest.param(AMX_ARCH, marks=needs_amx, id="amx"),
+               pytest.param(get_arch("avx512"), marks=bf16_kernels, id="vdpbf16ps")]
 
 
 @functools.cache

@@ -108,3 +108,11 @@ def check_relu_pool_masks(tmp_path, monkeypatch, arch, precision: str = "fp32") 
     monkeypatch.setattr(pr.layers.MaxPoolLayer, "backward_blocked",
                         lambda self, *args, mask_input=False, **kw: original(self, *args, **kw))
     assert np.any(net.loss_and_grad(x, labels) != fused[0]) or np.any(net.grads != fused[1])
+
+
+def conv_net(tmp_path: Path, source: dict, layer: dict, precision: str, name: str = "b", arch=None) -> Path:
+    """A build of one convolution (layer "conv") on `source` for `arch` (AVX-512 by default)."""
+    spec = parse_netspec({"name": name, "input": source, "layers": [{"name": "conv", "type": "conv", **layer}]})
+    out = tmp_path / f"{name}-{precision}"
+    build(spec, arch or get_arch("avx512"), out, precision=precision)
+    return out

@@ -16,13 +16,32 @@ harness checks that the registry chose that family for each case's passes.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pytest
-from bf16_emulation import HAS_BF16
-from cases import AMX_ARCH, AMX_CASES, AMX_PHASED_CASES, AMX_STRIDED_CASES, CONV_CASES, FC_CASES, SMALL_L2_AVX512
+from bf16_emulation import HAS_AMX
+from cases import (
+    AMX_ARCH,
+    AMX_CASES,
+    AMX_PHASED_CASES,
+    AMX_STRIDED_CASES,
+    BF16_IMAGE_BAND_CASES,
+    BF16_ROW_BAND_CASES,
+    CONV_CASES,
+    FC_CASES,
+    PACKED_AMX_DATA_CASES,
+    PACKED_AMX_FORWARD_CASES,
+    PACKED_AMX_GRADIENT_CASES,
+    PACKED_BF16_CASES,
+    PACKED_BF16_GRADIENT_CASES,
+    SMALL_CACHES,
+    SMALL_L2,
+    SMALL_L2_AVX512,
+)
 from helpers import ISA_PARAMS, U32
 from reference import (
     as_float,
@@ -39,24 +58,26 @@ import pcldnn_runtime as pr
 from pcldnn_gen.arch import get_arch
 from pcldnn_gen.build import build
 from pcldnn_gen.netspec import parse_netspec
-from pcldnn_runtime import cpu
-
-HAS_AMX = HAS_BF16 and cpu.request_amx() is None
 
 
 @dataclass(frozen=True)
 class Case:
     """One layer (the first of its net, so a convolution of fewer channels than a vector reads
-    the packed image), the threads and images it runs with."""
+    the packed image), the threads and images it runs with, and the CPU it is planned for where
+    not the family's own (smaller caches: the blocked paths of large layers)."""
     source: dict
     layer: dict
     threads: int = 2
     images: int = 3
-    id: str = field(default="", compare=False)
+    arch: Any = field(default=None, compare=False)
 
 
-def _conv(cases, threads: int = 2, images: int = 3) -> list[Case]:
-    return [Case(s, {"type": "conv", **l}, threads, images) for s, l in cases]
+def _conv(cases, threads: int = 2, images: int = 3, arch: Any = None) -> list[Case]:
+    return [Case(s, {"type": "conv", **l}, threads, images, arch) for s, l in _unique(cases)]
+
+
+def _unique(cases: list) -> list:
+    return [c for i, c in enumerate(cases) if c not in cases[:i]]
 
 
 def _fc(images: int) -> list[Case]:
@@ -65,7 +86,6 @@ def _fc(images: int) -> list[Case]:
             for (c, h, w), f, a in FC_CASES]
 
 
-_AMX_CONV = AMX_CASES + [c for c in AMX_STRIDED_CASES + AMX_PHASED_CASES if c not in AMX_CASES]
 CASES: dict[str, list[Case]] = {
     "conv_direct": _conv([
         ({"channels": 5, "height": 9, "width": 11}, {"out_channels": 20, "kernel": 3, "pad": 1, "activation": "relu"}),
@@ -74,16 +94,35 @@ CASES: dict[str, list[Case]] = {
     "fc_gemm": [Case({"channels": 20, "height": 3, "width": 2}, {"type": "fc", "out_features": 35,
                                                                "activation": "relu"})],
     # stride-1 and strided (phase planes of x, per phase of dx) convolutions; one thread and two
-    # (a thread's share ends inside a band)
-    "conv_amx": _conv(_AMX_CONV, images=2) + _conv(AMX_STRIDED_CASES[:2] + AMX_PHASED_CASES[-3:], threads=1,
-                                                    images=2),
-    "conv_packed_amx": _conv([({"channels": 3, "height": 16, "width": 15},
-                               {"out_channels": 24, "kernel": 7, "stride": 2, "pad": 3, "activation": "relu"})]),
+    # (a thread's share ends inside a band); a layer of 32 channels, one work item of 2 x 2
+    # channel blocks whose taps the threads share
+    "conv_amx": _conv(AMX_CASES + AMX_STRIDED_CASES + AMX_PHASED_CASES, images=2)
+    + _conv(AMX_STRIDED_CASES[:2] + AMX_PHASED_CASES[-3:], threads=1, images=2)
+    + _conv([({"channels": 32, "height": 9, "width": 10}, {"out_channels": 32, "kernel": 3, "stride": 1, "pad": 1})],
+            threads=3),
+    # 7 images: backward-weights in groups of fewer units than the minibatch has (AMX_ARCH's L2),
+    # the accumulators reloaded between them
+    "conv_packed_amx": _conv([(s, l) for s, l, _ in PACKED_AMX_FORWARD_CASES] + PACKED_AMX_GRADIENT_CASES
+                             + PACKED_AMX_DATA_CASES, images=7),
     # several images: partial 16- and 32-image tiles (37), a minibatch under one tile (5)
     "fc_tiles_amx": _fc(37) + _fc(5),
-    "conv_vdpbf16": _conv(CONV_CASES),
-    "conv_packed_vdpbf16": _conv([({"channels": 3, "height": 23, "width": 23},
-                                   {"out_channels": 20, "kernel": 11, "stride": 4, "pad": 2})]),
+    # and stride 2 without padding, 4 output columns from 9 (a pair copy column past the input
+    # on the right); a 1x1 layer whose weights do not fit L1 with its inputs (16 channel blocks:
+    # the whole reduction in registers, the weights streamed from L2); backward-weights in bands
+    # of a few rows and of several images (cases.py); a single image under an 11-row padding
+    # (the first band starts more rows before it than the ring holds: random_nets.py seed 733)
+    "conv_vdpbf16": _conv(CONV_CASES + [
+        ({"channels": 22, "height": 5, "width": 9}, {"out_channels": 20, "kernel": 3, "stride": 2, "pad": 0}),
+        ({"channels": 256, "height": 3, "width": 20}, {"out_channels": 40, "kernel": 1, "activation": "relu"})])
+    + _conv(BF16_ROW_BAND_CASES, arch=SMALL_CACHES)
+    + [Case(s, {"type": "conv", **l}, 2, images) for s, l, images in BF16_IMAGE_BAND_CASES]
+    + _conv([({"channels": 33, "height": 8, "width": 20}, {"out_channels": 16, "kernel": 11, "stride": 3, "pad": 11})],
+            images=1),
+    # three threads split (image, output row) items inside images; backward-weights in bands of
+    # a whole image's rows, or of a few (SMALL_L2)
+    "conv_packed_vdpbf16": _conv(PACKED_BF16_CASES, threads=3)
+    + _conv(PACKED_BF16_GRADIENT_CASES, threads=3, images=5)
+    + _conv(PACKED_BF16_GRADIENT_CASES, threads=3, images=5, arch=SMALL_L2),
     "fc_tiles_vdpbf16": _fc(37) + _fc(5),
 }
 BF16 = {"conv_amx", "conv_packed_amx", "fc_tiles_amx", "conv_vdpbf16", "conv_packed_vdpbf16", "fc_tiles_vdpbf16"}
@@ -169,11 +208,14 @@ def _check(got: np.ndarray, exact, rounded_inputs, unrounded_inputs, n: int, bf1
 
 
 def _run_case(tmp_path, family: str, arch, case: Case, k: int) -> None:
+    """Every pass the family computes against float64, then the same bits on another thread count
+    (the kernels' results do not depend on it), and the caller's dy left as it was."""
     bf16 = family in BF16
     spec = parse_netspec({"name": f"c{k}", "input": case.source, "layers": [{"name": "l", **case.layer}]})
     out = tmp_path / f"{family}-{k}"
-    build(spec, arch, out, precision="bf16" if bf16 else "fp32")
-    lay = pr.load(out, threads=case.threads).layers["l"]
+    build(spec, case.arch or arch, out, precision="bf16" if bf16 else "fp32")
+    net = pr.load(out, threads=case.threads)
+    lay = net.layers["l"]
     assert family in {f.name for f in lay.family.values()}, (family, lay.family)  # the registry chose it
     rng = np.random.default_rng(k)
     lay.bias = rng.standard_normal(lay.out_shape[0]).astype(np.float32)
@@ -183,6 +225,7 @@ def _run_case(tmp_path, family: str, arch, case: Case, k: int) -> None:
     relu = case.layer.get("activation") == "relu"
     y = lay.forward(x)
     dy = rng.standard_normal(y.shape).astype(np.float32)
+    dy_given = dy.copy()
     dym = np.where(y > 0, dy, np.float32(0)) if relu else dy
     rdy = _bf16(dym) if bf16 else dym
     c, h, wd = lay.in_shape
@@ -199,19 +242,30 @@ def _run_case(tmp_path, family: str, arch, case: Case, k: int) -> None:
         passes = {"fwd": (lambda xx, ww, bb: fc(xx, ww, bb, relu), (rx, rw, b), (x, w, b)),
                   "bwd_data": (lambda d, ww: fc_bwd_data(d, ww, x.shape), (rdy, rw), (dym, w)),
                   "bwd_weights": (lambda xx, d: fc_bwd_weights(xx, d)[0], (rx, rdy), (x, dym))}
-    got = {"fwd": lambda: y, "bwd_data": lambda: lay.backward_data(dy), "bwd_weights": lambda: lay.backward_weights(x, dy)}
+    again = {"fwd": lambda: lay.forward(x), "bwd_data": lambda: lay.backward_data(dy),
+             "bwd_weights": lambda: lay.backward_weights(x, dy)[0]}
+    results: dict[str, np.ndarray] = {}
     for i, p in enumerate(("fwd", "bwd_data", "bwd_weights")):
         if lay.family[p].name != family:
             continue
-        result = got[p]()
-        if p == "bwd_weights":
-            result, db = result
+        if p == "fwd":
+            result = y
+        elif p == "bwd_data":
+            result = lay.backward_data(dy)
+        else:
+            result, db = lay.backward_weights(x, dy)
             axes = (0, 2, 3) if dym.ndim == 4 else (0,)
             db_terms = case.images * shapes.out[0] * shapes.out[1]
             assert np.all(np.abs(db - dym.astype(np.float64).sum(axis=axes))
                           <= (db_terms + 2) * U32 * np.abs(dym).astype(np.float64).sum(axis=axes)), f"case {k} db"
         exact, rounded, unrounded = passes[p]
         _check(result, exact, rounded, unrounded, TERMS[family][i](shapes), bf16, f"case {k} {p}")
+        results[p] = result
+    np.testing.assert_array_equal(dy, dy_given)
+    net.threads = 1 if case.threads > 1 else 3
+    lay.forward(x)  # the backward passes read this forward's output (the ReLU mask)
+    for p, result in results.items():
+        np.testing.assert_array_equal(again[p](), result, err_msg=f"case {k} {p} on {net.threads} threads")
 
 
 @pytest.mark.parametrize("family,target", TARGETS)
@@ -219,3 +273,51 @@ def test_every_family_against_float64(tmp_path, family, target):
     arch = _arch(family, target)
     for k, case in enumerate(CASES[family]):
         _run_case(tmp_path, family, arch, case, k)
+
+
+def _plan_and_source(source: dict, layer: dict, arch, pass_name: str):
+    """The model's plan of a one-layer net's pass for `arch` in a bf16 build, its C, and the
+    layer's output shape."""
+    from pcldnn_gen.build import plan_net
+    from pcldnn_gen.codegen import render_kernel
+    spec = parse_netspec({"name": "p", "input": source, "layers": [{"name": "l", "type": "conv", **layer}]})
+    plan = plan_net(spec, arch, tuning=None, precision="bf16")[("l", pass_name)]
+    return plan, render_kernel(spec.layers[0], plan, arch).text, spec.layers[0].out_shape
+
+
+def _define(text: str, name: str) -> int:
+    return int(re.search(rf"^#define {name} +(\d+)", text, re.M)[1])
+
+
+def test_the_cases_reach_the_paths_they_are_for():
+    """What the case lists are chosen to exercise, checked on their plans (no kernel runs): the
+    packed AMX forward reads kernel rows in place where its B tiles fit L1 and im2col rows
+    elsewhere; AMX backward-weights reduces in groups of fewer pixel blocks than the minibatch
+    has; the packed vdpbf16ps backward-weights pairs bands of a few rows only with SMALL_L2; the
+    vdpbf16ps one three bands or more an image with SMALL_CACHES, and bands of several whole
+    images (BAND_PIXELS) on small images, more images than two bands hold; a 1x1 layer of 16
+    input blocks keeps its whole reduction in registers."""
+    for source, layer, in_place in PACKED_AMX_FORWARD_CASES:
+        plan, text, _ = _plan_and_source(source, layer, AMX_ARCH, "fwd")
+        assert plan.kind == "conv_fwd_packed_amx" and ("read in place" in text) == in_place, layer
+    grouped = 0
+    for case in CASES["conv_amx"] + CASES["conv_packed_amx"]:
+        plan, text, _ = _plan_and_source(case.source, case.layer, AMX_ARCH, "bwd_weights")
+        if plan.kind == "conv_bwd_weights_amx":
+            grouped += _define(text, "GROUP") < case.images * _define(text, "NPB")
+    assert grouped >= 3
+    for source, layer in PACKED_BF16_GRADIENT_CASES:
+        for arch in (get_arch("avx512"), SMALL_L2):
+            plan, text, out = _plan_and_source(source, layer, arch, "bwd_weights")
+            assert plan.kind == "conv_bwd_weights_packed_bf16"
+            assert (_define(text, "BAND") < out[1]) == (arch is SMALL_L2), (layer, arch.name)
+    for source, layer in BF16_ROW_BAND_CASES:
+        plan, _, out = _plan_and_source(source, layer, SMALL_CACHES, "bwd_weights")
+        assert plan.kind == "conv_bwd_weights_bf16" and 2 * plan.block_rows < out[1], layer
+    for source, layer, images in BF16_IMAGE_BAND_CASES:
+        plan, _, out = _plan_and_source(source, layer, get_arch("avx512"), "bwd_weights")
+        assert plan.block_rows == out[1] and plan.band_images == -(-128 // (out[1] * out[2]))
+        assert images > 2 * plan.band_images and images % plan.band_images, layer
+    plan, text, _ = _plan_and_source({"channels": 256, "height": 3, "width": 20},
+                                     {"out_channels": 40, "kernel": 1, "activation": "relu"}, get_arch("avx512"), "fwd")
+    assert plan.kind == "conv_fwd_bf16" and _define(text, "IFB") == 16

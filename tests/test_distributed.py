@@ -151,9 +151,10 @@ def test_amx_model_parallel_fc_matches_one_rank(tmp_path):
 
 
 def test_bf16_bits_round_like_the_kernels():
-    """The exchange's numpy rounding gives the bits the C rounding (tests/test_bf16.py's
-    reference) gives, NaN included; subnormals are rounded, not flushed."""
-    from test_bf16 import bf16_reference
+    """The exchange's numpy rounding gives the bits the C rounding (tests/reference.py's
+    bf16_reference, checked against the C in test_bf16.py) gives, NaN included; subnormals are
+    rounded, not flushed."""
+    from reference import bf16_reference
 
     from pcldnn_runtime.kernels import bf16_bits
     rng = np.random.default_rng(0)
