@@ -98,6 +98,16 @@ def window_values(layer: LayerShape) -> int:
     return layer.kernel[0] * layer.kernel[1] * layer.in_shape[0]
 
 
+def gradient_window_at_least(minimum: int, why_not: str) -> Callable[[LayerShape, str, Target], str | None]:
+    """A packed first layer's policy: backward-weights from windows of `minimum` values (KH x KW
+    x C) or more; below, the reason `why_not`."""
+    def policy(layer: LayerShape, pass_name: str, target: Target) -> str | None:
+        if pass_name == "bwd_weights" and window_values(layer) < minimum:
+            return f"a window of {window_values(layer)} values (< {minimum}): {why_not}"
+        return None
+    return policy
+
+
 Part = tuple[int, int] | None  # an fc layer's output blocks [lo, hi) this process computes (conv: None)
 
 

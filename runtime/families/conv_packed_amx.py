@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..geometry import amx_packed_data_weight_values, amx_packed_gradient_values, amx_packed_weight_values
-from .base import Calls, Engine, Family, LayerShape, Part, Target, window_values
+from .base import Calls, Engine, Family, Part, gradient_window_at_least
 
 if TYPE_CHECKING:
     from ..layers import WeightedLayer
@@ -19,13 +19,6 @@ if TYPE_CHECKING:
 # values, 30.2 / 25.4; ResNet-style 7x7 stride 2, 147 values, 15.2 / 23.2; AlexNet-style 11x11
 # stride 4, 363 values, 6.4 / 9.4.
 AMX_PACKED_GRADIENT_WINDOW = 64
-
-
-def _policy(layer: LayerShape, pass_name: str, target: Target) -> str | None:
-    if pass_name == "bwd_weights" and window_values(layer) < AMX_PACKED_GRADIENT_WINDOW:
-        return (f"a window of {window_values(layer)} values (< {AMX_PACKED_GRADIENT_WINDOW}): backward-weights "
-                "is bound by reading dy, which the fp32 kernel does in one pass")
-    return None
 
 
 def forward_packed(layer: WeightedLayer, xb: np.ndarray, yb: np.ndarray, part: Part, batch: int, team: int) -> None:
@@ -55,7 +48,9 @@ def _weight_copy_values(layer: WeightedLayer, pass_name: str) -> int:
 
 
 FAMILY = Family(
-    "conv_packed_amx", Engine.AMX, ("conv",), packed=True, policy=_policy,
+    "conv_packed_amx", Engine.AMX, ("conv",), packed=True,
+    policy=gradient_window_at_least(AMX_PACKED_GRADIENT_WINDOW, "backward-weights is bound by reading dy, which the "
+                                    "fp32 kernel does in one pass"),
     calls=Calls(forward_packed, _backward_weights, _backward_data, _weight_copy_values),
     signatures={
         # the kernel rows read in place (its weights: B tiles made by conv_weight_tiles,

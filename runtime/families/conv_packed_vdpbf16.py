@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..geometry import packed_bf16_weight_values
-from .base import Calls, Engine, Family, LayerShape, Part, Target, window_values
+from .base import Calls, Engine, Family, Part, gradient_window_at_least
 from .conv_packed_amx import forward_packed
 
 if TYPE_CHECKING:
@@ -21,13 +21,6 @@ if TYPE_CHECKING:
 # 1.11-1.19 on one thread but 0.84-1.06 on two, 147 values 1.32-1.33 and 363 values 1.47-1.51 on
 # both; between 81 and 147 not measured.
 BF16_PACKED_GRADIENT_WINDOW = 100
-
-
-def _policy(layer: LayerShape, pass_name: str, target: Target) -> str | None:
-    if pass_name == "bwd_weights" and window_values(layer) < BF16_PACKED_GRADIENT_WINDOW:
-        return (f"a window of {window_values(layer)} values (< {BF16_PACKED_GRADIENT_WINDOW}): pixel pairs gain "
-                "less than the fp32 kernel's single pass")
-    return None
 
 
 def _backward_weights(layer: WeightedLayer, xb: np.ndarray, dyb: np.ndarray, mask: np.ndarray | None,
@@ -44,7 +37,9 @@ def _no_backward_data(layer: WeightedLayer, dyb: np.ndarray, mask: np.ndarray | 
 
 
 FAMILY = Family(
-    "conv_packed_vdpbf16", Engine.VDPBF16, ("conv",), packed=True, policy=_policy, passes=("fwd", "bwd_weights"),
+    "conv_packed_vdpbf16", Engine.VDPBF16, ("conv",), packed=True, passes=("fwd", "bwd_weights"),
+    policy=gradient_window_at_least(BF16_PACKED_GRADIENT_WINDOW, "pixel pairs gain less than the fp32 kernel's "
+                                    "single pass"),
     calls=Calls(forward_packed, _backward_weights, _no_backward_data,
                 weight_copy_values=lambda layer, pass_name: packed_bf16_weight_values(
                     layer.in_shape[0], layer.out_shape[0], layer.kernel, layer.vector_floats)),
