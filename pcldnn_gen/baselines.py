@@ -27,7 +27,34 @@ from .bench import median_seconds
 MARK = "@@pcldnn-baseline"
 
 
+def _numpy_depthwise(p: Any, batch: Any, rng: Any) -> Any:
+    """A depthwise convolution in numpy: a window's taps as strided views, each a broadcast
+    multiply-add over the whole minibatch."""
+    c, h, w = p["in_shape"]
+    (kh, kw), (sh, sw), (ph, pw) = p["kernel"], p["stride"], p["pad"]
+    oh, ow = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+    x = np.pad(rng.standard_normal((batch, c, h, w), dtype=np.float32), ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    wt = rng.standard_normal((c, kh, kw), dtype=np.float32)
+    dy = rng.standard_normal((batch, c, oh, ow), dtype=np.float32)
+    taps = [(i, j, np.s_[:, :, i:i + sh * (oh - 1) + 1:sh, j:j + sw * (ow - 1) + 1:sw]) for i in range(kh) for j in range(kw)]
+
+    def fwd() -> Any:
+        return sum(x[t] * wt[None, :, i, j, None, None] for i, j, t in taps)
+
+    def bwd_data() -> Any:
+        dx = np.zeros_like(x)
+        for i, j, t in taps:
+            dx[t] += dy * wt[None, :, i, j, None, None]
+        return dx
+
+    return {"fwd": fwd, "bwd_data": bwd_data,
+            "bwd_weights": lambda: [np.einsum("nchw,nchw->c", x[t], dy) for _, _, t in taps]}
+
+
 def _numpy_conv(p: Any, batch: Any, rng: Any) -> Any:
+    """im2col and BLAS."""
+    if p.get("groups", 1) > 1:
+        return _numpy_depthwise(p, batch, rng)
     c, h, w = p["in_shape"]
     oc, (kh, kw), (sh, sw), (ph, pw) = p["out_channels"], p["kernel"], p["stride"], p["pad"]
     oh, ow = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
@@ -100,10 +127,13 @@ def _conv_runs(torch: Any, p: Any, batch: Any, dtype: Any) -> Any:
     bf16 tensors are channels_last, the layout oneDNN's bf16 brgemm and AMX kernels are written
     for (VGG-A conv3 forward on AMX, one thread: 17-18 ms channels_last, 26 ms NCHW)."""
     c, h, w = p["in_shape"]
-    x, wt = torch.randn(batch, c, h, w, dtype=dtype), torch.randn(p["out_channels"], c, *p["kernel"], dtype=dtype)
+    groups = p.get("groups", 1)  # depthwise: oneDNN's depthwise kernels
+    x = torch.randn(batch, c, h, w, dtype=dtype)
+    wt = torch.randn(p["out_channels"], c // groups, *p["kernel"], dtype=dtype)
     if dtype == torch.bfloat16:
         x, wt = x.to(memory_format=torch.channels_last), wt.to(memory_format=torch.channels_last)
-    conv = lambda inp, wgt: torch.nn.functional.conv2d(inp, wgt, stride=p["stride"], padding=p["pad"])  # noqa: E731
+    conv = lambda inp, wgt: torch.nn.functional.conv2d(inp, wgt, stride=p["stride"], padding=p["pad"],  # noqa: E731
+                                                       groups=groups)
     dy = torch.randn_like(conv(x, wt))
     xg, wg = x.clone().requires_grad_(), wt.clone().requires_grad_()
 

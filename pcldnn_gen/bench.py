@@ -264,7 +264,7 @@ def run_baselines(layers: Any, arch: Arch, batch: int, threads: int, passes: Any
     if unknown:
         raise PcldnnError(f"unknown baseline {', '.join(sorted(unknown))}; known: {', '.join(BASELINES)}")
     problems = [{"name": l.name, "type": l.type, "in_shape": l.in_shape, "out_channels": l.out_shape[0],
-                 "kernel": l.kernel, "stride": l.stride, "pad": l.pad} for l in layers]
+                 "kernel": l.kernel, "stride": l.stride, "pad": l.pad, "groups": l.groups} for l in layers]
     if not problems:
         return {}
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads))

@@ -214,6 +214,7 @@ def _manifest(net: NetSpec, arch: Arch, kernels: dict[str, dict], precision: str
             "weight_shape": list(layer.weight_shape) if layer.weight_shape else None,
             "kernels": kernels.get(layer.name, {}),
             **({} if layer.bias else {"bias": False}),
+            **({"groups": layer.groups} if layer.groups != 1 else {}),
             **({"output": "bf16"} if activations[layer.name][1] else {}),
             **({"gradient": "bf16"} if gradients[layer.name][1] else {}),
         })

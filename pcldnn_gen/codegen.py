@@ -162,7 +162,7 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
         params=SIGNATURES[kind], tile_params=SIGNATURES["conv_weight_tiles"], version=__version__, plan_lines=lines,
         elem="unsigned short" if bf16 else "float", lane_step=2 if bf16 else 1,
         R=plan.tile.vectors if plan.tile else 0, icb=icb, ocb=blocks(layer.out_shape[0], v),
-        xv=input_pixel_floats(layer.index, layer.type, c, v),
+        xv=input_pixel_floats(layer.index, layer.type, c, v, layer.groups),
         ic_tail=c - (icb - 1) * v, k=icb * v * h * w, size=icb * v * h * w, classes=c, ld=icb * v)
     flags = cpu.PRECISION_CFLAGS["bf16"] if bf16 or any(plan.activations) or any(plan.gradients) else ()
     symbols = {symbol: kind}

@@ -16,7 +16,7 @@ from pcldnn_runtime import limits
 from pcldnn_runtime.validate import Fields, show
 
 from .errors import ModelImportError, NetSpecError
-from .netspec import check_window, parse_netspec
+from .netspec import check_groups, check_window, parse_netspec
 
 OP_KINDS = ("conv", "fc", "maxpool", "avgpool", "relu", "dropout", "flatten", "softmax", "identity")
 
@@ -149,11 +149,14 @@ def net_from_ops(ops: list[Op], input_shape: tuple[int, int, int], name: str, or
                     problems.append(f"{op.label}: weight of shape {op.weight.shape}, expected (OC, IC, KH, KW)")
                     continue
                 oc, ic = op.weight.shape[:2]
-                if ic != c or tuple(op.weight.shape[2:]) != tuple(kernel):
-                    problems.append(f"{op.label}: weight shape {op.weight.shape} does not fit a {c}-channel input "
-                                    f"and kernel {list(kernel)}")
+                groups = check_groups(Fields(origin, ModelImportError), _plain(a.get("groups", 1)), c, oc, op.label)
+                if ic * groups != c or tuple(op.weight.shape[2:]) != tuple(kernel):
+                    problems.append(f"{op.label}: weight shape {op.weight.shape} does not fit a {c}-channel input, "
+                                    f"{groups} group(s) and kernel {list(kernel)}")
                     continue
                 layer["out_channels"] = oc
+                if groups > 1:
+                    layer["groups"] = groups
                 c = oc
                 fusable = True
             h, w = oh, ow

@@ -23,7 +23,7 @@ from .errors import NetSpecError
 # (from_torch, `pcldnn-gen import`), informational only.
 _COMMON = {"name", "type"}
 LAYER_FIELDS: dict[str, tuple[set[str], dict[str, Any]]] = {
-    "conv": ({"out_channels", "kernel"}, {"stride": 1, "pad": 0, "activation": None, "bias": True}),
+    "conv": ({"out_channels", "kernel"}, {"stride": 1, "pad": 0, "activation": None, "bias": True, "groups": 1}),
     "fc": ({"out_features"}, {"activation": None, "bias": True}),
     "maxpool": ({"kernel"}, {"stride": None, "pad": 0}),
     "avgpool": ({"kernel"}, {"stride": None, "pad": 0}),
@@ -55,17 +55,22 @@ class LayerSpec:
     relu: bool = False
     rate: float = 0.0  # dropout probability (dropout layers only)
     bias: bool = True  # conv / fc: false keeps the bias at zero (PyTorch's bias=False)
+    groups: int = 1  # conv: 1, or the channels (depthwise: each channel convolved with its own window)
 
     @property
     def weighted(self) -> bool:
         return self.type in WEIGHTED
 
     @property
+    def depthwise(self) -> bool:
+        return self.groups > 1
+
+    @property
     def weight_shape(self) -> tuple[int, ...] | None:
-        """Canonical weight shape: conv (OC, IC, KH, KW), fc (OC, IC)."""
+        """Canonical weight shape: conv (OC, IC / groups, KH, KW), fc (OC, IC)."""
         oc, ic = self.out_shape[0], self.in_shape[0]
         if self.type == "conv":
-            return (oc, ic, *self.kernel)
+            return (oc, ic // self.groups, *self.kernel)
         if self.type == "fc":
             return (oc, ic * self.in_shape[1] * self.in_shape[2])
         return None
@@ -75,7 +80,7 @@ class LayerSpec:
         if not self.weighted:
             return 0
         oc, oh, ow = self.out_shape
-        return 2 * batch * oc * oh * ow * self.in_shape[0] * self.kernel[0] * self.kernel[1]
+        return 2 * batch * oc * oh * ow * self.in_shape[0] // self.groups * self.kernel[0] * self.kernel[1]
 
     def useful_flops(self, batch: int) -> int:
         """The FLOPs of `flops` whose input is not padding: each kernel tap counted only at the
@@ -90,7 +95,7 @@ class LayerSpec:
         (oh, ow), (ih, iw) = self.out_shape[1:], self.in_shape[1:]
         rows = inside(oh, ih, self.kernel[0], self.stride[0], self.pad[0])
         cols = inside(ow, iw, self.kernel[1], self.stride[1], self.pad[1])
-        return 2 * batch * self.out_shape[0] * self.in_shape[0] * rows * cols
+        return 2 * batch * self.out_shape[0] * self.in_shape[0] // self.groups * rows * cols
 
 
 @dataclass(frozen=True)
@@ -164,8 +169,9 @@ def parse_netspec(data: Any, origin: str = "<net>", max_memory: int | None = Non
             kernel, stride, pad, (oh, ow) = check_window(p, ltype, f["kernel"], f["stride"], f["pad"], where, (h, w))
             oc = (p.int_in(f["out_channels"], f"{where}.out_channels", 1, limits.MAX_CHANNELS)
                   if ltype == "conv" else c)
+            groups = check_groups(p, f.get("groups", 1), c, oc, where) if ltype == "conv" else 1
             spec = LayerSpec(i, lname, ltype, shape, (oc, oh, ow), kernel, stride, pad, relu,
-                             bias=p.boolean(f["bias"], f"{where}.bias") if ltype == "conv" else True)
+                             bias=p.boolean(f["bias"], f"{where}.bias") if ltype == "conv" else True, groups=groups)
         elif ltype == "fc":
             oc = p.int_in(f["out_features"], f"{where}.out_features", 1, limits.MAX_FEATURES)
             spec = LayerSpec(i, lname, ltype, shape, (oc, 1, 1), (h, w), (1, 1), (0, 0), relu,
@@ -226,6 +232,22 @@ def check_window(p: Fields, ltype: str, kernel: Any, stride: Any, pad: Any, wher
     if oh < 1 or ow < 1:
         p.fail(f"{where}.kernel", f"kernel {list(k)} is larger than the padded input {h + 2 * pd[0]}x{w + 2 * pd[1]}")
     return k, s, pd, (oh, ow)
+
+
+def check_groups(p: Fields, groups: Any, channels: int, out_channels: int, where: str) -> int:
+    """A convolution's groups: 1, or depthwise (groups = input channels = output channels: each
+    channel convolved with its own window, as PyTorch's Conv2d(C, C, k, groups=C)). Grouped
+    convolutions of several channels a group, and depthwise ones with a channel multiplier, are
+    refused by name."""
+    g = p.int_in(groups, f"{where}.groups", 1, limits.MAX_CHANNELS)
+    if g == 1 or g == channels == out_channels:
+        return g
+    if channels % g or out_channels % g:
+        p.fail(f"{where}.groups", f"{g} groups must divide the {channels} input and {out_channels} output channels")
+    what = (f"a channel multiplier of {out_channels // g}" if g == channels else
+            f"{channels // g} input channels a group")
+    return p.fail(f"{where}.groups", f"{g} groups with {what} is not supported: groups must be 1, or equal the input and "
+           f"output channels ({channels}) for a depthwise convolution")
 
 
 def shape_in(data: dict) -> tuple[int, int, int]:

@@ -22,7 +22,7 @@ from pcldnn_runtime.validate import check_writable, read_bounded, remove_stale_t
 from .errors import ModelImportError, PcldnnError
 from .frontend import Op, fail_unsupported, input_shape_of, model_name, net_from_ops, printable
 
-SUPPORTED = ("Conv (group 1, dilation 1, symmetric pads), Gemm (transA 0), MatMul (+ Add), MaxPool / AveragePool "
+SUPPORTED = ("Conv (group 1 or depthwise, dilation 1, symmetric pads), Gemm (transA 0), MatMul (+ Add), MaxPool / AveragePool "
              "(floor, symmetric pads; AveragePool counting pads), GlobalAveragePool, Relu, Dropout, Flatten "
              "(axis 1), Reshape to (N, -1), Identity, a final Softmax / LogSoftmax")
 MAX_MODEL_BYTES = 4 * 1024 ** 3  # a protobuf cannot exceed 2 GiB without external data anyway
@@ -289,12 +289,14 @@ def _node_op(node: Any, following: Any, source: str, constants: Any, onnx: Any) 
     """The Op of one node, and whether it consumed `following` (the Add after a MatMul)."""
     t, a = node.op_type, _attrs(node, onnx)
     if t == "Conv":
-        if _int(a, "group", 1) != 1:
-            raise _Unsupported(f"group {a['group']} (only 1)")
         w = _const(constants, node, 1, "weight")
         if w is None or w.ndim != 4:
             raise _Unsupported("needs a 4-D weight initializer")
-        return Op("conv", source, t, _window(a, w.shape[2:]), w, _const(constants, node, 2, "bias")), False
+        group = _int(a, "group", 1)
+        if group != 1 and not (group == w.shape[0] and w.shape[1] == 1):
+            raise _Unsupported(f"group {group} (1, or depthwise: group = input channels = output channels)")
+        return Op("conv", source, t, _window(a, w.shape[2:]) | {"groups": group}, w,
+                  _const(constants, node, 2, "bias")), False
     if t == "Gemm":
         if _int(a, "transA", 0):
             raise _Unsupported("transA 1 (only 0)")

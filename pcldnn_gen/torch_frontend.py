@@ -15,7 +15,7 @@ from pcldnn_runtime import limits
 from .errors import ModelImportError, PcldnnError
 from .frontend import Op, fail_unsupported, input_shape_of, model_name, net_from_ops, printable
 
-SUPPORTED = ("Conv2d (groups=1, dilation=1, zero padding), Linear, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d "
+SUPPORTED = ("Conv2d (groups=1 or depthwise, dilation=1, zero padding), Linear, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d "
              "(to a size that divides the input), ReLU, Dropout, Flatten, Identity, a final Softmax / LogSoftmax, "
              "and torch.flatten / F.relu / F.dropout / F.max_pool2d / F.avg_pool2d / view(N, -1) in forward")
 
@@ -148,8 +148,8 @@ def _is_shape_query(node: Any, torch: Any) -> bool:
 def _module_op(target: str, m: Any, nn: Any) -> Op:
     kind = type(m).__name__
     if isinstance(m, nn.Conv2d):
-        if m.groups != 1:
-            raise _Unsupported(kind, f"groups={m.groups} (only 1)")
+        if m.groups != 1 and not m.groups == m.in_channels == m.out_channels:
+            raise _Unsupported(kind, f"groups={m.groups} (1, or depthwise: groups = in_channels = out_channels)")
         if _pair(m.dilation) != (1, 1):
             raise _Unsupported(kind, f"dilation={m.dilation} (only 1)")
         if m.padding_mode != "zeros":
@@ -163,8 +163,8 @@ def _module_op(target: str, m: Any, nn: Any) -> Op:
             pad = (0, 0) if m.padding == "valid" else (k[0] // 2, k[1] // 2)
         else:
             pad = _pair(m.padding)
-        return Op("conv", target, kind, {"kernel": _pair(m.kernel_size), "stride": _pair(m.stride), "pad": pad},
-                  _array(m.weight), None if m.bias is None else _array(m.bias))
+        return Op("conv", target, kind, {"kernel": _pair(m.kernel_size), "stride": _pair(m.stride), "pad": pad,
+                                         "groups": m.groups}, _array(m.weight), None if m.bias is None else _array(m.bias))
     if isinstance(m, nn.Linear):
         return Op("fc", target, kind, {}, _array(m.weight), None if m.bias is None else _array(m.bias))
     if isinstance(m, (nn.MaxPool2d, nn.AvgPool2d)):

@@ -11,15 +11,16 @@ from dataclasses import dataclass
 from .limits import blocks
 
 
-def input_pixel_floats(index: int, layer_type: str, channels: int, v: int) -> int:
+def input_pixel_floats(index: int, layer_type: str, channels: int, v: int, groups: int = 1) -> int:
     """Floats per pixel of a layer's blocked input: V, one lane per channel of a block, except
     for the net's first layer when it is a convolution of fewer channels than a vector (RGB
     images): its input is packed, (N, H, W, C), `channels` floats per pixel. Padded to V lanes, a
     3-channel image took 5.3x its size and the first layer's kernels were bound by moving
     padding (MobileNet conv1 backward-weights at minibatch 16, AVX-512: 37% of peak; AlexNet-like
     conv1 forward 34%). Only the net's input is packed: no kernel writes that layout but the
-    first layer's backward-data."""
-    return channels if index == 0 and layer_type == "conv" and channels < v else v
+    first layer's backward-data. (A depthwise convolution reads its input blocked: its channels
+    are its lanes.)"""
+    return channels if index == 0 and layer_type == "conv" and groups == 1 and channels < v else v
 
 
 AMX_ROWS = 16        # tile rows: output pixels per A and C tile

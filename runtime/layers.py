@@ -59,7 +59,7 @@ class Layer:
         self._v = v
         self._net = net
         # V, or the packed channels of a first conv layer's few-channel input (geometry.input_pixel_floats)
-        self.in_pixel_floats = input_pixel_floats(spec.index, spec.type, spec.in_shape[0], v)
+        self.in_pixel_floats = input_pixel_floats(spec.index, spec.type, spec.in_shape[0], v, spec.groups)
         self._saved: tuple | None = None  # (xb, yb, aux) of the last canonical forward
         self._buffers: dict[str, np.ndarray] = {}  # blocked buffers of the canonical API, by use
         self._teams: dict[tuple[int, int], int] = {}  # (minibatch, net threads) -> threads per call
@@ -314,9 +314,12 @@ class WeightedLayer(Layer):
 
     @staticmethod
     def blocked_sizes(spec: LayerEntry, v: int) -> tuple[tuple[int, ...], int]:
-        """(blocked weight shape, padded bias length) of a layer from the manifest."""
+        """(blocked weight shape, padded bias length) of a layer from the manifest: (OC/V, IC/V,
+        KH, KW, V, V), or a depthwise layer's (C/V, KH, KW, V)."""
         oc, ic = spec.out_shape[0], spec.in_shape[0]
         kh, kw = spec.kernel
+        if spec.depthwise:
+            return (blocks(oc, v), kh, kw, v), blocks(oc, v) * v
         return (blocks(oc, v), blocks(ic, v), kh, kw, v, v), blocks(oc, v) * v
 
     def init_weights(self, rng: np.random.Generator) -> None:

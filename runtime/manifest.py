@@ -32,7 +32,8 @@ from .validate import LABEL_RE, NAME_RE, SHA256_RE, Fields, read_json
 # 7: a vdpbf16ps build's packed first layer has bf16 forward and backward-weights kernels
 # (conv_fwd_packed_bf16, conv_bwd_weights_packed_bf16) where a /6 build has the fp32 ones.
 # 8: the SGD update kernel reports non-finite weights through a flag argument a /7 build's lacks.
-FORMAT = "pcldnn-build/8"
+# 9: a conv layer may be depthwise (`groups`, kernels conv_*_depthwise, weights (C, 1, KH, KW)).
+FORMAT = "pcldnn-build/9"
 FORMAT_FAMILY = "pcldnn-build/"
 MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.npz"  # initial weights recorded by `compile --weights` (canonical layouts)
@@ -112,6 +113,11 @@ class LayerEntry:
     weight_shape: tuple[int, ...] | None
     kernels: dict[str, KernelEntry]  # by pass name, and "layout"
     bias: bool = True   # conv / fc: False keeps the bias at zero (not trained, not in the state)
+    groups: int = 1     # conv: 1, or its channels (depthwise)
+
+    @property
+    def depthwise(self) -> bool:
+        return self.groups > 1
 
 
 @dataclass(frozen=True)
@@ -249,7 +255,7 @@ def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: i
     where = f"layers[{index}]"
     keys = {"name", "type", "in_shape", "out_shape", "kernel", "stride", "pad", "relu", "rate",
             "weight_shape", "kernels"}
-    f.obj(raw, where, keys, {"bias", "output", "gradient"})
+    f.obj(raw, where, keys, {"bias", "groups", "output", "gradient"})
     name = f.string(raw["name"], f"{where}.name", NAME_RE, "a layer name")
     ltype = f.choice(raw["type"], f"{where}.type", tuple(LAYER_PASSES))
     got_in = _shape(f, raw["in_shape"], f"{where}.in_shape", limits.MAX_FEATURES)
@@ -263,6 +269,9 @@ def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: i
     relu = f.boolean(raw["relu"], f"{where}.relu")
     rate = f.number_in(raw["rate"], f"{where}.rate", 0.0, 1.0, open_hi=True)
     c, h, w = in_shape
+    groups = f.int_in(raw.get("groups", 1), f"{where}.groups", 1, limits.MAX_FEATURES)
+    if groups != 1 and not (ltype == "conv" and groups == c == out[0]):
+        f.fail(f"{where}.groups", f"is {groups}: 1, or a depthwise convolution's channels ({c} in, {out[0]} out)")
     if ltype in WINDOWED:
         oc = out[0] if ltype == "conv" else c
         want = (oc, limits.out_size(h, kernel[0], stride[0], pad[0]), limits.out_size(w, kernel[1], stride[1], pad[1]))
@@ -277,22 +286,24 @@ def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: i
         f.fail(f"{where}.out_shape", f"is {list(out)} but the layer's input and window give {list(want)}")
     weight_shape = None
     if ltype in WEIGHTED:
-        expect = (out[0], c, *kernel) if ltype == "conv" else (out[0], c * h * w)
+        expect = (out[0], c // groups, *kernel) if ltype == "conv" else (out[0], c * h * w)
         weight_shape = tuple(f.array(raw["weight_shape"], f"{where}.weight_shape", len(expect), len(expect)))
         if weight_shape != expect:
             f.fail(f"{where}.weight_shape", f"is {list(weight_shape)} but the layer's shapes give {list(expect)}")
     elif raw["weight_shape"] is not None:
         f.fail(f"{where}.weight_shape", f"must be null for a {ltype} layer")
     for size, what in ((limits.padded(out[0], v) * out[1] * out[2], "out_shape"),
-                       (limits.padded(out[0], v) * limits.padded(c, v) * kernel[0] * kernel[1], "weight_shape")):
+                       (limits.padded(out[0], v) * limits.padded(c // groups, v) * kernel[0] * kernel[1], "weight_shape")):
         if size > limits.MAX_TENSOR_FLOATS:
             f.fail(f"{where}.{what}", f"a tensor of {size} floats per image, more than the {limits.MAX_TENSOR_FLOATS} allowed")
-    kinds = kernel_kinds(families.Shape(index, ltype, in_shape, kernel, stride, pad), families.Target(precision, amx, v))
+    kinds = kernel_kinds(families.Shape(index, ltype, in_shape, kernel, stride, pad, groups),
+                         families.Target(precision, amx, v))
     kernels = _kernels(f, raw["kernels"], f"{where}.kernels", name, kinds)
     bias = f.boolean(raw.get("bias", True), f"{where}.bias")
     if not bias and ltype not in WEIGHTED:
         f.fail(f"{where}.bias", f"a {ltype} layer has no bias")
-    return LayerEntry(index, name, ltype, in_shape, out, kernel, stride, pad, relu, rate, weight_shape, kernels, bias)
+    return LayerEntry(index, name, ltype, in_shape, out, kernel, stride, pad, relu, rate, weight_shape, kernels, bias,
+                      groups)
 
 
 def _kernels(f: Fields, value: Any, where: str, layer: str, kinds: dict[str, dict[str, str]]) -> dict[str, KernelEntry]:

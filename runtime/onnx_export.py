@@ -40,8 +40,8 @@ def export_onnx(net: Any, path: str | Path) -> Path:
         if spec.type == "conv":
             (kh, kw), (sh, sw), (ph, pw) = spec.kernel, spec.stride, spec.pad
             inputs = _weights(state, name, inits, numpy_helper)
-            nodes.append(helper.make_node("Conv", [x, *inputs], [out], name=name,
-                                          kernel_shape=[kh, kw], strides=[sh, sw], pads=[ph, pw, ph, pw]))
+            nodes.append(helper.make_node("Conv", [x, *inputs], [out], name=name, kernel_shape=[kh, kw],
+                                          strides=[sh, sw], pads=[ph, pw, ph, pw], group=spec.groups))
         elif spec.type == "fc":
             if spatial:
                 nodes.append(helper.make_node("Flatten", [x], [f"{name}.flat"], name=f"{name}.flatten", axis=1))

@@ -133,3 +133,16 @@ BF16_IMAGE_BAND_CASES = [
     ({"channels": 20, "height": 5, "width": 5}, {"out_channels": 16, "kernel": 3, "stride": 1, "pad": 1}, 13),
     ({"channels": 16, "height": 9, "width": 7}, {"out_channels": 24, "kernel": 3, "stride": 2, "pad": 0}, 25),
 ]
+
+# Depthwise convolutions (groups = channels): a 3x3 ReLU layer (one block and a partial one),
+# MobileNet's 3x3 stride 2, a 5x5 window wider than its 4-column input (every output pixel on the
+# border), unequal windows, strides and padding, a padding beyond the window (rows of padding
+# only), and rows of 37 output pixels (register tiles and a narrower last one)
+DEPTHWISE_CASES = [
+    ({"channels": 20, "height": 9, "width": 11}, {"kernel": 3, "stride": 1, "pad": 1, "activation": "relu"}),
+    ({"channels": 32, "height": 10, "width": 7}, {"kernel": 3, "stride": 2, "pad": 1}),
+    ({"channels": 16, "height": 6, "width": 4}, {"kernel": 5, "stride": 1, "pad": 2, "activation": "relu"}),
+    ({"channels": 7, "height": 8, "width": 13}, {"kernel": [5, 3], "stride": [1, 2], "pad": [2, 0]}),
+    ({"channels": 3, "height": 5, "width": 6}, {"kernel": 2, "stride": 3, "pad": 3}),
+    ({"channels": 24, "height": 3, "width": 37}, {"kernel": 3, "stride": 1, "pad": 1}),
+]

@@ -66,6 +66,20 @@ def conv2d_bwd_weights(x, dy, kernel, stride, pad):
     return dw, dy.sum(axis=(0, 2, 3))
 
 
+def depthwise_dense(w):
+    """A depthwise convolution's weights (C, 1, KH, KW) as an ordinary one's (C, C, KH, KW):
+    channel c's window on the diagonal, zeros elsewhere (which add nothing, exactly)."""
+    w = np.asarray(w, np.float64)
+    dense = np.zeros((w.shape[0], w.shape[0], *w.shape[2:]))
+    dense[np.arange(w.shape[0]), np.arange(w.shape[0])] = w[:, 0]
+    return dense
+
+
+def depthwise_diagonal(dw):
+    """The depthwise part (C, 1, KH, KW) of an ordinary convolution's weight gradient."""
+    return dw[np.arange(dw.shape[0]), np.arange(dw.shape[0])][:, None]
+
+
 FC_ROWS = 256  # weight rows converted to float64 at a time: VGG-A's fc6 whole would take 820 MB
 
 

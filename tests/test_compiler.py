@@ -122,7 +122,7 @@ def test_a_build_of_an_older_format_is_refused_then_replaced(tmp_path, fresh_cac
     manifest = json.loads((out / "manifest.json").read_text())
     manifest["format"] = "pcldnn-build/7"
     (out / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(BuildDirError, match="format is 'pcldnn-build/7', expected 'pcldnn-build/8'; recompile"):
+    with pytest.raises(BuildDirError, match="format is 'pcldnn-build/7', expected 'pcldnn-build/9'; recompile"):
         pr.load(out)
     build(spec, get_arch("scalar"), out)
     assert pr.load(out).name == "cifar_small"

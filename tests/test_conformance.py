@@ -32,6 +32,7 @@ from cases import (
     BF16_IMAGE_BAND_CASES,
     BF16_ROW_BAND_CASES,
     CONV_CASES,
+    DEPTHWISE_CASES,
     FC_CASES,
     PACKED_AMX_DATA_CASES,
     PACKED_AMX_FORWARD_CASES,
@@ -49,6 +50,8 @@ from reference import (
     conv2d,
     conv2d_bwd_data,
     conv2d_bwd_weights,
+    depthwise_dense,
+    depthwise_diagonal,
     fc,
     fc_bwd_data,
     fc_bwd_weights,
@@ -93,6 +96,8 @@ CASES: dict[str, list[Case]] = {
                                                       "pad": [2, 1]})]),
     "fc_gemm": [Case({"channels": 20, "height": 3, "width": 2}, {"type": "fc", "out_features": 35,
                                                                "activation": "relu"})],
+    "conv_depthwise": [Case(s, {"type": "conv", "out_channels": s["channels"], "groups": s["channels"], **l}, 2, 3)
+                       for s, l in DEPTHWISE_CASES],
     # stride-1 and strided (phase planes of x, per phase of dx) convolutions; one thread and two
     # (a thread's share ends inside a band); a layer of 32 channels, one work item of 2 x 2
     # channel blocks whose taps the threads share
@@ -128,6 +133,10 @@ CASES: dict[str, list[Case]] = {
 BF16 = {"conv_amx", "conv_packed_amx", "fc_tiles_amx", "conv_vdpbf16", "conv_packed_vdpbf16", "fc_tiles_vdpbf16"}
 
 
+def _same(a):
+    return a
+
+
 def _up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -154,6 +163,9 @@ TERMS: dict[str, tuple[Callable[[Shapes], int], Callable[[Shapes], int], Callabl
     "conv_direct": (lambda s: s.c * s.kernel[0] * s.kernel[1], lambda s: s.oc * s.kernel[0] * s.kernel[1],
                     lambda s: s.images * s.out[0] * s.out[1]),
     "fc_gemm": (lambda s: s.features, lambda s: s.oc, lambda s: s.images),
+    # a channel's own window: its taps (dx: the taps reaching a pixel, at most all of them)
+    "conv_depthwise": (lambda s: s.kernel[0] * s.kernel[1], lambda s: s.kernel[0] * s.kernel[1],
+                       lambda s: s.images * s.out[0] * s.out[1]),
     # input channels in pairs, 8 pairs a block; pixel pairs (odd rows end on a zero partner)
     "conv_vdpbf16": (lambda s: _up(s.c, 16) * s.kernel[0] * s.kernel[1], lambda s: _up(s.oc, 16) * s.kernel[0] * s.kernel[1],
                      lambda s: s.images * s.out[0] * (s.out[1] + 1)),
@@ -176,7 +188,8 @@ TERMS: dict[str, tuple[Callable[[Shapes], int], Callable[[Shapes], int], Callabl
 # (family, target) -> how it runs: the fp32 families on every ISA this CPU runs, the vdpbf16ps
 # ones on AVX512_BF16 (emulated elsewhere: the bf16_kernels marker), the AMX ones where Linux
 # grants tiles
-TARGETS = ([pytest.param(f, isa, id=f"{f}-{isa.values[0]}") for f in ("conv_direct", "fc_gemm") for isa in ISA_PARAMS]
+TARGETS = ([pytest.param(f, isa, id=f"{f}-{isa.values[0]}") for f in ("conv_direct", "conv_depthwise", "fc_gemm")
+            for isa in ISA_PARAMS]
            + [pytest.param(f, "amx", marks=pytest.mark.skipif(not HAS_AMX, reason="no AMX tiles here"), id=f)
               for f in ("conv_amx", "conv_packed_amx", "fc_tiles_amx")]
            + [pytest.param(f, "vdpbf16ps", marks=pytest.mark.bf16_kernels, id=f)
@@ -235,9 +248,12 @@ def _run_case(tmp_path, family: str, arch, case: Case, k: int) -> None:
                     (out / "src" / "l_fwd.c").read_text())
     if case.layer["type"] == "conv":
         stride, pad = _pair(case.layer.get("stride", 1)), _pair(case.layer.get("pad", 0))
-        passes = {"fwd": (lambda xx, ww, bb: conv2d(xx, ww, bb, stride, pad, relu), (rx, rw, b), (x, w, b)),
-                  "bwd_data": (lambda d, ww: conv2d_bwd_data(d, ww, stride, pad, x.shape), (rdy, rw), (dym, w)),
-                  "bwd_weights": (lambda xx, d: conv2d_bwd_weights(xx, d, kernel, stride, pad)[0], (rx, rdy), (x, dym))}
+        # a depthwise layer's weights as an ordinary convolution's, zero off the diagonal
+        dense, part = (depthwise_dense, depthwise_diagonal) if case.layer.get("groups", 1) > 1 else (_same, _same)
+        passes = {"fwd": (lambda xx, ww, bb: conv2d(xx, dense(ww), bb, stride, pad, relu), (rx, rw, b), (x, w, b)),
+                  "bwd_data": (lambda d, ww: conv2d_bwd_data(d, dense(ww), stride, pad, x.shape), (rdy, rw), (dym, w)),
+                  "bwd_weights": (lambda xx, d: part(conv2d_bwd_weights(xx, d, kernel, stride, pad)[0]), (rx, rdy),
+                                  (x, dym))}
     else:
         passes = {"fwd": (lambda xx, ww, bb: fc(xx, ww, bb, relu), (rx, rw, b), (x, w, b)),
                   "bwd_data": (lambda d, ww: fc_bwd_data(d, ww, x.shape), (rdy, rw), (dym, w)),

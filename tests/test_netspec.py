@@ -40,6 +40,14 @@ def _with(path_edit):
     (lambda n: n.update(num_classes=10), r": num_classes: unknown field; did you mean 'classes'\?"),
     (lambda n: n["layers"][0].update(source="features.0\nrm -rf"), r"layers\[0\]\.source: must be one line of printable"),
     (lambda n: n["layers"][0].update(bias="no"), r"layers\[0\]\.bias: must be true or false"),
+    (lambda n: n["layers"][0].update(groups=0), r"layers\[0\]\.groups: must be a positive int"),
+    (lambda n: n["layers"][0].update(groups="3"), r"layers\[0\]\.groups: must be a positive int"),
+    (lambda n: n["layers"][0].update(groups=3), r"layers\[0\]\.groups: 3 groups must divide the 3 input and 8 output"),
+    (lambda n: n["layers"].insert(1, {"name": "g", "type": "conv", "out_channels": 8, "kernel": 3, "groups": 2}),
+     r"layers\[1\]\.groups: 2 groups with 4 input channels a group is not supported: groups must be 1, or equal"),
+    (lambda n: n["layers"].insert(1, {"name": "g", "type": "conv", "out_channels": 16, "kernel": 3, "groups": 8}),
+     r"layers\[1\]\.groups: 8 groups with a channel multiplier of 2 is not supported"),
+    (lambda n: n["layers"][1].update(groups=8), r"layers\[1\]\.groups: unknown field"),
     (lambda n: n["layers"][1].update(bias=False), r"layers\[1\]\.bias: unknown field"),
     (lambda n: n["layers"][0].update(kernel=-1),
      r"layers\[0\]\.kernel: must be a positive int or \[h, w\] \(each at most 64\), got -1"),
@@ -145,6 +153,18 @@ def test_defaults_and_asymmetric_parameters():
     assert c.out_shape == (4, 10, 8) and not c.relu
     assert p.stride == (2, 2) and p.out_shape == (4, 5, 4)  # pool stride defaults to its kernel
     assert f.kernel == (5, 4) and f.weight_shape == (3, 80)
+
+
+def test_depthwise_convolutions_have_a_window_per_channel():
+    """groups = channels: weights (C, 1, KH, KW), a window's FLOPs per output value, and a
+    stride and padding of their own; groups 1 stays the ordinary convolution."""
+    spec = parse_netspec(_with(lambda n: n["layers"].insert(
+        1, {"name": "dw", "type": "conv", "out_channels": 8, "kernel": [3, 5], "stride": 2, "pad": [1, 2],
+            "groups": 8})))
+    dw, conv = spec.layer("dw"), spec.layer("conv1")
+    assert dw.depthwise and not conv.depthwise and conv.groups == 1
+    assert dw.weight_shape == (8, 1, 3, 5) and dw.out_shape == (8, 8, 8)
+    assert dw.flops(2) == 2 * 2 * 8 * 8 * 8 * 3 * 5
 
 
 def test_hash_identifies_the_description():

@@ -25,6 +25,8 @@ LAYERS = [
     {"name": "conv1", "type": "conv", "out_channels": 6, "kernel": [3, 5], "stride": [1, 2], "pad": [1, 2],
      "activation": "relu"},
     {"name": "pool1", "type": "maxpool", "kernel": 3, "stride": 2, "pad": 1},
+    {"name": "dw", "type": "conv", "out_channels": 6, "groups": 6, "kernel": 3, "stride": [2, 1], "pad": 1,
+     "activation": "relu"},
     {"name": "conv2", "type": "conv", "out_channels": 10, "kernel": 3, "pad": 1},
     {"name": "relu2", "type": "relu"},
     {"name": "pool2", "type": "avgpool", "kernel": 2, "stride": 1, "pad": 1},
@@ -65,12 +67,14 @@ def test_import_compile_with_weights_and_load_give_the_same_logits(exported, tmp
     out = tmp_path / "net.json"
     assert main(["import", str(path), "-o", str(out)]) == 0
     described = json.loads(out.read_text())
-    # the fused ReLUs found again; the standalone one after conv2 fused as well; the dropout's rate kept
+    # the fused ReLUs found again; the standalone one after conv2 fused as well; the dropout's rate
+    # kept; the depthwise layer's groups (ONNX's group attribute)
     assert [(l["type"], l.get("activation")) for l in described["layers"]] == [
-        ("conv", "relu"), ("maxpool", None), ("conv", "relu"), ("avgpool", None), ("fc", "relu"), ("dropout", None),
-        ("fc", None), ("softmax_cross_entropy", None)]
-    assert described["layers"][5]["rate"] == pytest.approx(0.3)
-    assert described["classes"] == 7 and described["layers"][2]["source"] == "conv2"
+        ("conv", "relu"), ("maxpool", None), ("conv", "relu"), ("conv", "relu"), ("avgpool", None), ("fc", "relu"),
+        ("dropout", None), ("fc", None), ("softmax_cross_entropy", None)]
+    assert described["layers"][6]["rate"] == pytest.approx(0.3)
+    assert described["layers"][2]["groups"] == 6 and "groups" not in described["layers"][3]
+    assert described["classes"] == 7 and described["layers"][3]["source"] == "conv2"
     assert main(["compile", str(out), "--arch", ISA, "--weights", str(tmp_path / "net.npz"), "-o",
                  str(tmp_path / "b")]) == 0
     loaded = pr.load(tmp_path / "b", threads=1)  # starts from the recorded weights

@@ -32,6 +32,7 @@ from .conv import (
     plan_conv_fwd_packed_bf16,
     plane_as_row,
 )
+from .depthwise import plan_conv_depthwise
 from .fc import plan_fc_bwd_data, plan_fc_bwd_weights, plan_fc_fwd
 from .memory import plan_memory_bound
 from .plans import ConvBwdDataPlan, ConvFwdPlan, KernelPlan, Measured, TileTiming
@@ -144,6 +145,7 @@ _FAMILY_PLANNERS: dict[str, _Planner] = {
     "conv_packed_vdpbf16": _conv_packed_vdpbf16,
     "conv_vdpbf16": _conv_vdpbf16,
     "fc_tiles_vdpbf16": _fc_tiles(False),
+    "conv_depthwise": lambda layer, p, arch, choice, act, grad: plan_conv_depthwise(layer, p, arch),
     "conv_direct": _register_tiled,
     "fc_gemm": _register_tiled,
     "pool": _memory_bound,

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from . import (
     conv_amx,
+    conv_depthwise,
     conv_direct,
     conv_packed_amx,
     conv_packed_vdpbf16,
@@ -43,6 +44,7 @@ FAMILIES: tuple[Family, ...] = (
     conv_packed_vdpbf16.FAMILY,
     conv_vdpbf16.FAMILY,
     fc_tiles.VDPBF16,
+    conv_depthwise.FAMILY,
     conv_direct.FAMILY,
     fc_gemm.FAMILY,
     pool.FAMILY,
@@ -83,8 +85,7 @@ _KINDS: dict[str, Kind] | None = None  # every family's kinds by name, made on f
 
 def family_of(kind: Kind) -> Family:
     """The family whose kernels have this kind."""
-    return next(f for f in FAMILIES if f.engine is kind.engine and kind.layer_type in f.layer_types
-                and (f.packed is None or f.packed == kind.packed))
+    return next(f for f in FAMILIES if kind in f.kinds)
 
 
 def isa_suffix(kind_name: str) -> str:
@@ -158,8 +159,8 @@ def bf16_outputs(precision: str, amx: bool, v: int, layers: Sequence[LayerShape]
         return (False,) * len(layers)
     target = Target(precision, amx, v)
 
-    def writes(layer: LayerShape) -> bool:
-        return layer.type == "conv" or layer.type in BF16_ACTIVATION_LAYERS
+    def writes(layer: LayerShape) -> bool:  # (a depthwise convolution's kernels read and write fp32)
+        return (layer.type == "conv" and layer.groups == 1) or layer.type in BF16_ACTIVATION_LAYERS
 
     def reads(layer: LayerShape) -> bool:
         if layer.type in BF16_ACTIVATION_LAYERS:

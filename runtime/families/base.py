@@ -27,11 +27,13 @@ class Engine(enum.Enum):
 @dataclass(frozen=True)
 class Kind:
     """A kernel's kind: layer type x pass x engine (and whether it reads the first layer's
-    packed image); `name` is the string builds record (`conv_fwd_packed_amx`)."""
+    packed image, or computes a depthwise convolution); `name` is the string builds record
+    (`conv_fwd_packed_amx`, `conv_bwd_data_depthwise`)."""
     layer_type: str
     pass_name: str
     engine: Engine
     packed: bool = False
+    depthwise: bool = False
 
     @property
     def weight_copy(self) -> bool:
@@ -43,7 +45,7 @@ class Kind:
     @property
     def name(self) -> str:
         if self.engine is Engine.FP32:
-            return f"{self.layer_type}_{self.pass_name}"
+            return f"{self.layer_type}_{self.pass_name}" + ("_depthwise" if self.depthwise else "")
         return (f"{self.layer_type}_{self.pass_name}" + ("_packed" if self.packed else "")
                 + ("_amx" if self.engine is Engine.AMX else "_bf16"))
 
@@ -74,6 +76,8 @@ class LayerShape(Protocol):
     def stride(self) -> tuple[int, int]: ...
     @property
     def pad(self) -> tuple[int, int]: ...
+    @property
+    def groups(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -85,12 +89,13 @@ class Shape:
     kernel: tuple[int, int]
     stride: tuple[int, int] = (1, 1)
     pad: tuple[int, int] = (0, 0)
+    groups: int = 1
 
 
 def reads_packed_image(layer: LayerShape, v: int) -> bool:
     """Whether `layer` is the net's first convolution on the packed few-channel image
     (geometry.input_pixel_floats): its bf16 and AMX kernels are families of their own."""
-    return input_pixel_floats(layer.index, layer.type, layer.in_shape[0], v) < v
+    return input_pixel_floats(layer.index, layer.type, layer.in_shape[0], v, layer.groups) < v
 
 
 def window_values(layer: LayerShape) -> int:
@@ -138,14 +143,15 @@ class Family:
     signatures: Mapping[str, str]
     calls: Calls | None = None
     packed: bool | None = None  # True: only the packed first layer; False: never it; None: either
+    depthwise: bool = False  # its conv kernels are for depthwise convolutions (groups > 1) only, else never
     policy: Callable[[LayerShape, str, Target], str | None] = lambda layer, pass_name, target: None
     passes: tuple[str, ...] | None = None  # the passes it has kernels for (None: every pass of its layers)
     kinds: tuple[Kind, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         from ..manifest import LAYER_PASSES
-        kinds = tuple(Kind(t, p, self.engine, bool(self.packed)) for t in self.layer_types for p in LAYER_PASSES[t]
-                      if self.passes is None or p in self.passes)
+        kinds = tuple(Kind(t, p, self.engine, bool(self.packed), self.depthwise) for t in self.layer_types
+                      for p in LAYER_PASSES[t] if self.passes is None or p in self.passes)
         object.__setattr__(self, "kinds", kinds)
         if set(self.signatures) != {k.name for k in kinds}:  # a family module's slip, found on import
             raise ValueError(f"family {self.name}: signatures for {sorted(self.signatures)}, "
@@ -155,17 +161,22 @@ class Family:
         return any(k.layer_type == layer_type and k.pass_name == pass_name for k in self.kinds)
 
     def kind(self, layer_type: str, pass_name: str) -> Kind:
-        return Kind(layer_type, pass_name, self.engine, bool(self.packed))
+        return Kind(layer_type, pass_name, self.engine, bool(self.packed), self.depthwise)
 
     def handles(self, layer: LayerShape, v: int) -> bool:
-        """Whether its kernels are written for this layer (type, packed image or not)."""
-        return layer.type in self.layer_types and (self.packed is None
-                                                   or self.packed == reads_packed_image(layer, v))
+        """Whether its kernels are written for this layer (type, depthwise or not, packed image or not)."""
+        return (layer.type in self.layer_types and self._depthwise_matches(layer)
+                and (self.packed is None or self.packed == reads_packed_image(layer, v)))
+
+    def _depthwise_matches(self, layer: LayerShape) -> bool:
+        return layer.type != "conv" or self.depthwise == (layer.groups > 1)
 
     def declines(self, layer: LayerShape, pass_name: str, target: Target) -> str | None:
         """Why this family does not compute the pass in this build (None: it does)."""
         if layer.type not in self.layer_types:
             return f"computes {', '.join(self.layer_types)} layers, not {layer.type}"
+        if not self._depthwise_matches(layer):
+            return "computes depthwise convolutions only" if self.depthwise else "not a depthwise convolution"
         if self.packed is not None and self.packed != reads_packed_image(layer, target.vector_floats):
             return "reads the first layer's packed image only" if self.packed else "not the packed first layer"
         if not self.has_pass(layer.type, pass_name):
