@@ -18,7 +18,7 @@ from pcldnn_runtime.validate import Fields, show
 from .errors import ModelImportError, NetSpecError
 from .netspec import check_groups, check_window, parse_netspec
 
-OP_KINDS = ("conv", "fc", "maxpool", "avgpool", "relu", "dropout", "flatten", "softmax", "identity")
+OP_KINDS = ("conv", "fc", "batchnorm", "maxpool", "avgpool", "relu", "dropout", "flatten", "softmax", "identity")
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,9 @@ class Op:
     source: str                     # the framework's name of the module or node
     type_name: str                  # the framework's type (Conv2d, Gemm, ...), for messages
     attrs: dict[str, Any] = field(default_factory=dict)  # kernel / stride / pad pairs, rate
-    weight: np.ndarray | None = None  # conv (OC, IC, KH, KW), fc (OC, IC): canonical layouts
+    weight: np.ndarray | None = None  # conv (OC, IC, KH, KW), fc (OC, IC), batchnorm (C,): canonical layouts
     bias: np.ndarray | None = None
+    running: tuple[np.ndarray, np.ndarray, int] | None = None  # batchnorm: running mean, variance, batch count
 
     @property
     def label(self) -> str:
@@ -175,6 +176,27 @@ def net_from_ops(ops: list[Op], input_shape: tuple[int, int, int], name: str, or
                 continue
             layer["out_features"] = oc
             c, h, w, flat = oc, 1, 1, True
+            fusable = True
+        elif op.kind == "batchnorm":
+            if flat:
+                problems.append(f"{op.label}: follows a flatten (BatchNorm1d on vectors is not supported)")
+                continue
+            fields = Fields(origin, ModelImportError)
+            layer["eps"] = fields.number_in(_plain(op.attrs["eps"]), f"{op.label}.eps", 1e-12, 1.0)
+            layer["momentum"] = fields.number_in(_plain(op.attrs["momentum"]), f"{op.label}.momentum", 0.0, 1.0)
+            assert op.weight is not None and op.bias is not None and op.running is not None
+            if any(np.shape(a) != (c,) for a in (op.weight, op.bias, *op.running[:2])):
+                problems.append(f"{op.label}: scale, shift and running statistics must each have {c} values "
+                                f"(the {c} channels before it)")
+                continue
+            mean, var, count = op.running
+            if (np.asarray(var) < 0).any():
+                problems.append(f"{op.label}: a negative running variance")
+                continue
+            state[f"{layer['name']}.running_mean"] = _finite(mean, f"{op.label} running_mean", problems)
+            state[f"{layer['name']}.running_var"] = _finite(var, f"{op.label} running_var", problems)
+            state[f"{layer['name']}.num_batches_tracked"] = np.array(
+                fields.int_in(_plain(count), f"{op.label}.num_batches_tracked", 0, 2 ** 24 - 1), dtype=np.int64)
             fusable = True
         elif op.kind == "dropout":
             layer["rate"] = Fields(origin, ModelImportError).number_in(_plain(op.attrs["rate"]), f"{op.label}.rate",

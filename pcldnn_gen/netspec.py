@@ -29,6 +29,7 @@ LAYER_FIELDS: dict[str, tuple[set[str], dict[str, Any]]] = {
     "avgpool": ({"kernel"}, {"stride": None, "pad": 0}),
     "relu": (set(), {}),
     "dropout": (set(), {"rate": 0.5}),
+    "batchnorm": (set(), {"eps": 1e-5, "momentum": 0.1, "activation": None}),
     "softmax_cross_entropy": (set(), {}),
 }
 WEIGHTED = ("conv", "fc")
@@ -54,6 +55,8 @@ class LayerSpec:
     pad: tuple[int, int] = (0, 0)
     relu: bool = False
     rate: float = 0.0  # dropout probability (dropout layers only)
+    eps: float = 1e-5  # batchnorm: added to the variance before its square root
+    momentum: float = 0.1  # batchnorm: running = (1 - momentum) running + momentum batch statistic
     bias: bool = True  # conv / fc: false keeps the bias at zero (PyTorch's bias=False)
     groups: int = 1  # conv: 1, or the channels (depthwise: each channel convolved with its own window)
 
@@ -64,6 +67,11 @@ class LayerSpec:
     @property
     def depthwise(self) -> bool:
         return self.groups > 1
+
+    @property
+    def normalizes(self) -> bool:
+        """A batchnorm layer: per-channel scale and shift (`weight`, `bias`) and running statistics."""
+        return self.type == "batchnorm"
 
     @property
     def weight_shape(self) -> tuple[int, ...] | None:
@@ -180,6 +188,12 @@ def parse_netspec(data: Any, origin: str = "<net>", max_memory: int | None = Non
         elif ltype == "dropout":
             rate = p.number_in(f["rate"], f"{where}.rate", 0.0, 1.0, open_hi=True)
             spec = LayerSpec(i, lname, ltype, shape, shape, rate=rate)
+        elif ltype == "batchnorm":
+            if flat:
+                p.fail(where, "batchnorm normalizes the channels of an image (BatchNorm2d); it cannot follow an fc layer")
+            spec = LayerSpec(i, lname, ltype, shape, shape, relu=relu,
+                             eps=p.number_in(f["eps"], f"{where}.eps", 1e-12, 1.0),
+                             momentum=p.number_in(f["momentum"], f"{where}.momentum", 0.0, 1.0))
         else:  # relu, softmax_cross_entropy: shape-preserving
             spec = LayerSpec(i, lname, ltype, shape, shape, relu=(ltype == "relu"))
         for size, what in ((spec.out_shape[0] * spec.out_shape[1] * spec.out_shape[2], "output"),

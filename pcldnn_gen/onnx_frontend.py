@@ -23,7 +23,8 @@ from .errors import ModelImportError, PcldnnError
 from .frontend import Op, fail_unsupported, input_shape_of, model_name, net_from_ops, printable
 
 SUPPORTED = ("Conv (group 1 or depthwise, dilation 1, symmetric pads), Gemm (transA 0), MatMul (+ Add), MaxPool / AveragePool "
-             "(floor, symmetric pads; AveragePool counting pads), GlobalAveragePool, Relu, Dropout, Flatten "
+             "(floor, symmetric pads; AveragePool counting pads), GlobalAveragePool, BatchNormalization (inference "
+             "form), Relu, Dropout, Flatten "
              "(axis 1), Reshape to (N, -1), Identity, a final Softmax / LogSoftmax")
 MAX_MODEL_BYTES = 4 * 1024 ** 3  # a protobuf cannot exceed 2 GiB without external data anyway
 MIN_OPSET = 7  # the oldest opset whose operator forms the translation below reads (opset 7 dropped is_test etc.)
@@ -332,6 +333,17 @@ def _node_op(node: Any, following: Any, source: str, constants: Any, onnx: Any) 
         return Op("maxpool" if t == "MaxPool" else "avgpool", source, t, window), False
     if t == "GlobalAveragePool":
         return Op("avgpool", source, t, {"adaptive": (1, 1)}), False
+    if t == "BatchNormalization":  # inference form: the running statistics are inputs 3 and 4
+        if _int(a, "training_mode", 0):
+            raise _Unsupported("training_mode 1 (only the inference form)")
+        scale, shift, mean, var = (_const(constants, node, i, what) for i, what in
+                                   ((1, "scale"), (2, "B"), (3, "input_mean"), (4, "input_var")))
+        if scale is None or shift is None or mean is None or var is None:
+            raise _Unsupported("needs scale, B, input_mean and input_var initializers")
+        # ONNX's momentum weighs the running statistic (0.9), PyTorch's and ours the new one (0.1);
+        # both attributes are float32 in the file: as decimals of that precision
+        eps, momentum = (float(f"{float(v):.7g}") for v in (_float(a, "epsilon", 1e-5), 1.0 - _float(a, "momentum", 0.9)))
+        return Op("batchnorm", source, t, {"eps": eps, "momentum": momentum}, scale, shift, (mean, var, 0)), False
     if t == "Relu":
         return Op("relu", source, t), False
     if t == "Dropout":

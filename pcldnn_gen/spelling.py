@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class VectorISA:
-    """How one ISA spells the vector operations the templates use."""
+    """How one ISA spells the vector operations the templates use. Operands are names, loads or
+    other spelled calls: the scalar spellings are plain C operators (`{c} + {a} * {b}`) and do
+    not parenthesize an operand, so a sum passed as one would bind wrongly (give it a name)."""
 
     type: str
     include: str

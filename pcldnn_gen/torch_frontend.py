@@ -15,7 +15,8 @@ from pcldnn_runtime import limits
 from .errors import ModelImportError, PcldnnError
 from .frontend import Op, fail_unsupported, input_shape_of, model_name, net_from_ops, printable
 
-SUPPORTED = ("Conv2d (groups=1 or depthwise, dilation=1, zero padding), Linear, MaxPool2d, AvgPool2d, AdaptiveAvgPool2d "
+SUPPORTED = ("Conv2d (groups=1 or depthwise, dilation=1, zero padding), Linear, BatchNorm2d, MaxPool2d, AvgPool2d, "
+             "AdaptiveAvgPool2d "
              "(to a size that divides the input), ReLU, Dropout, Flatten, Identity, a final Softmax / LogSoftmax, "
              "and torch.flatten / F.relu / F.dropout / F.max_pool2d / F.avg_pool2d / view(N, -1) in forward")
 
@@ -174,6 +175,13 @@ def _module_op(target: str, m: Any, nn: Any) -> Op:
     if isinstance(m, nn.AdaptiveAvgPool2d):
         size = m.output_size if isinstance(m.output_size, (tuple, list)) else (m.output_size, m.output_size)
         return Op("avgpool", target, kind, {"adaptive": tuple(size)})
+    if isinstance(m, nn.BatchNorm2d):
+        if not m.affine or not m.track_running_stats:
+            raise _Unsupported(kind, "affine=False or track_running_stats=False (only BatchNorm2d's defaults)")
+        if m.momentum is None:
+            raise _Unsupported(kind, "momentum=None (a cumulative average; only a number)")
+        return Op("batchnorm", target, kind, {"eps": m.eps, "momentum": m.momentum}, _array(m.weight), _array(m.bias),
+                  (_array(m.running_mean), _array(m.running_var), int(m.num_batches_tracked)))
     if isinstance(m, nn.ReLU):
         return Op("relu", target, kind)
     if isinstance(m, nn.Dropout):

@@ -241,20 +241,16 @@ class Layer:
         return self._from_blocked("in", dxb, self.in_shape, False).reshape(self._given_shape)
 
 
-class WeightedLayer(Layer):
-    """conv and fc: blocked weights (OC/V, IC/V, KH, KW, V, V) and a padded bias, both views
-    into the net's flat parameter buffer; their gradients are views into the gradient buffer.
-    Its family modules (runtime/families/) run its kernels: `kernels[role]` on `ptr(array)`."""
-
-    ptr = staticmethod(ptr)  # an array as a C pointer to its data, None as NULL
+class ParamLayer(Layer):
+    """A layer with trained parameters: blocked weights and a padded bias, both views into the
+    net's flat parameter buffer; their gradients are views into the gradient buffer. How the
+    weights are blocked is the subclass's (`blocked_sizes`, `_canonical`, `_into_blocked`)."""
 
     def __init__(self, spec: LayerEntry, kernels: dict[str, Callable], v: int, net: Any,
                  params: tuple[np.ndarray, np.ndarray], grads: tuple[np.ndarray, np.ndarray],
                  offsets: tuple[int, int] = (0, 0)) -> None:
         super().__init__(spec, kernels, v, net)
-        if spec.weight_shape is None:  # the manifest schema gives every conv / fc layer one
-            raise PcldnnError(f"layer {spec.name}: a {spec.type} layer without a weight shape")
-        self.weight_shape: tuple[int, ...] = spec.weight_shape
+        self.weight_shape: tuple[int, ...] = self.canonical_weight_shape(spec)
         self.relu: bool = spec.relu
         self._wt, self._bias = params
         self._dwt, self._dbias = grads
@@ -262,15 +258,113 @@ class WeightedLayer(Layer):
         # once, not on every kernel call (each costs about a microsecond).
         self.weights_ptr, self.bias_ptr = ptr(self._wt), ptr(self._bias)
         self.weights_size: int = self._wt.size  # floats of the blocked weights
-        # fc: the output-feature blocks this process computes (all of them unless a model-parallel
-        # runtime gives it a slice); conv kernels always compute the whole layer.
-        self.ocb_range: tuple[int, int] | None = (0, blocks(self.out_shape[0], v)) if self.type == "fc" else None
-        # Under MPI, a model-parallel fc layer's training passes go through its runner
-        # (pcldnn_runtime.distributed), which exchanges activations and calls run_forward /
-        # run_backward on its slice; evaluation runs locally on the whole layer.
-        self.runner = None
         # where the blocked weights and the bias start in the net's flat params / grads buffers
         self.param_offsets: tuple[int, int] = offsets
+        # Under MPI, a model-parallel fc layer's training passes go through its runner
+        # (pcldnn_runtime.distributed); every other layer's stays None.
+        self.runner = None
+
+    @staticmethod
+    def canonical_weight_shape(spec: LayerEntry) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    @staticmethod
+    def blocked_sizes(spec: LayerEntry, v: int) -> tuple[tuple[int, ...], int]:
+        """(blocked weight shape, padded bias length) of a layer from the manifest."""
+        raise NotImplementedError
+
+    def init_weights(self, rng: np.random.Generator) -> None:
+        raise NotImplementedError
+
+    def _canonical(self, blocked: np.ndarray) -> np.ndarray:
+        """Blocked weights (the layer's, or a params-like buffer's slice) in the canonical layout."""
+        raise NotImplementedError
+
+    def _into_blocked(self, weights: np.ndarray, dst: np.ndarray) -> None:
+        """Canonical float32 weights into a blocked slice (padding zero)."""
+        raise NotImplementedError
+
+    @property
+    def grad_buffers(self) -> tuple[np.ndarray, np.ndarray]:
+        """The blocked (weight, bias) gradient views into the net's gradient buffer, which
+        `Net.backward` fills."""
+        return self._dwt, self._dbias
+
+    def canonical_from(self, flat: np.ndarray) -> np.ndarray:
+        """This layer's weights then bias, canonical and flattened, from a flat buffer laid out
+        like the net's params (params itself, a gradient or momentum buffer)."""
+        w0, b0 = self.param_offsets
+        blocked = flat[w0:w0 + self._wt.size].reshape(self._wt.shape)
+        return np.concatenate([self._canonical(blocked).ravel(), flat[b0:b0 + self.out_shape[0]]])
+
+    def canonical_into(self, values: np.ndarray, flat: np.ndarray) -> None:
+        """The inverse of canonical_from: `values` (weights then bias) into a params-like flat
+        buffer, padding lanes zero."""
+        w0, b0 = self.param_offsets
+        n = int(np.prod(self.weight_shape))
+        weights = np.ascontiguousarray(values[:n], dtype=np.float32).reshape(self.weight_shape)
+        self._into_blocked(weights, flat[w0:w0 + self._wt.size].reshape(self._wt.shape))
+        flat[b0:b0 + self._bias.size] = 0.0
+        flat[b0:b0 + self.out_shape[0]] = values[n:]
+
+    @property
+    def weights(self) -> np.ndarray:
+        """Canonical copy: conv (OC, IC, KH, KW), fc (OC, IC), batchnorm's scale (C,). Assign to set."""
+        self._net.current()
+        return self._canonical(self._wt)
+
+    @weights.setter
+    def weights(self, value: np.ndarray) -> None:
+        value = np.asarray(value)
+        if value.shape != self.weight_shape:
+            raise PcldnnError(f"layer {self.name}: weights shape {value.shape}, expected {self.weight_shape}")
+        value = as_float32(value, f"layer {self.name}: weights")
+        self._net.current()
+        self._into_blocked(value, self._wt)
+        self._net.weights_changed()
+
+    @property
+    def bias(self) -> np.ndarray:
+        self._net.current()
+        return self._bias[: self.out_shape[0]].copy()
+
+    @bias.setter
+    def bias(self, value: np.ndarray) -> None:
+        value = as_float32(value, f"layer {self.name}: bias")
+        if value.shape != (self.out_shape[0],):
+            raise PcldnnError(f"layer {self.name}: bias shape {value.shape}, expected ({self.out_shape[0]},)")
+        if not self.spec.bias and value.any():
+            raise PcldnnError(f"layer {self.name}: has no bias (\"bias\": false in its description)")
+        self._net.current()
+        self._bias[: self.out_shape[0]] = value
+
+    @property
+    def grad_weights(self) -> np.ndarray:
+        """Canonical copy of the weight gradient left by the last `Net.backward`."""
+        self._net.current()
+        return self._canonical(self._dwt)
+
+    @property
+    def grad_bias(self) -> np.ndarray:
+        return self._dbias[: self.out_shape[0]].copy()
+
+
+class WeightedLayer(ParamLayer):
+    """conv and fc: blocked weights (OC/V, IC/V, KH, KW, V, V), or a depthwise layer's (C/V, KH,
+    KW, V), converted by the layer's layout kernels. Its family modules (runtime/families/) run
+    its kernels: `kernels[role]` on `ptr(array)`."""
+
+    ptr = staticmethod(ptr)  # an array as a C pointer to its data, None as NULL
+
+    def __init__(self, spec: LayerEntry, kernels: dict[str, Callable], v: int, net: Any,
+                 params: tuple[np.ndarray, np.ndarray], grads: tuple[np.ndarray, np.ndarray],
+                 offsets: tuple[int, int] = (0, 0)) -> None:
+        super().__init__(spec, kernels, v, net, params, grads, offsets)
+        # fc: the output-feature blocks this process computes (all of them unless a model-parallel
+        # runtime gives it a slice); conv kernels always compute the whole layer. (A model-parallel
+        # layer's runner exchanges activations and calls run_forward / run_backward on its slice;
+        # evaluation runs locally on the whole layer.)
+        self.ocb_range: tuple[int, int] | None = (0, blocks(self.out_shape[0], v)) if self.type == "fc" else None
         # The family that computes each pass (families.choose, as the manifest recorded it): its
         # module says how its kernel is called (scratch, weight copies, the ReLU mask).
         self.family: dict[str, families.Family] = {}
@@ -303,14 +397,14 @@ class WeightedLayer(Layer):
 
     @property
     def blocked_weight_shape(self) -> tuple[int, ...]:
-        """(OC/V, IC/V, KH, KW, V, V): the layout of the weights inside the flat buffers."""
+        """(OC/V, IC/V, KH, KW, V, V), depthwise (C/V, KH, KW, V): the weights' layout in the flat buffers."""
         return self._wt.shape
 
-    @property
-    def grad_buffers(self) -> tuple[np.ndarray, np.ndarray]:
-        """The blocked (weight, bias) gradient views into the net's gradient buffer, which
-        `Net.backward` fills."""
-        return self._dwt, self._dbias
+    @staticmethod
+    def canonical_weight_shape(spec: LayerEntry) -> tuple[int, ...]:
+        if spec.weight_shape is None:  # the manifest schema gives every conv / fc layer one
+            raise PcldnnError(f"layer {spec.name}: a {spec.type} layer without a weight shape")
+        return spec.weight_shape
 
     @staticmethod
     def blocked_sizes(spec: LayerEntry, v: int) -> tuple[tuple[int, ...], int]:
@@ -335,63 +429,8 @@ class WeightedLayer(Layer):
         self._k["wt_from_blocked"](ptr(blocked), ptr(out))
         return out
 
-    def canonical_from(self, flat: np.ndarray) -> np.ndarray:
-        """This layer's weights then bias, canonical and flattened, from a flat buffer laid out
-        like the net's params (params itself, a gradient or momentum buffer)."""
-        w0, b0 = self.param_offsets
-        blocked = flat[w0:w0 + self._wt.size].reshape(self._wt.shape)
-        return np.concatenate([self._canonical(blocked).ravel(), flat[b0:b0 + self.out_shape[0]]])
-
-    def canonical_into(self, values: np.ndarray, flat: np.ndarray) -> None:
-        """The inverse of canonical_from: `values` (weights then bias) into a params-like flat
-        buffer, padding lanes zero."""
-        w0, b0 = self.param_offsets
-        n = int(np.prod(self.weight_shape))
-        weights = np.ascontiguousarray(values[:n], dtype=np.float32).reshape(self.weight_shape)
-        self._k["wt_to_blocked"](ptr(weights), ptr(flat[w0:w0 + self._wt.size]))
-        flat[b0:b0 + self._bias.size] = 0.0
-        flat[b0:b0 + self.out_shape[0]] = values[n:]
-
-    @property
-    def weights(self) -> np.ndarray:
-        """Canonical copy: conv (OC, IC, KH, KW), fc (OC, IC). Assign to set."""
-        self._net.current()
-        return self._canonical(self._wt)
-
-    @weights.setter
-    def weights(self, value: np.ndarray) -> None:
-        value = np.asarray(value)
-        if value.shape != self.weight_shape:
-            raise PcldnnError(f"layer {self.name}: weights shape {value.shape}, expected {self.weight_shape}")
-        value = as_float32(value, f"layer {self.name}: weights")
-        self._net.current()
-        self._k["wt_to_blocked"](ptr(value), self.weights_ptr)
-        self._net.weights_changed()
-
-    @property
-    def bias(self) -> np.ndarray:
-        self._net.current()
-        return self._bias[: self.out_shape[0]].copy()
-
-    @bias.setter
-    def bias(self, value: np.ndarray) -> None:
-        value = as_float32(value, f"layer {self.name}: bias")
-        if value.shape != (self.out_shape[0],):
-            raise PcldnnError(f"layer {self.name}: bias shape {value.shape}, expected ({self.out_shape[0]},)")
-        if not self.spec.bias and value.any():
-            raise PcldnnError(f"layer {self.name}: has no bias (\"bias\": false in its description)")
-        self._net.current()
-        self._bias[: self.out_shape[0]] = value
-
-    @property
-    def grad_weights(self) -> np.ndarray:
-        """Canonical copy of the weight gradient left by the last `Net.backward`."""
-        self._net.current()
-        return self._canonical(self._dwt)
-
-    @property
-    def grad_bias(self) -> np.ndarray:
-        return self._dbias[: self.out_shape[0]].copy()
+    def _into_blocked(self, weights: np.ndarray, dst: np.ndarray) -> None:
+        self._k["wt_to_blocked"](ptr(weights), ptr(dst))
 
     def forward_blocked(self, xb: np.ndarray, yb: np.ndarray, aux: np.ndarray | None = None, training: bool = False) -> None:
         if training and self.runner is not None:
@@ -483,6 +522,113 @@ class WeightedLayer(Layer):
         dw, db = self._buffer("weights.dw", self._dwt.shape), self._buffer("weights.db", self._dbias.shape)
         self.backward_blocked(xb, yb, None, dyb, None, grads=(dw, db))
         return self._canonical(dw), db[: self.out_shape[0]].copy()
+
+
+class NormLayer(ParamLayer):
+    """batchnorm: a per-channel scale (`weights`, PyTorch's `weight`) and shift (`bias`), padded
+    to whole channel blocks in the flat buffers, and running statistics updated by every
+    training-mode forward as PyTorch's BatchNorm2d updates them (the biased batch variance
+    normalizes, the unbiased one goes into the running estimate). A training-mode forward
+    normalizes by the batch's statistics (kept in `aux` for the backward pass), an evaluation
+    forward by the running ones."""
+
+    def __init__(self, spec: LayerEntry, kernels: dict[str, Callable], v: int, net: Any,
+                 params: tuple[np.ndarray, np.ndarray], grads: tuple[np.ndarray, np.ndarray],
+                 offsets: tuple[int, int] = (0, 0)) -> None:
+        super().__init__(spec, kernels, v, net, params, grads, offsets)
+        self.momentum: float = spec.momentum
+        padded = self._bias.size
+        self.running_mean = np.zeros(padded, dtype=np.float32)
+        self.running_var = np.ones(padded, dtype=np.float32)  # padding lanes 1: a finite 1 / sqrt
+        self.num_batches_tracked = 0
+
+    @staticmethod
+    def canonical_weight_shape(spec: LayerEntry) -> tuple[int, ...]:
+        return (spec.out_shape[0],)
+
+    @staticmethod
+    def blocked_sizes(spec: LayerEntry, v: int) -> tuple[tuple[int, ...], int]:
+        padded = blocks(spec.out_shape[0], v) * v
+        return (padded,), padded
+
+    def init_weights(self, rng: np.random.Generator) -> None:
+        """PyTorch's: scale 1, shift 0 (running mean 0, variance 1)."""
+        self._wt.fill(0.0)
+        self._wt[: self.out_shape[0]] = 1.0
+        self._bias.fill(0.0)
+
+    def _canonical(self, blocked: np.ndarray) -> np.ndarray:
+        return blocked[: self.out_shape[0]].copy()
+
+    def _into_blocked(self, weights: np.ndarray, dst: np.ndarray) -> None:
+        dst.fill(0.0)
+        dst[: self.out_shape[0]] = weights
+
+    def aux_buffer(self, batch: int) -> np.ndarray:
+        return np.empty((2, self._bias.size), dtype=np.float32)  # the batch's mean and variance
+
+    def forward_blocked(self, xb: np.ndarray, yb: np.ndarray, aux: np.ndarray | None = None, training: bool = False) -> None:
+        batch = xb.shape[0]
+        if not training:
+            self._k["fwd"](ptr(xb), self.weights_ptr, self.bias_ptr, ptr(self.running_mean), ptr(self.running_var),
+                           ptr(yb), 0, batch, self.team(batch))
+            return
+        values = batch * self.in_shape[1] * self.in_shape[2]
+        if values < 2:
+            raise PcldnnError(f"layer {self.name}: a training-mode batchnorm needs more than one value per channel, "
+                              f"got a minibatch of {batch} of {self.in_shape[1]}x{self.in_shape[2]} pixels")
+        assert aux is not None
+        self._k["fwd"](ptr(xb), self.weights_ptr, self.bias_ptr, ptr(aux[0]), ptr(aux[1]), ptr(yb), 1, batch,
+                       self.team(batch))
+        m = np.float32(self.momentum)
+        self.running_mean *= 1 - m
+        self.running_mean += m * aux[0]
+        self.running_var *= 1 - m
+        self.running_var += (m * np.float32(values / (values - 1))) * aux[1]
+        self.running_var[self.out_shape[0]:] = 1.0
+        self.num_batches_tracked += 1
+
+    def backward_blocked(self, xb: np.ndarray, yb: np.ndarray | None, aux: np.ndarray | None, dyb: np.ndarray,
+                         dxb: np.ndarray | None, grads: Grads | None = None) -> None:
+        """After a training-mode forward (aux: its batch statistics). Backward-weights first: it
+        masks dy by the fused ReLU in place, so backward-data has nothing left to mask."""
+        assert aux is not None
+        batch = xb.shape[0]
+        team = self.team(batch)
+        mask = yb if self.relu else None
+        if grads is not None:
+            dw, db = grads
+            self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(aux[0]), ptr(aux[1]), ptr(dw), ptr(db), batch,
+                                   team)
+            mask = None
+        if dxb is not None:
+            self._k["bwd_data"](ptr(dyb), ptr(mask), ptr(xb), self.weights_ptr, ptr(aux[0]), ptr(aux[1]), ptr(dxb), 1,
+                                batch, team)
+
+    def backward_weights(self, x: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(d scale, d shift) for input x and output gradient dy, from x's batch statistics (a
+        training-mode forward of x; the running statistics are not touched)."""
+        self._net.current()
+        x = self.check_input(x)
+        dy = self._check(dy, self.out_shape, False, "output gradient")
+        if dy.shape[0] != x.shape[0]:
+            raise PcldnnError(f"layer {self.name}: minibatch of x ({x.shape[0]}) and dy ({dy.shape[0]}) differ")
+        xb, dyb = self.input_blocked(x, "weights.x"), self.output_gradient_blocked(dy, "weights.dy")
+        aux, yb = self.aux_buffer(x.shape[0]), self.output_buffer("weights.y", x.shape[0])
+        self._k["fwd"](ptr(xb), self.weights_ptr, self.bias_ptr, ptr(aux[0]), ptr(aux[1]), ptr(yb), 1, x.shape[0],
+                       self.team(x.shape[0]))
+        dw, db = self._buffer("weights.dw", self._dwt.shape), self._buffer("weights.db", self._dbias.shape)
+        self.backward_blocked(xb, yb, aux, dyb, None, grads=(dw, db))
+        return self._canonical(dw), db[: self.out_shape[0]].copy()
+
+    def running_stats(self) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the running mean and variance, (C,) each."""
+        c = self.out_shape[0]
+        return self.running_mean[:c].copy(), self.running_var[:c].copy()
+
+    def set_running_stats(self, mean: np.ndarray, var: np.ndarray) -> None:
+        c = self.out_shape[0]
+        self.running_mean[:c], self.running_var[:c] = mean, var
 
 
 class MaxPoolLayer(Layer):

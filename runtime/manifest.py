@@ -32,7 +32,8 @@ from .validate import LABEL_RE, NAME_RE, SHA256_RE, Fields, read_json
 # 7: a vdpbf16ps build's packed first layer has bf16 forward and backward-weights kernels
 # (conv_fwd_packed_bf16, conv_bwd_weights_packed_bf16) where a /6 build has the fp32 ones.
 # 8: the SGD update kernel reports non-finite weights through a flag argument a /7 build's lacks.
-# 9: a conv layer may be depthwise (`groups`, kernels conv_*_depthwise, weights (C, 1, KH, KW)).
+# 9: a conv layer may be depthwise (`groups`, kernels conv_*_depthwise, weights (C, 1, KH, KW)), and a
+# layer may be a batchnorm (`eps`, `momentum`).
 FORMAT = "pcldnn-build/9"
 FORMAT_FAMILY = "pcldnn-build/"
 MANIFEST = "manifest.json"
@@ -44,7 +45,7 @@ PASSES = ("fwd", "bwd_data", "bwd_weights")
 LAYER_PASSES: dict[str, tuple[str, ...]] = {
     "conv": PASSES, "fc": PASSES,
     "maxpool": ("fwd", "bwd_data"), "avgpool": ("fwd", "bwd_data"),
-    "relu": ("fwd", "bwd_data"), "dropout": ("fwd", "bwd_data"),
+    "relu": ("fwd", "bwd_data"), "dropout": ("fwd", "bwd_data"), "batchnorm": PASSES,
     "softmax_cross_entropy": ("fwd", "bwd_data"),
 }
 WEIGHTED = ("conv", "fc")
@@ -114,6 +115,8 @@ class LayerEntry:
     kernels: dict[str, KernelEntry]  # by pass name, and "layout"
     bias: bool = True   # conv / fc: False keeps the bias at zero (not trained, not in the state)
     groups: int = 1     # conv: 1, or its channels (depthwise)
+    eps: float = 1e-5   # batchnorm: added to the variance
+    momentum: float = 0.1  # batchnorm: the running statistics' update weight
 
     @property
     def depthwise(self) -> bool:
@@ -255,7 +258,7 @@ def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: i
     where = f"layers[{index}]"
     keys = {"name", "type", "in_shape", "out_shape", "kernel", "stride", "pad", "relu", "rate",
             "weight_shape", "kernels"}
-    f.obj(raw, where, keys, {"bias", "groups", "output", "gradient"})
+    f.obj(raw, where, keys, {"bias", "groups", "eps", "momentum", "output", "gradient"})
     name = f.string(raw["name"], f"{where}.name", NAME_RE, "a layer name")
     ltype = f.choice(raw["type"], f"{where}.type", tuple(LAYER_PASSES))
     got_in = _shape(f, raw["in_shape"], f"{where}.in_shape", limits.MAX_FEATURES)
@@ -302,8 +305,12 @@ def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: i
     bias = f.boolean(raw.get("bias", True), f"{where}.bias")
     if not bias and ltype not in WEIGHTED:
         f.fail(f"{where}.bias", f"a {ltype} layer has no bias")
+    if ltype != "batchnorm" and ("eps" in raw or "momentum" in raw):
+        f.fail(f"{where}.eps" if "eps" in raw else f"{where}.momentum", f"a {ltype} layer has no running statistics")
+    eps = f.number_in(raw.get("eps", 1e-5), f"{where}.eps", 1e-12, 1.0)
+    momentum = f.number_in(raw.get("momentum", 0.1), f"{where}.momentum", 0.0, 1.0)
     return LayerEntry(index, name, ltype, in_shape, out, kernel, stride, pad, relu, rate, weight_shape, kernels, bias,
-                      groups)
+                      groups, eps, momentum)
 
 
 def _kernels(f: Fields, value: Any, where: str, layer: str, kinds: dict[str, dict[str, str]]) -> dict[str, KernelEntry]:

@@ -24,14 +24,24 @@ from .kernels import (
     zeros_aligned,
 )
 from .launcher import local_ranks
-from .layers import AvgPoolLayer, DropoutLayer, Layer, LossLayer, MaxPoolLayer, ReluLayer, WeightedLayer
+from .layers import (
+    AvgPoolLayer,
+    DropoutLayer,
+    Layer,
+    LossLayer,
+    MaxPoolLayer,
+    NormLayer,
+    ParamLayer,
+    ReluLayer,
+    WeightedLayer,
+)
 from .manifest import PEAK_SYMBOL, SGD_SYMBOL, WEIGHTS_FILE, LayerEntry, Manifest, inside, read_manifest
-from .state_io import StateKeys, check_state, expected_state, read_npz
+from .state_io import StateKeys, check_running_stats, check_state, expected_state, read_npz
 from .validate import non_finite_at
 
-_LAYER_CLASSES = {"conv": WeightedLayer, "fc": WeightedLayer, "maxpool": MaxPoolLayer,
-                  "avgpool": AvgPoolLayer, "relu": ReluLayer, "dropout": DropoutLayer,
-                  "softmax_cross_entropy": LossLayer}
+_LAYER_CLASSES: dict[str, type[Layer]] = {
+    "conv": WeightedLayer, "fc": WeightedLayer, "batchnorm": NormLayer, "maxpool": MaxPoolLayer,
+    "avgpool": AvgPoolLayer, "relu": ReluLayer, "dropout": DropoutLayer, "softmax_cross_entropy": LossLayer}
 
 
 MAX_WORKSPACES = 2  # minibatch sizes whose buffers a Net keeps (see Net.workspace)
@@ -96,8 +106,9 @@ class Net:
         # Flat parameter and gradient buffers: [w0, b0, w1, b1, ...], each block cache-line aligned.
         offsets, total = {}, 0
         for spec in specs:
-            if _LAYER_CLASSES[spec.type] is WeightedLayer:
-                wshape, blen = WeightedLayer.blocked_sizes(spec, v)
+            cls = _LAYER_CLASSES[spec.type]
+            if issubclass(cls, ParamLayer):
+                wshape, blen = cls.blocked_sizes(spec, v)
                 wsize = int(np.prod(wshape))
                 offsets[spec.name] = (total, wshape, total + _round_up(wsize), blen)
                 total += _round_up(wsize) + _round_up(blen)
@@ -118,11 +129,11 @@ class Net:
             cls = _LAYER_CLASSES[spec.type]
             kernels = self._load_kernels(spec)
             layer: Layer
-            if cls is WeightedLayer:
+            if issubclass(cls, ParamLayer):
                 w0, wshape, b0, blen = offsets[spec.name]
                 wsize = int(np.prod(wshape))
                 views = lambda buf: (buf[w0:w0 + wsize].reshape(wshape), buf[b0:b0 + blen])  # noqa: E731
-                weighted = WeightedLayer(spec, kernels, v, self, views(self._params), views(self._grads), (w0, b0))
+                weighted = cls(spec, kernels, v, self, views(self._params), views(self._grads), (w0, b0))
                 # Per-layer seed: a layer's initial weights do not depend on the other layers.
                 weighted.init_weights(np.random.default_rng(np.random.SeedSequence([seed, index])))
                 layer = weighted
@@ -242,8 +253,11 @@ class Net:
         return f"<Net {self.name} ({self.isa}, {self.threads} threads): {', '.join(self.layers)}>"
 
     # -- weights in and out, canonical layouts ----------------------------------------------
-    def _weighted(self) -> dict[str, WeightedLayer]:
-        return {name: l for name, l in self.layers.items() if isinstance(l, WeightedLayer)}
+    def _weighted(self) -> dict[str, ParamLayer]:
+        return {name: l for name, l in self.layers.items() if isinstance(l, ParamLayer)}
+
+    def _norms(self) -> dict[str, NormLayer]:
+        return {name: l for name, l in self.layers.items() if isinstance(l, NormLayer)}
 
     @property
     def canonical_size(self) -> int:
@@ -266,15 +280,39 @@ class Net:
             layer.canonical_into(vector[start:start + n], flat)
             start += n
 
+    def batch_norm_channels(self) -> list[int]:
+        """The channels of every batchnorm layer, in net order."""
+        return [layer.out_shape[0] for layer in self._norms().values()]
+
+    def running_statistics(self) -> tuple[np.ndarray, list[int]]:
+        """Every batchnorm layer's running mean then variance, canonical, as one float32 vector
+        (checkpoints hold it), and their batch counts."""
+        norms = self._norms().values()
+        stats = [part for layer in norms for part in layer.running_stats()]
+        return (np.concatenate(stats) if stats else np.zeros(0, np.float32)), [l.num_batches_tracked for l in norms]
+
+    def set_running_statistics(self, vector: np.ndarray, counts: list[int]) -> None:
+        """The inverse of running_statistics."""
+        start = 0
+        for layer, count in zip(self._norms().values(), counts, strict=True):
+            c = layer.out_shape[0]
+            layer.set_running_stats(vector[start:start + c], vector[start + c:start + 2 * c])
+            layer.num_batches_tracked = int(count)
+            start += 2 * c
+
     def state_dict(self) -> dict[str, np.ndarray]:
         """{"<layer>.weight": conv (OC, IC, KH, KW) / fc (OC, IC), "<layer>.bias": (OC,)}: float32
         copies in canonical layouts (PyTorch's for Conv2d and Linear), in net order, the same
-        whatever the ISA the net was built for."""
+        whatever the ISA the net was built for; a batchnorm's as BatchNorm2d's: weight and bias
+        (C,), running_mean and running_var (C,), num_batches_tracked (an int64 scalar)."""
         out: dict[str, np.ndarray] = {}
         for name, layer in self._weighted().items():
             out[f"{name}.weight"] = layer.weights
             if layer.spec.bias:
                 out[f"{name}.bias"] = layer.bias
+            if isinstance(layer, NormLayer):
+                out[f"{name}.running_mean"], out[f"{name}.running_var"] = layer.running_stats()
+                out[f"{name}.num_batches_tracked"] = np.array(layer.num_batches_tracked, dtype=np.int64)
         return out
 
     def export_onnx(self, path: str | Path) -> Path:
@@ -293,9 +331,19 @@ class Net:
         leaves the net as it was. strict: missing and unexpected keys are an error listing all
         of them; otherwise the matching keys load and the others come back in the result."""
         arrays, keys = check_state(expected_state(self.manifest.layers), state, "load_state_dict", strict)
+        check_running_stats(arrays, "load_state_dict")
         for key, array in arrays.items():
             name, what = key.rsplit(".", 1)
-            setattr(self.layers[name], "weights" if what == "weight" else "bias", array)
+            layer = self.layers[name]
+            if what in ("weight", "bias"):
+                setattr(layer, "weights" if what == "weight" else "bias", array)
+            elif isinstance(layer, NormLayer):
+                if what == "num_batches_tracked":
+                    layer.num_batches_tracked = int(array)
+                else:
+                    mean, var = layer.running_stats()
+                    layer.set_running_stats(array if what == "running_mean" else mean,
+                                            array if what == "running_var" else var)
         return keys
 
     # -- buffers -------------------------------------------------------------------------
@@ -344,14 +392,30 @@ class Net:
         return int(np.random.SeedSequence([self.seed, self.dropout_draws]).generate_state(1, np.uint64)[0])
 
     # -- passes --------------------------------------------------------------------------
-    def forward(self, x: np.ndarray, *, training: bool = False, timings: dict[str, float] | None = None,
+    # The mode forward runs in when not told (train() / eval(), as PyTorch's Module): a loaded
+    # net evaluates; Trainer steps and loss_and_grad always run in training mode.
+    training = False
+
+    def train(self, mode: bool = True) -> Net:
+        """Training mode: forward applies dropout and normalizes by the batch's statistics
+        (updating the running ones), as a PyTorch module after .train()."""
+        self.training = bool(mode)
+        return self
+
+    def eval(self) -> Net:
+        """Evaluation mode (the default): no dropout, batchnorm by its running statistics."""
+        return self.train(False)
+
+    def forward(self, x: np.ndarray, *, training: bool | None = None, timings: dict[str, float] | None = None,
                 before_layer: Any = None) -> np.ndarray:
         """Logits (N, classes) — or the last layer's output — for a canonical (N, C, H, W) batch.
-        training=True applies dropout and keeps what `backward` needs. If `timings` is a dict,
+        training=True (default: the net's mode, `train()` / `eval()`) applies dropout, normalizes
+        by the batch's statistics and keeps what `backward` needs. If `timings` is a dict,
         each layer's kernel time in seconds is stored under its name. `before_layer(layer)` is
         called before each layer runs (the MPI runtime waits there for that layer's weights)."""
         if before_layer is None:
             self.current()
+        training = self.training if training is None else training
         first, last = self.chain[0], self.chain[-1]
         x = first.check_input(x)
         batch = x.shape[0]
@@ -391,12 +455,12 @@ class Net:
             dy *= np.float32(grad_scale)
         # Below the first weighted layer no gradient is wanted: layers there (a dropout or a
         # pooling on the input) are skipped, and the first weighted layer computes no dx.
-        first = next((i for i, l in enumerate(self.chain) if isinstance(l, WeightedLayer)), len(self.chain))
+        first = next((i for i, l in enumerate(self.chain) if isinstance(l, ParamLayer)), len(self.chain))
         for i in range(len(self.chain) - 1, first - 1, -1):
             layer = self.chain[i]
             start = time.perf_counter()
             dx = ws.grad((len(self.chain) - i) % 2, ws.acts[i], layer.in_grad_bf16) if i > first else None
-            grads = layer.grad_buffers if isinstance(layer, WeightedLayer) else None
+            grads = layer.grad_buffers if isinstance(layer, ParamLayer) else None
             # a max pooling over a fused ReLU's output applies that ReLU's mask for the layer below
             fused = {"mask_input": True} if i in self.relu_pools else {"dy_masked": True} if i + 1 in self.relu_pools else {}
             layer.backward_blocked(ws.acts[i], ws.acts[i + 1], ws.aux[i], dy, dx, grads, **fused)
@@ -421,7 +485,7 @@ class Net:
             if x.ndim < 1 or x.shape[0] == 0:
                 raise PcldnnError(f"predict: expected a non-empty batch of inputs, got shape {x.shape}")
             chunks = (x[s:s + batch_size] for s in range(0, x.shape[0], batch_size))
-        return np.concatenate([self.forward(c) for c in chunks])
+        return np.concatenate([self.forward(c, training=False) for c in chunks])
 
     def loss_and_grad(self, x: np.ndarray, labels: np.ndarray) -> float:
         """Mean loss of a training-mode forward pass, with every gradient computed."""
@@ -430,7 +494,7 @@ class Net:
 
     def loss(self, x: np.ndarray, labels: np.ndarray) -> float:
         """Mean loss in evaluation mode (no dropout); gradients untouched."""
-        logits = self.forward(x)
+        logits = self.forward(x, training=False)
         if self.loss_layer is None:
             raise PcldnnError(f"net {self.name} has no loss layer")
         ws = self.workspace(logits.shape[0])

@@ -55,6 +55,12 @@ def export_onnx(net: Any, path: str | Path) -> Path:
             if spec.type == "avgpool":  # our average divides by the window's area, padding included
                 node.attribute.append(helper.make_attribute("count_include_pad", 1))
             nodes.append(node)
+        elif spec.type == "batchnorm":  # its running statistics: ONNX's inference form
+            inputs = _weights(state, name, inits, numpy_helper)
+            stats = [f"{name}.running_mean", f"{name}.running_var"]
+            inits += [numpy_helper.from_array(state[k], k) for k in stats]
+            nodes.append(helper.make_node("BatchNormalization", [x, *inputs, *stats], [out], name=name,
+                                          epsilon=spec.eps, momentum=1.0 - spec.momentum))
         elif spec.type == "relu":
             nodes.append(helper.make_node("Relu", [x], [out], name=name))
         elif spec.type == "dropout":  # the identity at inference; the rate kept for re-import

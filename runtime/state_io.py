@@ -31,7 +31,21 @@ def expected_state(layers: Any) -> dict[str, tuple[int, ...]]:
             out[f"{layer.name}.weight"] = tuple(layer.weight_shape)
             if getattr(layer, "bias", True):  # a bias-free layer has no .bias entry (as in PyTorch)
                 out[f"{layer.name}.bias"] = (layer.out_shape[0],)
+        elif layer.type == "batchnorm":  # BatchNorm2d's keys
+            c = layer.out_shape[0]
+            out |= {f"{layer.name}.{key}": (c,) for key in ("weight", "bias", "running_mean", "running_var")}
+            out[f"{layer.name}.num_batches_tracked"] = ()
     return out
+
+
+def check_running_stats(arrays: Mapping[str, np.ndarray], origin: str, error: type[PcldnnError] = PcldnnError) -> None:
+    """A batchnorm's running variance is never negative and its batch count a whole number in
+    [0, 2^24) (exact in float32): what check_state's finite float32 values do not say."""
+    for key, array in arrays.items():
+        if key.endswith(".running_var") and (array < 0).any():
+            raise error(f"{origin}: {key}: holds a negative variance")
+        if key.endswith(".num_batches_tracked") and not (0 <= float(array) < 2 ** 24 and float(array).is_integer()):
+            raise error(f"{origin}: {key}: must be a whole number of batches, got {float(array)}")
 
 
 def as_numpy(value: Any, what: str, error: type[PcldnnError] = PcldnnError) -> np.ndarray:
@@ -43,7 +57,7 @@ def as_numpy(value: Any, what: str, error: type[PcldnnError] = PcldnnError) -> n
         array = np.asarray(value)
         if array.dtype.kind not in "fiu":
             raise TypeError(f"dtype {array.dtype}")
-        return np.ascontiguousarray(array, dtype=np.float32)
+        return np.ascontiguousarray(array, dtype=np.float32).reshape(array.shape)  # (a scalar stays one)
     except (TypeError, ValueError) as e:
         raise error(f"{what}: must be an array of numbers ({e})") from None
 

@@ -26,9 +26,11 @@ from .optim import SGD
 from .partition import shard_bounds
 from .validate import NAME_RE, SHA256_RE, Fields, check_writable, open_regular, remove_stale_temporaries, show
 
-# /2: canonical layouts (Net.to_canonical), so a checkpoint moves between ISAs; /1 held the
-# blocked buffers of one ISA and no record of which.
-CHECKPOINT_FORMAT = "pcldnn-checkpoint/2"
+# /3: and the batchnorm layers' running statistics (statistics.npy, meta "batch_counts"); /2:
+# canonical layouts (Net.to_canonical), so a checkpoint moves between ISAs (still read for nets
+# without batchnorm); /1 held the blocked buffers of one ISA and no record of which.
+CHECKPOINT_FORMAT = "pcldnn-checkpoint/3"
+_CANONICAL_FORMAT = "pcldnn-checkpoint/2"
 
 
 def softmax_metrics(logits: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
@@ -135,7 +137,7 @@ class Trainer:
         chunks = [np.arange(start, min(start + batch_size, hi)) for start in range(lo, hi, batch_size)]
         for xb, yb in prefetched(data, chunks, None):
             yb = self.net.loss_layer.check_labels(yb, len(yb))  # a negative label would index from the end
-            loss, acc = softmax_metrics(self.net.forward(xb), yb)
+            loss, acc = softmax_metrics(self.net.forward(xb, training=False), yb)
             sums += (loss * len(yb), acc * len(yb))
         if self.dist is not None:
             self.dist.blocking(lambda: self.comm.Allreduce(self.dist.MPI.IN_PLACE, sums),
@@ -289,7 +291,8 @@ class Trainer:
                 self.dist.blocking(self.comm.Barrier, "Trainer.save: waiting for rank 0 to write the file")
                 return path
         params, velocity = self.net.to_canonical(self.net.params), self.net.to_canonical(velocity)
-        for name, buf in (("weights", params), ("momentum", velocity)):
+        statistics, counts = self.net.running_statistics()  # (rank 0's: per-rank statistics, as DDP's)
+        for name, buf in (("weights", params), ("momentum", velocity), ("running statistics", statistics)):
             if not np.isfinite(buf).all():
                 raise CheckpointError(f"{path}: refusing to save: the {name} hold NaN or infinity")
         # isa / vector_floats / precision: where the state was trained, for the record (the
@@ -298,6 +301,7 @@ class Trainer:
                 "step": self.step_count, "seed": self.seed, "net_seed": self.net.seed,
                 "dropout_draws": self.net.dropout_draws,
                 "optimizer": self.optimizer.config(), "params": int(params.size),
+                "batch_counts": counts,
                 "isa": self.net.isa, "vector_floats": self.net.vector_floats, "precision": self.net.precision}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -307,7 +311,7 @@ class Trainer:
             raise CheckpointError(f"{path}: cannot write the checkpoint: {e.strerror or e}") from None
         try:
             with os.fdopen(fd, "wb") as f:
-                _write_checkpoint(f, meta, params, velocity)
+                _write_checkpoint(f, meta, params, velocity, statistics)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -328,18 +332,20 @@ class Trainer:
         is given. Under MPI (comm), every rank calls it, with any number of ranks: the file
         holds the full state."""
         path = Path(path)
-        meta, params, velocity = read_checkpoint(path, net)
+        meta, params, velocity, statistics = read_checkpoint(path, net)
         trainer = cls(net, optimizer or _optimizer_from(meta["optimizer"], path), seed=meta["seed"], comm=comm,
                       **kwargs)
         net.from_canonical(params, net.params)
         net.from_canonical(velocity, trainer.optimizer.bound_velocity())
+        net.set_running_statistics(statistics, meta.get("batch_counts", []))
         trainer.step_count = meta["step"]
         net.seed, net.dropout_draws = meta["net_seed"], meta["dropout_draws"]  # dropout masks continue
         return trainer
 
 
-# Checkpoint files: a zip (numpy's .npz layout, uncompressed) of exactly these members.
-_MEMBERS = {"meta.npy": np.uint8, "params.npy": np.float32, "velocity.npy": np.float32}
+# Checkpoint files: a zip (numpy's .npz layout, uncompressed) of exactly these members (/2: the
+# first three).
+_MEMBERS = {"meta.npy": np.uint8, "params.npy": np.float32, "velocity.npy": np.float32, "statistics.npy": np.float32}
 _MAX_META = 1 << 20
 _U64 = 2 ** 64 - 1
 
@@ -371,13 +377,26 @@ def _is_dataset(obj: Any) -> bool:
     return hasattr(obj, "read") and hasattr(obj, "__len__")
 
 
-def read_checkpoint(path: Path, net: Any) -> tuple[dict, np.ndarray, np.ndarray]:
-    """(meta, params, velocity) of a checkpoint file, checked against `net`. The file is parsed
-    defensively: zip directory, each member's npy header (dtype, shape against the net) before
-    its data is read, metadata fields and ranges, finite values. Any defect is one
-    CheckpointError with the reason."""
-    meta, arrays = _read_checkpoint(Path(path), net.name, net.net_hash, net.canonical_size)
+def read_checkpoint(path: Path, net: Any) -> tuple[dict, np.ndarray, np.ndarray, np.ndarray]:
+    """(meta, params, velocity, running statistics) of a checkpoint file, checked against `net`.
+    The file is parsed defensively: zip directory, each member's npy header (dtype, shape against
+    the net) before its data is read, metadata fields and ranges, finite values, variances not
+    negative. Any defect is one CheckpointError with the reason."""
+    norms = net.batch_norm_channels()
+    meta, arrays = _read_checkpoint(Path(path), net.name, net.net_hash, (net.canonical_size, 2 * sum(norms)))
     assert arrays is not None
+    counts = meta.get("batch_counts", [])
+    if meta["format"] == _CANONICAL_FORMAT and norms:
+        raise CheckpointError(f"{path}: a {_CANONICAL_FORMAT} checkpoint holds no batchnorm statistics, and this net "
+                              f"has {len(norms)} batchnorm layer(s)")
+    if meta["format"] == CHECKPOINT_FORMAT and len(counts) != len(norms):
+        raise CheckpointError(f"{path}: meta.batch_counts: {len(counts)} counts, this net has {len(norms)} batchnorm "
+                              "layer(s)")
+    start = 0
+    for c in norms:  # each layer's running mean, then its running variance
+        if (arrays[2][start + c:start + 2 * c] < 0).any():
+            raise CheckpointError(f"{path}: statistics hold a negative running variance")
+        start += 2 * c
     return meta, *arrays
 
 
@@ -388,23 +407,29 @@ def checkpoint_meta(path: str | Path, net_name: str, net_hash: str) -> dict:
 
 
 def _read_checkpoint(path: Path, net_name: str, net_hash: str,
-                     size: int | None) -> tuple[dict, tuple[np.ndarray, np.ndarray] | None]:
+                     sizes: tuple[int, int] | None) -> tuple[dict, tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
+    """sizes: (parameters, running statistics) of the net, or None for the metadata only."""
     try:
         with open_regular(path, CheckpointError) as f, zipfile.ZipFile(f) as z:
             names = sorted(z.namelist())
-            if names != sorted(_MEMBERS):
+            if names not in (sorted(_MEMBERS), sorted(set(_MEMBERS) - {"statistics.npy"})):
                 raise CheckpointError(f"{path}: not a pcldnn checkpoint (members {names[:5]}, expected "
                                       f"{sorted(_MEMBERS)})")
             meta = _read_meta(path, _read_member(z, "meta.npy", path, (_MAX_META,)))
+            if ("statistics.npy" in names) != (meta["format"] == CHECKPOINT_FORMAT):
+                raise CheckpointError(f"{path}: not a pcldnn checkpoint (members {names}, format {meta['format']})")
             if meta["net_hash"] != net_hash:
                 raise CheckpointError(f"{path}: checkpoint of net {meta['net']!r} (description {meta['net_hash'][:12]}),"
                                       f" but this net is {net_name!r} ({net_hash[:12]})")
-            if size is None:
+            if sizes is None:
                 return meta, None
+            size, stats = sizes
             if meta["params"] != size:
                 raise CheckpointError(f"{path}: holds {meta['params']} parameters, this net has {size}")
             params = _read_member(z, "params.npy", path, (size,), exact=True)
             velocity = _read_member(z, "velocity.npy", path, (size,), exact=True)
+            statistics = (_read_member(z, "statistics.npy", path, (stats,), exact=True) if "statistics.npy" in names
+                          else np.zeros(0, np.float32))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such checkpoint") from None
     except CheckpointError:
@@ -412,11 +437,11 @@ def _read_checkpoint(path: Path, net_name: str, net_hash: str,
     except (OSError, zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError, RuntimeError,
             NotImplementedError) as e:
         raise CheckpointError(f"{path}: not a readable pcldnn checkpoint ({type(e).__name__}: {e})") from None
-    for name, buf in (("params", params), ("velocity", velocity)):
+    for name, buf in (("params", params), ("velocity", velocity), ("statistics", statistics)):
         bad = np.flatnonzero(~np.isfinite(buf))
         if bad.size:
             raise CheckpointError(f"{path}: {name} hold {bad.size} NaN or infinite values (first at index {bad[0]})")
-    return meta, (params, velocity)
+    return meta, (params, velocity, statistics)
 
 
 def _read_member(z: zipfile.ZipFile, name: str, path: Path, shape: tuple[int], exact: bool = False) -> np.ndarray:
@@ -443,14 +468,16 @@ def _read_meta(path: Path, raw: np.ndarray) -> dict:
         raise CheckpointError(f"{path}: metadata is not JSON ({e})") from None
     keys = {"format", "net", "net_hash", "step", "seed", "net_seed", "dropout_draws", "optimizer", "params", "isa",
             "vector_floats", "precision"}
-    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") not in (CHECKPOINT_FORMAT, _CANONICAL_FORMAT):
         fmt = meta.get("format") if isinstance(meta, dict) else None
         if fmt == "pcldnn-checkpoint/1":
             raise CheckpointError(f"{path}: format pcldnn-checkpoint/1 holds one ISA's blocked layout and does not "
                                   "say which; it cannot be read safely. Load it with the version that wrote it, "
                                   f"then save again ({CHECKPOINT_FORMAT}, canonical layouts)")
         raise CheckpointError(f"{path}: not a pcldnn checkpoint (format {show(fmt)}, expected {CHECKPOINT_FORMAT!r})")
-    f.obj(meta, "meta", keys)
+    f.obj(meta, "meta", keys | ({"batch_counts"} if meta["format"] == CHECKPOINT_FORMAT else set()))
+    for i, count in enumerate(f.array(meta.get("batch_counts", []), "meta.batch_counts", 0, 1 << 20)):
+        f.int_in(count, f"meta.batch_counts[{i}]", 0, 2 ** 24 - 1)
     f.string(meta["net"], "meta.net", NAME_RE, "a net name")
     f.string(meta["net_hash"], "meta.net_hash", SHA256_RE, "a sha256 digest")
     f.int_in(meta["step"], "meta.step", 0, 2 ** 53)
@@ -472,9 +499,10 @@ def _optimizer_from(config: dict, path: Path) -> SGD:
         raise CheckpointError(f"{path}: optimizer settings in the checkpoint are invalid: {e}") from None
 
 
-def _write_checkpoint(f: Any, meta: dict, params: np.ndarray, velocity: np.ndarray) -> None:
+def _write_checkpoint(f: Any, meta: dict, params: np.ndarray, velocity: np.ndarray, statistics: np.ndarray) -> None:
     buf = io.BytesIO()
-    np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), params=params, velocity=velocity)
+    np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), params=params, velocity=velocity,
+             statistics=statistics)
     f.write(buf.getbuffer())
 
 

@@ -43,7 +43,7 @@ from cases import (
     SMALL_L2,
     SMALL_L2_AVX512,
 )
-from helpers import ISA_PARAMS, U32
+from helpers import ISA_PARAMS, U32, build_and_load
 from reference import (
     as_float,
     bf16_reference,
@@ -337,3 +337,67 @@ def test_the_cases_reach_the_paths_they_are_for():
     plan, text, _ = _plan_and_source({"channels": 256, "height": 3, "width": 20},
                                      {"out_channels": 40, "kernel": 1, "activation": "relu"}, get_arch("avx512"), "fwd")
     assert plan.kind == "conv_fwd_bf16" and _define(text, "IFB") == 16
+
+
+# batchnorm: a channel's statistics over (images, rows, columns); rows of W values are summed in
+# fp32 vectors and the rows in double, then each output takes a few roundings
+BATCHNORM_CASES = [((20, 7, 9), 3, True), ((3, 5, 37), 4, False), ((33, 2, 3), 2, True)]
+
+
+@pytest.mark.parametrize("isa", ISA_PARAMS)
+def test_batchnorm_against_float64(tmp_path, isa):
+    """Every batchnorm pass against float64 formulas: training forward by the batch's mean and
+    biased variance, the running statistics it leaves (momentum 0.1, unbiased variance), the
+    evaluation forward by them, backward-data and backward-weights (through the fused ReLU's
+    mask). Bound: (W + 16) u times the magnitude of each result's terms, W the row length of the
+    fp32 sums; inputs off-centre (mean 3, scale 2) so a cancellation error would show."""
+    for k, (shape, images, relu) in enumerate(BATCHNORM_CASES):
+        layers = [{"name": "bn", "type": "batchnorm", "eps": 1e-3, **({"activation": "relu"} if relu else {})},
+                  {"name": "fc", "type": "fc", "out_features": 3}]
+        net = build_and_load(tmp_path, layers, shape, isa, name=f"bn{k}")
+        lay = net.layers["bn"]
+        rng = np.random.default_rng(k)
+        gamma, beta = rng.uniform(0.5, 1.5, shape[0]).astype(np.float32), rng.standard_normal(shape[0]).astype(np.float32)
+        lay.weights, lay.bias = gamma, beta
+        x = (rng.standard_normal((images, *shape)) * 2 + 3).astype(np.float32)
+        dy = rng.standard_normal(x.shape).astype(np.float32)
+        m = images * shape[1] * shape[2]  # values a channel
+        n = shape[2] + 16
+        per = lambda a: a[None, :, None, None]  # noqa: E731
+        xd = x.astype(np.float64)
+        mean, var = xd.mean(axis=(0, 2, 3)), xd.var(axis=(0, 2, 3))
+        inv = 1 / np.sqrt(var + 1e-3)
+        xhat = (xd - per(mean)) * per(inv)
+        y_ref = per(gamma) * xhat + per(beta)
+        y_mag = per(np.abs(gamma) * inv) * (np.abs(xd) + per(np.abs(mean))) + per(np.abs(beta))
+        if relu:
+            y_ref = np.maximum(y_ref, 0)
+        y = lay.forward(x)
+        assert np.all(np.abs(y - y_ref) <= n * U32 * y_mag), f"case {k} forward"
+        dym = np.where(y > 0, dy, 0).astype(np.float64) if relu else dy.astype(np.float64)
+        dbeta, dgamma = dym.sum(axis=(0, 2, 3)), (dym * xhat).sum(axis=(0, 2, 3))
+        dx_ref = per(gamma * inv) * (dym - per(dbeta) / m - xhat * per(dgamma) / m)
+        sums = np.abs(dym).sum(axis=(0, 2, 3)), (np.abs(dym) * np.abs(xhat)).sum(axis=(0, 2, 3))
+        dx_mag = per(np.abs(gamma) * inv) * (np.abs(dym) + per(sums[0]) / m + np.abs(xhat) * per(sums[1]) / m)
+        assert np.all(np.abs(lay.backward_data(dy) - dx_ref) <= n * U32 * dx_mag), f"case {k} backward-data"
+        dg, db = lay.backward_weights(x, dy)
+        assert np.all(np.abs(db - dbeta) <= n * U32 * sums[0]), f"case {k} dbeta"
+        assert np.all(np.abs(dg - dgamma) <= n * U32 * sums[1]), f"case {k} dgamma"
+        # a training forward: running = 0.9 running + 0.1 (mean, unbiased var) (the layer API's
+        # forward above, a training pass as PyTorch's module call, moved them once already)
+        before = net.state_dict()
+        net.forward(x, training=True)
+        state = net.state_dict()
+        want_mean = 0.9 * before["bn.running_mean"] + 0.1 * mean
+        assert np.allclose(state["bn.running_mean"], want_mean, rtol=n * U32, atol=n * U32 * np.abs(mean).max())
+        assert np.allclose(state["bn.running_var"], 0.9 * before["bn.running_var"] + 0.1 * var * m / (m - 1),
+                           rtol=n * U32)
+        assert int(state["bn.num_batches_tracked"]) == int(before["bn.num_batches_tracked"]) + 1 == 2
+        run_inv = 1 / np.sqrt(state["bn.running_var"].astype(np.float64) + 1e-3)
+        e_ref = per(gamma * run_inv) * (xd - per(state["bn.running_mean"].astype(np.float64))) + per(beta)
+        e_mag = per(np.abs(gamma) * run_inv) * (np.abs(xd) + per(np.abs(state["bn.running_mean"]))) + per(np.abs(beta))
+        # (the layer API's forward trains: the evaluation pass through the layer's blocked call)
+        xb, yb = lay.input_blocked(x, "x"), lay.output_buffer("y", images)
+        lay.forward_blocked(xb, yb, None, training=False)
+        e = lay.output_from_blocked(yb)
+        assert np.all(np.abs(e - (np.maximum(e_ref, 0) if relu else e_ref)) <= n * U32 * e_mag), f"case {k} eval"

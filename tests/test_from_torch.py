@@ -146,13 +146,14 @@ def test_names_come_from_the_modules_and_sources_are_kept():
 
 
 def test_every_unsupported_node_is_listed_in_one_error():
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.GELU(), nn.Conv2d(8, 8, 3, groups=2),
-                          nn.MaxPool2d(2, ceil_mode=True), nn.Flatten(), nn.Linear(8, 5))
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8, momentum=None), nn.GELU(),
+                          nn.Conv2d(8, 8, 3, groups=2), nn.MaxPool2d(2, ceil_mode=True), nn.Flatten(), nn.Linear(8, 5))
     with pytest.raises(ModelImportError) as e:
         pcldnn_gen.from_torch(model, (3, 12, 12))
     msg = str(e.value)
     assert "4 unsupported node(s)" in msg
-    for part in ("1 (BatchNorm2d)", "2 (GELU)", "3 (Conv2d): groups=2 (1, or depthwise", "4 (MaxPool2d): ceil_mode=True"):
+    for part in ("1 (BatchNorm2d): momentum=None", "2 (GELU)", "3 (Conv2d): groups=2 (1, or depthwise",
+                 "4 (MaxPool2d): ceil_mode=True"):
         assert part in msg, part
 
 
@@ -188,3 +189,68 @@ def test_nan_weights_are_refused():
         model[1].weight[0, 0] = float("nan")
     with pytest.raises(ModelImportError, match=r"1 \(Linear\) weight: holds NaN"):
         pcldnn_gen.from_torch(model, (3, 2, 2))
+
+
+def _mobilenet_v1_style():
+    """MobileNet's conv-BN-ReLU blocks: a strided stem, a depthwise and a pointwise convolution,
+    each bias-free and followed by a BatchNorm2d (one with its own eps and momentum)."""
+    return nn.Sequential(nn.Conv2d(3, 16, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.Conv2d(16, 16, 3, padding=1, groups=16, bias=False), nn.BatchNorm2d(16, eps=1e-3, momentum=0.3),
+                         nn.ReLU(), nn.Conv2d(16, 24, 1, bias=False), nn.BatchNorm2d(24), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(24, 10))
+
+
+def test_batchnorm_nets_match_pytorch_in_both_modes_and_over_five_sgd_steps(tmp_path):
+    """BatchNorm2d as PyTorch computes it: evaluation by the running statistics, training by the
+    batch's (biased variance), the running ones updated with the unbiased variance and the
+    layer's momentum, num_batches_tracked counted; five SGD steps (momentum 0.9, weight decay
+    5e-4) leave every parameter and running statistic within 1e-4 of torch.optim.SGD's, and the
+    two nets agree in evaluation after them. The ReLU after each BN is fused into it."""
+    torch.manual_seed(3)
+    model = _mobilenet_v1_style()
+    with torch.no_grad():  # statistics and affine parameters away from their defaults
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.3, 0.3)
+                m.running_mean.uniform_(-0.2, 0.2)
+                m.running_var.uniform_(0.5, 2.0)
+                m.num_batches_tracked.fill_(7)
+    shape = (3, 20, 18)
+    net_dict, state = pcldnn_gen.from_torch(model, shape)
+    assert [(l["type"], l.get("activation")) for l in net_dict["layers"][:3]] == [
+        ("conv", None), ("batchnorm", "relu"), ("conv", None)]
+    assert net_dict["layers"][3]["eps"] == 1e-3 and net_dict["layers"][3]["momentum"] == 0.3
+    build(parse_netspec(net_dict), get_arch(RUNNABLE_ISAS[-1]), tmp_path / "b")
+    net = pr.load(tmp_path / "b", threads=2)
+    net.load_state_dict(state)
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((6, *shape)) * 2 + 0.5).astype(np.float32)
+
+    def close(got, want, what):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * max(np.abs(want).max(), 1e-6), err_msg=what)
+
+    model.eval()
+    close(net.forward(x), model(torch.from_numpy(x)).detach().numpy(), "eval logits")
+    model.train()
+    close(net.forward(x, training=True), model(torch.from_numpy(x)).detach().numpy(), "train logits")
+    ours, theirs = pcldnn_gen.source_state(net_dict, net.state_dict()), model.state_dict()
+    for key in (k for k in theirs if "running" in k or "num_batches" in k):
+        close(ours[key], theirs[key].numpy(), key)
+    assert int(ours["1.num_batches_tracked"]) == 8
+
+    trainer = pr.Trainer(net, pr.SGD(0.05, momentum=0.9, weight_decay=5e-4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    for _ in range(5):
+        xs = (rng.standard_normal((6, *shape)) * 2 + 0.5).astype(np.float32)
+        ys = rng.integers(0, 10, 6)
+        trainer.step(xs, ys)
+        opt.zero_grad()
+        F.cross_entropy(model(torch.from_numpy(xs)), torch.from_numpy(ys)).backward()
+        opt.step()
+    ours, theirs = pcldnn_gen.source_state(net_dict, net.state_dict()), model.state_dict()
+    assert set(ours) == set(theirs)
+    for key, got in ours.items():
+        close(got, theirs[key].numpy(), key)
+    model.eval()
+    close(net.eval().forward(x), model(torch.from_numpy(x)).detach().numpy(), "eval logits after training")

@@ -293,11 +293,13 @@ def _rewrite(src: Path, dst: Path, meta_edit=None, params_edit=None) -> Path:
         meta = json.loads(bytes(np.load(io.BytesIO(z.read("meta.npy")))).decode())
         params = np.load(io.BytesIO(z.read("params.npy")))
         velocity = np.load(io.BytesIO(z.read("velocity.npy")))
+        statistics = np.load(io.BytesIO(z.read("statistics.npy")))
     if meta_edit:
         meta_edit(meta)
     if params_edit:
         params_edit(params)
-    np.savez(dst, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), params=params, velocity=velocity)
+    np.savez(dst, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), params=params, velocity=velocity,
+             statistics=statistics)
     return dst
 
 

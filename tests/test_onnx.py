@@ -27,7 +27,8 @@ LAYERS = [
     {"name": "pool1", "type": "maxpool", "kernel": 3, "stride": 2, "pad": 1},
     {"name": "dw", "type": "conv", "out_channels": 6, "groups": 6, "kernel": 3, "stride": [2, 1], "pad": 1,
      "activation": "relu"},
-    {"name": "conv2", "type": "conv", "out_channels": 10, "kernel": 3, "pad": 1},
+    {"name": "conv2", "type": "conv", "out_channels": 10, "kernel": 3, "pad": 1, "bias": False},
+    {"name": "bn2", "type": "batchnorm", "eps": 1e-3, "momentum": 0.2},
     {"name": "relu2", "type": "relu"},
     {"name": "pool2", "type": "avgpool", "kernel": 2, "stride": 1, "pad": 1},
     {"name": "fc1", "type": "fc", "out_features": 16, "activation": "relu"},
@@ -52,7 +53,10 @@ def exported(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("onnx")
     net = build_and_load(tmp, LAYERS, SHAPE, ISA, name="roundtrip", threads=1)
     rng = np.random.default_rng(0)
-    net.load_state_dict({k: rng.standard_normal(v.shape).astype(np.float32) * 0.3 for k, v in net.state_dict().items()})
+    state = {k: rng.standard_normal(v.shape).astype(np.float32) * 0.3 for k, v in net.state_dict().items()}
+    state["bn2.running_var"] = np.abs(state["bn2.running_var"]) + 0.5
+    state["bn2.num_batches_tracked"] = np.array(0)  # (ONNX does not carry the count)
+    net.load_state_dict(state)
     x = rng.standard_normal((5, *SHAPE)).astype(np.float32)
     return net, net.export_onnx(tmp / "model.onnx"), x
 
@@ -67,13 +71,15 @@ def test_import_compile_with_weights_and_load_give_the_same_logits(exported, tmp
     out = tmp_path / "net.json"
     assert main(["import", str(path), "-o", str(out)]) == 0
     described = json.loads(out.read_text())
-    # the fused ReLUs found again; the standalone one after conv2 fused as well; the dropout's rate
-    # kept; the depthwise layer's groups (ONNX's group attribute)
+    # the fused ReLUs found again; the standalone one after the batchnorm fused into it; the
+    # dropout's rate kept; the depthwise layer's groups (ONNX's group attribute); the batchnorm's
+    # eps and momentum (ONNX's 1 - momentum)
     assert [(l["type"], l.get("activation")) for l in described["layers"]] == [
-        ("conv", "relu"), ("maxpool", None), ("conv", "relu"), ("conv", "relu"), ("avgpool", None), ("fc", "relu"),
-        ("dropout", None), ("fc", None), ("softmax_cross_entropy", None)]
-    assert described["layers"][6]["rate"] == pytest.approx(0.3)
+        ("conv", "relu"), ("maxpool", None), ("conv", "relu"), ("conv", None), ("batchnorm", "relu"), ("avgpool", None),
+        ("fc", "relu"), ("dropout", None), ("fc", None), ("softmax_cross_entropy", None)]
+    assert described["layers"][7]["rate"] == pytest.approx(0.3)
     assert described["layers"][2]["groups"] == 6 and "groups" not in described["layers"][3]
+    assert (described["layers"][4]["eps"], described["layers"][4]["momentum"]) == (1e-3, 0.2)
     assert described["classes"] == 7 and described["layers"][3]["source"] == "conv2"
     assert main(["compile", str(out), "--arch", ISA, "--weights", str(tmp_path / "net.npz"), "-o",
                  str(tmp_path / "b")]) == 0
@@ -136,17 +142,17 @@ def test_every_unsupported_node_is_listed_and_nothing_is_written(tmp_path, capsy
     f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     nodes = [
         helper.make_node("Conv", ["x", "w0"], ["c0"], pads=[0, 0, 1, 1]),
-        helper.make_node("BatchNormalization", ["c0", "s", "b", "m", "v"], ["bn"]),
-        helper.make_node("Conv", ["bn", "w1"], ["c1"], group=2, pads=[1, 1, 1, 1]),
+        helper.make_node("LeakyRelu", ["c0"], ["lr"]),
+        helper.make_node("Conv", ["lr", "w1"], ["c1"], group=2, pads=[1, 1, 1, 1]),
         helper.make_node("Sigmoid", ["c1"], ["y"]),
     ]
-    inits = {"w0": f32(4, 4, 2, 2), "s": f32(4), "b": f32(4), "m": f32(4), "v": np.abs(f32(4)), "w1": f32(4, 2, 3, 3)}
+    inits = {"w0": f32(4, 4, 2, 2), "w1": f32(4, 2, 3, 3)}
     path = tmp_path / "bad.onnx"
     onnx.save(_model(nodes, inits, (4, 6, 6)), path)
     assert main(["import", str(path), "-o", str(tmp_path / "bad.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "4 unsupported node(s)" in err
-    for part in ("Conv_0 (Conv): pads [0, 0, 1, 1]", "BatchNormalization_1 (BatchNormalization): operator not supported",
+    for part in ("Conv_0 (Conv): pads [0, 0, 1, 1]", "LeakyRelu_1 (LeakyRelu): operator not supported",
                  "Conv_2 (Conv): group 2", "Sigmoid_3 (Sigmoid)"):
         assert part in err, part
     assert not list(tmp_path.glob("bad.json*")) and not list(tmp_path.glob("*.npz"))

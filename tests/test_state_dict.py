@@ -94,3 +94,41 @@ def test_tensor_like_and_float64_values_load(tmp_path):
     net.load_state_dict(state)
     for k, v in net.state_dict().items():
         np.testing.assert_array_equal(v, state[k].array.astype(np.float32))
+
+
+BN_LAYERS = [{"name": "c", "type": "conv", "out_channels": 20, "kernel": 3, "pad": 1, "bias": False},
+             {"name": "bn", "type": "batchnorm", "activation": "relu"},
+             {"name": "fc", "type": "fc", "out_features": 4}, {"name": "loss", "type": "softmax_cross_entropy"}]
+
+
+def test_batchnorm_state_carries_its_running_statistics(tmp_path, isa):
+    """BatchNorm2d's keys and values: scale 1 and shift 0, running mean 0 and variance 1, no
+    batches at first; a training-mode forward moves the statistics (padding lanes kept out of
+    the state) and an evaluation one does not; a negative variance, a fractional or negative
+    batch count and a single value per channel in training are refused, leaving the net as it
+    was."""
+    net = build_and_load(tmp_path, BN_LAYERS, (3, 5, 4), isa, name="bn")
+    state = net.state_dict()
+    assert [k for k in state if k.startswith("bn.")] == ["bn.weight", "bn.bias", "bn.running_mean", "bn.running_var",
+                                                          "bn.num_batches_tracked"]
+    assert state["bn.num_batches_tracked"].dtype == np.int64 and state["bn.num_batches_tracked"].shape == ()
+    np.testing.assert_array_equal(state["bn.weight"], np.ones(20, np.float32))
+    np.testing.assert_array_equal(state["bn.running_var"], np.ones(20, np.float32))
+    x = np.random.default_rng(2).standard_normal((3, 3, 5, 4)).astype(np.float32) + 2
+    net.forward(x)
+    assert int(net.state_dict()["bn.num_batches_tracked"]) == 0
+    net.forward(x, training=True)
+    moved = net.state_dict()
+    assert int(moved["bn.num_batches_tracked"]) == 1 and moved["bn.running_mean"].shape == (20,)
+    assert np.abs(moved["bn.running_mean"]).max() > 0.01 and not np.array_equal(moved["bn.running_var"], np.ones(20))
+    for key, bad, message in (("bn.running_var", -np.ones(20), "negative variance"),
+                              ("bn.num_batches_tracked", np.array(2.5), "whole number"),
+                              ("bn.num_batches_tracked", np.array(-1), "whole number")):
+        with pytest.raises(PcldnnError, match=message):
+            net.load_state_dict({**moved, key: bad})
+    for key, value in net.state_dict().items():
+        np.testing.assert_array_equal(value, moved[key])
+    one = build_and_load(tmp_path, BN_LAYERS, (3, 1, 1), isa, name="bn1")
+    with pytest.raises(PcldnnError, match="more than one value per channel"):
+        one.forward(np.ones((1, 3, 1, 1), np.float32), training=True)
+    one.forward(np.ones((2, 3, 1, 1), np.float32), training=True)  # two values a channel: PyTorch's bound

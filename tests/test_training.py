@@ -218,7 +218,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(build_dir, tmp_path, mon
     good = path.read_bytes()
     trainer.step(*next(pr.synthetic(8, SHAPE, 5).batches(8)))
 
-    def fail_midway(f, meta, params, velocity):
+    def fail_midway(f, meta, params, velocity, statistics):
         f.write(b"PK\x03\x04 half a zip")
         raise OSError("disk full")
     monkeypatch.setattr(tr, "_write_checkpoint", fail_midway)
@@ -320,3 +320,50 @@ def test_a_stuck_or_diverged_epoch_warns_with_its_likely_cause(record, message):
         assert len(seen) == 1 and seen[0].category is RuntimeWarning
         import re
         assert re.search(message, str(seen[0].message)), str(seen[0].message)
+
+
+def test_a_batchnorm_net_resumes_bit_identically_with_its_running_statistics(tmp_path):
+    """The running statistics and batch counts travel in the checkpoint (pcldnn-checkpoint/3):
+    training resumed into a fresh net ends with the weights, momentum and statistics of the run
+    that was not interrupted, bit for bit; a /2 checkpoint, which has none, is refused for it."""
+    layers = [{"name": "c", "type": "conv", "out_channels": 8, "kernel": 3, "pad": 1, "bias": False},
+              {"name": "bn", "type": "batchnorm", "activation": "relu", "momentum": 0.2},
+              {"name": "fc", "type": "fc", "out_features": 5}, {"name": "loss", "type": "softmax_cross_entropy"}]
+    build_dir = build_and_load(tmp_path, layers, SHAPE, "scalar", name="bnr").build_dir
+    train = pr.synthetic(64, SHAPE, 5, seed=7)
+    opt = lambda: pr.SGD(0.05, momentum=0.9, weight_decay=5e-4)  # noqa: E731
+    straight = pr.Trainer(_net(build_dir, seed=5), opt(), seed=2)
+    straight.fit(train, epochs=4, batch_size=16, progress=False)
+    first = pr.Trainer(_net(build_dir, seed=5), opt(), seed=2)
+    first.fit(train, epochs=2, batch_size=16, progress=False)
+    ckpt = first.save(tmp_path / "bn.npz")
+    resumed = pr.Trainer.resume(ckpt, _net(build_dir, seed=99))
+    resumed.fit(train, epochs=4, batch_size=16, progress=False)
+    for key, value in straight.net.state_dict().items():
+        np.testing.assert_array_equal(resumed.net.state_dict()[key], value, err_msg=key)
+    assert int(resumed.net.state_dict()["bn.num_batches_tracked"]) == 16
+    np.testing.assert_array_equal(resumed.optimizer.velocity, straight.optimizer.velocity)
+    with zipfile.ZipFile(ckpt) as z:  # the same file as format /2: no statistics member
+        meta = json.loads(bytes(np.load(io.BytesIO(z.read("meta.npy")))).decode())
+        arrays = {n: np.load(io.BytesIO(z.read(f"{n}.npy"))) for n in ("params", "velocity")}
+    meta["format"] = "pcldnn-checkpoint/2"
+    del meta["batch_counts"]
+    np.savez(tmp_path / "old.npz", meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+    with pytest.raises(pr.CheckpointError, match="holds no batchnorm statistics"):
+        pr.Trainer.resume(tmp_path / "old.npz", _net(build_dir, seed=1))
+
+
+def test_checkpoints_of_the_previous_format_resume_nets_without_batchnorm(build_dir, tmp_path):
+    """A pcldnn-checkpoint/2 file (no statistics member) still resumes a net that has no batchnorm."""
+    trainer = pr.Trainer(_net(build_dir, seed=3), pr.SGD(0.05, momentum=0.9), seed=1)
+    trainer.fit(pr.synthetic(32, SHAPE, 5, seed=2), epochs=1, batch_size=16, progress=False)
+    with zipfile.ZipFile(trainer.save(tmp_path / "new.npz")) as z:
+        meta = json.loads(bytes(np.load(io.BytesIO(z.read("meta.npy")))).decode())
+        arrays = {n: np.load(io.BytesIO(z.read(f"{n}.npy"))) for n in ("params", "velocity")}
+        assert np.load(io.BytesIO(z.read("statistics.npy"))).size == 0 and meta["batch_counts"] == []
+    meta["format"] = "pcldnn-checkpoint/2"
+    del meta["batch_counts"]
+    np.savez(tmp_path / "old.npz", meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+    resumed = pr.Trainer.resume(tmp_path / "old.npz", _net(build_dir, seed=9))
+    np.testing.assert_array_equal(resumed.net.params, trainer.net.params)
+    assert resumed.step_count == trainer.step_count == 2

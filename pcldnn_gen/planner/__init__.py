@@ -150,6 +150,7 @@ _FAMILY_PLANNERS: dict[str, _Planner] = {
     "fc_gemm": _register_tiled,
     "pool": _memory_bound,
     "eltwise": _memory_bound,
+    "batchnorm": _memory_bound,
     "loss": _memory_bound,
 }
 

@@ -20,6 +20,11 @@ MEMORY_BOUND = {
     "dropout_fwd": "elementwise keep/drop from a counter-based hash of (seed, element index): "
                    "deterministic for any thread count, nothing stored; kept values scaled by 1/(1-rate)",
     "dropout_bwd_data": "the forward mask recomputed from the same seed, applied to dy",
+    "batchnorm_fwd": "training: each channel block's mean, then its variance about it (two passes, rows summed "
+                     "in fp32 vectors into double lanes), then one scale-and-shift pass; eval: that pass on "
+                     "the running statistics; threads own channel blocks for the sums, (image, block) planes after",
+    "batchnorm_bwd_data": "the sums of dy and dy x-hat per channel (as backward-weights), then dx in one pass",
+    "batchnorm_bwd_weights": "dgamma = sum dy x-hat, dbeta = sum dy per channel, a channel block a thread",
     "softmax_cross_entropy_fwd": "per row: max-shifted softmax, loss = log-sum-exp - logit[label], "
                                  "accumulated in double; mean over the minibatch",
     "softmax_cross_entropy_bwd_data": "(softmax - onehot(label)) / minibatch, padded lanes zero",

@@ -1,5 +1,5 @@
-"""Memory-bound kernels (pooling, elementwise, loss): no register tile to choose, only the
-template and, for dropout, the mask's constants."""
+"""Memory-bound kernels (pooling, elementwise, batchnorm, loss): no register tile to choose, only
+the template and, for dropout, the mask's constants."""
 from __future__ import annotations
 
 from pcldnn_runtime.abi import DROPOUT_HASH_STEP
@@ -15,6 +15,7 @@ TEMPLATES = {
     "relu_fwd": "eltwise_fwd.c.j2", "dropout_fwd": "eltwise_fwd.c.j2",
     "relu_bwd_data": "eltwise_bwd_data.c.j2", "dropout_bwd_data": "eltwise_bwd_data.c.j2",
     "softmax_cross_entropy_fwd": "loss_fwd.c.j2", "softmax_cross_entropy_bwd_data": "loss_bwd_data.c.j2",
+    **{f"batchnorm_{p}": "batchnorm.c.j2" for p in ("fwd", "bwd_data", "bwd_weights")},
 }
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from . import (
+    batchnorm,
     conv_amx,
     conv_depthwise,
     conv_direct,
@@ -49,6 +50,7 @@ FAMILIES: tuple[Family, ...] = (
     fc_gemm.FAMILY,
     pool.FAMILY,
     eltwise.FAMILY,
+    batchnorm.FAMILY,
     loss.FAMILY,
 )
 
