@@ -18,7 +18,8 @@ from pcldnn_runtime.validate import Fields, show
 from .errors import ModelImportError, NetSpecError
 from .netspec import check_groups, check_window, parse_netspec
 
-OP_KINDS = ("conv", "fc", "batchnorm", "maxpool", "avgpool", "relu", "dropout", "flatten", "softmax", "identity")
+OP_KINDS = ("conv", "fc", "batchnorm", "maxpool", "avgpool", "relu", "relu6", "dropout", "flatten", "softmax",
+            "identity")
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,10 @@ def net_from_ops(ops: list[Op], input_shape: tuple[int, int, int], name: str, or
             layers[-1]["activation"] = "relu"
             fusable = False
             continue
+        if op.kind == "relu6" and fusable and layers[-1]["type"] == "batchnorm":  # (it fuses there only)
+            layers[-1]["activation"] = "relu6"
+            fusable = False
+            continue
         layer: dict[str, Any] = {"name": layer_name(op.source, taken), "type": op.kind}
         fusable = False
         if op.kind in ("conv", "maxpool", "avgpool"):
@@ -201,7 +206,7 @@ def net_from_ops(ops: list[Op], input_shape: tuple[int, int, int], name: str, or
         elif op.kind == "dropout":
             layer["rate"] = Fields(origin, ModelImportError).number_in(_plain(op.attrs["rate"]), f"{op.label}.rate",
                                                                        0, 1, open_hi=True)
-        elif op.kind != "relu":
+        elif op.kind not in ("relu", "relu6"):
             raise AssertionError(op.kind)
         if op.weight is not None:
             state[f"{layer['name']}.weight"] = _finite(op.weight, f"{op.label} weight", problems)

@@ -27,14 +27,16 @@ LAYER_FIELDS: dict[str, tuple[set[str], dict[str, Any]]] = {
     "fc": ({"out_features"}, {"activation": None, "bias": True}),
     "maxpool": ({"kernel"}, {"stride": None, "pad": 0}),
     "avgpool": ({"kernel"}, {"stride": None, "pad": 0}),
+    "global_avgpool": (set(), {}),  # an avgpool over the whole input: C x 1 x 1
     "relu": (set(), {}),
+    "relu6": (set(), {}),
     "dropout": (set(), {"rate": 0.5}),
     "batchnorm": (set(), {"eps": 1e-5, "momentum": 0.1, "activation": None}),
     "softmax_cross_entropy": (set(), {}),
 }
 WEIGHTED = ("conv", "fc")
 POOLS = ("maxpool", "avgpool")
-ACTIVATIONS = ("relu",)
+ACTIVATIONS = ("relu", "relu6")
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class LayerSpec:
     rate: float = 0.0  # dropout probability (dropout layers only)
     eps: float = 1e-5  # batchnorm: added to the variance before its square root
     momentum: float = 0.1  # batchnorm: running = (1 - momentum) running + momentum batch statistic
+    relu6: bool = False  # with relu: the fused activation is min(max(x, 0), 6) (batchnorm, relu6 layers)
     bias: bool = True  # conv / fc: false keeps the bias at zero (PyTorch's bias=False)
     groups: int = 1  # conv: 1, or the channels (depthwise: each channel convolved with its own window)
 
@@ -169,9 +172,14 @@ def parse_netspec(data: Any, origin: str = "<net>", max_memory: int | None = Non
         c, h, w = shape
         if ltype == "softmax_cross_entropy" and i != len(layers_raw) - 1:
             p.fail(where, "softmax_cross_entropy must be the last layer")
+        if ltype == "global_avgpool":  # the average pooling whose window is the input
+            ltype, f = "avgpool", {"kernel": [shape[1], shape[2]], "stride": None, "pad": 0}
         if ltype in ("conv", *POOLS) and flat:
             p.fail(where, f"{ltype} cannot follow an fc layer (its input is a flat vector)")
-        relu = p.activation(f.get("activation"), f"{where}.activation")
+        activation = p.activation(f.get("activation"), f"{where}.activation")
+        relu = activation is not None
+        if activation == "relu6" and ltype != "batchnorm":
+            p.fail(f"{where}.activation", f"relu6 is fused into batchnorm layers only; after a {ltype} put a relu6 layer")
 
         if ltype == "conv" or ltype in POOLS:
             kernel, stride, pad, (oh, ow) = check_window(p, ltype, f["kernel"], f["stride"], f["pad"], where, (h, w))
@@ -191,11 +199,11 @@ def parse_netspec(data: Any, origin: str = "<net>", max_memory: int | None = Non
         elif ltype == "batchnorm":
             if flat:
                 p.fail(where, "batchnorm normalizes the channels of an image (BatchNorm2d); it cannot follow an fc layer")
-            spec = LayerSpec(i, lname, ltype, shape, shape, relu=relu,
+            spec = LayerSpec(i, lname, ltype, shape, shape, relu=relu, relu6=activation == "relu6",
                              eps=p.number_in(f["eps"], f"{where}.eps", 1e-12, 1.0),
                              momentum=p.number_in(f["momentum"], f"{where}.momentum", 0.0, 1.0))
         else:  # relu, softmax_cross_entropy: shape-preserving
-            spec = LayerSpec(i, lname, ltype, shape, shape, relu=(ltype == "relu"))
+            spec = LayerSpec(i, lname, ltype, shape, shape, relu=ltype in ("relu", "relu6"), relu6=ltype == "relu6")
         for size, what in ((spec.out_shape[0] * spec.out_shape[1] * spec.out_shape[2], "output"),
                            (math.prod(spec.weight_shape or ()), "weight")):
             if size > limits.MAX_TENSOR_FLOATS:
@@ -276,9 +284,9 @@ class _Parser(Fields):
         return self.string(value, where, NAME_RE, "letters, digits, underscore; it becomes a C identifier "
                            "and a file name")
 
-    def activation(self, value: Any, where: str) -> bool:
+    def activation(self, value: Any, where: str) -> str | None:
         if value is None:
-            return False
+            return None
         if not any(value == a for a in ACTIVATIONS if isinstance(value, str)):
             self.fail(where, f"must be one of {', '.join(ACTIVATIONS)} or absent, got {show(value)}")
-        return True
+        return str(value)

@@ -24,7 +24,7 @@ from .frontend import Op, fail_unsupported, input_shape_of, model_name, net_from
 
 SUPPORTED = ("Conv (group 1 or depthwise, dilation 1, symmetric pads), Gemm (transA 0), MatMul (+ Add), MaxPool / AveragePool "
              "(floor, symmetric pads; AveragePool counting pads), GlobalAveragePool, BatchNormalization (inference "
-             "form), Relu, Dropout, Flatten "
+             "form), Relu, Clip to [0, 6], Dropout, Flatten "
              "(axis 1), Reshape to (N, -1), Identity, a final Softmax / LogSoftmax")
 MAX_MODEL_BYTES = 4 * 1024 ** 3  # a protobuf cannot exceed 2 GiB without external data anyway
 MIN_OPSET = 7  # the oldest opset whose operator forms the translation below reads (opset 7 dropped is_test etc.)
@@ -346,6 +346,14 @@ def _node_op(node: Any, following: Any, source: str, constants: Any, onnx: Any) 
         return Op("batchnorm", source, t, {"eps": eps, "momentum": momentum}, scale, shift, (mean, var, 0)), False
     if t == "Relu":
         return Op("relu", source, t), False
+    if t == "Clip":  # ReLU6 when it clips to [0, 6] (attributes before opset 11, inputs since)
+        lo = _const(constants, node, 1, "min") if len(node.input) > 1 and node.input[1] else None
+        hi = _const(constants, node, 2, "max") if len(node.input) > 2 and node.input[2] else None
+        bounds = (float(lo.reshape(-1)[0]) if lo is not None and lo.size == 1 else a.get("min"),
+                  float(hi.reshape(-1)[0]) if hi is not None and hi.size == 1 else a.get("max"))
+        if bounds != (0.0, 6.0):
+            raise _Unsupported(f"bounds {bounds} (only [0, 6]: ReLU6)")
+        return Op("relu6", source, t), False
     if t == "Dropout":
         ratio = _const(constants, node, 1, "ratio")
         if ratio is not None and ratio.size != 1:

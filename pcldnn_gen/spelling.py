@@ -50,6 +50,7 @@ class VectorISA:
     operand_type: str = ""
     _operand_load: str = ""
     _operand_broadcast: str = ""
+    _min: str = ""       # lane-wise minimum (a ReLU6's clip)
 
     def operand(self) -> str:
         return self.operand_type or self.type
@@ -90,6 +91,9 @@ class VectorISA:
 
     def max(self, a: str, b: str) -> str:
         return self._max.format(a=a, b=b)
+
+    def min(self, a: str, b: str) -> str:
+        return self._min.format(a=a, b=b)
 
     def set1(self, value: str) -> str:
         return self._set1.format(v=value)
@@ -159,7 +163,7 @@ VECTOR_ISAS: dict[str, VectorISA] = {
                       "_mm256_storeu_ps((float *)({a}), {v})", '__asm__("" : "+x"({v}));',
                       "({{ __m128 s_ = _mm_add_ps(_mm256_castps256_ps128({v}), _mm256_extractf128_ps({v}, 1)); "
                       "s_ = _mm_add_ps(s_, _mm_movehl_ps(s_, s_)); _mm_cvtss_f32(_mm_add_ss(s_, _mm_movehdup_ps(s_))); }})",
-                      _AVX2_TRANSPOSE),
+                      _AVX2_TRANSPOSE, _min="_mm256_min_ps({a}, {b})"),
     "avx512": VectorISA("__m512", "immintrin.h", "_mm512_loadu_ps({a})", "_mm512_storeu_ps({a}, {v})",
                         "_mm512_set1_ps(*({a}))", "_mm512_fmadd_ps({a}, {b}, {c})",
                         "_mm512_max_ps({a}, {b})", "_mm512_set1_ps({v})", "_mm512_add_ps({a}, {b})", "__m512",
@@ -167,10 +171,10 @@ VECTOR_ISAS: dict[str, VectorISA] = {
                         "{b} = _mm512_mask_blend_ps(gt, {b}, {v}); "
                         "{w} = _mm512_mask_blend_ps(gt, {w}, _mm512_castsi512_ps(_mm512_set1_epi32({p}))); }}",
                         "_mm512_storeu_ps((float *)({a}), {v})", '__asm__("" : "+v"({v}));', "_mm512_reduce_add_ps({v})",
-                        _avx512_transpose()),
+                        _avx512_transpose(), _min="_mm512_min_ps({a}, {b})"),
     "scalar": VectorISA("float", "", "*({a})", "*({a}) = {v}", "*({a})", "{c} + {a} * {b}",
                         "fmaxf({a}, {b})", "({v})", "{a} + {b}", "int",
-                        "if ({v} > {b}) {{ {b} = {v}; {w} = {p}; }}", "*({a}) = {v}"),
+                        "if ({v} > {b}) {{ {b} = {v}; {w} = {p}; }}", "*({a}) = {v}", _min="fminf({a}, {b})"),
 }
 
 # bf16 kernels: the AVX-512 spellings, except for the reduction. A weight vector is 16 oc lanes

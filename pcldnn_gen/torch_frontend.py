@@ -17,8 +17,8 @@ from .frontend import Op, fail_unsupported, input_shape_of, model_name, net_from
 
 SUPPORTED = ("Conv2d (groups=1 or depthwise, dilation=1, zero padding), Linear, BatchNorm2d, MaxPool2d, AvgPool2d, "
              "AdaptiveAvgPool2d "
-             "(to a size that divides the input), ReLU, Dropout, Flatten, Identity, a final Softmax / LogSoftmax, "
-             "and torch.flatten / F.relu / F.dropout / F.max_pool2d / F.avg_pool2d / view(N, -1) in forward")
+             "(to a size that divides the input), ReLU, ReLU6, Dropout, Flatten, Identity, a final Softmax / LogSoftmax, "
+             "and torch.flatten / F.relu / F.relu6 / F.dropout / F.max_pool2d / F.avg_pool2d / view(N, -1) in forward")
 
 
 def from_torch(module: Any, input_shape: Any, name: str | None = None, loss: bool = True) -> tuple[dict, dict[str, np.ndarray]]:
@@ -184,6 +184,8 @@ def _module_op(target: str, m: Any, nn: Any) -> Op:
                   (_array(m.running_mean), _array(m.running_var), int(m.num_batches_tracked)))
     if isinstance(m, nn.ReLU):
         return Op("relu", target, kind)
+    if isinstance(m, nn.ReLU6):
+        return Op("relu6", target, kind)
     if isinstance(m, nn.Dropout):
         return Op("dropout", target, kind, {"rate": m.p})
     if isinstance(m, nn.Flatten):
@@ -226,6 +228,8 @@ def _function_op(node: Any, torch: Any, F: Any) -> Op:
     kind = getattr(fn, "__name__", str(fn))
     if fn in (F.relu, torch.relu) or (node.op == "call_method" and fn in ("relu", "relu_")):
         return Op("relu", name, kind)
+    if fn is F.relu6:
+        return Op("relu6", name, kind)
     if fn in (torch.flatten,) or (node.op == "call_method" and fn == "flatten"):
         start = args[1] if len(args) > 1 else kwargs.get("start_dim", 0)
         end = args[2] if len(args) > 2 else kwargs.get("end_dim", -1)

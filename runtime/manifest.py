@@ -45,7 +45,7 @@ PASSES = ("fwd", "bwd_data", "bwd_weights")
 LAYER_PASSES: dict[str, tuple[str, ...]] = {
     "conv": PASSES, "fc": PASSES,
     "maxpool": ("fwd", "bwd_data"), "avgpool": ("fwd", "bwd_data"),
-    "relu": ("fwd", "bwd_data"), "dropout": ("fwd", "bwd_data"), "batchnorm": PASSES,
+    "relu": ("fwd", "bwd_data"), "relu6": ("fwd", "bwd_data"), "dropout": ("fwd", "bwd_data"), "batchnorm": PASSES,
     "softmax_cross_entropy": ("fwd", "bwd_data"),
 }
 WEIGHTED = ("conv", "fc")
@@ -117,6 +117,7 @@ class LayerEntry:
     groups: int = 1     # conv: 1, or its channels (depthwise)
     eps: float = 1e-5   # batchnorm: added to the variance
     momentum: float = 0.1  # batchnorm: the running statistics' update weight
+    relu6: bool = False  # the fused ReLU clips at 6 (batchnorm, relu6)
 
     @property
     def depthwise(self) -> bool:
@@ -258,7 +259,7 @@ def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: i
     where = f"layers[{index}]"
     keys = {"name", "type", "in_shape", "out_shape", "kernel", "stride", "pad", "relu", "rate",
             "weight_shape", "kernels"}
-    f.obj(raw, where, keys, {"bias", "groups", "eps", "momentum", "output", "gradient"})
+    f.obj(raw, where, keys, {"bias", "groups", "eps", "momentum", "relu6", "output", "gradient"})
     name = f.string(raw["name"], f"{where}.name", NAME_RE, "a layer name")
     ltype = f.choice(raw["type"], f"{where}.type", tuple(LAYER_PASSES))
     got_in = _shape(f, raw["in_shape"], f"{where}.in_shape", limits.MAX_FEATURES)
@@ -309,8 +310,11 @@ def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: i
         f.fail(f"{where}.eps" if "eps" in raw else f"{where}.momentum", f"a {ltype} layer has no running statistics")
     eps = f.number_in(raw.get("eps", 1e-5), f"{where}.eps", 1e-12, 1.0)
     momentum = f.number_in(raw.get("momentum", 0.1), f"{where}.momentum", 0.0, 1.0)
+    relu6 = f.boolean(raw.get("relu6", ltype == "relu6"), f"{where}.relu6")
+    if relu6 != (ltype == "relu6") and not (ltype == "batchnorm" and relu):
+        f.fail(f"{where}.relu6", "true for relu6 layers and batchnorm layers with a fused relu6 only")
     return LayerEntry(index, name, ltype, in_shape, out, kernel, stride, pad, relu, rate, weight_shape, kernels, bias,
-                      groups, eps, momentum)
+                      groups, eps, momentum, relu6)
 
 
 def _kernels(f: Fields, value: Any, where: str, layer: str, kinds: dict[str, dict[str, str]]) -> dict[str, KernelEntry]:

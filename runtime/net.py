@@ -41,7 +41,8 @@ from .validate import non_finite_at
 
 _LAYER_CLASSES: dict[str, type[Layer]] = {
     "conv": WeightedLayer, "fc": WeightedLayer, "batchnorm": NormLayer, "maxpool": MaxPoolLayer,
-    "avgpool": AvgPoolLayer, "relu": ReluLayer, "dropout": DropoutLayer, "softmax_cross_entropy": LossLayer}
+    "avgpool": AvgPoolLayer, "relu": ReluLayer, "relu6": ReluLayer, "dropout": DropoutLayer,
+    "softmax_cross_entropy": LossLayer}
 
 
 MAX_WORKSPACES = 2  # minibatch sizes whose buffers a Net keeps (see Net.workspace)

@@ -21,6 +21,12 @@ def _weights(state: dict, name: str, inits: list, numpy_helper: Any) -> list[str
     return keys
 
 
+def _relu6(helper: Any, numpy_helper: Any, inits: list, x: str, out: str, name: str) -> Any:
+    """A Clip node to [0, 6] (its bounds as initializers: opset 11 and later)."""
+    inits += [numpy_helper.from_array(np.array(v, np.float32), f"{name}.{k}") for k, v in (("min", 0.0), ("max", 6.0))]
+    return helper.make_node("Clip", [x, f"{name}.min", f"{name}.max"], [out], name=name)
+
+
 def export_onnx(net: Any, path: str | Path) -> Path:
     """Write `net` to `path` (atomically: a temporary file renamed over it)."""
     try:
@@ -63,14 +69,18 @@ def export_onnx(net: Any, path: str | Path) -> Path:
                                           epsilon=spec.eps, momentum=1.0 - spec.momentum))
         elif spec.type == "relu":
             nodes.append(helper.make_node("Relu", [x], [out], name=name))
+        elif spec.type == "relu6":
+            nodes.append(_relu6(helper, numpy_helper, inits, x, out, name))
         elif spec.type == "dropout":  # the identity at inference; the rate kept for re-import
             inits.append(numpy_helper.from_array(np.array(spec.rate, np.float32), f"{name}.ratio"))
             nodes.append(helper.make_node("Dropout", [x, f"{name}.ratio"], [out], name=name))
         else:
             raise AssertionError(spec.type)
-        if spec.relu and spec.type != "relu":  # a fused activation
-            nodes.append(helper.make_node("Relu", [out], [f"{name}.relu"], name=f"{name}.relu"))
-            out = f"{name}.relu"
+        if spec.relu and spec.type not in ("relu", "relu6"):  # a fused activation
+            fused = f"{name}.relu"
+            nodes.append(_relu6(helper, numpy_helper, inits, out, fused, fused) if spec.relu6 else
+                         helper.make_node("Relu", [out], [fused], name=fused))
+            out = fused
         x = out
     nodes.append(helper.make_node("Identity", [x], ["logits"], name="logits"))
     c, h, w = net.manifest.net_input

@@ -254,3 +254,57 @@ def test_batchnorm_nets_match_pytorch_in_both_modes_and_over_five_sgd_steps(tmp_
         close(got, theirs[key].numpy(), key)
     model.eval()
     close(net.eval().forward(x), model(torch.from_numpy(x)).detach().numpy(), "eval logits after training")
+
+
+def _mobilenet_v2_blocks():
+    """MobileNetV2's ReLU6: fused into the BatchNorm2d before it, standalone after a convolution
+    (as nn.ReLU6 and as F.relu6 in a forward)."""
+    class Blocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(16),
+                                      nn.ReLU6(inplace=True))
+            self.dw = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+            self.project = nn.Sequential(nn.Conv2d(16, 24, 1, bias=False), nn.BatchNorm2d(24))
+            self.head = nn.Sequential(nn.ReLU6(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(24, 10))
+
+        def forward(self, x):
+            return self.head(self.project(F.relu6(self.dw(self.stem(x)))))
+    return Blocks()
+
+
+def test_relu6_fused_into_batchnorm_and_standalone_matches_pytorch(tmp_path):
+    """ReLU6 clips at 0 and 6 in both places: logits in both modes and one SGD step's weight
+    gradients as PyTorch's; inputs and scales such that some activations pass 6."""
+    torch.manual_seed(5)
+    model = _mobilenet_v2_blocks()
+    with torch.no_grad():  # scales that take some normalized values past 6
+        model.stem[1].weight.fill_(4.0)
+        model.project[1].weight.fill_(4.0)
+    shape = (3, 16, 14)
+    net_dict, state = pcldnn_gen.from_torch(model, shape)
+    assert [(l["type"], l.get("activation")) for l in net_dict["layers"][:6]] == [
+        ("conv", None), ("batchnorm", "relu6"), ("conv", None), ("relu6", None), ("conv", None), ("batchnorm", "relu6")]
+    build(parse_netspec(net_dict), get_arch(RUNNABLE_ISAS[-1]), tmp_path / "b")
+    net = pr.load(tmp_path / "b", threads=2)
+    net.load_state_dict(state)
+    x = (np.random.default_rng(6).standard_normal((4, *shape)) * 8).astype(np.float32)
+    model.eval()
+    want = model(torch.from_numpy(x)).detach().numpy()
+    np.testing.assert_allclose(net.forward(x), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    model.train()
+    want = model(torch.from_numpy(x)).detach().numpy()
+    bn = model.stem[1]  # the clip is reached (computed without moving the running statistics)
+    stem = F.batch_norm(model.stem[0](torch.from_numpy(x)), None, None, bn.weight, bn.bias, training=True)
+    assert (stem > 6).any()
+    np.testing.assert_allclose(net.forward(x, training=True), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    labels = np.arange(4)
+    before = net.state_dict()
+    pr.Trainer(net, pr.SGD(lr=1.0)).step(x, labels)
+    model.zero_grad()
+    F.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(labels)).backward()
+    after = net.state_dict()
+    for layer in (l for l in net_dict["layers"] if l["type"] in ("conv", "fc", "batchnorm")):
+        g = dict(model.named_parameters())[f"{layer['source']}.weight"].grad.numpy()
+        key = f"{layer['name']}.weight"
+        np.testing.assert_allclose(before[key] - after[key], g, rtol=1e-3, atol=2e-4 * np.abs(g).max(), err_msg=key)

@@ -72,7 +72,9 @@ def _with(path_edit):
     (lambda n: n["layers"][1].update(name="p" * 65), r"layers\[1\]\.name: must match"),
     (lambda n: n.update(name="../x"), r": name: must match"),
     (lambda n: n.update(classes=7), r"classes: is 7 but the last fc layer 'fc1' has out_features 10"),
-    (lambda n: n["layers"][0].update(activation="tanh"), r"layers\[0\]\.activation: must be one of relu"),
+    (lambda n: n["layers"][0].update(activation="tanh"), r"layers\[0\]\.activation: must be one of relu, relu6"),
+    (lambda n: n["layers"][0].update(activation="relu6"),
+     r"layers\[0\]\.activation: relu6 is fused into batchnorm layers only; after a conv put a relu6 layer"),
     (lambda n: n["layers"].insert(0, {"name": "l0", "type": "softmax_cross_entropy"}),
      r"layers\[0\]: softmax_cross_entropy must be the last"),
     (lambda n: n["layers"].insert(3, {"name": "c9", "type": "conv", "out_channels": 2, "kernel": 1}),
@@ -172,6 +174,14 @@ def test_depthwise_convolutions_have_a_window_per_channel():
     assert dw.depthwise and not conv.depthwise and conv.groups == 1
     assert dw.weight_shape == (8, 1, 3, 5) and dw.out_shape == (8, 8, 8)
     assert dw.flops(2) == 2 * 2 * 8 * 8 * 8 * 3 * 5
+
+
+def test_global_avgpool_is_an_average_over_the_whole_input():
+    spec = parse_netspec(_with(lambda n: n["layers"].insert(2, {"name": "gap", "type": "global_avgpool"})))
+    gap = spec.layer("gap")
+    assert (gap.type, gap.in_shape, gap.out_shape, gap.kernel, gap.stride) == (
+        "avgpool", (8, 8, 8), (8, 1, 1), (8, 8), (8, 8))
+    assert spec.layer("fc1").in_shape == (8, 1, 1)
 
 
 def test_hash_identifies_the_description():

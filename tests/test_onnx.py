@@ -25,6 +25,7 @@ LAYERS = [
     {"name": "conv1", "type": "conv", "out_channels": 6, "kernel": [3, 5], "stride": [1, 2], "pad": [1, 2],
      "activation": "relu"},
     {"name": "pool1", "type": "maxpool", "kernel": 3, "stride": 2, "pad": 1},
+    {"name": "r6", "type": "relu6"},
     {"name": "dw", "type": "conv", "out_channels": 6, "groups": 6, "kernel": 3, "stride": [2, 1], "pad": 1,
      "activation": "relu"},
     {"name": "conv2", "type": "conv", "out_channels": 10, "kernel": 3, "pad": 1, "bias": False},
@@ -75,12 +76,12 @@ def test_import_compile_with_weights_and_load_give_the_same_logits(exported, tmp
     # dropout's rate kept; the depthwise layer's groups (ONNX's group attribute); the batchnorm's
     # eps and momentum (ONNX's 1 - momentum)
     assert [(l["type"], l.get("activation")) for l in described["layers"]] == [
-        ("conv", "relu"), ("maxpool", None), ("conv", "relu"), ("conv", None), ("batchnorm", "relu"), ("avgpool", None),
-        ("fc", "relu"), ("dropout", None), ("fc", None), ("softmax_cross_entropy", None)]
-    assert described["layers"][7]["rate"] == pytest.approx(0.3)
-    assert described["layers"][2]["groups"] == 6 and "groups" not in described["layers"][3]
-    assert (described["layers"][4]["eps"], described["layers"][4]["momentum"]) == (1e-3, 0.2)
-    assert described["classes"] == 7 and described["layers"][3]["source"] == "conv2"
+        ("conv", "relu"), ("maxpool", None), ("relu6", None), ("conv", "relu"), ("conv", None), ("batchnorm", "relu"),
+        ("avgpool", None), ("fc", "relu"), ("dropout", None), ("fc", None), ("softmax_cross_entropy", None)]
+    assert described["layers"][8]["rate"] == pytest.approx(0.3)
+    assert described["layers"][3]["groups"] == 6 and "groups" not in described["layers"][4]
+    assert (described["layers"][5]["eps"], described["layers"][5]["momentum"]) == (1e-3, 0.2)
+    assert described["classes"] == 7 and described["layers"][4]["source"] == "conv2"
     assert main(["compile", str(out), "--arch", ISA, "--weights", str(tmp_path / "net.npz"), "-o",
                  str(tmp_path / "b")]) == 0
     loaded = pr.load(tmp_path / "b", threads=1)  # starts from the recorded weights

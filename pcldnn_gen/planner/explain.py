@@ -17,6 +17,8 @@ MEMORY_BOUND = {
     "avgpool_bwd_data": "each output gradient / kernel area added to its window; threads own whole planes",
     "relu_fwd": "elementwise max(x, 0) on the blocked buffer",
     "relu_bwd_data": "elementwise dy * (y > 0), using the forward output as the mask",
+    "relu6_fwd": "elementwise min(max(x, 0), 6) on the blocked buffer",
+    "relu6_bwd_data": "elementwise dy * (0 < y < 6), using the forward output as the mask",
     "dropout_fwd": "elementwise keep/drop from a counter-based hash of (seed, element index): "
                    "deterministic for any thread count, nothing stored; kept values scaled by 1/(1-rate)",
     "dropout_bwd_data": "the forward mask recomputed from the same seed, applied to dy",

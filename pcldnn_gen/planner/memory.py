@@ -12,8 +12,9 @@ from .plans import DropoutPlan, KernelPlan
 TEMPLATES = {
     "maxpool_fwd": "pool_fwd.c.j2", "avgpool_fwd": "pool_fwd.c.j2",
     "maxpool_bwd_data": "pool_bwd_data.c.j2", "avgpool_bwd_data": "pool_bwd_data.c.j2",
-    "relu_fwd": "eltwise_fwd.c.j2", "dropout_fwd": "eltwise_fwd.c.j2",
+    "relu_fwd": "eltwise_fwd.c.j2", "dropout_fwd": "eltwise_fwd.c.j2", "relu6_fwd": "eltwise_fwd.c.j2",
     "relu_bwd_data": "eltwise_bwd_data.c.j2", "dropout_bwd_data": "eltwise_bwd_data.c.j2",
+    "relu6_bwd_data": "eltwise_bwd_data.c.j2",
     "softmax_cross_entropy_fwd": "loss_fwd.c.j2", "softmax_cross_entropy_bwd_data": "loss_bwd_data.c.j2",
     **{f"batchnorm_{p}": "batchnorm.c.j2" for p in ("fwd", "bwd_data", "bwd_weights")},
 }
