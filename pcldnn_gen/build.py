@@ -205,6 +205,7 @@ def _manifest(net: NetSpec, arch: Arch, kernels: dict[str, dict], precision: str
     is (families.bf16_gradients) `"gradient": "bf16"`."""
     layers = []
     activations, gradients = net_activations(net, arch, precision), net_gradients(net, arch, precision)
+    previous = "input"
     for layer in net.layers:
         layers.append({
             "name": layer.name, "type": layer.type,
@@ -217,9 +218,11 @@ def _manifest(net: NetSpec, arch: Arch, kernels: dict[str, dict], precision: str
             **({"groups": layer.groups} if layer.groups != 1 else {}),
             **({"eps": layer.eps, "momentum": layer.momentum} if layer.normalizes else {}),
             **({"relu6": True} if layer.relu6 else {}),
+            **({"inputs": list(layer.inputs)} if layer.inputs != (previous,) else {}),
             **({"output": "bf16"} if activations[layer.name][1] else {}),
             **({"gradient": "bf16"} if gradients[layer.name][1] else {}),
         })
+        previous = layer.name
     return {
         "format": FORMAT, "generator": f"pcldnn-gen {__version__}",
         "net": {"name": net.name, "input": list(net.input), "classes": net.classes,

@@ -6,6 +6,7 @@ pattern because they become C identifiers and file names in the build directory.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -20,14 +21,19 @@ from .errors import NetSpecError
 
 # Fields each layer type takes: required, and optional with their defaults. Every layer may
 # also carry `source`: the framework's name of the module or node it was imported from
-# (from_torch, `pcldnn-gen import`), informational only.
+# (from_torch, `pcldnn-gen import`), informational only, and `inputs`: the earlier layers it
+# reads ("input": the net's input; default: the layer before it).
 _COMMON = {"name", "type"}
+JOINS = ("add", "concat")  # the layers of several inputs
+NET_INPUT = "input"
 LAYER_FIELDS: dict[str, tuple[set[str], dict[str, Any]]] = {
     "conv": ({"out_channels", "kernel"}, {"stride": 1, "pad": 0, "activation": None, "bias": True, "groups": 1}),
     "fc": ({"out_features"}, {"activation": None, "bias": True}),
     "maxpool": ({"kernel"}, {"stride": None, "pad": 0}),
     "avgpool": ({"kernel"}, {"stride": None, "pad": 0}),
     "global_avgpool": (set(), {}),  # an avgpool over the whole input: C x 1 x 1
+    "add": (set(), {"activation": None}),  # the element-wise sum of two or more inputs
+    "concat": (set(), {}),  # two or more inputs along the channels
     "relu": (set(), {}),
     "relu6": (set(), {}),
     "dropout": (set(), {"rate": 0.5}),
@@ -60,6 +66,8 @@ class LayerSpec:
     eps: float = 1e-5  # batchnorm: added to the variance before its square root
     momentum: float = 0.1  # batchnorm: running = (1 - momentum) running + momentum batch statistic
     relu6: bool = False  # with relu: the fused activation is min(max(x, 0), 6) (batchnorm, relu6 layers)
+    inputs: tuple[str, ...] = ()  # the layers it reads, NET_INPUT for the net's input (set by parse_netspec)
+    in_shapes: tuple[tuple[int, int, int], ...] = ()  # add / concat: each input's shape
     bias: bool = True  # conv / fc: false keeps the bias at zero (PyTorch's bias=False)
     groups: int = 1  # conv: 1, or the channels (depthwise: each channel convolved with its own window)
 
@@ -152,7 +160,8 @@ def parse_netspec(data: Any, origin: str = "<net>", max_memory: int | None = Non
 
     layers: list[LayerSpec] = []
     seen: set[str] = set()
-    flat = False  # once an fc layer ran, activations are vectors
+    outputs = {NET_INPUT: (shape, False)}  # each activation's shape, and whether it is a vector (after an fc)
+    consumed: set[str] = set()
     for i, raw in enumerate(layers_raw):
         where = f"layers[{i}]"
         if not isinstance(raw, dict):
@@ -161,14 +170,18 @@ def parse_netspec(data: Any, origin: str = "<net>", max_memory: int | None = Non
         if not isinstance(ltype, str) or ltype not in LAYER_FIELDS:
             p.fail(f"{where}.type", f"unknown layer type {show(ltype)}; known: {', '.join(LAYER_FIELDS)}")
         required, optional = LAYER_FIELDS[ltype]
-        p.obj(raw, where, _COMMON | required, {*optional, "source"})
+        p.obj(raw, where, _COMMON | required, {*optional, "source", "inputs"})
         lname = p.name(raw["name"], f"{where}.name")
         if "source" in raw:
             p.text(raw["source"], f"{where}.source")
-        if lname in seen:
-            p.fail(f"{where}.name", f"duplicate layer name {lname!r}")
+        if lname in seen or lname == NET_INPUT:
+            p.fail(f"{where}.name", f"duplicate layer name {lname!r}" if lname in seen else
+                   f"{NET_INPUT!r} names the net's input")
+        inputs = _inputs(p, raw.get("inputs"), ltype, where, layers[-1].name if layers else NET_INPUT, seen)
+        consumed.update(inputs)
         seen.add(lname)
         f = {**optional, **raw}
+        shape, flat = outputs[inputs[0]]
         c, h, w = shape
         if ltype == "softmax_cross_entropy" and i != len(layers_raw) - 1:
             p.fail(where, "softmax_cross_entropy must be the last layer")
@@ -181,7 +194,9 @@ def parse_netspec(data: Any, origin: str = "<net>", max_memory: int | None = Non
         if activation == "relu6" and ltype != "batchnorm":
             p.fail(f"{where}.activation", f"relu6 is fused into batchnorm layers only; after a {ltype} put a relu6 layer")
 
-        if ltype == "conv" or ltype in POOLS:
+        if ltype in JOINS:
+            spec = _join(p, ltype, i, lname, inputs, [outputs[n] for n in inputs], relu, where)
+        elif ltype == "conv" or ltype in POOLS:
             kernel, stride, pad, (oh, ow) = check_window(p, ltype, f["kernel"], f["stride"], f["pad"], where, (h, w))
             oc = (p.int_in(f["out_channels"], f"{where}.out_channels", 1, limits.MAX_CHANNELS)
                   if ltype == "conv" else c)
@@ -192,7 +207,6 @@ def parse_netspec(data: Any, origin: str = "<net>", max_memory: int | None = Non
             oc = p.int_in(f["out_features"], f"{where}.out_features", 1, limits.MAX_FEATURES)
             spec = LayerSpec(i, lname, ltype, shape, (oc, 1, 1), (h, w), (1, 1), (0, 0), relu,
                              bias=p.boolean(f["bias"], f"{where}.bias"))
-            flat = True
         elif ltype == "dropout":
             rate = p.number_in(f["rate"], f"{where}.rate", 0.0, 1.0, open_hi=True)
             spec = LayerSpec(i, lname, ltype, shape, shape, rate=rate)
@@ -209,8 +223,12 @@ def parse_netspec(data: Any, origin: str = "<net>", max_memory: int | None = Non
             if size > limits.MAX_TENSOR_FLOATS:
                 p.fail(where, f"its {what} tensor has {size} elements per image, more than the "
                        f"{limits.MAX_TENSOR_FLOATS} allowed")
-        layers.append(spec)
-        shape = spec.out_shape
+        layers.append(dataclasses.replace(spec, inputs=inputs))
+        outputs[lname] = (spec.out_shape, flat or ltype == "fc")
+    unused = [l.name for l in layers[:-1] if l.name not in consumed]
+    if unused:
+        p.fail(f"layers[{[l.name for l in layers].index(unused[0])}]",
+               f"the output of layer {unused[0]!r} is not read by any layer (every layer but the last must feed one)")
 
     if layers[-1].type == "softmax_cross_entropy" and layers[-1].in_shape[1:] != (1, 1):
         p.fail(f"layers[{len(layers) - 1}]", "softmax_cross_entropy needs a vector of logits (put an fc layer "
@@ -254,6 +272,48 @@ def check_window(p: Fields, ltype: str, kernel: Any, stride: Any, pad: Any, wher
     if oh < 1 or ow < 1:
         p.fail(f"{where}.kernel", f"kernel {list(k)} is larger than the padded input {h + 2 * pd[0]}x{w + 2 * pd[1]}")
     return k, s, pd, (oh, ow)
+
+
+def _inputs(p: Fields, raw: Any, ltype: str, where: str, previous: str, earlier: set[str]) -> tuple[str, ...]:
+    """The layers a layer reads: `inputs` as given (names of earlier layers, or NET_INPUT), else the
+    layer before it; add and concat read two or more, every other layer one."""
+    joins = ltype in JOINS
+    if raw is None:
+        if joins:
+            p.fail(f"{where}.inputs", f"an {ltype} layer needs its inputs: a list of two or more earlier layers")
+        return (previous,)
+    if not isinstance(raw, list) or not (2 if joins else 1) <= len(raw) <= (limits.MAX_LAYERS if joins else 1):
+        p.fail(f"{where}.inputs", f"must be a list of {'two or more layer names' if joins else 'one layer name'}, "
+               f"got {show(raw)}")
+    for k, name in enumerate(raw):
+        if not isinstance(name, str) or (name != NET_INPUT and name not in earlier):
+            p.fail(f"{where}.inputs[{k}]", f"{show(name)} is not an earlier layer (or {NET_INPUT!r}): a net reads "
+                   "layers above it, in file order")
+        if name == NET_INPUT and earlier:
+            p.fail(f"{where}.inputs[{k}]", f"only the first layer reads {NET_INPUT!r} (the net's input)")
+        if name in raw[:k]:
+            p.fail(f"{where}.inputs[{k}]", f"{name!r} is named twice")
+    if ltype == "softmax_cross_entropy" and raw != [previous]:
+        p.fail(f"{where}.inputs", f"the loss reads the layer before it ({previous!r})")
+    return tuple(raw)
+
+
+def _join(p: Fields, ltype: str, index: int, name: str, inputs: tuple[str, ...],
+          sources: list[tuple[tuple[int, int, int], bool]], relu: bool, where: str) -> LayerSpec:
+    """add: inputs of one shape, summed (and the fused ReLU); concat: inputs of one height and
+    width, their channels in order."""
+    shapes = tuple(s for s, _ in sources)
+    for k, (s, flat) in enumerate(sources):
+        if flat:
+            p.fail(f"{where}.inputs[{k}]", f"{inputs[k]!r} is a vector (after an fc layer): {ltype} joins images")
+        if (s if ltype == "add" else s[1:]) != (shapes[0] if ltype == "add" else shapes[0][1:]):
+            what = "shape" if ltype == "add" else "height and width"
+            p.fail(f"{where}.inputs[{k}]", f"{inputs[k]!r} has {what} {'x'.join(map(str, s))}, "
+                   f"{inputs[0]!r} {'x'.join(map(str, shapes[0]))}: {ltype} needs the same {what}")
+    out = shapes[0] if ltype == "add" else (sum(s[0] for s in shapes), *shapes[0][1:])
+    if out[0] > limits.MAX_CHANNELS:
+        p.fail(where, f"{out[0]} channels, more than the {limits.MAX_CHANNELS} allowed")
+    return LayerSpec(index, name, ltype, out, out, relu=relu, in_shapes=shapes)
 
 
 def check_groups(p: Fields, groups: Any, channels: int, out_channels: int, where: str) -> int:

@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -167,7 +168,17 @@ def ptr(arr: np.ndarray | None) -> Any:
     return _ffi.from_buffer(_C_TYPES[arr.dtype], arr, require_writable=False)
 
 
+def ptr_array(arrays: list[np.ndarray]) -> Any:
+    """A C array of float pointers to these float32 arrays' data (an add's or a concat's inputs);
+    it keeps the arrays alive."""
+    pointers = [ptr(a) for a in arrays]
+    out = _ffi.new("float *[]", pointers)
+    _keep[out] = pointers
+    return out
+
+
 _ffi = cffi.FFI()
+_keep: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a pointer array -> the pointers it holds
 
 
 CACHE_LINE_FLOATS = 16  # floats in a 64-byte cache line: parameter blocks and MPI parts start on one

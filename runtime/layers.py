@@ -21,7 +21,7 @@ from .geometry import (
     fc_tile_geometry,
     input_pixel_floats,
 )
-from .kernels import bf16_bits, bf16_values, empty_aligned, ptr
+from .kernels import bf16_bits, bf16_values, empty_aligned, ptr, ptr_array
 from .limits import blocks
 from .manifest import PASSES, LayerEntry
 
@@ -629,6 +629,40 @@ class NormLayer(ParamLayer):
     def set_running_stats(self, mean: np.ndarray, var: np.ndarray) -> None:
         c = self.out_shape[0]
         self.running_mean[:c], self.running_var[:c] = mean, var
+
+
+class JoinLayer(Layer):
+    """add and concat: several inputs (Net passes their blocked activations). The canonical
+    per-layer API of a single input does not apply: a Net runs them."""
+
+    def __init__(self, spec: LayerEntry, kernels: dict[str, Callable], v: int, net: Any) -> None:
+        super().__init__(spec, kernels, v, net)
+        self.in_shapes: tuple[tuple[int, int, int], ...] = spec.in_shapes
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        raise PcldnnError(f"layer {self.name}: a {self.type} of {len(self.in_shapes)} inputs runs in its net (Net.forward)")
+
+    def input_blocked_shapes(self, batch: int) -> list[tuple[int, ...]]:
+        return [self.blocked_shape(s, batch) for s in self.in_shapes]
+
+    def forward_join(self, xbs: list[np.ndarray], yb: np.ndarray) -> None:
+        self._k["fwd"](ptr_array(xbs), ptr(yb), yb.shape[0], self.team(yb.shape[0]))
+
+
+class AddLayer(JoinLayer):
+    def backward_join(self, yb: np.ndarray, dyb: np.ndarray) -> None:
+        """dy masked in place by the fused ReLU: then it is every input's gradient."""
+        self._k["bwd_data"](ptr(dyb), ptr(yb) if self.relu else ptr(None), dyb.shape[0], self.team(dyb.shape[0]))
+
+    @property
+    def relu(self) -> bool:
+        return self.spec.relu
+
+
+class ConcatLayer(JoinLayer):
+    def backward_join(self, dyb: np.ndarray, dxbs: list[np.ndarray]) -> None:
+        """Each input's channels of dy into its gradient buffer."""
+        self._k["bwd_data"](ptr(dyb), ptr_array(dxbs), dyb.shape[0], self.team(dyb.shape[0]))
 
 
 class MaxPoolLayer(Layer):

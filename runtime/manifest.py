@@ -8,6 +8,7 @@ the build directory. Any defect is one `BuildDirError` naming the field.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import Any
 
 from . import cpu, families, limits
 from .errors import BuildDirError
-from .validate import LABEL_RE, NAME_RE, SHA256_RE, Fields, read_json
+from .validate import LABEL_RE, NAME_RE, SHA256_RE, Fields, read_json, show
 
 # 2: the first layer's few-channel input is packed (geometry.input_pixel_floats); a /1 build's
 # kernels read it padded to V lanes, so it is refused rather than fed the wrong layout.
@@ -32,8 +33,9 @@ from .validate import LABEL_RE, NAME_RE, SHA256_RE, Fields, read_json
 # 7: a vdpbf16ps build's packed first layer has bf16 forward and backward-weights kernels
 # (conv_fwd_packed_bf16, conv_bwd_weights_packed_bf16) where a /6 build has the fp32 ones.
 # 8: the SGD update kernel reports non-finite weights through a flag argument a /7 build's lacks.
-# 9: a conv layer may be depthwise (`groups`, kernels conv_*_depthwise, weights (C, 1, KH, KW)), and a
-# layer may be a batchnorm (`eps`, `momentum`).
+# 9: a conv layer may be depthwise (`groups`, kernels conv_*_depthwise, weights (C, 1, KH, KW)); a
+# layer may be a batchnorm (`eps`, `momentum`), a relu6, or read other layers than the one before it
+# (`inputs`; add and concat read several).
 FORMAT = "pcldnn-build/9"
 FORMAT_FAMILY = "pcldnn-build/"
 MANIFEST = "manifest.json"
@@ -46,10 +48,12 @@ LAYER_PASSES: dict[str, tuple[str, ...]] = {
     "conv": PASSES, "fc": PASSES,
     "maxpool": ("fwd", "bwd_data"), "avgpool": ("fwd", "bwd_data"),
     "relu": ("fwd", "bwd_data"), "relu6": ("fwd", "bwd_data"), "dropout": ("fwd", "bwd_data"), "batchnorm": PASSES,
+    "add": ("fwd", "bwd_data"), "concat": ("fwd", "bwd_data"),
     "softmax_cross_entropy": ("fwd", "bwd_data"),
 }
 WEIGHTED = ("conv", "fc")
 WINDOWED = ("conv", "maxpool", "avgpool")
+JOINS = ("add", "concat")  # the layers that read several
 # Layout conversions (symbol suffix -> kernel kind); weighted layers also convert weights.
 ACT_LAYOUTS = ("in_to_blocked", "in_from_blocked", "out_to_blocked", "out_from_blocked")
 WEIGHT_LAYOUTS = ("wt_to_blocked", "wt_from_blocked")
@@ -118,6 +122,8 @@ class LayerEntry:
     eps: float = 1e-5   # batchnorm: added to the variance
     momentum: float = 0.1  # batchnorm: the running statistics' update weight
     relu6: bool = False  # the fused ReLU clips at 6 (batchnorm, relu6)
+    inputs: tuple[str, ...] = ()  # the layers it reads ("input": the net's); parse_manifest sets them
+    in_shapes: tuple[tuple[int, int, int], ...] = ()  # add / concat: each input's shape
 
     @property
     def depthwise(self) -> bool:
@@ -188,13 +194,15 @@ def parse_manifest(data: Any, origin: str) -> Manifest:
                f"not {arch['isa']}")
     raw_layers = f.array(data["layers"], "layers", 1, limits.MAX_LAYERS)
     layers: list[LayerEntry] = []
-    shape = net_input
+    outputs = {NET_INPUT: net_input}
     for i, raw in enumerate(raw_layers):
-        layer = _layer(f, raw, i, shape, v, precision, arch.get("amx") is True)
-        if any(l.name == layer.name for l in layers):
+        inputs = _inputs(f, raw, i, layers[-1].name if layers else NET_INPUT, outputs)
+        shapes = tuple(outputs[n] for n in inputs)
+        layer = _layer(f, raw, i, _joined(f, raw, i, shapes), v, precision, arch.get("amx") is True)
+        if layer.name in outputs:
             f.fail(f"layers[{i}].name", f"duplicate layer name {layer.name!r}")
-        layers.append(layer)
-        shape = layer.out_shape
+        layers.append(dataclasses.replace(layer, inputs=inputs, in_shapes=shapes if len(inputs) > 1 else ()))
+        outputs[layer.name] = layer.out_shape
     # Activations and gradients stored as bf16: the build's kernels read and write what
     # families.bf16_outputs and bf16_gradients say, so the manifest must say the same (a build
     # from a generator with another rule would have its activations misread).
@@ -222,6 +230,37 @@ def parse_manifest(data: Any, origin: str) -> Manifest:
         sgd = _entry(f, raw, "sgd", {SGD_SYMBOL: "sgd"})
     return Manifest(FORMAT, f.text(data["generator"], "generator"), name, net_input, classes, net_hash, arch,
                     tuple(layers), weights, peak, peak_flops, precision, sgd)
+
+
+NET_INPUT = "input"  # what `inputs` calls the net's input
+
+
+def _inputs(f: Fields, raw: Any, index: int, previous: str, outputs: dict) -> tuple[str, ...]:
+    """The layers a manifest layer reads: its `inputs` (earlier layers), else the one before it."""
+    if not isinstance(raw, dict) or "inputs" not in raw:
+        return (previous,)
+    where = f"layers[{index}].inputs"
+    names = f.array(raw["inputs"], where, 1, limits.MAX_LAYERS)
+    for k, name in enumerate(names):
+        if not isinstance(name, str) or name not in outputs or name in names[:k] or (name == NET_INPUT and index):
+            f.fail(f"{where}[{k}]", f"must name an earlier layer (or {NET_INPUT!r}, the first layer's) once, "
+                   f"got {show(name)}")
+    if (len(names) > 1) != (raw.get("type") in JOINS):
+        f.fail(where, "add and concat read two or more layers, every other layer one")
+    return tuple(names)
+
+
+def _joined(f: Fields, raw: Any, index: int, shapes: tuple[tuple[int, int, int], ...]) -> tuple[int, int, int]:
+    """The input shape a layer of these input shapes has: the one input's; add: their common
+    shape; concat: their channels summed, their common height and width."""
+    if len(shapes) == 1:
+        return shapes[0]
+    if raw.get("type") == "add" and len(set(shapes)) == 1:
+        return shapes[0]
+    if raw.get("type") == "concat" and len({s[1:] for s in shapes}) == 1:
+        return (sum(s[0] for s in shapes), *shapes[0][1:])
+    return f.fail(f"layers[{index}].inputs", f"inputs of shapes {[list(s) for s in shapes]} cannot be joined by "
+                  f"{show(raw.get('type'))}")
 
 
 def _shape(f: Fields, value: Any, where: str, max_channels: int) -> tuple[int, int, int]:
@@ -259,12 +298,12 @@ def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: i
     where = f"layers[{index}]"
     keys = {"name", "type", "in_shape", "out_shape", "kernel", "stride", "pad", "relu", "rate",
             "weight_shape", "kernels"}
-    f.obj(raw, where, keys, {"bias", "groups", "eps", "momentum", "relu6", "output", "gradient"})
+    f.obj(raw, where, keys, {"bias", "groups", "eps", "momentum", "relu6", "inputs", "output", "gradient"})
     name = f.string(raw["name"], f"{where}.name", NAME_RE, "a layer name")
     ltype = f.choice(raw["type"], f"{where}.type", tuple(LAYER_PASSES))
     got_in = _shape(f, raw["in_shape"], f"{where}.in_shape", limits.MAX_FEATURES)
     if got_in != in_shape:
-        f.fail(f"{where}.in_shape", f"is {list(got_in)} but the previous layer (or the net input) gives {list(in_shape)}")
+        f.fail(f"{where}.in_shape", f"is {list(got_in)} but its inputs (or the net input) give {list(in_shape)}")
     out = _shape(f, raw["out_shape"], f"{where}.out_shape", limits.MAX_FEATURES)
     kmax = limits.MAX_SPATIAL
     kernel = _pair(f, raw["kernel"], f"{where}.kernel", 1, kmax)

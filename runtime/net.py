@@ -25,7 +25,9 @@ from .kernels import (
 )
 from .launcher import local_ranks
 from .layers import (
+    AddLayer,
     AvgPoolLayer,
+    ConcatLayer,
     DropoutLayer,
     Layer,
     LossLayer,
@@ -42,17 +44,18 @@ from .validate import non_finite_at
 _LAYER_CLASSES: dict[str, type[Layer]] = {
     "conv": WeightedLayer, "fc": WeightedLayer, "batchnorm": NormLayer, "maxpool": MaxPoolLayer,
     "avgpool": AvgPoolLayer, "relu": ReluLayer, "relu6": ReluLayer, "dropout": DropoutLayer,
-    "softmax_cross_entropy": LossLayer}
+    "add": AddLayer, "concat": ConcatLayer, "softmax_cross_entropy": LossLayer}
 
 
 MAX_WORKSPACES = 2  # minibatch sizes whose buffers a Net keeps (see Net.workspace)
 
 
 class _Workspace:
-    """Everything a forward + backward pass of one minibatch size needs, allocated once:
-    every layer's blocked output (kept for the backward pass; bf16 where families.bf16_outputs
-    says), argmax / dropout state, two ping-pong buffers for activation gradients (each fp32, or
-    bf16 where families.bf16_gradients says), softmax probabilities and labels."""
+    """Everything a forward + backward pass of one minibatch size needs, allocated once: the
+    net input's and every layer's blocked output (acts[0], acts[i + 1]: kept for the backward
+    pass; bf16 where families.bf16_outputs says), argmax / dropout state, a pool of buffers for
+    activation gradients (each fp32, or bf16 where families.bf16_gradients says: a chain takes
+    two, a graph as many as gradients wait at once), softmax probabilities and labels."""
 
     def __init__(self, net: Net, batch: int):
         chain = net.chain
@@ -61,17 +64,22 @@ class _Workspace:
         self.acts += [empty_aligned(l.blocked_shape(l.out_shape, batch), dtype=np.uint16 if l.out_bf16 else np.float32)
                       for l in chain]
         self.aux = [l.aux_buffer(batch) for l in chain]
-        largest = max(a.size for a in self.acts)
-        self._grads = (empty_aligned((largest,)), empty_aligned((largest,)))
+        self._largest = max(a.size for a in self.acts)
+        self._free: list[np.ndarray] = []
+        self._lent: dict[int, np.ndarray] = {}  # the buffers given out, by their address
         classes = chain[-1].out_shape[0]
         self.probs = np.empty((batch, classes), dtype=np.float32)
         self.labels = np.empty(batch, dtype=np.int32)
 
-    def grad(self, which: int, like: np.ndarray, bf16: bool = False) -> np.ndarray:
-        """Ping-pong gradient buffer `which` viewed with the shape of `like`, as float32 or as
-        bf16 bits."""
-        buf = self._grads[which].view(np.uint16) if bf16 else self._grads[which]
-        return buf[: like.size].reshape(like.shape)
+    def grad(self, like: np.ndarray, bf16: bool = False) -> np.ndarray:
+        """A gradient buffer from the pool viewed with the shape of `like`, as float32 or as
+        bf16 bits; `release` returns it."""
+        buf = self._free.pop() if self._free else empty_aligned((self._largest,))
+        self._lent[buf.ctypes.data] = buf
+        return (buf.view(np.uint16) if bf16 else buf)[: like.size].reshape(like.shape)
+
+    def release(self, grad: np.ndarray) -> None:
+        self._free.append(self._lent.pop(grad.ctypes.data))
 
 
 class Net:
@@ -141,21 +149,33 @@ class Net:
             else:
                 layer = cls(spec, kernels, v, self)
             self.layers[spec.name] = layer
+        # The layers in file order but the loss (a topological order of the graph: a layer reads
+        # only earlier ones); layer i writes acts[i + 1] and reads acts[s] for s in sources[i]
+        # (0: the net's input).
         self.chain: list[Layer] = [l for l in self.layers.values() if not isinstance(l, LossLayer)]
         losses = [l for l in self.layers.values() if isinstance(l, LossLayer)]
         self.loss_layer: LossLayer | None = losses[0] if losses else None
-        # Chain positions of max poolings right above a convolution with a fused ReLU: in the
-        # backward pass the pooling masks the gradient it routes by that ReLU (from its own,
-        # smaller, output) and the convolution's kernels read no mask (Net.backward).
+        position = {"input": 0} | {l.name: i + 1 for i, l in enumerate(self.chain)}
+        self.sources: list[tuple[int, ...]] = [tuple(position[n] for n in l.spec.inputs) for l in self.chain]
+        # activations whose gradient is wanted: those a parameter's layer wrote or read through
+        self.needs_grad = [False] * (len(self.chain) + 1)
+        for i, layer in enumerate(self.chain):
+            self.needs_grad[i + 1] = isinstance(layer, ParamLayer) or any(self.needs_grad[s] for s in self.sources[i])
+        chained = families.chain_edges(specs)
+        # Chain positions of max poolings right above a convolution with a fused ReLU, its only
+        # reader: in the backward pass the pooling masks the gradient it routes by that ReLU
+        # (from its own, smaller, output) and the convolution's kernels read no mask (Net.backward).
         self.relu_pools = frozenset(i for i in range(1, len(self.chain)) if isinstance(self.chain[i], MaxPoolLayer)
+                                    and self.sources[i] == (i,) and chained[i - 1]
                                     and isinstance(below := self.chain[i - 1], WeightedLayer) and below.relu)
-        seen_fc = False
-        for layer in self.layers.values():
-            layer.flat_input = layer.flat_input or seen_fc
-            seen_fc = seen_fc or layer.type == "fc"
-            layer.flat_output = seen_fc
-        # bf16 builds with AMX: an activation whose writer and reader kernels all take bf16 is
-        # stored so (families.bf16_outputs; the manifest says the same)
+        flat = [False] * (len(self.chain) + 1)  # after an fc layer activations are vectors
+        for i, layer in enumerate(self.chain):
+            layer.flat_input = layer.flat_input or flat[self.sources[i][0]]
+            flat[i + 1] = layer.flat_output = layer.flat_input or layer.type == "fc"
+        if self.loss_layer is not None:
+            self.loss_layer.flat_input = self.loss_layer.flat_output = True
+        # bf16 builds: an activation whose writer and reader kernels all take bf16 is stored so
+        # (families.bf16_outputs, on chain edges only; the manifest says the same)
         outputs = bf16_outputs(self.precision, manifest.arch.get("amx") is True, v, specs)
         gradients = bf16_gradients(self.precision, manifest.arch.get("amx") is True, v, specs)
         for i, spec in enumerate(specs):
@@ -430,7 +450,10 @@ class Net:
             if before_layer is not None:
                 before_layer(layer)
             start = time.perf_counter()
-            layer.forward_blocked(ws.acts[i], ws.acts[i + 1], ws.aux[i], training)
+            if isinstance(layer, (AddLayer, ConcatLayer)):
+                layer.forward_join([ws.acts[s] for s in self.sources[i]], ws.acts[i + 1])
+            else:
+                layer.forward_blocked(ws.acts[self.sources[i][0]], ws.acts[i + 1], ws.aux[i], training)
             if timings is not None:
                 timings[layer.name] = time.perf_counter() - start
         self._pending = ws if training else None
@@ -450,29 +473,74 @@ class Net:
         labels = self.loss_layer.check_labels(labels, ws.batch)
         np.copyto(ws.labels, labels)
         loss = self.loss_layer.loss_blocked(ws.acts[-1], ws.labels, ws.probs)
-        dy = ws.grad(0, ws.acts[-1])
+        dy = ws.grad(ws.acts[-1])
         self.loss_layer.grad_blocked(ws.probs, ws.labels, dy)
         if grad_scale != 1.0:
             dy *= np.float32(grad_scale)
-        # Below the first weighted layer no gradient is wanted: layers there (a dropout or a
-        # pooling on the input) are skipped, and the first weighted layer computes no dx.
-        first = next((i for i, l in enumerate(self.chain) if isinstance(l, ParamLayer)), len(self.chain))
-        for i in range(len(self.chain) - 1, first - 1, -1):
-            layer = self.chain[i]
+        # Each activation's gradient, summed over its readers as they finish (in reverse file
+        # order every reader of an activation runs before its writer); a layer whose input needs
+        # no gradient (below every parameter) computes none, and one with neither is skipped.
+        grads: dict[int, np.ndarray] = {len(self.chain): dy}
+        for i in range(len(self.chain) - 1, -1, -1):
+            layer, sources = self.chain[i], self.sources[i]
+            dy = grads.pop(i + 1) if i + 1 in grads else None
+            if dy is None:  # below every parameter: no gradient reaches this layer's output
+                continue
+            wanted = [s for s in sources if self.needs_grad[s]]
+            if not wanted and not isinstance(layer, ParamLayer):
+                ws.release(dy)
+                continue
             start = time.perf_counter()
-            dx = ws.grad((len(self.chain) - i) % 2, ws.acts[i], layer.in_grad_bf16) if i > first else None
-            grads = layer.grad_buffers if isinstance(layer, ParamLayer) else None
-            # a max pooling over a fused ReLU's output applies that ReLU's mask for the layer below
-            fused = {"mask_input": True} if i in self.relu_pools else {"dy_masked": True} if i + 1 in self.relu_pools else {}
-            layer.backward_blocked(ws.acts[i], ws.acts[i + 1], ws.aux[i], dy, dx, grads, **fused)
+            if isinstance(layer, AddLayer):
+                layer.backward_join(ws.acts[i + 1], dy)
+                for s in wanted:  # the same gradient for every input: the last takes the buffer itself
+                    self._accumulate(grads, ws, s, dy, alias=s == wanted[-1])
+                if not wanted:
+                    ws.release(dy)
+            elif isinstance(layer, ConcatLayer):
+                parts = [ws.grad(ws.acts[s]) for s in sources]
+                layer.backward_join(dy, parts)
+                ws.release(dy)
+                for s, part in zip(sources, parts, strict=True):
+                    if self.needs_grad[s]:
+                        self._accumulate(grads, ws, s, part, alias=True)
+                    else:
+                        ws.release(part)
+            else:
+                s = sources[0]
+                dx = ws.grad(ws.acts[s], layer.in_grad_bf16) if wanted else None
+                param_grads = layer.grad_buffers if isinstance(layer, ParamLayer) else None
+                # a max pooling over a fused ReLU's output applies that ReLU's mask for the layer below
+                fused = ({"mask_input": True} if i in self.relu_pools else
+                         {"dy_masked": True} if i + 1 in self.relu_pools else {})
+                layer.backward_blocked(ws.acts[s], ws.acts[i + 1], ws.aux[i], dy, dx, param_grads, **fused)
+                ws.release(dy)
+                if dx is not None:
+                    self._accumulate(grads, ws, s, dx, alias=True)
             if timings is not None:
                 timings[layer.name] = time.perf_counter() - start
             if after_layer is not None:
                 after_layer(layer)
-            if dx is not None:  # the first layer's input gradient is not computed
-                dy = dx
+        for g in grads.values():  # the net input's gradient is not computed (never wanted)
+            ws.release(g)
         self._pending = None
         return loss
+
+    @staticmethod
+    def _accumulate(grads: dict[int, np.ndarray], ws: _Workspace, s: int, g: np.ndarray, alias: bool) -> None:
+        """Activation s's gradient gets g: g itself when it is the first (alias: g may become it;
+        else a copy), added to it after (a fan-out's gradients summed in fp32)."""
+        have = grads.get(s)
+        if have is None:
+            if alias:
+                grads[s] = g
+            else:
+                grads[s] = copy = ws.grad(g)
+                np.copyto(copy, g)
+            return
+        np.add(have, g, out=have)
+        if alias:
+            ws.release(g)
 
     def predict(self, x: Any, batch_size: int = 256) -> np.ndarray:
         """Logits of every sample of x (an (N, C, H, W) array or a dataset), in evaluation mode,

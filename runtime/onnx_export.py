@@ -38,11 +38,13 @@ def export_onnx(net: Any, path: str | Path) -> Path:
     state = net.state_dict()
     nodes: list = []
     inits: list = []
+    tensors = {"input": ("input", True)}  # each layer's output: its ONNX tensor, and whether it is an image
     x, spatial = "input", True
     for layer in net.chain:
         spec = layer.spec
         name = layer.name
         out = name
+        x, spatial = tensors[spec.inputs[0]]
         if spec.type == "conv":
             (kh, kw), (sh, sw), (ph, pw) = spec.kernel, spec.stride, spec.pad
             inputs = _weights(state, name, inits, numpy_helper)
@@ -71,6 +73,10 @@ def export_onnx(net: Any, path: str | Path) -> Path:
             nodes.append(helper.make_node("Relu", [x], [out], name=name))
         elif spec.type == "relu6":
             nodes.append(_relu6(helper, numpy_helper, inits, x, out, name))
+        elif spec.type == "add":
+            nodes.append(helper.make_node("Sum", [tensors[n][0] for n in spec.inputs], [out], name=name))
+        elif spec.type == "concat":
+            nodes.append(helper.make_node("Concat", [tensors[n][0] for n in spec.inputs], [out], name=name, axis=1))
         elif spec.type == "dropout":  # the identity at inference; the rate kept for re-import
             inits.append(numpy_helper.from_array(np.array(spec.rate, np.float32), f"{name}.ratio"))
             nodes.append(helper.make_node("Dropout", [x, f"{name}.ratio"], [out], name=name))
@@ -82,6 +88,7 @@ def export_onnx(net: Any, path: str | Path) -> Path:
                          helper.make_node("Relu", [out], [fused], name=fused))
             out = fused
         x = out
+        tensors[name] = (out, spatial)
     nodes.append(helper.make_node("Identity", [x], ["logits"], name="logits"))
     c, h, w = net.manifest.net_input
     last = net.chain[-1].out_shape

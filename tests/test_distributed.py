@@ -105,6 +105,35 @@ def test_p_ranks_match_one_rank(build_dir, tmp_path, p, batch, thread, parallel)
     assert {n.split()[1].rstrip(":") for n in names if n.startswith("model-parallel")} == model
 
 
+# A graph: a residual add (the shortcut's gradient summed over both readers) and a concat of a
+# branch that reads the stem too
+GRAPH_LAYERS = [
+    {"name": "stem", "type": "conv", "out_channels": 8, "kernel": 3, "pad": 1, "activation": "relu"},
+    {"name": "c1", "type": "conv", "out_channels": 8, "kernel": 3, "pad": 1, "activation": "relu"},
+    {"name": "c2", "type": "conv", "out_channels": 8, "kernel": 3, "pad": 1},
+    {"name": "s", "type": "add", "inputs": ["c2", "stem"], "activation": "relu"},
+    {"name": "b", "type": "conv", "out_channels": 4, "kernel": 1, "inputs": ["stem"]},
+    {"name": "cat", "type": "concat", "inputs": ["s", "b"]},
+    {"name": "pool", "type": "maxpool", "kernel": 2},
+    {"name": "fc1", "type": "fc", "out_features": 5},
+    {"name": "loss", "type": "softmax_cross_entropy"},
+]
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_a_graph_on_p_ranks_matches_one_rank(tmp_path, p):
+    """The invariant on a graph: each rank runs it in file order, its gradients summed at the
+    fan-out before the part-reduce."""
+    build_dir = build_and_load(tmp_path, GRAPH_LAYERS, SHAPE, "scalar", name="mpigraph").build_dir
+    cfg = _cfg(build_dir, tmp_path, parallel="data")
+    mpirun(p, "train", cfg)
+    want_params, want_losses = single_rank_reference(build_dir, cfg)
+    moved = np.abs(want_params - pr.load(build_dir, threads=1, seed=cfg["seed"]).params).max()
+    assert moved > 1e-2
+    np.testing.assert_allclose(np.load(cfg["out"])["params"], want_params, rtol=0, atol=1e-4 * moved)
+    np.testing.assert_allclose(np.load(cfg["out"])["losses"], want_losses, rtol=1e-5)
+
+
 @pytest.mark.parametrize("p, parallel", [(2, "data"), (3, MODEL_FC)])
 def test_bf16_gradient_exchange_stays_close_to_one_rank(build_dir, tmp_path, p, parallel):
     """gradient_exchange="bf16": each rank's gradient rounded to bf16 (relative 2^-9 of that

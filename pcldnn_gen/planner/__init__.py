@@ -151,6 +151,7 @@ _FAMILY_PLANNERS: dict[str, _Planner] = {
     "pool": _memory_bound,
     "eltwise": _memory_bound,
     "batchnorm": _memory_bound,
+    "join": _memory_bound,
     "loss": _memory_bound,
 }
 

@@ -25,6 +25,10 @@ MEMORY_BOUND = {
     "batchnorm_fwd": "training: each channel block's mean, then its variance about it (two passes, rows summed "
                      "in fp32 vectors into double lanes), then one scale-and-shift pass; eval: that pass on "
                      "the running statistics; threads own channel blocks for the sums, (image, block) planes after",
+    "add_fwd": "the inputs summed element by element (and the fused ReLU), (image, block) planes a thread",
+    "add_bwd_data": "dy masked by the fused ReLU in place: it is then each input's gradient, unchanged",
+    "concat_fwd": "each input's channels copied into theirs, whole vectors where its channels start a block",
+    "concat_bwd_data": "each input's channels of dy copied out, the inverse of the forward",
     "batchnorm_bwd_data": "the sums of dy and dy x-hat per channel (as backward-weights), then dx in one pass",
     "batchnorm_bwd_weights": "dgamma = sum dy x-hat, dbeta = sum dy per channel, a channel block a thread",
     "softmax_cross_entropy_fwd": "per row: max-shifted softmax, loss = log-sum-exp - logit[label], "

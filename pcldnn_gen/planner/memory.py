@@ -17,6 +17,7 @@ TEMPLATES = {
     "relu6_bwd_data": "eltwise_bwd_data.c.j2",
     "softmax_cross_entropy_fwd": "loss_fwd.c.j2", "softmax_cross_entropy_bwd_data": "loss_bwd_data.c.j2",
     **{f"batchnorm_{p}": "batchnorm.c.j2" for p in ("fwd", "bwd_data", "bwd_weights")},
+    **{f"{t}_{p}": "join.c.j2" for t in ("add", "concat") for p in ("fwd", "bwd_data")},
 }
 
 

@@ -31,6 +31,7 @@ from . import (
     eltwise,
     fc_gemm,
     fc_tiles,
+    join,
     loss,
     pool,
 )
@@ -51,6 +52,7 @@ FAMILIES: tuple[Family, ...] = (
     pool.FAMILY,
     eltwise.FAMILY,
     batchnorm.FAMILY,
+    join.FAMILY,
     loss.FAMILY,
 )
 
@@ -169,7 +171,20 @@ def bf16_outputs(precision: str, amx: bool, v: int, layers: Sequence[LayerShape]
             return True
         return layer.type == "conv" and {"fwd", "bwd_weights"} <= set(bf16_passes(layer, target))
 
-    return tuple(writes(layer) and i + 1 < len(layers) and reads(layers[i + 1]) for i, layer in enumerate(layers))
+    chained = chain_edges(layers)
+    return tuple(writes(layer) and chained[i] and reads(layers[i + 1]) for i, layer in enumerate(layers))
+
+
+def chain_edges(layers: Sequence[LayerShape]) -> tuple[bool, ...]:
+    """Per layer, whether its output goes to the next layer and no other: the edges where an
+    activation and its gradient may be stored as bf16 (a layer read by several, or by an add or
+    a concat, keeps fp32 activations and sums its gradients in fp32)."""
+    readers: dict[str, list[int]] = {}
+    for j, layer in enumerate(layers):
+        for name in layer.inputs:
+            readers.setdefault(name, []).append(j)
+    return tuple(i + 1 < len(layers) and readers.get(layer.name, [i + 1]) == [i + 1]
+                 and layers[i + 1].type not in ("add", "concat") for i, layer in enumerate(layers))
 
 
 def bf16_gradients(precision: str, amx: bool, v: int, layers: Sequence[LayerShape]) -> tuple[bool, ...]:

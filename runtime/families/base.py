@@ -78,6 +78,10 @@ class LayerShape(Protocol):
     def pad(self) -> tuple[int, int]: ...
     @property
     def groups(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def inputs(self) -> tuple[str, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,8 @@ class Shape:
     stride: tuple[int, int] = (1, 1)
     pad: tuple[int, int] = (0, 0)
     groups: int = 1
+    name: str = ""
+    inputs: tuple[str, ...] = ()
 
 
 def reads_packed_image(layer: LayerShape, v: int) -> bool:
