@@ -483,9 +483,9 @@ class Net:
         grads: dict[int, np.ndarray] = {len(self.chain): dy}
         for i in range(len(self.chain) - 1, -1, -1):
             layer, sources = self.chain[i], self.sources[i]
-            dy = grads.pop(i + 1) if i + 1 in grads else None
-            if dy is None:  # below every parameter: no gradient reaches this layer's output
+            if i + 1 not in grads:  # below every parameter: no gradient reaches this layer's output
                 continue
+            dy = grads.pop(i + 1)
             wanted = [s for s in sources if self.needs_grad[s]]
             if not wanted and not isinstance(layer, ParamLayer):
                 ws.release(dy)
