@@ -18,8 +18,9 @@ from pcldnn_runtime.validate import Fields, show
 from .errors import ModelImportError, NetSpecError
 from .netspec import check_groups, check_window, parse_netspec
 
-OP_KINDS = ("conv", "fc", "batchnorm", "maxpool", "avgpool", "relu", "relu6", "dropout", "flatten", "softmax",
-            "identity")
+OP_KINDS = ("conv", "fc", "batchnorm", "maxpool", "avgpool", "relu", "relu6", "dropout", "add", "concat", "flatten",
+            "softmax", "identity")
+INPUT = "<input>"  # the tensor name of the model's input in Op.inputs
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class Op:
     weight: np.ndarray | None = None  # conv (OC, IC, KH, KW), fc (OC, IC), batchnorm (C,): canonical layouts
     bias: np.ndarray | None = None
     running: tuple[np.ndarray, np.ndarray, int] | None = None  # batchnorm: running mean, variance, batch count
+    tensor: str = ""                # the framework's name of the tensor it makes ("": the op's position)
+    inputs: tuple[str, ...] = ()    # the tensors it reads, INPUT for the model's input (none: the previous op's)
 
     @property
     def label(self) -> str:
@@ -99,35 +102,63 @@ def _finite(array: np.ndarray, what: str, problems: list[str]) -> np.ndarray:
 
 def net_from_ops(ops: list[Op], input_shape: tuple[int, int, int], name: str, origin: str,
                  loss: bool = True) -> tuple[dict, dict[str, np.ndarray]]:
-    """The chain of ops as (net dict, state): every op checked, every problem reported at once."""
+    """The graph of ops (in a topological order: each reads tensors made before it) as (net dict,
+    state): every op checked, every problem reported at once. An op's `inputs` name the tensors
+    it reads (none: the previous op's); identity and flatten pass their input on, a ReLU after
+    a layer whose output nothing else reads is fused into it."""
     problems: list[str] = []
-    c, h, w = input_shape
-    flat = False
     layers: list[dict] = []
     state: dict[str, np.ndarray] = {}
     taken: set[str] = set()
-    fusable = False  # the previous layer is a conv / fc whose output nothing else read yet
+    # each tensor: the layer that makes it ("input": the net's), its shape, whether it is a vector
+    tensors: dict[str, tuple[str, tuple[int, int, int], bool]] = {INPUT: ("input", input_shape, False)}
+    readers: dict[str, int] = {}
+    previous = INPUT
     for i, op in enumerate(ops):
+        for t in op.inputs or (previous,):
+            readers[t] = readers.get(t, 0) + 1
+        previous = op.tensor or f"#{i}"
+    previous = INPUT
+    for i, op in enumerate(ops):
+        ins = op.inputs or (previous,)
+        previous = op.tensor or f"#{i}"
+        missing = [t for t in ins if t not in tensors]
+        if missing:  # its producer was refused: reported there
+            continue
+        maker, (c, h, w), flat = tensors[ins[0]]
         if op.kind == "identity":
+            tensors[previous] = tensors[ins[0]]
             continue
         if op.kind == "flatten":
-            flat = True
+            tensors[previous] = (maker, (c, h, w), True)
             continue
         if op.kind == "softmax":
             if any(o.kind not in ("identity", "flatten") for o in ops[i + 1:]):
                 problems.append(f"{op.label}: a softmax is supported only as the last node (the loss replaces it)")
+            tensors[previous] = tensors[ins[0]]
             continue
-        if op.kind == "relu" and fusable:
-            layers[-1]["activation"] = "relu"
-            fusable = False
-            continue
-        if op.kind == "relu6" and fusable and layers[-1]["type"] == "batchnorm":  # (it fuses there only)
-            layers[-1]["activation"] = "relu6"
-            fusable = False
+        last: dict[str, Any] = layers[-1] if layers else {"name": "input", "type": "input"}
+        fusable = (maker == last["name"] and readers.get(ins[0], 0) == 1 and "activation" not in last
+                   and last["type"] in ("conv", "fc", "batchnorm", "add"))
+        if fusable and (op.kind == "relu" or (op.kind == "relu6" and last["type"] == "batchnorm")):
+            last["activation"] = op.kind  # (a ReLU6 fuses into a batchnorm only)
+            tensors[previous] = tensors[ins[0]]
             continue
         layer: dict[str, Any] = {"name": layer_name(op.source, taken), "type": op.kind}
-        fusable = False
-        if op.kind in ("conv", "maxpool", "avgpool"):
+        makers = [tensors[t][0] for t in ins]
+        if makers != [last["name"]]:
+            layer["inputs"] = makers
+        if op.kind in ("add", "concat"):
+            shapes = [tensors[t][1] for t in ins]
+            if any(tensors[t][2] for t in ins):
+                problems.append(f"{op.label}: joins vectors (after a flatten); only images")
+                continue
+            if (op.kind == "add" and len(set(shapes)) != 1) or (op.kind == "concat" and len({s[1:] for s in shapes}) != 1):
+                problems.append(f"{op.label}: inputs of shapes {[list(s) for s in shapes]} cannot be "
+                                f"{'added' if op.kind == 'add' else 'concatenated along the channels'}")
+                continue
+            c = shapes[0][0] if op.kind == "add" else sum(s[0] for s in shapes)
+        elif op.kind in ("conv", "maxpool", "avgpool"):
             if flat:
                 problems.append(f"{op.label}: follows a flatten (its input is a vector)")
                 continue
@@ -164,7 +195,6 @@ def net_from_ops(ops: list[Op], input_shape: tuple[int, int, int], name: str, or
                 if groups > 1:
                     layer["groups"] = groups
                 c = oc
-                fusable = True
             h, w = oh, ow
         elif op.kind == "fc":
             assert op.weight is not None
@@ -181,7 +211,6 @@ def net_from_ops(ops: list[Op], input_shape: tuple[int, int, int], name: str, or
                 continue
             layer["out_features"] = oc
             c, h, w, flat = oc, 1, 1, True
-            fusable = True
         elif op.kind == "batchnorm":
             if flat:
                 problems.append(f"{op.label}: follows a flatten (BatchNorm1d on vectors is not supported)")
@@ -202,7 +231,6 @@ def net_from_ops(ops: list[Op], input_shape: tuple[int, int, int], name: str, or
             state[f"{layer['name']}.running_var"] = _finite(var, f"{op.label} running_var", problems)
             state[f"{layer['name']}.num_batches_tracked"] = np.array(
                 fields.int_in(_plain(count), f"{op.label}.num_batches_tracked", 0, 2 ** 24 - 1), dtype=np.int64)
-            fusable = True
         elif op.kind == "dropout":
             layer["rate"] = Fields(origin, ModelImportError).number_in(_plain(op.attrs["rate"]), f"{op.label}.rate",
                                                                        0, 1, open_hi=True)
@@ -219,12 +247,16 @@ def net_from_ops(ops: list[Op], input_shape: tuple[int, int, int], name: str, or
         # informational, but checked like any net.json text: escaped when not printable
         layer["source"] = (op.source if op.source.isprintable() else op.source.encode("unicode_escape").decode())[:200]
         layers.append(layer)
+        tensors[previous] = (layer["name"], (c, h, w), flat)
     fail_unsupported(origin, problems)
     weighted = [layer for layer in layers if layer["type"] in ("conv", "fc")]
     if not weighted:
         raise ModelImportError(f"{origin}: the model has no convolution or linear layer")
     net: dict[str, Any] = {"name": name, "input": {"channels": input_shape[0], "height": input_shape[1],
                                                    "width": input_shape[2]}}
+    c, h, w = tensors[previous][1] if previous in tensors else (0, 0, 0)
+    if previous in tensors and tensors[previous][0] != layers[-1]["name"]:
+        raise ModelImportError(f"{origin}: the model's result is not its last layer's output")
     if loss:
         if weighted[-1]["type"] != "fc" or (c, h, w) != (weighted[-1]["out_features"], 1, 1):
             raise ModelImportError(f"{origin}: the model must end with a linear layer (the logits the loss "

@@ -6,6 +6,7 @@ LogSoftmax; weights come from initializers or Constant nodes. Every node that do
 listed in one error."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -20,11 +21,11 @@ from pcldnn_runtime import limits
 from pcldnn_runtime.validate import check_writable, read_bounded, remove_stale_temporaries, show
 
 from .errors import ModelImportError, PcldnnError
-from .frontend import Op, fail_unsupported, input_shape_of, model_name, net_from_ops, printable
+from .frontend import INPUT, Op, fail_unsupported, input_shape_of, model_name, net_from_ops, printable
 
 SUPPORTED = ("Conv (group 1 or depthwise, dilation 1, symmetric pads), Gemm (transA 0), MatMul (+ Add), MaxPool / AveragePool "
              "(floor, symmetric pads; AveragePool counting pads), GlobalAveragePool, BatchNormalization (inference "
-             "form), Relu, Clip to [0, 6], Dropout, Flatten "
+             "form), Relu, Clip to [0, 6], Add / Sum of tensors, Concat (axis 1), Dropout, Flatten "
              "(axis 1), Reshape to (N, -1), Identity, a final Softmax / LogSoftmax")
 MAX_MODEL_BYTES = 4 * 1024 ** 3  # a protobuf cannot exceed 2 GiB without external data anyway
 MIN_OPSET = 7  # the oldest opset whose operator forms the translation below reads (opset 7 dropped is_test etc.)
@@ -237,13 +238,11 @@ class _Unsupported(Exception):
 
 
 def _ops(graph: Any, constants: dict[str, np.ndarray], image: str, origin: str, onnx: Any) -> list[Op]:
+    """The graph's nodes as Ops in its (topological) order, each naming the tensors it reads;
+    every unsupported node collected, then one error."""
     problems: list[str] = []
     ops: list[Op] = []
-    prev = image
-    users: dict[str, int] = {}
-    for node in graph.node:
-        for i in node.input:
-            users[i] = users.get(i, 0) + 1
+    last = image
     nodes = [n for n in graph.node if n.op_type != "Constant"]
     k = 0
     while k < len(nodes):
@@ -251,29 +250,31 @@ def _ops(graph: Any, constants: dict[str, np.ndarray], image: str, origin: str, 
         k += 1
         label = f"{printable(node.name or node.op_type + '_' + str(k - 1))} ({printable(node.op_type)})"
         data = [i for i in node.input if i and i not in constants]
-        if data != [prev]:
-            problems.append(f"{label}: does not take the previous node's output as its only tensor input "
-                            "(only chains are supported)")
-            prev = node.output[0] if node.output else prev
-            continue
-        if users.get(prev, 0) > 1:
-            problems.append(f"{label}: its input also feeds another node (branches and residual connections "
-                            "are not supported)")
         source = node.name or f"{node.op_type}_{k - 1}"
+        last = node.output[0] if node.output else last
         try:
-            op, merged = _node_op(node, nodes[k] if k < len(nodes) else None, source, constants, onnx)
+            if node.op_type in ("Add", "Sum") and len(data) >= 2:  # a residual sum (an Add of a constant: a bias)
+                if len(data) != len(node.input):
+                    raise _Unsupported("a sum of tensors and constants (only of tensors)")
+                op, merged = Op("add", source, node.op_type), False
+            elif node.op_type == "Concat":
+                if _int(_attrs(node, onnx), "axis", 0) not in (1, -3) or len(data) < 2 or len(data) != len(node.input):
+                    raise _Unsupported("only two or more tensors along the channels (axis 1)")
+                op, merged = Op("concat", source, node.op_type), False
+            elif len(data) != 1:
+                raise _Unsupported(f"reads {len(data)} tensors (one, or an Add / Sum / Concat of several)")
+            else:
+                op, merged = _node_op(node, nodes[k] if k < len(nodes) else None, source, constants, onnx)
         except _Unsupported as e:
             problems.append(f"{label}: {e}")
-            prev = node.output[0]
             continue
-        if merged:  # MatMul + Add: the Add's output continues the chain
+        if merged:  # MatMul + Add: the Add's output is the op's
             k += 1
-            node = nodes[k - 1]
-        prev = node.output[0]
-        ops.append(op)
+            last = nodes[k - 1].output[0]
+        ops.append(dataclasses.replace(op, tensor=last, inputs=tuple(INPUT if d == image else d for d in data)))
     outputs = [o.name for o in graph.output]
-    if outputs != [prev] and not problems:
-        problems.append(f"outputs {outputs}: the model's output must be the last node of the chain ({prev!r})")
+    if outputs != [last] and not problems:
+        problems.append(f"outputs {outputs}: the model's output must be the last node's ({last!r})")
     fail_unsupported(origin, problems, SUPPORTED)
     return ops
 

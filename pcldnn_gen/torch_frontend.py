@@ -5,6 +5,7 @@ nesting; names come from the modules' qualified names (`features.0` -> `features
 kept as each layer's `source`)."""
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Any
 
@@ -13,12 +14,13 @@ import numpy as np
 from pcldnn_runtime import limits
 
 from .errors import ModelImportError, PcldnnError
-from .frontend import Op, fail_unsupported, input_shape_of, model_name, net_from_ops, printable
+from .frontend import INPUT, Op, fail_unsupported, input_shape_of, model_name, net_from_ops, printable
 
 SUPPORTED = ("Conv2d (groups=1 or depthwise, dilation=1, zero padding), Linear, BatchNorm2d, MaxPool2d, AvgPool2d, "
              "AdaptiveAvgPool2d "
              "(to a size that divides the input), ReLU, ReLU6, Dropout, Flatten, Identity, a final Softmax / LogSoftmax, "
-             "and torch.flatten / F.relu / F.relu6 / F.dropout / F.max_pool2d / F.avg_pool2d / view(N, -1) in forward")
+             "and torch.flatten / F.relu / F.relu6 / F.dropout / F.max_pool2d / F.avg_pool2d / F.adaptive_avg_pool2d / "
+             "+ (residual sums) / torch.cat(dim=1) / view(N, -1) in forward")
 
 
 def from_torch(module: Any, input_shape: Any, name: str | None = None, loss: bool = True) -> tuple[dict, dict[str, np.ndarray]]:
@@ -84,7 +86,8 @@ def _array(t: Any) -> np.ndarray:
 
 
 def _ops(traced: Any, torch: Any, origin: str) -> list[Op]:
-    """The traced graph as a chain of Ops; every unsupported node collected, then one error."""
+    """The traced graph as Ops in its (topological) order, each naming the tensors it reads;
+    every unsupported node collected, then one error."""
     nn, F = torch.nn, torch.nn.functional
     modules = dict(traced.named_modules())
     problems: list[str] = []
@@ -92,44 +95,38 @@ def _ops(traced: Any, torch: Any, origin: str) -> list[Op]:
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != 1:
         raise ModelImportError(f"{origin}: forward must take one tensor, it takes {len(placeholders)} arguments")
-    prev = placeholders[0]
-    shape_nodes = set()  # x.size(0) / x.shape[0] feeding a view(N, -1): no tensor of their own
-
-    def tensor_users(node: Any) -> Any:
-        return [u for u in node.users if u not in shape_nodes]
-
+    names = {placeholders[0]: INPUT}  # fx node -> the tensor name Ops use
     for node in traced.graph.nodes:
-        if node.op == "placeholder":
+        if node.op == "placeholder" or _is_shape_query(node, torch):
             continue
         if node.op == "output":
-            if node.args[0] is not prev:
-                problems.append("output: the model's result is not the last node of the chain")
+            if not ops or node.args[0] is not _node_of(traced, ops[-1].tensor):
+                problems.append("output: the model's result is not the last node of its graph")
             break
-        if _is_shape_query(node, torch):
-            shape_nodes.add(node)
-            continue
         label = printable(node.target if node.op == 'call_module' else node.name)
-        if not node.args or node.args[0] is not prev:
-            problems.append(f"{label}: does not take the previous node's output as its input (only chains are supported)")
-            prev = node
-            continue
-        if len(tensor_users(prev)) > 1:
-            problems.append(f"{label}: its input also feeds {', '.join(u.name for u in tensor_users(prev) if u is not node)} "
-                            "(branches and residual connections are not supported)")
-        prev = node
         try:
             if node.op == "call_module":
                 op = _module_op(str(node.target), modules[node.target], nn)
+                reads = node.args[:1]
             elif node.op in ("call_function", "call_method"):
-                op = _function_op(node, torch, F)
+                op, reads = _function_op(node, torch, F)
             else:
                 raise _Unsupported(node.op)
+            if not reads or not all(r in names for r in reads):
+                raise _Unsupported(type(modules[node.target]).__name__ if node.op == "call_module" else str(node.target),
+                                   "reads no tensor of the model's graph (a constant, or a node that was refused)")
         except _Unsupported as e:
             problems.append(f"{label} ({e.args[0]})" + (f": {e.args[1]}" if len(e.args) > 1 else ""))
+            names[node] = node.name  # (the nodes after it still translate: one error lists them all)
             continue
-        ops.append(op)
+        names[node] = node.name
+        ops.append(dataclasses.replace(op, tensor=node.name, inputs=tuple(names[r] for r in reads)))
     fail_unsupported(origin, problems, SUPPORTED)
     return ops
+
+
+def _node_of(traced: Any, name: str) -> Any:
+    return next((n for n in traced.graph.nodes if n.name == name), None)
 
 
 class _Unsupported(Exception):
@@ -221,11 +218,28 @@ def _pool_op(target: str, kind: str, kernel: Any, stride: Any, padding: Any, cei
     return Op("maxpool", target, kind, {"kernel": k, "stride": s, "pad": p})
 
 
-def _function_op(node: Any, torch: Any, F: Any) -> Op:
-    """torch.* / F.* calls and tensor methods inside forward."""
+def _function_op(node: Any, torch: Any, F: Any) -> tuple[Op, tuple[Any, ...]]:
+    """torch.* / F.* calls and tensor methods inside forward, and the nodes whose tensors they read."""
+    fn, args, kwargs = node.target, node.args, node.kwargs
+    kind = getattr(fn, "__name__", str(fn))
+    if fn in (operator.add, operator.iadd, torch.add) or (node.op == "call_method" and fn in ("add", "add_")):
+        if len(args) != 2 or kwargs or not all(isinstance(a, type(node)) for a in args):
+            raise _Unsupported(kind, "only the sum of two tensors (no constant, no alpha)")
+        return Op("add", node.name, kind), tuple(args)
+    if fn is torch.cat:
+        parts = args[0] if args else kwargs.get("tensors")
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        if dim not in (1, -3) or not isinstance(parts, (list, tuple)) or len(parts) < 2:
+            raise _Unsupported(kind, f"dim={dim} over {len(parts) if isinstance(parts, (list, tuple)) else parts} "
+                               "tensors (only two or more along the channels, dim 1)")
+        return Op("concat", node.name, kind), tuple(parts)
+    return _one_input_op(node, torch, F, kind), tuple(args[:1])
+
+
+def _one_input_op(node: Any, torch: Any, F: Any, kind: str) -> Op:
+    """The calls of one tensor."""
     fn, args, kwargs = node.target, node.args, node.kwargs
     name = node.name
-    kind = getattr(fn, "__name__", str(fn))
     if fn in (F.relu, torch.relu) or (node.op == "call_method" and fn in ("relu", "relu_")):
         return Op("relu", name, kind)
     if fn is F.relu6:
@@ -244,6 +258,9 @@ def _function_op(node: Any, torch: Any, F: Any) -> Op:
     if fn is F.dropout or (node.op == "call_method" and fn == "dropout"):
         rate = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
         return Op("dropout", name, kind, {"rate": rate})
+    if fn is F.adaptive_avg_pool2d:
+        size = args[1] if len(args) > 1 else kwargs.get("output_size")
+        return Op("avgpool", name, kind, {"adaptive": tuple(size) if isinstance(size, (tuple, list)) else (size, size)})
     if fn in (F.max_pool2d, F.avg_pool2d):
         names = ("kernel_size", "stride", "padding")
         given = dict(zip(names, args[1:])) | {k: v for k, v in kwargs.items() if k in names}

@@ -168,7 +168,7 @@ class Residual(nn.Module):
 
 
 @pytest.mark.parametrize("model,shape,message", [
-    (Residual(), (4, 6, 6), r"residual connections are not supported"),
+    (Residual(), (4, 6, 6), r"only the first layer reads 'input'"),  # the add reads the image too
     (nn.Sequential(nn.Conv2d(3, 4, 3), nn.Linear(4, 2)), (3, 5, 5), r"without a flatten before it"),
     (nn.Sequential(nn.Flatten(), nn.Linear(10, 2)), (3, 5, 5), r"takes 10 input features, the tensor before it has 75"),
     (nn.Sequential(nn.Flatten(), nn.Linear(75, 2), nn.Softmax(dim=1), nn.Linear(2, 2)), (3, 5, 5),

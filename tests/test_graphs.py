@@ -3,6 +3,8 @@ a concatenation, run in file order with each activation's gradient summed over i
 against the same graph written in PyTorch; and the description's checks of a graph."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from bf16_emulation import BF16_BUILDS
@@ -208,3 +210,24 @@ def test_a_residual_graph_trains_in_bf16_like_fp32(tmp_path, arch):
     (l32, y32, _), (l16, y16, _) = results
     np.testing.assert_allclose(l16, l32, rtol=0.01)
     assert np.abs(y16 - y32).max() <= 0.02 * np.abs(y32).max()
+
+
+def test_a_graph_comes_back_from_onnx(tmp_path):
+    """pcldnn-gen import of the exported graph (Sum, Concat, BatchNormalization nodes naming the
+    tensors they read) gives the same description's graph and, compiled with its weights, the
+    logits onnxruntime gives."""
+    pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from pcldnn_gen.cli import main
+    net = build_and_load(tmp_path, LAYERS, SHAPE, RUNNABLE_ISAS[-1], name="reso", threads=1)
+    x = np.random.default_rng(4).standard_normal((3, *SHAPE)).astype(np.float32)
+    net.forward(x, training=True)
+    path = net.export_onnx(tmp_path / "res.onnx")
+    assert main(["import", str(path), "-o", str(tmp_path / "net.json")]) == 0
+    described = parse_netspec(json.loads((tmp_path / "net.json").read_text()))
+    assert [len(l.inputs) for l in described.layers if l.type in ("add", "concat")] == [2, 2, 2]
+    assert main(["compile", str(tmp_path / "net.json"), "--arch", RUNNABLE_ISAS[-1], "--weights",
+                 str(tmp_path / "net.npz"), "-o", str(tmp_path / "b")]) == 0
+    got = pr.load(tmp_path / "b", threads=1).forward(x)
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

@@ -159,12 +159,15 @@ def test_every_unsupported_node_is_listed_and_nothing_is_written(tmp_path, capsy
     assert not list(tmp_path.glob("bad.json*")) and not list(tmp_path.glob("*.npz"))
 
 
-def test_residual_connections_are_refused(tmp_path):
-    w = np.ones((4, 4, 3, 3), np.float32)
+def test_a_shortcut_from_the_image_itself_is_refused_by_name(tmp_path):
+    """Residual sums import (tests/test_graphs.py); one that adds the model's input itself does not:
+    only the first layer reads the image (its packed layout is that layer's)."""
     nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
-             helper.make_node("Add", ["c", "x"], ["y"])]
-    onnx.save(_model(nodes, {"w": w}, (4, 6, 6)), tmp_path / "res.onnx")
-    with pytest.raises(ModelImportError, match="its input also feeds another node"):
+             helper.make_node("Add", ["c", "x"], ["s"]), helper.make_node("GlobalAveragePool", ["s"], ["g"]),
+             helper.make_node("Flatten", ["g"], ["f"]), helper.make_node("Gemm", ["f", "fw", "fb"], ["y"], transB=1)]
+    inits = {"w": np.ones((4, 4, 3, 3), np.float32), "fw": np.ones((3, 4), np.float32), "fb": np.zeros(3, np.float32)}
+    onnx.save(_model(nodes, inits, (3,)), tmp_path / "res.onnx")
+    with pytest.raises(ModelImportError, match=r"Add_1\)?.*inputs\[1\]: only the first layer reads 'input'"):
         import_onnx(tmp_path / "res.onnx")
 
 
