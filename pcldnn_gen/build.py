@@ -218,6 +218,7 @@ def _manifest(net: NetSpec, arch: Arch, kernels: dict[str, dict], precision: str
             **({"groups": layer.groups} if layer.groups != 1 else {}),
             **({"eps": layer.eps, "momentum": layer.momentum} if layer.normalizes else {}),
             **({"relu6": True} if layer.relu6 else {}),
+            **({"init": layer.init} if layer.init != "pytorch" else {}),
             **({"inputs": list(layer.inputs)} if layer.inputs != (previous,) else {}),
             **({"output": "bf16"} if activations[layer.name][1] else {}),
             **({"gradient": "bf16"} if gradients[layer.name][1] else {}),

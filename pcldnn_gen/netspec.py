@@ -27,8 +27,9 @@ _COMMON = {"name", "type"}
 JOINS = ("add", "concat")  # the layers of several inputs
 NET_INPUT = "input"
 LAYER_FIELDS: dict[str, tuple[set[str], dict[str, Any]]] = {
-    "conv": ({"out_channels", "kernel"}, {"stride": 1, "pad": 0, "activation": None, "bias": True, "groups": 1}),
-    "fc": ({"out_features"}, {"activation": None, "bias": True}),
+    "conv": ({"out_channels", "kernel"}, {"stride": 1, "pad": 0, "activation": None, "bias": True, "groups": 1,
+                                          "init": "pytorch"}),
+    "fc": ({"out_features"}, {"activation": None, "bias": True, "init": "pytorch"}),
     "maxpool": ({"kernel"}, {"stride": None, "pad": 0}),
     "avgpool": ({"kernel"}, {"stride": None, "pad": 0}),
     "global_avgpool": (set(), {}),  # an avgpool over the whole input: C x 1 x 1
@@ -43,6 +44,9 @@ LAYER_FIELDS: dict[str, tuple[set[str], dict[str, Any]]] = {
 WEIGHTED = ("conv", "fc")
 POOLS = ("maxpool", "avgpool")
 ACTIVATIONS = ("relu", "relu6")
+# How a conv or fc layer's weights start (pcldnn_runtime.layers.WeightedLayer.init_weights):
+# PyTorch's default for Conv2d / Linear, He-normal, or Xavier-uniform
+INITS = ("pytorch", "he", "xavier")
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class LayerSpec:
     relu6: bool = False  # with relu: the fused activation is min(max(x, 0), 6) (batchnorm, relu6 layers)
     inputs: tuple[str, ...] = ()  # the layers it reads, NET_INPUT for the net's input (set by parse_netspec)
     in_shapes: tuple[tuple[int, int, int], ...] = ()  # add / concat: each input's shape
+    init: str = "pytorch"  # conv / fc: how the weights start (INITS)
     bias: bool = True  # conv / fc: false keeps the bias at zero (PyTorch's bias=False)
     groups: int = 1  # conv: 1, or the channels (depthwise: each channel convolved with its own window)
 
@@ -202,11 +207,12 @@ def parse_netspec(data: Any, origin: str = "<net>", max_memory: int | None = Non
                   if ltype == "conv" else c)
             groups = check_groups(p, f.get("groups", 1), c, oc, where) if ltype == "conv" else 1
             spec = LayerSpec(i, lname, ltype, shape, (oc, oh, ow), kernel, stride, pad, relu,
-                             bias=p.boolean(f["bias"], f"{where}.bias") if ltype == "conv" else True, groups=groups)
+                             bias=p.boolean(f["bias"], f"{where}.bias") if ltype == "conv" else True, groups=groups,
+                             init=p.choice(f["init"], f"{where}.init", INITS) if ltype == "conv" else "pytorch")
         elif ltype == "fc":
             oc = p.int_in(f["out_features"], f"{where}.out_features", 1, limits.MAX_FEATURES)
             spec = LayerSpec(i, lname, ltype, shape, (oc, 1, 1), (h, w), (1, 1), (0, 0), relu,
-                             bias=p.boolean(f["bias"], f"{where}.bias"))
+                             bias=p.boolean(f["bias"], f"{where}.bias"), init=p.choice(f["init"], f"{where}.init", INITS))
         elif ltype == "dropout":
             rate = p.number_in(f["rate"], f"{where}.rate", 0.0, 1.0, open_hi=True)
             spec = LayerSpec(i, lname, ltype, shape, shape, rate=rate)

@@ -417,12 +417,28 @@ class WeightedLayer(ParamLayer):
         return (blocks(oc, v), blocks(ic, v), kh, kw, v, v), blocks(oc, v) * v
 
     def init_weights(self, rng: np.random.Generator) -> None:
-        """He-normal weights (variance 2 / fan_in keeps activations' scale through ReLUs), zero bias."""
-        fan_in = int(np.prod(self.weight_shape[1:]))
-        w = rng.standard_normal(self.weight_shape, dtype=np.float32)
-        w *= np.float32(np.sqrt(2.0 / fan_in))  # in place: one temporary the size of the weights
+        """The layer's `init` (net.json): "pytorch", PyTorch's default for Conv2d and Linear
+        (weights and bias uniform in +-1 / sqrt(fan_in): kaiming_uniform with a = sqrt(5)), so a
+        recipe tuned in PyTorch starts where it did there; "he", He-normal weights (variance
+        2 / fan_in keeps activations' scale through ReLUs) and a zero bias; "xavier", Xavier-
+        uniform weights (+-sqrt(6 / (fan_in + fan_out))) and a zero bias. A bias-free layer's
+        bias stays zero."""
+        receptive = int(np.prod(self.weight_shape[2:])) if len(self.weight_shape) > 2 else 1
+        fan_in, fan_out = self.weight_shape[1] * receptive, self.weight_shape[0] * receptive
+        bias = np.zeros(self.out_shape[0], np.float32)
+        if self.spec.init == "he":
+            w = rng.standard_normal(self.weight_shape, dtype=np.float32)
+            w *= np.float32(np.sqrt(2.0 / fan_in))  # in place: one temporary the size of the weights
+        else:
+            bound = np.float32(1.0 / np.sqrt(fan_in) if self.spec.init == "pytorch" else np.sqrt(6.0 / (fan_in + fan_out)))
+            w = rng.random(self.weight_shape, dtype=np.float32)  # in [0, 1), scaled in place to [-bound, bound)
+            w *= 2 * bound
+            w -= bound
+            if self.spec.init == "pytorch" and self.spec.bias:
+                bias = (rng.random(self.out_shape[0], dtype=np.float32) * 2 - 1) * bound
         self.weights = w
         self._bias.fill(0.0)
+        self._bias[: self.out_shape[0]] = bias
 
     def _canonical(self, blocked: np.ndarray) -> np.ndarray:
         out = np.empty(self.weight_shape, dtype=np.float32)

@@ -124,6 +124,7 @@ class LayerEntry:
     relu6: bool = False  # the fused ReLU clips at 6 (batchnorm, relu6)
     inputs: tuple[str, ...] = ()  # the layers it reads ("input": the net's); parse_manifest sets them
     in_shapes: tuple[tuple[int, int, int], ...] = ()  # add / concat: each input's shape
+    init: str = "pytorch"  # conv / fc: how the weights start (pcldnn_gen.netspec.INITS)
 
     @property
     def depthwise(self) -> bool:
@@ -298,7 +299,7 @@ def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: i
     where = f"layers[{index}]"
     keys = {"name", "type", "in_shape", "out_shape", "kernel", "stride", "pad", "relu", "rate",
             "weight_shape", "kernels"}
-    f.obj(raw, where, keys, {"bias", "groups", "eps", "momentum", "relu6", "inputs", "output", "gradient"})
+    f.obj(raw, where, keys, {"bias", "groups", "eps", "momentum", "relu6", "inputs", "init", "output", "gradient"})
     name = f.string(raw["name"], f"{where}.name", NAME_RE, "a layer name")
     ltype = f.choice(raw["type"], f"{where}.type", tuple(LAYER_PASSES))
     got_in = _shape(f, raw["in_shape"], f"{where}.in_shape", limits.MAX_FEATURES)
@@ -350,10 +351,12 @@ def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: i
     eps = f.number_in(raw.get("eps", 1e-5), f"{where}.eps", 1e-12, 1.0)
     momentum = f.number_in(raw.get("momentum", 0.1), f"{where}.momentum", 0.0, 1.0)
     relu6 = f.boolean(raw.get("relu6", ltype == "relu6"), f"{where}.relu6")
+    init = f.choice(raw.get("init", "pytorch"), f"{where}.init", ("pytorch", "he", "xavier") if ltype in WEIGHTED
+                    else ("pytorch",))
     if relu6 != (ltype == "relu6") and not (ltype == "batchnorm" and relu):
         f.fail(f"{where}.relu6", "true for relu6 layers and batchnorm layers with a fused relu6 only")
     return LayerEntry(index, name, ltype, in_shape, out, kernel, stride, pad, relu, rate, weight_shape, kernels, bias,
-                      groups, eps, momentum, relu6)
+                      groups, eps, momentum, relu6, init=init)
 
 
 def _kernels(f: Fields, value: Any, where: str, layer: str, kinds: dict[str, dict[str, str]]) -> dict[str, KernelEntry]:

@@ -89,7 +89,8 @@ def test_the_manifest_kinds_are_the_registrys_choice(target):
         assert ("in_to_bf16" in kinds["layout"]) == (choose(layer, "fwd", target)[0].name == "conv_vdpbf16")
 
 
-NET_FILES = ["vgg_a", "overfeat_fast", "cifar_small", "digits", "dnn7"]
+NET_FILES = ["vgg_a", "overfeat_fast", "cifar_small", "digits", "dnn7", "resnet18", "resnet50", "mobilenet_v2",
+             "resnet20_cifar"]
 
 
 @pytest.mark.parametrize("preset,precision", [("avx2", "fp32"), ("avx512", "fp32"), ("zen5", "bf16"),

@@ -41,6 +41,8 @@ def _with(path_edit):
     (lambda n: n["layers"][0].update(source="features.0\nrm -rf"), r"layers\[0\]\.source: must be one line of printable"),
     (lambda n: n["layers"][0].update(bias="no"), r"layers\[0\]\.bias: must be true or false"),
     (lambda n: n["layers"][0].update(groups=0), r"layers\[0\]\.groups: must be a positive int"),
+    (lambda n: n["layers"][0].update(init="kaiming"), r"layers\[0\]\.init: must be one of pytorch, he, xavier"),
+    (lambda n: n["layers"][1].update(init="he"), r"layers\[1\]\.init: unknown field"),
     (lambda n: n["layers"][0].update(groups="3"), r"layers\[0\]\.groups: must be a positive int"),
     (lambda n: n["layers"][0].update(groups=3), r"layers\[0\]\.groups: 3 groups must divide the 3 input and 8 output"),
     (lambda n: n["layers"].insert(1, {"name": "g", "type": "conv", "out_channels": 8, "kernel": 3, "groups": 2}),

@@ -282,8 +282,9 @@ def test_train_script_runs_and_rejects_bad_options(tmp_path, monkeypatch, capsys
 @pytest.mark.slow
 def test_the_papers_speech_dnn_compiles_and_trains(tmp_path):
     """examples/nets/dnn7.json (429 inputs, 7 hidden fc layers of 2,048, 9,304 outputs: 45.1 M
-    weights): compiled for the widest ISA here, a few SGD steps on one minibatch of synthetic
-    frames lower its loss on that minibatch, which starts near ln(9304)."""
+    weights; He-normal init, the deep ReLU net's): compiled for the widest ISA here, a few SGD
+    steps on one minibatch of synthetic frames lower its loss on that minibatch, which starts
+    near ln(9304)."""
     from helpers import NETS
 
     from pcldnn_gen.arch import get_arch
