@@ -183,9 +183,9 @@ def test_a_graph_exports_to_onnx_with_its_logits(tmp_path):
     net.forward(x, training=True)  # running statistics away from (0, 1)
     path = net.export_onnx(tmp_path / "res.onnx")
     assert {n.op_type for n in onnx.load(path).graph.node} >= {"Sum", "Concat", "BatchNormalization"}
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    runner = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     want = net.forward(x)
-    got = session.run(None, {"input": x})[0]
+    got = runner.run(None, {"input": x})[0]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
