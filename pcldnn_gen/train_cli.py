@@ -82,6 +82,9 @@ def add_arguments(ap: argparse.ArgumentParser, net_default: str | None = None, d
     ap.add_argument("--gradient-exchange", default="fp32", choices=("fp32", "bf16"),
                     help="under mpiexec: bf16 rounds each rank's gradients to bf16 for the part-reduce (half the "
                          "bytes, a change of numerics; default fp32: p ranks reach one rank's weights)")
+    ap.add_argument("--sync-batchnorm", action="store_true",
+                    help="under mpiexec: batchnorm statistics over every rank's shard (p ranks equal one rank with "
+                         "the global minibatch); default: each rank's own shard, like DDP")
     ap.add_argument("--no-progress", action="store_true")
 
 
@@ -247,8 +250,8 @@ def run(args: argparse.Namespace, prog: str = "pcldnn-gen train") -> int:
                      step_size=max(1, steps // 3) if args.schedule == "step" else 0,
                      warmup_steps=min(warmup, max(steps - 1, 0)))
         trace: list | None = [] if args.trace and comm is not None else None
-        extra = ({"trace": trace, "parallel": args.parallel, "gradient_exchange": args.gradient_exchange}
-                 if comm is not None else {})
+        extra = ({"trace": trace, "parallel": args.parallel, "gradient_exchange": args.gradient_exchange,
+                  "sync_batchnorm": args.sync_batchnorm} if comm is not None else {})
         trainer = (pr.Trainer.resume(args.resume, net, opt, comm=comm, **extra) if args.resume
                    else pr.Trainer(net, opt, seed=args.seed, comm=comm, **extra))
         checkpoint = Path(args.checkpoint_dir) / "checkpoint.npz" if args.checkpoint_dir else None

@@ -34,6 +34,7 @@ from . import observe
 from .errors import PcldnnError
 from .kernels import bf16_bits, bf16_values
 from .layer_modes import layer_modes
+from .layers import NormLayer
 from .model_parallel import ModelParallelFC
 from .mpi_safety import Watchdog, abort_on_exception, agree, check_same_net, comm_timeout, exit_agreement, guard_world
 from .partition import displacements, part_counts
@@ -78,7 +79,7 @@ class SyncSGD:
     the updated weights stays fp32, so the ranks' weights stay identical."""
 
     def __init__(self, net: Any, optimizer: Any, comm: Any, *, parallel: Any = "auto", timeout: float | None = None,
-                 trace: list | None = None, gradient_exchange: str = "fp32") -> None:
+                 trace: list | None = None, gradient_exchange: str = "fp32", sync_batchnorm: bool = False) -> None:
         from mpi4py import MPI
         if not isinstance(comm, MPI.Intracomm):
             raise PcldnnError(f"comm must be an MPI intracommunicator (e.g. MPI.COMM_WORLD), got {type(comm).__name__}")
@@ -105,12 +106,15 @@ class SyncSGD:
         self.ctl = self.blocking(comm.Dup, "start-up: duplicating the communicator")
         atexit.register(exit_agreement, self.ctl)
         self.agree("start-up (Trainer with comm)", {"PCLDNN_TIMELINE set": self.watch is not None
-                                                    and self.watch.timeline is not None})
+                                                    and self.watch.timeline is not None,
+                                                    "sync_batchnorm": bool(sync_batchnorm)})
         if self.watch is not None and self.watch.timeline is not None:
             self.blocking(lambda: self.watch.join(self.ctl, self.MPI.Is_finalized),
                           "start-up: aligning the ranks' timeline clocks")
         self.blocking(lambda: check_same_net(net, comm), "start-up: comparing the ranks' builds")
         layer_modes(net, parallel, self.p, self.p)  # refuse a bad mapping or machine before the first step
+        if sync_batchnorm:
+            self._sync_batchnorm()
         self.blocking(lambda: comm.Bcast(net.params, root=0), "start-up: broadcast of rank 0's initial weights")
         net.seed = self.blocking(lambda: comm.bcast(net.seed, root=0), "start-up: broadcast of the dropout seed")
         self._stale = False  # other ranks' slices of model-parallel layers are a step old
@@ -126,6 +130,22 @@ class SyncSGD:
                           and MPI.Query_thread() == MPI.THREAD_MULTIPLE)
         if self._threaded:
             threading.Thread(target=self._progress_loop, daemon=True, name="pcldnn-progress").start()
+
+    def _sync_batchnorm(self) -> None:
+        """Each batchnorm layer's statistics, and their gradient, over every rank's shard: an
+        allgather of one float64 row per rank (on a communicator of its own, so it never
+        matches the part-reduces in flight), which every rank then combines in rank order."""
+        norms = [layer for layer in self.net.layers.values() if isinstance(layer, NormLayer)]
+        if not norms:  # every rank has the same net (checked): all skip the collective alike
+            return
+        comm = self.blocking(self.comm.Dup, "start-up: duplicating the communicator for sync_batchnorm")
+        for layer in norms:
+            def across_ranks(row: np.ndarray, name: str = layer.name) -> np.ndarray:
+                rows = np.empty((self.p, row.size), np.float64)
+                self.blocking(lambda: comm.Allgather(np.ascontiguousarray(row, np.float64), rows),
+                              f"sync_batchnorm {name}: allgather of the statistics")
+                return rows
+            layer.across_ranks = across_ranks
 
     def _setup(self, batch: int) -> None:
         """Per-layer choice and communication blocks, once the global minibatch is known."""

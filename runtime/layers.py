@@ -546,7 +546,11 @@ class NormLayer(ParamLayer):
     training-mode forward as PyTorch's BatchNorm2d updates them (the biased batch variance
     normalizes, the unbiased one goes into the running estimate). A training-mode forward
     normalizes by the batch's statistics (kept in `aux` for the backward pass), an evaluation
-    forward by the running ones."""
+    forward by the running ones.
+
+    `across_ranks` (set by SyncSGD for sync_batchnorm): a collective that stacks every rank's
+    float64 row, rank by rank; the statistics and their gradient then span every rank's shard
+    of the minibatch, so p ranks normalize exactly like one rank with the whole minibatch."""
 
     def __init__(self, spec: LayerEntry, kernels: dict[str, Callable], v: int, net: Any,
                  params: tuple[np.ndarray, np.ndarray], grads: tuple[np.ndarray, np.ndarray],
@@ -557,6 +561,8 @@ class NormLayer(ParamLayer):
         self.running_mean = np.zeros(padded, dtype=np.float32)
         self.running_var = np.ones(padded, dtype=np.float32)  # padding lanes 1: a finite 1 / sqrt
         self.num_batches_tracked = 0
+        self.across_ranks: Callable[[np.ndarray], np.ndarray] | None = None
+        self._values = 0  # values per channel of the last training-mode forward, every rank's
 
     @staticmethod
     def canonical_weight_shape(spec: LayerEntry) -> tuple[int, ...]:
@@ -589,13 +595,16 @@ class NormLayer(ParamLayer):
             self._k["fwd"](ptr(xb), self.weights_ptr, self.bias_ptr, ptr(self.running_mean), ptr(self.running_var),
                            ptr(yb), 0, batch, self.team(batch))
             return
+        assert aux is not None
         values = batch * self.in_shape[1] * self.in_shape[2]
+        if self.across_ranks is not None:
+            values = self._combine_statistics(xb, aux, values)
         if values < 2:
             raise PcldnnError(f"layer {self.name}: a training-mode batchnorm needs more than one value per channel, "
                               f"got a minibatch of {batch} of {self.in_shape[1]}x{self.in_shape[2]} pixels")
-        assert aux is not None
-        self._k["fwd"](ptr(xb), self.weights_ptr, self.bias_ptr, ptr(aux[0]), ptr(aux[1]), ptr(yb), 1, batch,
-                       self.team(batch))
+        self._values = values
+        self._k["fwd"](ptr(xb), self.weights_ptr, self.bias_ptr, ptr(aux[0]), ptr(aux[1]), ptr(yb),
+                       0 if self.across_ranks is not None else 1, batch, self.team(batch))
         m = np.float32(self.momentum)
         self.running_mean *= 1 - m
         self.running_mean += m * aux[0]
@@ -604,22 +613,51 @@ class NormLayer(ParamLayer):
         self.running_var[self.out_shape[0]:] = 1.0
         self.num_batches_tracked += 1
 
+    def _combine_statistics(self, xb: np.ndarray, aux: np.ndarray, values: int) -> int:
+        """sync_batchnorm: this shard's mean and biased variance (the kernel's statistics only),
+        every rank's combined in float64 as Chan et al.'s pairwise update does (no sum of squares
+        to cancel), into aux; returns the values per channel over every rank's shard."""
+        assert self.across_ranks is not None
+        batch = xb.shape[0]
+        self._k["fwd"](ptr(xb), self.weights_ptr, self.bias_ptr, ptr(aux[0]), ptr(aux[1]), ptr(None), 2, batch,
+                       self.team(batch))
+        rows = self.across_ranks(np.concatenate([[float(values)], aux[0], aux[1]]))
+        counts, means, variances = rows[:, :1], rows[:, 1:1 + aux.shape[1]], rows[:, 1 + aux.shape[1]:]
+        counts = np.where(np.isfinite(means).all(axis=1, keepdims=True), counts, 0.0)  # an empty shard: 0 / 0
+        total = float(counts.sum())
+        if total < 2:
+            return int(total)
+        mean = (counts * np.nan_to_num(means)).sum(axis=0) / total
+        aux[0] = mean
+        aux[1] = (counts * (np.nan_to_num(variances) + (np.nan_to_num(means) - mean) ** 2)).sum(axis=0) / total
+        return int(total)
+
     def backward_blocked(self, xb: np.ndarray, yb: np.ndarray | None, aux: np.ndarray | None, dyb: np.ndarray,
                          dxb: np.ndarray | None, grads: Grads | None = None) -> None:
         """After a training-mode forward (aux: its batch statistics). Backward-weights first: it
-        masks dy by the fused ReLU in place, so backward-data has nothing left to mask."""
+        masks dy by the fused ReLU in place, so backward-data has nothing left to mask. Under
+        sync_batchnorm, backward-weights' sums (this shard's) are summed over the ranks into
+        the means backward-data needs: it runs even where the scale and shift need no gradient."""
         assert aux is not None
         batch = xb.shape[0]
         team = self.team(batch)
         mask = yb if self.relu else None
+        synced = self.across_ranks is not None and dxb is not None
+        if grads is None and synced:
+            grads = (self._buffer("sync.dw", self._dwt.shape), self._buffer("sync.db", self._dbias.shape))
+        means = None
         if grads is not None:
             dw, db = grads
             self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(aux[0]), ptr(aux[1]), ptr(dw), ptr(db), batch,
                                    team)
             mask = None
+            if synced:
+                assert self.across_ranks is not None
+                sums = self.across_ranks(np.concatenate([db, dw]).astype(np.float64)).sum(axis=0)
+                means = (sums / self._values).astype(np.float32)
         if dxb is not None:
-            self._k["bwd_data"](ptr(dyb), ptr(mask), ptr(xb), self.weights_ptr, ptr(aux[0]), ptr(aux[1]), ptr(dxb), 1,
-                                batch, team)
+            self._k["bwd_data"](ptr(dyb), ptr(mask), ptr(xb), self.weights_ptr, ptr(aux[0]), ptr(aux[1]), ptr(means),
+                                ptr(dxb), 1, batch, team)
 
     def backward_weights(self, x: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(d scale, d shift) for input x and output gradient dy, from x's batch statistics (a

@@ -46,7 +46,7 @@ class Trainer:
     """`Trainer(net, optimizer=SGD(...), seed=0)`: `step`, `evaluate`, `fit`, `save`, `resume`."""
 
     def __init__(self, net: Any, optimizer: SGD | None = None, seed: int = 0, *, comm: Any = None, parallel: Any = "auto",
-                 trace: list | None = None, gradient_exchange: str = "fp32") -> None:
+                 trace: list | None = None, gradient_exchange: str = "fp32", sync_batchnorm: bool = False) -> None:
         """comm: an MPI communicator (e.g. MPI.COMM_WORLD) for synchronous SGD over its ranks;
         each rank then passes its own shard to `step`. parallel: "auto" (fc layers that are
         large against the minibatch go model parallel), "data" (every layer data parallel), or
@@ -56,7 +56,9 @@ class Trainer:
         events of each step (MPI only). gradient_exchange: "fp32" (default: the part-reduce
         sums exact fp32 gradients, p ranks reach one rank's weights) or "bf16" (each rank's
         gradients rounded to bf16 for the exchange: half the bytes, a change of numerics;
-        docs/precision.md)."""
+        docs/precision.md). sync_batchnorm: batchnorm layers normalize by the statistics of
+        every rank's shard (PyTorch's SyncBatchNorm), so p ranks equal one rank with the global
+        minibatch; off (the default, like DDP), each rank normalizes by its own shard's."""
         if net.loss_layer is None:
             raise PcldnnError(f"net {net.name} has no loss layer: add a softmax_cross_entropy layer to train it")
         self.net = net
@@ -69,10 +71,13 @@ class Trainer:
         if comm is not None:  # SyncSGD makes an exception on any rank abort the job
             from .distributed import SyncSGD
             self.dist = SyncSGD(net, self.optimizer, comm, parallel=parallel, trace=trace,
-                                gradient_exchange=gradient_exchange)
+                                gradient_exchange=gradient_exchange, sync_batchnorm=sync_batchnorm)
         elif gradient_exchange != "fp32":
             raise PcldnnError(f"gradient_exchange={gradient_exchange!r} needs comm (an MPI communicator): "
                               "one process exchanges no gradients")
+        elif sync_batchnorm:
+            raise PcldnnError("sync_batchnorm=True needs comm (an MPI communicator): one process's batchnorm "
+                              "statistics are already the whole minibatch's")
 
     @property
     def rank(self) -> int:

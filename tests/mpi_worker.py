@@ -36,7 +36,8 @@ def train(cfg):
     # Each rank loads with its own seed: the runtime must broadcast rank 0's initial weights.
     net = pr.load(cfg["build"], threads=1, seed=cfg["seed"] + comm.rank)
     trace = []
-    extra = {"trace": trace, "parallel": cfg.get("parallel", "data"), "gradient_exchange": cfg.get("exchange", "fp32")}
+    extra = {"trace": trace, "parallel": cfg.get("parallel", "data"), "gradient_exchange": cfg.get("exchange", "fp32"),
+             "sync_batchnorm": cfg.get("sync_batchnorm", False)}
     if cfg.get("resume"):
         trainer = pr.Trainer.resume(cfg["resume"], net, comm=comm, **extra)
     else:
@@ -48,9 +49,10 @@ def train(cfg):
         trainer.save(cfg["save"])
     trainer.sync()
     identical = len(set(comm.allgather(net.params.tobytes()))) == 1  # every rank holds the same weights
+    statistics = comm.gather(net.running_statistics()[0])  # batchnorm layers' running mean and variance
     if comm.rank == 0:
         np.savez(cfg["out"], params=net.params, losses=np.array(losses), library=MPI.Get_library_version(),
-                 identical=identical)
+                 identical=identical, statistics=np.stack(statistics))
         Path(cfg["out"] + ".trace.json").write_text(json.dumps({"traceEvents": trace}))
 
 

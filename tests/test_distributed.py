@@ -134,6 +134,85 @@ def test_a_graph_on_p_ranks_matches_one_rank(tmp_path, p):
     np.testing.assert_allclose(np.load(cfg["out"])["losses"], want_losses, rtol=1e-5)
 
 
+# Batchnorm in a residual block: the statistics over the shard or over the whole minibatch
+NORM_LAYERS = [
+    {"name": "stem", "type": "conv", "out_channels": 8, "kernel": 3, "pad": 1, "bias": False},
+    {"name": "bn0", "type": "batchnorm", "activation": "relu"},
+    {"name": "c1", "type": "conv", "out_channels": 8, "kernel": 3, "pad": 1, "bias": False},
+    {"name": "bn1", "type": "batchnorm", "activation": "relu"},
+    {"name": "c2", "type": "conv", "out_channels": 8, "kernel": 3, "pad": 1, "bias": False},
+    {"name": "bn2", "type": "batchnorm", "momentum": 0.3},
+    {"name": "s", "type": "add", "inputs": ["bn2", "bn0"], "activation": "relu"},
+    {"name": "pool", "type": "maxpool", "kernel": 2},
+    {"name": "fc1", "type": "fc", "out_features": 5},
+    {"name": "loss", "type": "softmax_cross_entropy"},
+]
+
+
+@pytest.fixture(scope="module")
+def norm_build_dir(tmp_path_factory):
+    return build_and_load(tmp_path_factory.mktemp("mpi"), NORM_LAYERS, SHAPE, "avx2", name="mpinorm").build_dir
+
+
+@pytest.mark.parametrize("p, batch, sync", [(2, 12, True), (3, 10, True), (2, 12, False)])
+def test_sync_batchnorm_on_p_ranks_matches_one_rank(norm_build_dir, tmp_path, p, batch, sync):
+    """sync_batchnorm=True: every rank normalizes by the whole minibatch's statistics (uneven
+    shards at 10 over 3 ranks: the combination weighs each by its size) and backpropagates
+    their gradient, so weights, losses and the running statistics equal one rank's. Off (the
+    default, like DDP): each rank normalizes by its own shard, which is a different training."""
+    cfg = _cfg(norm_build_dir, tmp_path, batch=batch, parallel="data", sync_batchnorm=sync)
+    mpirun(p, "train", cfg)
+    got = np.load(cfg["out"])
+    want_params, want_losses = single_rank_reference(norm_build_dir, cfg)
+    net = pr.load(norm_build_dir, threads=1, seed=cfg["seed"])
+    moved = np.abs(want_params - net.params).max()
+    assert moved > 1e-2
+    # one rank's run again, for its running statistics (single_rank_reference returns weights)
+    trainer = pr.Trainer(net, pr.SGD(cfg["lr"], momentum=0.9, weight_decay=1e-3, schedule="cosine",
+                                     total_steps=cfg["steps_total"]), seed=0)
+    for x, y in list(pr.synthetic(cfg["batch"] * cfg["steps_total"], SHAPE, 5, seed=4).batches(batch))[:cfg["steps"]]:
+        trainer.step(x, y)
+    want_stats = net.running_statistics()[0]
+    spread = np.abs(want_stats - np.concatenate([np.zeros(8), np.ones(8)] * 3)).max()
+    assert spread > 1e-2  # the running statistics moved away from (0, 1)
+    if sync:
+        # as test_p_ranks_match_one_rank: float32 sums in another order, through 10 steps
+        np.testing.assert_allclose(got["params"], want_params, rtol=0, atol=1e-4 * moved)
+        np.testing.assert_allclose(got["losses"], want_losses, rtol=1e-5)
+        for rank_stats in got["statistics"]:  # identical on every rank, and one rank's
+            np.testing.assert_allclose(rank_stats, want_stats, rtol=0, atol=1e-4 * spread)
+    else:
+        assert np.abs(got["params"] - want_params).max() > 1e-2 * moved
+        assert np.abs(got["statistics"][0] - got["statistics"][1]).max() > 1e-3 * spread  # each rank its own
+
+
+def test_train_cli_sync_batchnorm_matches_one_process(tmp_path):
+    """`mpiexec -n 2 pcldnn-gen train --sync-batchnorm` saves the checkpoint one process saves
+    (an epoch of 170 steps); without the flag the ranks' statistics, and so the weights, part."""
+    net_file = tmp_path / "net.json"
+    net_file.write_text(json.dumps({"name": "sbn", "input": dict(zip(("channels", "height", "width"), SHAPE)),
+                                    "layers": NORM_LAYERS}))
+    common = [sys.executable, "-m", "pcldnn_gen", "train", str(net_file), "--arch", "avx2", "--data", "synthetic",
+              "--epochs", "1", "--batch-size", "12", "--threads", "1", "--no-progress", "--checkpoint-dir"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    runs = {"one": [], "sync": [MPIEXEC, "-n", "2"], "own": [MPIEXEC, "-n", "2"]}
+    for name, launch in runs.items():
+        flag = ["--sync-batchnorm"] if name == "sync" else []
+        subprocess.run([*launch, *common, str(tmp_path / name), *flag], env=env, cwd=tmp_path, check=True, capture_output=True,
+                       timeout=180)
+    one, sync, own = (np.load(tmp_path / name / "checkpoint.npz") for name in runs)
+    for key in ("params", "statistics"):
+        scale = np.abs(one[key]).max()
+        assert np.abs(sync[key] - one[key]).max() < 1e-5 * scale, key  # measured 4e-8 (params), 9e-8
+        assert np.abs(own[key] - one[key]).max() > 1e-3 * scale, key   # measured 1.5e-2, 3.4e-2
+
+
+def test_sync_batchnorm_needs_a_communicator(norm_build_dir):
+    net = pr.load(norm_build_dir, threads=1)
+    with pytest.raises(pr.PcldnnError, match="sync_batchnorm=True needs comm"):
+        pr.Trainer(net, pr.SGD(0.1), sync_batchnorm=True)
+
+
 @pytest.mark.parametrize("p, parallel", [(2, "data"), (3, MODEL_FC)])
 def test_bf16_gradient_exchange_stays_close_to_one_rank(build_dir, tmp_path, p, parallel):
     """gradient_exchange="bf16": each rank's gradient rounded to bf16 (relative 2^-9 of that

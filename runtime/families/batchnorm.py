@@ -9,15 +9,18 @@ FAMILY = Family(
     "batchnorm", Engine.FP32, ("batchnorm",),
     signatures={
         # training (1): the batch's per-channel mean and biased variance into mean, var, then
-        # out = (in - mean) / sqrt(var + eps) x gamma + beta (and the fused ReLU); else mean and
-        # var are read (the running statistics)
+        # out = (in - mean) / sqrt(var + eps) x gamma + beta (and the fused ReLU); 2: only the
+        # statistics (one rank's shard, for sync_batchnorm); 0: mean and var are read (the
+        # running statistics, or the statistics of every rank's shard)
         "batchnorm_fwd": "const float *in, const float *gamma, const float *beta, float *mean, float *var, "
                          "float *out, int training, int batch, int nthreads",
         # dy masked in place by the fused ReLU's output `out` (or NULL); then dx: training, from
-        # the batch statistics' gradient (the sums of dy and dy x-hat over each channel); else
-        # dy gamma / sqrt(var + eps)
+        # the batch statistics' gradient (the means of dy and dy x-hat over each channel: this
+        # minibatch's, or batch_means, 2 x channels, when it spans ranks); else dy gamma /
+        # sqrt(var + eps)
         "batchnorm_bwd_data": "float *dy, const float *out, const float *in, const float *gamma, const float *mean, "
-                              "const float *var, float *dx, int training, int batch, int nthreads",
+                              "const float *var, const float *batch_means, float *dx, int training, int batch, "
+                              "int nthreads",
         # dgamma = sum dy x-hat, dbeta = sum dy (dy masked in place as above)
         "batchnorm_bwd_weights": "const float *in, float *dy, const float *out, const float *mean, const float *var, "
                                  "float *dgamma, float *dbeta, int batch, int nthreads",
