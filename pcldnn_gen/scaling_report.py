@@ -116,7 +116,8 @@ def _bench_curve(path: Path, spec: NetSpec) -> dict[str, tuple[tuple[int, float]
 
 
 def layer_loads(spec: NetSpec, machine: scaling.Machine) -> list[scaling.LayerLoad]:
-    """The net's conv and fc layers as the model sees them, with each pass's parallel loop from
+    """The net's conv, fc and batchnorm layers as the model sees them, with each conv and fc pass's
+    parallel loop from
     the plans for the machine's CPU preset (how a node's cores share the work: the thread
     division at small per-node minibatches)."""
     loads = scaling.loads_of(spec.layers)
@@ -125,7 +126,7 @@ def layer_loads(spec: NetSpec, machine: scaling.Machine) -> list[scaling.LayerLo
     arch = get_arch(machine.arch)
     layers = {layer.name: layer for layer in spec.layers}
     return [replace(load, loops={p: parallel_loop(layers[load.name], plan_layer(layers[load.name], p, arch))
-                                 for p in PASSES})
+                                 for p in PASSES}) if load.type in ("conv", "fc") else load
             for load in loads]
 
 
@@ -165,8 +166,9 @@ def format_table(spec: NetSpec, machine: scaling.Machine, strategies: list[scali
     last = strategies[-1]
     lines.append(f"per layer at {last.nodes} nodes (ms: forward, backward, model-parallel exchanges, "
                  f"part-reduce + part-broadcast):")
+    width = max([10] + [len(c.layer) for c in last.costs])
     for c in last.costs:
-        lines.append(f"  {c.layer:<10} {c.mode:<9} fwd {c.fwd * 1e3:8.2f}  bwd {c.bwd * 1e3:8.2f}  "
+        lines.append(f"  {c.layer:<{width}} {c.mode:<9} fwd {c.fwd * 1e3:8.2f}  bwd {c.bwd * 1e3:8.2f}  "
                      f"exchange {(c.mp_fwd + c.mp_bwd) * 1e3:8.2f}  weights {c.dp * 1e3:8.2f}")
     return "\n".join(lines)
 

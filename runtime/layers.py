@@ -53,6 +53,7 @@ class Layer:
         self.in_shape: tuple[int, int, int] = spec.in_shape
         self.out_shape: tuple[int, int, int] = spec.out_shape
         self.kernel: tuple[int, int] = spec.kernel
+        self.groups: int = spec.groups  # conv: 1, or the channels (depthwise)
         self.spec = spec
         self._k = kernels
         self.kernels = kernels  # the layer's kernels by role (the family modules call them)
@@ -101,7 +102,8 @@ class Layer:
         team = self._teams.get((batch, threads))
         if team is None:
             oc, oh, ow = self.out_shape
-            weights = oc * self.in_shape[0] * self.kernel[0] * self.kernel[1] if self.type in ("conv", "fc") else 0
+            weights = (oc * (self.in_shape[0] // self.groups) * self.kernel[0] * self.kernel[1]
+                       if self.type in ("conv", "fc") else 0)
             flops = 2 * batch * oh * ow * weights
             moved = 4 * (batch * (int(np.prod(self.in_shape)) + int(np.prod(self.out_shape))) + weights)
             small = flops < PARALLEL_MIN_FLOPS and moved < PARALLEL_MIN_BYTES

@@ -16,8 +16,13 @@ across the p/g groups):
   the input gradient reduce-scattered in the backward pass.
 
 Collective costs are the alpha-beta-gamma models of Thakur, Rabenseifner and Gropp (2005),
-for ring or recursive halving/doubling algorithms. Memory-bound layers (pooling, ReLU,
-dropout, the loss) and the SGD update are not modelled: a few per cent of a step here.
+for ring or recursive halving/doubling algorithms. A batchnorm layer is modelled as memory
+bound (its bytes at the memory bandwidth: the forward pass reads its input twice, for the
+statistics and to normalize; each backward pass reads input and output gradient and writes
+one): in a ResNet it is a real share of a step, and its scale and shift are communicated like
+any weights. A depthwise convolution does 1/C of a dense one's FLOPs on the same bytes: the
+memory term decides it. The other memory-bound layers (pooling, ReLU, add, concat, dropout,
+the loss) and the SGD update are not modelled: a few per cent of a step here.
 
 The iteration time, layers 1..n bottom to top, b_L the backward time of layer L (model-parallel
 exchanges included) and c_L its data-parallel communication, issued when its backward ends and
@@ -248,7 +253,7 @@ def collective_time(op: str, nbytes: float, q: int, m: Machine) -> float:
 class LayerLoad:
     """What the model needs of one weighted layer; per image unless said."""
     name: str
-    type: str            # conv | fc
+    type: str            # conv | fc | batchnorm (memory bound)
     flops: float         # one pass (forward; each backward pass does as many)
     weight_bytes: float
     in_bytes: float
@@ -258,23 +263,34 @@ class LayerLoad:
     loops: dict = field(default_factory=dict, compare=False)
 
     @staticmethod
-    def from_shapes(name: str, type_: str, in_shape: Any, out_shape: Any, kernel: Any, first: bool) -> LayerLoad:
+    def from_shapes(name: str, type_: str, in_shape: Any, out_shape: Any, kernel: Any, first: bool,
+                    groups: int = 1) -> LayerLoad:
+        """A conv (`groups` > 1: each output channel reads IC / groups input channels) or fc layer."""
         ic, ih, iw = in_shape
         oc, oh, ow = out_shape
         kh, kw = kernel
-        macs = oc * oh * ow * ic * kh * kw
-        return LayerLoad(name, type_, 2.0 * macs, 4.0 * (oc * ic * kh * kw + oc), 4.0 * ic * ih * iw,
+        macs = oc * oh * ow * (ic // groups) * kh * kw
+        return LayerLoad(name, type_, 2.0 * macs, 4.0 * (oc * (ic // groups) * kh * kw + oc), 4.0 * ic * ih * iw,
                          4.0 * oc * oh * ow, first)
+
+    @staticmethod
+    def batchnorm(name: str, shape: Any) -> LayerLoad:
+        """A batchnorm: a few FLOPs a value, its input read twice by the forward pass."""
+        c, h, w = shape
+        return LayerLoad(name, "batchnorm", 4.0 * c * h * w, 4.0 * 2 * c, 2 * 4.0 * c * h * w, 4.0 * c * h * w, False)
 
 
 def loads_of(layers: Any) -> list[LayerLoad]:
-    """LayerLoads of the conv and fc layers among `layers` (objects with name, type, in_shape,
-    out_shape and kernel: the generator's LayerSpec or a runtime Layer), bottom to top."""
+    """LayerLoads of the conv, fc and batchnorm layers among `layers` (objects with name, type,
+    in_shape, out_shape, kernel and groups: the generator's LayerSpec or a runtime Layer), bottom
+    to top."""
     out: list[LayerLoad] = []
     for layer in layers:
         if layer.type in ("conv", "fc"):
             out.append(LayerLoad.from_shapes(layer.name, layer.type, layer.in_shape, layer.out_shape,
-                                             tuple(layer.kernel), not out))
+                                             tuple(layer.kernel), not out, getattr(layer, "groups", 1)))
+        elif layer.type == "batchnorm":
+            out.append(LayerLoad.batchnorm(layer.name, layer.out_shape))
     return out
 
 
@@ -298,6 +314,8 @@ def _compute(load: LayerLoad, kind: str, rows: float, share: float, m: Machine) 
     images (thread division included) and its bytes at the memory bandwidth."""
     flops = load.flops * rows * share
     nbytes = load.weight_bytes * share + rows * (load.in_bytes + load.out_bytes * share)
+    if load.type == "batchnorm":
+        return nbytes / (m.memory_gbs * 1e9)
     efficiency = m.efficiency_at(f"{load.type}_{kind}", rows) * division(load, kind, rows, share, m.cores)
     return max(flops / (m.peak_gflops * 1e9 * efficiency), nbytes / (m.memory_gbs * 1e9))
 

@@ -54,6 +54,36 @@ def test_layer_cost_by_hand():
         layer_cost(fc, 3, 4, 8, TOY)
 
 
+def test_depthwise_and_batchnorm_loads_by_hand():
+    # depthwise 3x3 over 32 channels of 16x16: 1/32 of the dense layer's FLOPs and weights
+    dense = LayerLoad.from_shapes("c", "conv", (32, 16, 16), (32, 16, 16), (3, 3), first=False)
+    depthwise = LayerLoad.from_shapes("d", "conv", (32, 16, 16), (32, 16, 16), (3, 3), first=False, groups=32)
+    assert depthwise.flops == dense.flops / 32 == 2 * 32 * 16 * 16 * 9
+    assert depthwise.weight_bytes == 4 * (32 * 9 + 32) and depthwise.in_bytes == dense.in_bytes
+    # batchnorm: memory bound at any FLOP rate; forward reads the input twice and writes once,
+    # each backward pass moves three activations; its 2C scale and shift are communicated
+    bn = LayerLoad.batchnorm("bn", (32, 16, 16))
+    act = 4 * 32 * 16 * 16
+    m = replace(TOY, memory_gbs=2.0)
+    cost = layer_cost(bn, 1, 2, 8, m)                # 4 images per node
+    assert cost.fwd == pytest.approx((2 * 4 * 32 + 4 * 3 * act) / 2e9)
+    assert cost.bwd == pytest.approx(2 * cost.fwd)
+    assert cost.dp == pytest.approx(2 * 10e-6 + 0.5 * 256 * 1.5e-9 + 0.5 * 256 * 1e-9)
+
+
+@pytest.mark.parametrize("net", ["resnet18", "mobilenet_v2"])
+def test_plan_cli_on_graphs(net, capsys):
+    """The modern example nets plan: every conv (depthwise ones too), batchnorm and fc layer
+    gets a row, each batchnorm data parallel."""
+    assert main(["plan", str(NETS / f"{net}.json"), "--machine", "aws-c4", "--nodes", "1,8", "--batch", "256"]) == 0
+    text = capsys.readouterr().out
+    spec = load_netspec(NETS / f"{net}.json")
+    rows = {line.split()[0]: line.split()[1] for line in text.splitlines()[-sum(
+        layer.type in ("conv", "fc", "batchnorm") for layer in spec.layers):]}
+    assert set(rows) == {layer.name for layer in spec.layers if layer.type in ("conv", "fc", "batchnorm")}
+    assert all(rows[layer.name] == "data" for layer in spec.layers if layer.type == "batchnorm")
+
+
 def _cost(name, fwd, bwd, dp, group=1, mp=0.0):
     return LayerCost(name, group, fwd, bwd, mp, mp, dp)
 

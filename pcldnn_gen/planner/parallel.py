@@ -13,6 +13,7 @@ from pcldnn_runtime.scaling import ParallelLoop
 
 from ..netspec import LayerSpec
 from .conv import kernel_layer
+from .depthwise import DepthwisePlan
 from .plans import ConvBwdDataPlan, ConvBwdWeightsPlan, ConvFwdPlan, FcBwdDataPlan, FcBwdWeightsPlan, FcFwdPlan, KernelPlan
 
 
@@ -27,6 +28,12 @@ def parallel_loop(layer: LayerSpec, plan: KernelPlan) -> ParallelLoop:
     ic, ih, iw = layer.in_shape
     oc, oh, _ = layer.out_shape
     icb, ocb = blocks(ic, v), blocks(oc, v)
+    if isinstance(plan, DepthwisePlan):                 # templates/conv_depthwise.c.j2
+        if plan.pass_name == "fwd":                     # (image, channel block, output row)
+            return ParallelLoop(ocb * oh, 1, 0)
+        if plan.pass_name == "bwd_data":                # (image, channel block)
+            return ParallelLoop(icb, 1, 0)
+        return ParallelLoop(0, 1, ocb)                  # channel blocks; images in sequence
     tile = plan.tile
     assert tile is not None, f"{plan.kind} has no register tile"
     if isinstance(plan, ConvFwdPlan):                   # (image, oc group, row block)
