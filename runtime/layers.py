@@ -625,13 +625,10 @@ class NormLayer(ParamLayer):
                        self.team(batch))
         rows = self.across_ranks(np.concatenate([[float(values)], aux[0], aux[1]]))
         counts, means, variances = rows[:, :1], rows[:, 1:1 + aux.shape[1]], rows[:, 1 + aux.shape[1]:]
-        counts = np.where(np.isfinite(means).all(axis=1, keepdims=True), counts, 0.0)  # an empty shard: 0 / 0
-        total = float(counts.sum())
-        if total < 2:
-            return int(total)
-        mean = (counts * np.nan_to_num(means)).sum(axis=0) / total
+        total = float(counts.sum())  # every shard has rows: an empty one is refused before (empty minibatch)
+        mean = (counts * means).sum(axis=0) / total
         aux[0] = mean
-        aux[1] = (counts * (np.nan_to_num(variances) + (np.nan_to_num(means) - mean) ** 2)).sum(axis=0) / total
+        aux[1] = (counts * (variances + (means - mean) ** 2)).sum(axis=0) / total
         return int(total)
 
     def backward_blocked(self, xb: np.ndarray, yb: np.ndarray | None, aux: np.ndarray | None, dyb: np.ndarray,
