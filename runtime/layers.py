@@ -564,7 +564,6 @@ class NormLayer(ParamLayer):
         self.running_var = np.ones(padded, dtype=np.float32)  # padding lanes 1: a finite 1 / sqrt
         self.num_batches_tracked = 0
         self.across_ranks: Callable[[np.ndarray], np.ndarray] | None = None
-        self._values = 0  # values per channel of the last training-mode forward, every rank's
 
     @staticmethod
     def canonical_weight_shape(spec: LayerEntry) -> tuple[int, ...]:
@@ -604,7 +603,6 @@ class NormLayer(ParamLayer):
         if values < 2:
             raise PcldnnError(f"layer {self.name}: a training-mode batchnorm needs more than one value per channel, "
                               f"got a minibatch of {batch} of {self.in_shape[1]}x{self.in_shape[2]} pixels")
-        self._values = values
         self._k["fwd"](ptr(xb), self.weights_ptr, self.bias_ptr, ptr(aux[0]), ptr(aux[1]), ptr(yb),
                        0 if self.across_ranks is not None else 1, batch, self.team(batch))
         m = np.float32(self.momentum)
@@ -650,10 +648,11 @@ class NormLayer(ParamLayer):
             self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(aux[0]), ptr(aux[1]), ptr(dw), ptr(db), batch,
                                    team)
             mask = None
-            if synced:
+            if synced:  # every rank's values per channel, then sums of dy and of dy x-hat
                 assert self.across_ranks is not None
-                sums = self.across_ranks(np.concatenate([db, dw]).astype(np.float64)).sum(axis=0)
-                means = (sums / self._values).astype(np.float32)
+                values = batch * self.in_shape[1] * self.in_shape[2]
+                sums = self.across_ranks(np.concatenate([[float(values)], db, dw])).sum(axis=0)
+                means = (sums[1:] / sums[0]).astype(np.float32)
         if dxb is not None:
             self._k["bwd_data"](ptr(dyb), ptr(mask), ptr(xb), self.weights_ptr, ptr(aux[0]), ptr(aux[1]), ptr(means),
                                 ptr(dxb), 1, batch, team)

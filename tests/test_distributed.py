@@ -52,14 +52,21 @@ def mpirun(p: int, mode: str, cfg: dict, timeout: float = 120, check: bool = Tru
     return proc
 
 
-def single_rank_reference(build_dir, cfg):
-    """The same steps by one process without MPI, on the whole global minibatches."""
+def single_rank_net(build_dir, cfg):
+    """The same steps by one process without MPI, on the whole global minibatches: the trained
+    net and the losses."""
     net = pr.load(build_dir, threads=1, seed=cfg["seed"])
     trainer = pr.Trainer(net, pr.SGD(cfg["lr"], momentum=0.9, weight_decay=1e-3, schedule="cosine",
                                      total_steps=cfg["steps_total"]), seed=0)
     data = pr.synthetic(cfg["batch"] * cfg["steps_total"], SHAPE, 5, seed=4)
     losses = [trainer.step(x, y) for x, y in list(data.batches(cfg["batch"]))[:cfg["steps"]]]
-    return net.params.copy(), np.array(losses)
+    return net, np.array(losses)
+
+
+def single_rank_reference(build_dir, cfg):
+    """single_rank_net's weights and losses."""
+    net, losses = single_rank_net(build_dir, cfg)
+    return net.params.copy(), losses
 
 
 def _cfg(build_dir, tmp_path, **kw):
@@ -163,16 +170,10 @@ def test_sync_batchnorm_on_p_ranks_matches_one_rank(norm_build_dir, tmp_path, p,
     cfg = _cfg(norm_build_dir, tmp_path, batch=batch, parallel="data", sync_batchnorm=sync)
     mpirun(p, "train", cfg)
     got = np.load(cfg["out"])
-    want_params, want_losses = single_rank_reference(norm_build_dir, cfg)
-    net = pr.load(norm_build_dir, threads=1, seed=cfg["seed"])
-    moved = np.abs(want_params - net.params).max()
+    net, want_losses = single_rank_net(norm_build_dir, cfg)
+    want_params, want_stats = net.params, net.running_statistics()[0]
+    moved = np.abs(want_params - pr.load(norm_build_dir, threads=1, seed=cfg["seed"]).params).max()
     assert moved > 1e-2
-    # one rank's run again, for its running statistics (single_rank_reference returns weights)
-    trainer = pr.Trainer(net, pr.SGD(cfg["lr"], momentum=0.9, weight_decay=1e-3, schedule="cosine",
-                                     total_steps=cfg["steps_total"]), seed=0)
-    for x, y in list(pr.synthetic(cfg["batch"] * cfg["steps_total"], SHAPE, 5, seed=4).batches(batch))[:cfg["steps"]]:
-        trainer.step(x, y)
-    want_stats = net.running_statistics()[0]
     spread = np.abs(want_stats - np.concatenate([np.zeros(8), np.ones(8)] * 3)).max()
     assert spread > 1e-2  # the running statistics moved away from (0, 1)
     if sync:
