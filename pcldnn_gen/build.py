@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +22,7 @@ from filelock import FileLock
 
 from pcldnn_runtime import cpu
 from pcldnn_runtime.families import Engine, bf16_gradients, bf16_outputs, choose
+from pcldnn_runtime.families.fusion import plan_fusions
 from pcldnn_runtime.manifest import FORMAT, FORMAT_FAMILY, MANIFEST, WEIGHTS_FILE, file_sha256
 from pcldnn_runtime.state_io import check_state, expected_state
 from pcldnn_runtime.validate import check_writable
@@ -32,7 +33,7 @@ from .codegen import peak_flops_per_iteration, render_kernel, render_layout, ren
 from .compiler import Source, compile_all, compile_source
 from .errors import ArchError, BuildDirError
 from .netspec import LayerSpec, NetSpec
-from .planner import LAYER_PASSES, KernelPlan, plan_layer
+from .planner import LAYER_PASSES, Fusion, KernelPlan, plan_layer
 
 if TYPE_CHECKING:
     from .tuning import TuningDB
@@ -61,19 +62,44 @@ def check_precision(precision: str, arch: Arch) -> None:
 
 def plan_net(net: NetSpec, arch: Arch, tuning: TuningDB | None = None,
              choices: Mapping[tuple[str, str], tuple[int, int]] | None = None,
-             precision: str = "fp32") -> dict[tuple[str, str], KernelPlan]:
+             precision: str = "fp32", fusion: bool = True) -> dict[tuple[str, str], KernelPlan]:
     """Every (layer, pass) plan: the model's, the tuning database's measured tile where an
     entry matches (bf16 kernels too: `tune --precision bf16`), or a forced candidate tile from
     `choices` (the tuner's trial builds). Each plan is of the family that computes the pass
     (families.choose: the one decision the manifest reader and the runtime make alike), on the
-    bf16 activations and gradients the net stores (bf16_outputs, bf16_gradients)."""
+    bf16 activations and gradients the net stores (bf16_outputs, bf16_gradients), and does the
+    work of the layers fused into it (families.fusion, unless `fusion` is False)."""
     plans = {}
     activations, gradients = net_activations(net, arch, precision), net_gradients(net, arch, precision)
     for layer in net.layers:
         for p in LAYER_PASSES[layer.type]:
             plans[(layer.name, p)] = plan_kernel(layer, p, arch, tuning, (choices or {}).get((layer.name, p)),
                                                  precision, activations[layer.name], gradients[layer.name])
-    return plans
+    return fuse_plans(net, arch, precision, plans) if fusion else plans
+
+
+def fuse_plans(net: NetSpec, arch: Arch, precision: str,
+               plans: dict[tuple[str, str], KernelPlan]) -> dict[tuple[str, str], KernelPlan]:
+    """`plans` (all or some of a net's) with the work of the layers fused into them (families.fusion)."""
+    fusions = plan_fusions(net.layers, arch.target(precision))
+    fused: list[tuple[tuple[str, str], Fusion]] = [
+        ((net.layers[conv].name, "fwd"), Fusion(kind="statistics", layer=net.layers[norm].name))
+        for conv, norm in fusions.statistics.items()]
+    for norm, add in fusions.residual.items():
+        joined = Fusion(kind="residual", layer=net.layers[add].name, relu=net.layers[add].relu)
+        fused += [((net.layers[norm].name, p), joined) for p in LAYER_PASSES["batchnorm"]]
+    out = dict(plans)
+    for key, fusion in fused:
+        if key in out:
+            out[key] = replace(out[key], fusion=fusion)
+    return out
+
+
+def computed_by(net: NetSpec, arch: Arch, precision: str, layer: str) -> str | None:
+    """The layer whose kernels do `layer`'s work (a residual fusion's add: its batchnorm), or None."""
+    fusions = plan_fusions(net.layers, arch.target(precision))
+    return next((net.layers[norm].name for norm, add in fusions.residual.items() if net.layers[add].name == layer),
+                None)
 
 
 def net_activations(net: NetSpec, arch: Arch, precision: str) -> dict[str, tuple[bool, bool]]:
@@ -120,17 +146,18 @@ def plan_kernel(layer: LayerSpec, pass_name: str, arch: Arch, tuning: TuningDB |
 def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | None = None,
           tuning: TuningDB | None = None, choices: Mapping[tuple[str, str], tuple[int, int]] | None = None,
           weights: Mapping[str, np.ndarray] | None = None, weights_origin: str = "weights",
-          precision: str = "fp32") -> BuildResult:
+          precision: str = "fp32", fusion: bool = True) -> BuildResult:
     """Plan (through `tuning` when given; see plan_net), render, compile, write the directory.
     `weights` (canonical layouts, every weighted layer's `.weight` and `.bias`) are checked
     here and recorded in the build: `pr.load` starts from them instead of random ones.
-    `precision` bf16: the kernels of families.bf16_passes read bf16 copies (docs/design.md §2)."""
+    `precision` bf16: the kernels of families.bf16_passes read bf16 copies (docs/design.md §2).
+    `fusion` False: every layer's kernels compute its own work only (families.fusion)."""
     check_precision(precision, arch)
     out_dir = Path(out_dir) if out_dir is not None else default_build_dir(net, arch, precision)
     initial = None
     if weights is not None:
         initial, _ = check_state(expected_state(net.layers), weights, weights_origin)
-    plans = plan_net(net, arch, tuning, choices, precision)
+    plans = plan_net(net, arch, tuning, choices, precision, fusion)
     sources: list[tuple[LayerSpec | None, str, Source]] = []
     for layer in net.layers:
         for p in LAYER_PASSES[layer.type]:
@@ -143,7 +170,7 @@ def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | Non
     results = compile_all([s for _, _, s in sources], arch, jobs)
 
     try:
-        _write_build(net, arch, out_dir, sources, results, plans, initial, precision)
+        _write_build(net, arch, out_dir, sources, results, plans, initial, precision, fusion)
     except OSError as e:
         raise BuildDirError(f"{out_dir}: cannot write the build directory: {e.strerror or e}") from None
     compiled = sum(r.compiled for r in results)
@@ -151,7 +178,8 @@ def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | Non
 
 
 def _write_build(net: NetSpec, arch: Arch, out_dir: Path, sources: list[tuple[LayerSpec | None, str, Source]],
-                 results: Any, plans: Any, initial: dict[str, np.ndarray] | None, precision: str) -> None:
+                 results: Any, plans: Any, initial: dict[str, np.ndarray] | None, precision: str,
+                 fusion: bool = True) -> None:
     """Sources, libraries and manifest into a staging folder, swapped in under a lock. A source
     of no layer is one of the build's own kernels ("peak", "sgd")."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -179,7 +207,7 @@ def _write_build(net: NetSpec, arch: Arch, out_dir: Path, sources: list[tuple[La
                 if p != "layout":
                     entry["plan"] = plans[(layer.name, p)].to_json()
                 kernels.setdefault(layer.name, {})[p] = entry
-            manifest = _manifest(net, arch, kernels, precision) | own | {"precision": precision}
+            manifest = _manifest(net, arch, kernels, precision) | own | {"precision": precision, "fusion": fusion}
             if initial is not None:
                 np.savez(stage / WEIGHTS_FILE, **initial)  # type: ignore[arg-type]
                 manifest["weights"] = {"file": WEIGHTS_FILE, "sha256": file_sha256(stage / WEIGHTS_FILE)}

@@ -15,7 +15,7 @@ from pcldnn_runtime.validate import check_writable
 
 from . import __version__
 from .arch import get_arch
-from .build import build, check_precision, net_activations, net_gradients, plan_kernel
+from .build import build, check_precision, computed_by, fuse_plans, net_activations, net_gradients, plan_kernel
 from .codegen import render_kernel
 from .errors import PcldnnError
 from .netspec import load_netspec
@@ -31,7 +31,8 @@ def _compile(args: argparse.Namespace) -> int:
         from pcldnn_runtime.state_io import read_npz
         weights = read_npz(args.weights)
     result = build(net, arch, Path(args.output) if args.output else None, args.jobs, _tuning(args),
-                   weights=weights, weights_origin=str(args.weights), precision=args.precision)
+                   weights=weights, weights_origin=str(args.weights), precision=args.precision,
+                   fusion=not args.no_fusion)
     elapsed = time.perf_counter() - t0
     for layer in net.layers:
         shape = "x".join(map(str, layer.out_shape))
@@ -69,9 +70,16 @@ def _inspect(args: argparse.Namespace) -> int:
     arch = get_arch(args.arch)
     layer = net.layer(args.layer)
     check_precision(args.precision, arch)
+    serving = computed_by(net, arch, args.precision, layer.name)
+    if serving is not None:  # a residual fusion: the add's work is its batchnorm's kernel (docs/design.md)
+        pass_name = "fwd" if args.pass_name == "fwd" else "bwd_weights"
+        print(f"/* {layer.name} ({layer.type}) is computed by {serving}'s {pass_name} kernel (a residual fusion), below */")
+        layer = net.layer(serving)
+        args.pass_name = pass_name
     plan = plan_kernel(layer, args.pass_name, arch, _tuning(args), None, args.precision,
                        net_activations(net, arch, args.precision)[layer.name],
                        net_gradients(net, arch, args.precision)[layer.name])
+    plan = fuse_plans(net, arch, args.precision, {(layer.name, args.pass_name): plan})[(layer.name, args.pass_name)]
     if args.explain:
         print(f"{layer.name} {plan.pass_name} on {arch.name}: {plan.reason}")
         if plan.tile is not None:
@@ -299,6 +307,8 @@ def parser() -> argparse.ArgumentParser:
                    help="kernel number format: fp32 (default) or bf16 (bf16 activations and weight copy, fp32 "
                         "accumulation and master weights; AVX-512 builds, run on CPUs with AVX512_BF16)")
     c.add_argument("--jobs", type=_int_in(1, 256), default=None, help="parallel compiler processes (default: cores)")
+    c.add_argument("--no-fusion", action="store_true", help="every layer's kernels compute its own work only (no "
+                   "convolution computing batchnorm statistics, no batchnorm computing its residual add)")
     c.add_argument("--weights", help="initial weights (.npz with <layer>.weight and <layer>.bias in canonical "
                    "layouts, as `pcldnn-gen import` writes): recorded in the build, loaded by pr.load")
     _no_tuning_option(c)

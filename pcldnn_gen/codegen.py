@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import re
 import textwrap
+from dataclasses import replace
 from importlib import resources
 
 import jinja2
@@ -112,6 +113,9 @@ def _comment_lines(plan: KernelPlan) -> list[str]:
     elif plan.blocks_summary():
         lines += [("blocks  : " if i == 0 else "          ") + w
                   for i, w in enumerate(textwrap.wrap(c_comment(plan.blocks_summary()), 88))]
+    if plan.fusion is not None:
+        lines += [("fused   : " if i == 0 else "          ") + w
+                  for i, w in enumerate(textwrap.wrap(c_comment(plan.fusion.describe()), 88))]
     wrapped = textwrap.wrap(c_comment(plan.reason), 88)
     lines += [("why     : " if i == 0 else "          ") + w for i, w in enumerate(wrapped)]
     if plan.measured is not None:
@@ -128,6 +132,8 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
     spellings and the layer's blocked sizes. A bf16 plan (kind *_bf16: plan_layer with bf16)
     reads bf16 operands in pairs (lane_step 2) with the BF16_ISA spellings."""
     net_layer, layer = layer, kernel_layer(layer, plan)
+    if plan.fusion is not None and plan.fusion.relu and plan.pass_name != "fwd":
+        layer = replace(layer, relu=True)  # a residual fusion's backward masks dy by the add's ReLU
     v = arch.vector_floats
     symbol = kernel_symbol(layer.name, plan.pass_name)
     c, h, w = layer.in_shape

@@ -383,6 +383,8 @@ class WeightedLayer(ParamLayer):
         # kernel reads, by pass, with the weights version it was made at (kept between calls, as
         # the fc tiles)
         self._conv_tiles: dict[str, tuple[np.ndarray, int]] = {}
+        # a statistics fusion's (mean, var) rows during a forward call that fills them (conv_direct)
+        self.statistics: tuple[np.ndarray, np.ndarray] | None = None
 
     def _calls_of(self, pass_name: str) -> families.Calls:
         calls = self.family[pass_name].calls
@@ -450,11 +452,18 @@ class WeightedLayer(ParamLayer):
     def _into_blocked(self, weights: np.ndarray, dst: np.ndarray) -> None:
         self._k["wt_to_blocked"](ptr(weights), ptr(dst))
 
-    def forward_blocked(self, xb: np.ndarray, yb: np.ndarray, aux: np.ndarray | None = None, training: bool = False) -> None:
+    def forward_blocked(self, xb: np.ndarray, yb: np.ndarray, aux: np.ndarray | None = None, training: bool = False,
+                        statistics: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """statistics: the (mean, var) rows of the batchnorm reading this output, which the
+        kernel fills too (a statistics fusion: families.fusion)."""
         if training and self.runner is not None:
             self.runner.forward(xb, yb)
-        else:
+            return
+        self.statistics = statistics
+        try:
             self.run_forward(xb, yb, self.ocb_range)
+        finally:
+            self.statistics = None
 
     def backward_blocked(self, xb: np.ndarray, yb: np.ndarray | None, aux: np.ndarray | None, dyb: np.ndarray,
                          dxb: np.ndarray | None, grads: Grads | None = None, dy_masked: bool = False) -> None:
@@ -590,21 +599,25 @@ class NormLayer(ParamLayer):
     def aux_buffer(self, batch: int) -> np.ndarray:
         return np.empty((2, self._bias.size), dtype=np.float32)  # the batch's mean and variance
 
-    def forward_blocked(self, xb: np.ndarray, yb: np.ndarray, aux: np.ndarray | None = None, training: bool = False) -> None:
+    def forward_blocked(self, xb: np.ndarray, yb: np.ndarray, aux: np.ndarray | None = None, training: bool = False,
+                        residual: np.ndarray | None = None, statistics_ready: bool = False) -> None:
+        """residual: a residual fusion's shortcut (families.fusion), yb then the add's output;
+        statistics_ready: aux already holds the batch statistics (a statistics fusion's
+        convolution computed them)."""
         batch = xb.shape[0]
         if not training:
             self._k["fwd"](ptr(xb), self.weights_ptr, self.bias_ptr, ptr(self.running_mean), ptr(self.running_var),
-                           ptr(yb), 0, batch, self.team(batch))
+                           ptr(yb), ptr(residual), 0, batch, self.team(batch))
             return
         assert aux is not None
         values = batch * self.in_shape[1] * self.in_shape[2]
-        if self.across_ranks is not None:
-            values = self._combine_statistics(xb, aux, values)
         if values < 2:
             raise PcldnnError(f"layer {self.name}: a training-mode batchnorm needs more than one value per channel, "
                               f"got a minibatch of {batch} of {self.in_shape[1]}x{self.in_shape[2]} pixels")
-        self._k["fwd"](ptr(xb), self.weights_ptr, self.bias_ptr, ptr(aux[0]), ptr(aux[1]), ptr(yb),
-                       0 if self.across_ranks is not None else 1, batch, self.team(batch))
+        if self.across_ranks is not None:
+            values = self._combine_statistics(xb, aux, values, statistics_ready)
+        self._k["fwd"](ptr(xb), self.weights_ptr, self.bias_ptr, ptr(aux[0]), ptr(aux[1]), ptr(yb), ptr(residual),
+                       0 if self.across_ranks is not None or statistics_ready else 1, batch, self.team(batch))
         m = np.float32(self.momentum)
         self.running_mean *= 1 - m
         self.running_mean += m * aux[0]
@@ -613,14 +626,16 @@ class NormLayer(ParamLayer):
         self.running_var[self.out_shape[0]:] = 1.0
         self.num_batches_tracked += 1
 
-    def _combine_statistics(self, xb: np.ndarray, aux: np.ndarray, values: int) -> int:
-        """sync_batchnorm: this shard's mean and biased variance (the kernel's statistics only),
-        every rank's combined in float64 as Chan et al.'s pairwise update does (no sum of squares
-        to cancel), into aux; returns the values per channel over every rank's shard."""
+    def _combine_statistics(self, xb: np.ndarray, aux: np.ndarray, values: int, ready: bool) -> int:
+        """sync_batchnorm: this shard's mean and biased variance (the kernel's statistics only,
+        unless `ready`: a fused convolution's), every rank's combined in float64 as Chan et
+        al.'s pairwise update does (no sum of squares to cancel), into aux; returns the values
+        per channel over every rank's shard."""
         assert self.across_ranks is not None
         batch = xb.shape[0]
-        self._k["fwd"](ptr(xb), self.weights_ptr, self.bias_ptr, ptr(aux[0]), ptr(aux[1]), ptr(None), 2, batch,
-                       self.team(batch))
+        if not ready:
+            self._k["fwd"](ptr(xb), self.weights_ptr, self.bias_ptr, ptr(aux[0]), ptr(aux[1]), ptr(None), ptr(None), 2,
+                           batch, self.team(batch))
         rows = self.across_ranks(np.concatenate([[float(values)], aux[0], aux[1]]))
         counts, means, variances = rows[:, :1], rows[:, 1:1 + aux.shape[1]], rows[:, 1 + aux.shape[1]:]
         total = float(counts.sum())  # every shard has rows: an empty one is refused before (empty minibatch)
@@ -630,15 +645,17 @@ class NormLayer(ParamLayer):
         return int(total)
 
     def backward_blocked(self, xb: np.ndarray, yb: np.ndarray | None, aux: np.ndarray | None, dyb: np.ndarray,
-                         dxb: np.ndarray | None, grads: Grads | None = None) -> None:
+                         dxb: np.ndarray | None, grads: Grads | None = None, residual_relu: bool = False) -> None:
         """After a training-mode forward (aux: its batch statistics). Backward-weights first: it
-        masks dy by the fused ReLU in place, so backward-data has nothing left to mask. Under
-        sync_batchnorm, backward-weights' sums (this shard's) are summed over the ranks into
-        the means backward-data needs: it runs even where the scale and shift need no gradient."""
+        masks dy by the fused ReLU in place, so backward-data has nothing left to mask (a
+        residual fusion's: the add's ReLU, `residual_relu`, yb the add's output; dy masked is
+        then the shortcut's gradient too). Under sync_batchnorm, backward-weights' sums (this
+        shard's) are summed over the ranks into the means backward-data needs: it runs even
+        where the scale and shift need no gradient."""
         assert aux is not None
         batch = xb.shape[0]
         team = self.team(batch)
-        mask = yb if self.relu else None
+        mask = yb if self.relu or residual_relu else None
         synced = self.across_ranks is not None and dxb is not None
         if grads is None and synced:
             grads = (self._buffer("sync.dw", self._dwt.shape), self._buffer("sync.db", self._dbias.shape))
@@ -667,8 +684,8 @@ class NormLayer(ParamLayer):
             raise PcldnnError(f"layer {self.name}: minibatch of x ({x.shape[0]}) and dy ({dy.shape[0]}) differ")
         xb, dyb = self.input_blocked(x, "weights.x"), self.output_gradient_blocked(dy, "weights.dy")
         aux, yb = self.aux_buffer(x.shape[0]), self.output_buffer("weights.y", x.shape[0])
-        self._k["fwd"](ptr(xb), self.weights_ptr, self.bias_ptr, ptr(aux[0]), ptr(aux[1]), ptr(yb), 1, x.shape[0],
-                       self.team(x.shape[0]))
+        self._k["fwd"](ptr(xb), self.weights_ptr, self.bias_ptr, ptr(aux[0]), ptr(aux[1]), ptr(yb), ptr(None), 1,
+                       x.shape[0], self.team(x.shape[0]))
         dw, db = self._buffer("weights.dw", self._dwt.shape), self._buffer("weights.db", self._dbias.shape)
         self.backward_blocked(xb, yb, aux, dyb, None, grads=(dw, db))
         return self._canonical(dw), db[: self.out_shape[0]].copy()

@@ -17,6 +17,7 @@ from typing import Any
 
 from . import cpu, families, limits
 from .errors import BuildDirError
+from .families.fusion import plan_fusions
 from .validate import LABEL_RE, NAME_RE, SHA256_RE, Fields, read_json, show
 
 # 2: the first layer's few-channel input is packed (geometry.input_pixel_floats); a /1 build's
@@ -36,7 +37,9 @@ from .validate import LABEL_RE, NAME_RE, SHA256_RE, Fields, read_json, show
 # 9: a conv layer may be depthwise (`groups`, kernels conv_*_depthwise, weights (C, 1, KH, KW)); a
 # layer may be a batchnorm (`eps`, `momentum`), a relu6, or read other layers than the one before it
 # (`inputs`; add and concat read several).
-FORMAT = "pcldnn-build/9"
+# 10: conv_fwd kernels take a statistics fusion's mean and var, batchnorm_fwd a residual fusion's
+# shortcut (families.fusion); `fusion` says whether the build's kernels were planned with them.
+FORMAT = "pcldnn-build/10"
 FORMAT_FAMILY = "pcldnn-build/"
 MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.npz"  # initial weights recorded by `compile --weights` (canonical layouts)
@@ -146,6 +149,7 @@ class Manifest:
     peak_flops_per_iteration: int = 0  # its FLOPs per thread and loop iteration
     precision: str = "fp32"  # cpu.PRECISIONS: the number format of its bf16-capable kernels
     sgd: KernelEntry | None = None  # the optimizer's update kernel; None in older builds (numpy then)
+    fusion: bool = False  # whether kernels do the work of layers fused into them (families.fusion)
 
     @property
     def isa(self) -> str:
@@ -154,6 +158,11 @@ class Manifest:
     @property
     def vector_floats(self) -> int:
         return self.arch["vector_bits"] // 32
+
+    @property
+    def target(self) -> families.Target:
+        """What the families' choices need of this build (families.choose, families.fusion)."""
+        return families.Target(self.precision, self.arch.get("amx") is True, self.vector_floats)
 
     @property
     def uses_amx(self) -> bool:
@@ -181,7 +190,7 @@ def read_manifest(build_dir: Path) -> Manifest:
 
 def parse_manifest(data: Any, origin: str) -> Manifest:
     f = Fields(origin, BuildDirError)
-    f.obj(data, "", {"format", "generator", "net", "arch", "layers"}, {"weights", "peak", "precision", "sgd"})
+    f.obj(data, "", {"format", "generator", "net", "arch", "layers"}, {"weights", "peak", "precision", "sgd", "fusion"})
     net = f.obj(data["net"], "net", {"name", "input", "classes", "hash"})
     name = f.string(net["name"], "net.name", NAME_RE, "a net name")
     net_input = _shape(f, net["input"], "net.input", limits.MAX_CHANNELS)
@@ -229,8 +238,23 @@ def parse_manifest(data: Any, origin: str) -> Manifest:
     if "sgd" in data:
         raw = f.obj(data["sgd"], "sgd", {"library", "sha256", "source", "symbols"})
         sgd = _entry(f, raw, "sgd", {SGD_SYMBOL: "sgd"})
+    fusion = f.boolean(data.get("fusion", False), "fusion")
+    if fusion:
+        _check_fusions(f, raw_layers, layers, families.Target(precision, arch.get("amx") is True, v))
     return Manifest(FORMAT, f.text(data["generator"], "generator"), name, net_input, classes, net_hash, arch,
-                    tuple(layers), weights, peak, peak_flops, precision, sgd)
+                    tuple(layers), weights, peak, peak_flops, precision, sgd, fusion)
+
+
+def _check_fusions(f: Fields, raw_layers: list, layers: list[LayerEntry], target: families.Target) -> None:
+    """A fused build's kernels were planned for the fusions this runtime makes (families.fusion):
+    their plans say so (a build from a generator with another rule would skip a layer's work)."""
+    fusions = plan_fusions(layers, target)
+    for i, passes in [(i, ("fwd",)) for i in fusions.statistics] + [(i, PASSES) for i in fusions.residual]:
+        for p in passes:
+            plan = raw_layers[i]["kernels"][p].get("plan")
+            if not isinstance(plan, dict) or not isinstance(plan.get("fusion"), dict):
+                f.fail(f"layers[{i}].kernels.{p}.plan.fusion", "is missing but this runtime fuses the layer's kernel: "
+                       "compile the net again with this version")
 
 
 NET_INPUT = "input"  # what `inputs` calls the net's input

@@ -14,6 +14,8 @@ import numpy as np
 from . import cpu, families, observe
 from .errors import BuildDirError, NonFiniteError, PcldnnError
 from .families import bf16_gradients, bf16_outputs
+from .families.fusion import NONE as NO_FUSIONS
+from .families.fusion import plan_fusions
 from .kernels import (
     CACHE_LINE_FLOATS,
     KernelLibrary,
@@ -61,8 +63,10 @@ class _Workspace:
         chain = net.chain
         self.batch = batch
         self.acts = [empty_aligned(chain[0].input_shape(batch))]
-        self.acts += [empty_aligned(l.blocked_shape(l.out_shape, batch), dtype=np.uint16 if l.out_bf16 else np.float32)
-                      for l in chain]
+        # (a batchnorm whose add computes with it writes no output of its own: families.fusion)
+        self.acts += [empty_aligned((0,)) if i in net.fusions.residual else
+                      empty_aligned(l.blocked_shape(l.out_shape, batch), dtype=np.uint16 if l.out_bf16 else np.float32)
+                      for i, l in enumerate(chain)]
         self.aux = [l.aux_buffer(batch) for l in chain]
         self._largest = max(a.size for a in self.acts)
         self._free: list[np.ndarray] = []
@@ -161,6 +165,11 @@ class Net:
         self.needs_grad = [False] * (len(self.chain) + 1)
         for i, layer in enumerate(self.chain):
             self.needs_grad[i + 1] = isinstance(layer, ParamLayer) or any(self.needs_grad[s] for s in self.sources[i])
+        # Kernels that do two layers' work (families.fusion, as the build planned them): a
+        # convolution filling its batchnorm's statistics, a batchnorm computing its add (run at
+        # the add's position, when the shortcut is ready).
+        self.fusions = plan_fusions(specs, manifest.target) if manifest.fusion else NO_FUSIONS
+        self._joined_at = {add: norm for norm, add in self.fusions.residual.items()}
         chained = families.chain_edges(specs)
         # Chain positions of max poolings right above a convolution with a fused ReLU, its only
         # reader: in the backward pass the pooling masks the gradient it routes by that ReLU
@@ -446,16 +455,34 @@ class Net:
                                  f"or infinity (layer {first.name}'s input)")
         ws = self.workspace(batch)
         first.input_into_blocked(x, ws.acts[0])
+        fusions = self.fusions
         for i, layer in enumerate(self.chain):
             if before_layer is not None:
                 before_layer(layer)
             start = time.perf_counter()
-            if isinstance(layer, (AddLayer, ConcatLayer)):
+            timed = layer
+            if i in fusions.residual:
+                pass  # its add's position runs it (below)
+            elif i in self._joined_at:  # the batchnorm computing this add: relu(bn(x) + shortcut) into its output
+                j = self._joined_at[i]
+                norm, shortcut = self.chain[j], self._shortcut(i, j)
+                assert isinstance(norm, NormLayer)
+                norm.forward_blocked(ws.acts[self.sources[j][0]], ws.acts[i + 1], ws.aux[j], training,
+                                     residual=ws.acts[shortcut], statistics_ready=training and self._stats_ready(j))
+                timed = norm
+            elif isinstance(layer, (AddLayer, ConcatLayer)):
                 layer.forward_join([ws.acts[s] for s in self.sources[i]], ws.acts[i + 1])
+            elif isinstance(layer, WeightedLayer) and training and i in fusions.statistics:
+                aux = ws.aux[fusions.statistics[i]]  # its batchnorm's batch statistics, filled by the kernel
+                layer.forward_blocked(ws.acts[self.sources[i][0]], ws.acts[i + 1], ws.aux[i], training, (aux[0], aux[1]))
+            elif isinstance(layer, NormLayer):
+                layer.forward_blocked(ws.acts[self.sources[i][0]], ws.acts[i + 1], ws.aux[i], training,
+                                      statistics_ready=training and self._stats_ready(i))
             else:
                 layer.forward_blocked(ws.acts[self.sources[i][0]], ws.acts[i + 1], ws.aux[i], training)
-            if timings is not None:
-                timings[layer.name] = time.perf_counter() - start
+            if timings is not None:  # a fused pair's time goes to the layer whose kernel ran
+                timings.setdefault(layer.name, 0.0)
+                timings[timed.name] = time.perf_counter() - start
         self._pending = ws if training else None
         return last.output_from_blocked(ws.acts[-1])
 
@@ -491,7 +518,9 @@ class Net:
                 ws.release(dy)
                 continue
             start = time.perf_counter()
-            if isinstance(layer, AddLayer):
+            if i in self._joined_at:
+                self._backward_joined(ws, grads, i, dy, after_layer)
+            elif isinstance(layer, AddLayer):
                 layer.backward_join(ws.acts[i + 1], dy)
                 for s in wanted:  # the same gradient for every input: the last takes the buffer itself
                     self._accumulate(grads, ws, s, dy, alias=s == wanted[-1])
@@ -517,14 +546,44 @@ class Net:
                 ws.release(dy)
                 if dx is not None:
                     self._accumulate(grads, ws, s, dx, alias=True)
-            if timings is not None:
-                timings[layer.name] = time.perf_counter() - start
+            if timings is not None:  # a fused pair's time goes to the batchnorm, whose kernels ran
+                timings[layer.name] = 0.0
+                timings[self.chain[self._joined_at.get(i, i)].name] = time.perf_counter() - start
             if after_layer is not None:
                 after_layer(layer)
         for g in grads.values():  # the net input's gradient is not computed (never wanted)
             ws.release(g)
         self._pending = None
         return loss
+
+    def _shortcut(self, add: int, norm: int) -> int:
+        """The activation a residual fusion's batchnorm adds: its add's other input."""
+        return next(s for s in self.sources[add] if s != norm + 1)
+
+    def _stats_ready(self, norm: int) -> bool:
+        """Whether a statistics fusion's convolution fills this batchnorm's statistics."""
+        return self.sources[norm][0] - 1 in self.fusions.statistics
+
+    def _backward_joined(self, ws: _Workspace, grads: dict[int, np.ndarray], add: int, dy: np.ndarray,
+                         after_layer: Any) -> None:
+        """A residual fusion's backward at its add: the batchnorm's passes mask dy by the add's
+        ReLU in place (backward-weights), after which dy is the shortcut's gradient as it is."""
+        j = self._joined_at[add]
+        norm, shortcut, x = self.chain[j], self._shortcut(add, j), self.sources[j][0]
+        assert isinstance(norm, NormLayer)
+        dx = ws.grad(ws.acts[x]) if self.needs_grad[x] else None
+        joined = self.chain[add]
+        assert isinstance(joined, AddLayer)
+        norm.backward_blocked(ws.acts[x], ws.acts[add + 1], ws.aux[j], dy, dx, norm.grad_buffers,
+                              residual_relu=joined.relu)
+        if after_layer is not None:
+            after_layer(norm)
+        if dx is not None:
+            self._accumulate(grads, ws, x, dx, alias=True)
+        if self.needs_grad[shortcut]:
+            self._accumulate(grads, ws, shortcut, dy, alias=True)
+        else:
+            ws.release(dy)
 
     @staticmethod
     def _accumulate(grads: dict[int, np.ndarray], ws: _Workspace, s: int, g: np.ndarray, alias: bool) -> None:

@@ -35,7 +35,7 @@ from .conv import (
 from .depthwise import plan_conv_depthwise
 from .fc import plan_fc_bwd_data, plan_fc_bwd_weights, plan_fc_fwd
 from .memory import plan_memory_bound
-from .plans import ConvBwdDataPlan, ConvFwdPlan, KernelPlan, Measured, TileTiming
+from .plans import ConvBwdDataPlan, ConvFwdPlan, Fusion, KernelPlan, Measured, TileTiming
 from .tiles import LATENCY_SLACK, RegisterTile
 
 # The register-tile planners by (layer type, pass); the conv ones take the operands' bytes too
@@ -156,5 +156,5 @@ _FAMILY_PLANNERS: dict[str, _Planner] = {
 }
 
 
-__all__ = ["L1_BUDGET", "LATENCY_SLACK", "LAYER_PASSES", "PASSES", "KernelPlan", "Measured", "RegisterTile",
+__all__ = ["L1_BUDGET", "LATENCY_SLACK", "LAYER_PASSES", "PASSES", "Fusion", "KernelPlan", "Measured", "RegisterTile",
            "TileTiming", "kernel_layer", "plan_layer", "reads_packed_image"]

@@ -36,6 +36,24 @@ class Measured:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Fusion:
+    """Another layer's work this kernel does too (runtime/families/fusion.py): `statistics`, a
+    convolution's forward computing its batchnorm reader's batch statistics; `residual`, a
+    batchnorm's passes computing its add reader's sum with the add's other input and, where
+    `relu`, the add's ReLU (forward) and its mask (backward)."""
+    kind: str                       # "statistics" or "residual"
+    layer: str                      # the other layer
+    relu: bool = False              # residual: the add applies a ReLU
+
+    def describe(self) -> str:
+        if self.kind == "statistics":
+            return (f"computes the batch statistics of {self.layer} (per-channel mean and variance of each block "
+                    "of output rows, while it is in cache)")
+        relu = ", ReLU included" if self.relu else ""
+        return f"computes {self.layer} (the residual add{relu}): out = {'relu(' if self.relu else '('}bn(x) + shortcut)"
+
+
+@dataclass(frozen=True, kw_only=True)
 class KernelPlan:
     """A memory-bound kernel (pooling, elementwise, loss) and the fields every plan has."""
     layer: str
@@ -58,6 +76,7 @@ class KernelPlan:
     activations: tuple[bool, bool] = (False, False)
     # (input, output) gradients dx, dy stored as bf16 (families.bf16_gradients): backward passes only
     gradients: tuple[bool, bool] = (False, False)
+    fusion: Fusion | None = None    # another layer's work this kernel does too (families.fusion)
 
     def reduction_chunk(self) -> str:
         """The reduction chunk with its unit, for the header; empty when the kernel has none."""
@@ -103,6 +122,8 @@ class KernelPlan:
             "loads_per_fma": round(self.tile.loads_per_fma, 4), "efficiency": round(self.tile.efficiency, 4)}
         d["predicted_efficiency"] = round(self.predicted_efficiency, 4)
         d["l2_bytes_per_flop"] = round(self.l2_bytes_per_flop, 5)
+        if self.fusion is not None:
+            d["fusion"] = {"kind": self.fusion.kind, "layer": self.fusion.layer, "relu": self.fusion.relu}
         if self.measured is not None:
             d["tuned"] = {"model_tile": list(self.measured.model), "batch": self.measured.batch,
                           "threads": self.measured.threads,

@@ -11,9 +11,11 @@ FAMILY = Family(
         # training (1): the batch's per-channel mean and biased variance into mean, var, then
         # out = (in - mean) / sqrt(var + eps) x gamma + beta (and the fused ReLU); 2: only the
         # statistics (one rank's shard, for sync_batchnorm); 0: mean and var are read (the
-        # running statistics, or the statistics of every rank's shard)
+        # running statistics, or the statistics of every rank's shard: or a fused convolution's).
+        # `residual` (or NULL): a residual fusion's shortcut (families.fusion), added before the
+        # add's ReLU, into the add's output `out`
         "batchnorm_fwd": "const float *in, const float *gamma, const float *beta, float *mean, float *var, "
-                         "float *out, int training, int batch, int nthreads",
+                         "float *out, const float *residual, int training, int batch, int nthreads",
         # dy masked in place by the fused ReLU's output `out` (or NULL); then dx: training, from
         # the batch statistics' gradient (the means of dy and dy x-hat over each channel: this
         # minibatch's, or batch_means, 2 x channels, when it spans ranks); else dy gamma /
