@@ -110,8 +110,8 @@ def test_refuses_to_overwrite_a_foreign_directory(tmp_path, fresh_cache):
 
 
 def test_a_build_of_an_older_format_is_refused_then_replaced(tmp_path, fresh_cache):
-    """A pcldnn-build/7 build's SGD update says nothing of non-finite weights (/6: a vdpbf16ps
-    build ran its packed first layer's forward as the fp32 kernel): loading one is refused;
+    """A pcldnn-build/9 build's convolution and batchnorm kernels take no fused statistics or
+    shortcut (/7: its SGD update says nothing of non-finite weights): loading one is refused;
     compiling over it is allowed."""
     import json
 
@@ -120,9 +120,9 @@ def test_a_build_of_an_older_format_is_refused_then_replaced(tmp_path, fresh_cac
     spec = load_netspec(NETS / "cifar_small.json")
     build(spec, get_arch("scalar"), out)
     manifest = json.loads((out / "manifest.json").read_text())
-    manifest["format"] = "pcldnn-build/7"
+    manifest["format"] = "pcldnn-build/9"
     (out / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(BuildDirError, match="format is 'pcldnn-build/7', expected 'pcldnn-build/9'; recompile"):
+    with pytest.raises(BuildDirError, match="format is 'pcldnn-build/9', expected 'pcldnn-build/10'; recompile"):
         pr.load(out)
     build(spec, get_arch("scalar"), out)
     assert pr.load(out).name == "cifar_small"
