@@ -56,7 +56,7 @@ def main() -> None:
               "residual": sorted({n for pair in fusions.residual.items() for n in pair})}
     totals: dict[str, list[float]] = {k: [] for k in nets}
     parts: dict[tuple[str, str, str], list[float]] = {}
-    for side, net in nets.items():  # warm up: workspaces, first-touch of the buffers
+    for net in nets.values():  # warm up: workspaces, first-touch of the buffers
         net.forward(x, training=True)
         net.backward(y)
     for _ in range(args.rounds):

@@ -9,12 +9,12 @@ import json
 
 import numpy as np
 import pytest
-from helpers import RUNNABLE_ISAS
+from helpers import NETS, RUNNABLE_ISAS
 
 import pcldnn_runtime as pr
 from pcldnn_gen.arch import get_arch
 from pcldnn_gen.build import build
-from pcldnn_gen.netspec import parse_netspec
+from pcldnn_gen.netspec import load_netspec, parse_netspec
 from pcldnn_runtime.errors import BuildDirError
 from pcldnn_runtime.families.fusion import plan_fusions
 
@@ -79,8 +79,6 @@ def test_every_block_of_the_example_resnets_is_fused():
     """ResNet-18 and ResNet-20 as the examples describe them: each convolution computes its
     batchnorm's statistics; each block's last batchnorm computes the block's add."""
     for name in ("resnet18", "resnet20_cifar"):
-        from helpers import NETS
-        from pcldnn_gen.netspec import load_netspec
         spec = load_netspec(NETS / f"{name}.json")
         fusions = plan_fusions(spec.layers, get_arch("avx512").target("fp32"))
         convs = [i for i, l in enumerate(spec.layers) if l.type == "conv"]
