@@ -45,10 +45,12 @@ RESIDUAL = [_conv("stem", 16, relu=True), _conv("c1", 16, relu=True), _bn("b1"),
             _conv("c2", 16, relu=True), _bn("b2"), {"name": "s2", "type": "add", "inputs": ["s1", "b2"]}, *HEAD]
 
 # Statistics fusions: a 3x3 convolution on 12x10 (rows in blocks that need not divide it), a
-# strided 1x1 one, a wide one (several output-channel vectors per work item), each read by its
-# batchnorm only.
+# strided 1x1 one, a wide one (several output-channel vectors per work item) and a strided
+# depthwise one (a row per work item), each read by its batchnorm only.
 STATISTICS = [_conv("c1", 24, bias=True), _bn("b1", relu=True), _conv("c2", 40, k=1, stride=2, bias=True),
-              _bn("b2", relu=True), _conv("c3", 64, bias=True), _bn("b3", relu=True), *HEAD]
+              _bn("b2", relu=True), _conv("c3", 64, bias=True), _bn("b3", relu=True),
+              dict(_conv("c4", 64, stride=2, bias=True), groups=64), _bn("b4", relu=True), *HEAD]
+PAIRS = (("c1", "b1"), ("c2", "b2"), ("c3", "b3"), ("c4", "b4"))
 
 
 def _layer_index(spec, name):
@@ -57,22 +59,24 @@ def _layer_index(spec, name):
 
 def test_fusions_are_planned_where_a_layer_has_one_reader():
     """A convolution without an activation read by a batchnorm only; a batchnorm without one
-    read by a two-input add only (b1 into s: c1 is its shortcut). Not: a second reader, a ReLU
-    between, three inputs, or a bf16 convolution (its kernels are not the direct fp32 ones)."""
+    read by a two-input add only (b1 into s: c1 is its shortcut); a depthwise convolution too.
+    Not: a second reader, a ReLU between, three inputs, or a bf16 convolution (only the fp32
+    direct and depthwise kernels compute statistics)."""
     layers = [_conv("c1", 16), _bn("b1"), {"name": "s", "type": "add", "inputs": ["b1", "c1"]},  # c1 read twice
               _conv("c2", 16), _bn("b2", relu=True),                 # b2 has its own ReLU: no residual
               {"name": "s2", "type": "add", "inputs": ["b2", "s"]},
               _conv("c3", 16, relu=True), _bn("b3"),                  # c3's ReLU: no statistics
               _conv("c4", 16, inputs=["s2"]), _bn("b4"),
               {"name": "s3", "type": "add", "inputs": ["b3", "b4", "s2"]},  # three inputs: no residual
-              _conv("c5", 16), _bn("b5"), {"name": "s4", "type": "add", "inputs": ["s3", "b5"]}, *HEAD]
+              _conv("c5", 16), _bn("b5"), {"name": "s4", "type": "add", "inputs": ["s3", "b5"]},
+              dict(_conv("dw", 16), groups=16), _bn("b6"), *HEAD]
     spec = _spec(layers)
     at = {l.name: i for i, l in enumerate(spec.layers)}
     fusions = plan_fusions(spec.layers, get_arch("avx512").target("fp32"))
-    assert fusions.statistics == {at["c2"]: at["b2"], at["c4"]: at["b4"], at["c5"]: at["b5"]}
+    assert fusions.statistics == {at["c2"]: at["b2"], at["c4"]: at["b4"], at["c5"]: at["b5"], at["dw"]: at["b6"]}
     assert fusions.residual == {at["b1"]: at["s"], at["b5"]: at["s4"]}
-    amx = plan_fusions(spec.layers, get_arch("sapphirerapids").target("bf16"))
-    assert amx.statistics == {} and amx.residual == fusions.residual
+    amx = plan_fusions(spec.layers, get_arch("sapphirerapids").target("bf16"))  # depthwise stays fp32 there
+    assert amx.statistics == {at["dw"]: at["b6"]} and amx.residual == fusions.residual
 
 
 def test_every_block_of_the_example_resnets_is_fused():
@@ -134,53 +138,53 @@ def test_the_residual_fusion_equals_the_batchnorm_and_add_kernels(tmp_path):
             np.testing.assert_array_equal(a, b, err_msg=what)
 
 
-def test_the_statistics_fusion_matches_float64_statistics_of_the_convolution(tmp_path):
-    """Each fused convolution's batch statistics (read back through the running ones of a
+# Each convolution of STATISTICS alone on its input, read by a momentum-1 batchnorm.
+ALONE = {"c1": (5, 12, 10), "c2": (24, 12, 10), "c3": (40, 6, 5), "c4": (64, 6, 5)}
+
+
+@pytest.mark.parametrize("conv", ALONE)
+def test_the_statistics_fusion_matches_float64_statistics_of_the_convolution(tmp_path, conv):
+    """A fused convolution's batch statistics (read back through the running ones of a
     momentum-1 batchnorm: its batch mean and unbiased variance) against float64 sums of the
-    convolution's own output, which a bias of 30 puts far from zero (a sum of squares would
-    cancel there; the per-block mean and squared deviations do not): the mean within 1e-6 of
-    the spread, the variance within 1e-5 relative. The same bits on one thread and two. Then
-    the net against the unfused build from zero biases: logits, gradients and state after
-    three steps within 2e-5 relative (the statistics' last bits differ, nothing else; with the
-    biases at 30 a change of 1e-6 in one weight moves the unfused net's own gradients by
-    percents within two steps)."""
-    shape = (5, 12, 10)
-    layers = [dict(l, momentum=1.0) if l["type"] == "batchnorm" else l for l in STATISTICS]
-    fused, plain = _pair(tmp_path, layers, shape, "stats")
-    assert len(fused.fusions.statistics) == 3 and not fused.fusions.residual
-    base = fused.state_dict()
-    state = dict(base)
-    for conv in ("c1", "c2", "c3"):
-        state[f"{conv}.bias"] = np.full_like(state[f"{conv}.bias"], 30.0)
-    fused.load_state_dict(state)
+    convolution's own output (the layer's forward on the same input), which a bias of 30 puts
+    far from zero (a sum of squares would cancel there; the per-block means and squared
+    deviations do not): the mean within 1e-6 of its size plus the spread, the variance within
+    1e-5 relative; the same bits on one thread and two."""
+    spec = next(dict(l) for l in STATISTICS if l["name"] == conv)
+    shape = ALONE[conv]
+    path = tmp_path / conv
+    build(_spec([spec, _bn("b", momentum=1.0), *HEAD], shape, conv), get_arch(ISA), path)
+    net = pr.load(path, threads=2)
+    assert net.fusions.statistics == {0: 1}
+    state = net.state_dict()
+    state[f"{conv}.bias"] = np.full_like(state[f"{conv}.bias"], 30.0)
+    if net.layers[conv].spec.depthwise:
+        state[f"{conv}.weight"] *= 8  # a 3x3 window per channel: its output's spread near the others' (~1)
+    net.load_state_dict(state)
     x = np.random.default_rng(7).standard_normal((7, *shape)).astype(np.float32)
-    fused.forward(x, training=True)
-    batch = {name: fused.layers[name].running_stats() for name in ("b1", "b2", "b3")}
-    one = pr.load(tmp_path / "stats-on", threads=1)
+    net.forward(x, training=True)
+    mean, var = net.layers["b"].running_stats()
+    y = net.layers[conv].forward(x).astype(np.float64)
+    n = y.shape[0] * y.shape[2] * y.shape[3]
+    ref_mean, biased = y.mean(axis=(0, 2, 3)), y.var(axis=(0, 2, 3))
+    assert np.all(np.abs(ref_mean - 30.0) < 10), "the bias puts the output far from zero"
+    assert np.all(np.abs(mean - ref_mean) <= 1e-6 * (np.abs(ref_mean) + np.sqrt(biased)))
+    np.testing.assert_allclose(var, biased * n / (n - 1), rtol=1e-5)
+    one = pr.load(path, threads=1)
     one.load_state_dict(state)
     one.forward(x, training=True)
-    for name, (mean, var) in batch.items():
-        got = one.layers[name].running_stats()
-        np.testing.assert_array_equal(got[0], mean, err_msg=f"{name} mean, 1 vs 2 threads")
-        np.testing.assert_array_equal(got[1], var, err_msg=f"{name} var, 1 vs 2 threads")
-    plain.load_state_dict(state)
-    h = x
-    for conv, norm in (("c1", "b1"), ("c2", "b2"), ("c3", "b3")):
-        y = plain.layers[conv].forward(h).astype(np.float64)
-        n = y.shape[0] * y.shape[2] * y.shape[3]
-        ref_mean, biased = y.mean(axis=(0, 2, 3)), y.var(axis=(0, 2, 3))
-        mean, var = batch[norm]
-        assert np.all(np.abs(ref_mean - 30.0) < 10), "the bias puts the output far from zero"
-        spread = np.sqrt(biased)
-        assert np.all(np.abs(mean - ref_mean) <= 1e-6 * (np.abs(ref_mean) + spread)), norm
-        np.testing.assert_allclose(var, biased * n / (n - 1), rtol=1e-5, err_msg=norm)
-        # the next convolution's input: this batchnorm and its ReLU, on float64 statistics
-        scale, shift = state[f"{norm}.weight"][:, None, None], state[f"{norm}.bias"][:, None, None]
-        z = (y - ref_mean[:, None, None]) / np.sqrt(biased[:, None, None] + 1e-5) * scale + shift
-        h = np.maximum(z, 0).astype(np.float32)
+    for got, want in zip(one.layers["b"].running_stats(), (mean, var), strict=True):
+        np.testing.assert_array_equal(got, want, err_msg="1 vs 2 threads")
 
-    for net in (fused, plain):  # from biases of zero: a large one makes training itself this sensitive
-        net.load_state_dict(base)
+
+def test_the_statistics_fusion_trains_like_the_unfused_kernels(tmp_path):
+    """STATISTICS built with and without fusion: training logits, gradients and state after three
+    steps, and evaluation logits, within 2e-5 relative (the statistics' last bits differ,
+    nothing else; from biases of zero: with them at 30 a change of 1e-6 in one weight moves the
+    unfused net's own gradients by percents within two steps)."""
+    shape = (5, 12, 10)
+    fused, plain = _pair(tmp_path, STATISTICS, shape, "stats")
+    assert len(fused.fusions.statistics) == len(PAIRS) and not fused.fusions.residual
     got, want = _steps(fused, shape), _steps(plain, shape)
     for what, a, b in zip(("training logits", "gradients", "state", "eval logits"), got, want, strict=True):
         for key in (b if isinstance(b, dict) else [None]):

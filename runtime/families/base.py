@@ -216,6 +216,15 @@ def fp32_forward(layer: WeightedLayer, xb: np.ndarray, yb: np.ndarray, part: Par
     layer.kernels["fwd"](p(xb), layer.weights_ptr, layer.bias_ptr, p(yb), batch, team, *(part or ()))
 
 
+def statistics_forward(layer: WeightedLayer, xb: np.ndarray, yb: np.ndarray, part: Part, batch: int,
+                       team: int) -> None:
+    """A convolution that may fill its batchnorm's statistics (families.fusion): `layer.statistics`,
+    the (mean, var) rows, or None (conv_direct, conv_depthwise)."""
+    p = layer.ptr  # an array as a pointer to its data, None as NULL
+    mean, var = layer.statistics or (None, None)
+    layer.kernels["fwd"](p(xb), layer.weights_ptr, layer.bias_ptr, p(yb), p(mean), p(var), batch, team)
+
+
 def fp32_backward_weights(layer: WeightedLayer, xb: np.ndarray, dyb: np.ndarray, mask: np.ndarray | None,
                           dw: np.ndarray, db: np.ndarray, part: Part, batch: int, threads: int) -> bool:
     p = layer.ptr  # an array as a pointer to its data, None as NULL

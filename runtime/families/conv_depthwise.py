@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .base import FWD, Calls, Engine, Family, Part, fp32_backward_weights, fp32_forward
+from .base import FWD, Calls, Engine, Family, Part, fp32_backward_weights, statistics_forward
 
 if TYPE_CHECKING:
     from ..layers import WeightedLayer
@@ -23,10 +23,11 @@ def _backward_data(layer: WeightedLayer, dyb: np.ndarray, mask: np.ndarray | Non
 
 FAMILY = Family(
     "conv_depthwise", Engine.FP32, ("conv",), depthwise=True,
-    calls=Calls(fp32_forward, fp32_backward_weights, _backward_data),
+    calls=Calls(statistics_forward, fp32_backward_weights, _backward_data),
     signatures={
-        # weights blocked (C/V, KH, KW, V): a window per channel lane; the output fp32
-        "conv_fwd_depthwise": FWD,
+        # weights blocked (C/V, KH, KW, V): a window per channel lane; the output fp32; mean, var
+        # (or NULL): a statistics fusion's, as conv_direct's
+        "conv_fwd_depthwise": FWD.replace("float *out", "float *out, float *mean, float *var"),
         # with a fused ReLU dy is first zeroed where out <= 0, in place (as conv_direct's)
         "conv_bwd_data_depthwise": "float *dy, const float *out, const float *wt, float *dx, int batch, int nthreads",
         "conv_bwd_weights_depthwise": "const float *in, float *dy, const float *out, float *dwt, float *dbias, "

@@ -3,10 +3,10 @@ the layer list, by the generator when it plans a build (the kernels are written 
 the runtime when it loads one (it calls them so), as `choose` decides families.
 
 Two fusions, each where it saves a pass over an activation and changes no result:
-- statistics: a convolution whose only reader is a batchnorm computes that batchnorm's batch
-  statistics (per-channel mean and variance) from each block of output rows it has just
-  written, while they are in cache; the batchnorm's forward then reads its input once (apply)
-  instead of three times (sum, squares, apply).
+- statistics: an fp32 convolution (direct or depthwise) whose only reader is a batchnorm
+  computes that batchnorm's batch statistics (per-channel mean and variance) from each block of
+  output rows it has just written, while they are in cache; the batchnorm's forward then reads
+  its input once (apply) instead of three times (sum, squares, apply).
 - residual: a batchnorm whose only reader is a two-input add computes the add too: its forward
   writes relu(bn(x) + shortcut) into the add's output (the add kernel and the batchnorm's own
   output are skipped); its backward masks dy by that output in place (the add's ReLU backward),
@@ -73,8 +73,8 @@ def plan_fusions(layers: Sequence[FusableLayer], target: Target) -> Fusions:
 
 
 def _direct_fp32(layer: FusableLayer, target: Target) -> bool:
-    """The convolution's forward is the fp32 direct kernel (conv_direct), the one that computes
-    statistics (a depthwise or bf16 forward does not, yet)."""
+    """The convolution's forward is an fp32 kernel that computes statistics (conv_direct's,
+    conv_depthwise's; the bf16 ones do not, yet)."""
     from . import choose  # the package imports this module
     family, kind = choose(layer, "fwd", target)
-    return family.name == "conv_direct" and kind.engine is Engine.FP32 and not kind.depthwise
+    return family.name in ("conv_direct", "conv_depthwise") and kind.engine is Engine.FP32
