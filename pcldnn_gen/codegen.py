@@ -237,11 +237,11 @@ def render_layout(layer: LayerSpec, arch: Arch, precision: str = "fp32") -> Sour
         layer=layer, arch=arch, V=arch.vector_floats, vec=VECTOR_ISAS[arch.isa], version=__version__,
         prefix=f"pcldnn_{c_identifier(layer.name)}", wshape=wshape, params=SIGNATURES, **target_spellings(arch.isa, arch.amx),
         packed_input=packed,
-        bf16="in_to_bf16" in roles,
+        bf16="in_to_bf16" in roles, act16={side for side in ("in", "out") if f"{side}_to_blocked16" in roles},
         fc_tiles=fc_tile_geometry(layer.in_shape, layer.out_shape[0], arch.vector_floats) if "wt_to_tiles" in roles else None)
     prefix = f"pcldnn_{c_identifier(layer.name)}_"
     return Source(f"{layer.name}_layout.c", text, {prefix + r: kind for r, kind in roles.items()},
-                  cpu.PRECISION_CFLAGS["bf16"] if "in_to_bf16" in roles or "wt_to_tiles" in roles else ())
+                  cpu.PRECISION_CFLAGS["bf16"] if {"in_to_bf16", "wt_to_tiles", "out_to_blocked16"} & set(roles) else ())
 
 
 

@@ -13,6 +13,10 @@ SIGNATURES: dict[str, str] = {
     "act_layout": "const float *src, float *dst, int batch, int nthreads",
     # an activation rounded to bf16 (nearest even) for a vdpbf16ps conv forward's input
     "act_to_bf16": "const float *src, unsigned short *dst, int batch, int nthreads",
+    # a canonical fp32 activation (or gradient) into the blocked bf16 one the kernels read, and
+    # back: layout and rounding (or widening) in one pass (the per-layer API of bf16 builds)
+    "act_layout_to_bf16": "const float *src, unsigned short *dst, int batch, int nthreads",
+    "act_layout_from_bf16": "const unsigned short *src, float *dst, int batch, int nthreads",
     # the fp32 blocked weights as the bf16 copy an AMX (B tiles) or vdpbf16ps conv forward or
     # backward-data kernel reads (a second function of that kernel's library: the layout is its own)
     "conv_weight_tiles": "const float *wt, unsigned short *tiles, int nthreads",

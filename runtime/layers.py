@@ -167,8 +167,6 @@ class Layer:
     def output_from_blocked(self, yb: np.ndarray) -> np.ndarray:
         """The blocked output yb (float32, or bf16 bits) in canonical layout: (N, C, H, W), or
         (N, F) for fc outputs."""
-        if yb.dtype == np.uint16:
-            yb = bf16_values(yb)
         return self._from_blocked("out", yb, self.out_shape, self.flat_output)
 
     def output_buffer(self, use: str, batch: int) -> np.ndarray:
@@ -179,20 +177,12 @@ class Layer:
     def input_blocked(self, x: np.ndarray, use: str) -> np.ndarray:
         """A checked canonical input batch, blocked as this layer reads it: float32, or bf16 bits
         rounded as the kernels round where its input is stored as bf16."""
-        return self._rounded(self._to_blocked("in", x, self.in_shape, use), use, self.in_bf16)
+        return self._to_blocked("in", x, self.in_shape, use, self.in_bf16)
 
     def output_gradient_blocked(self, dy: np.ndarray, use: str) -> np.ndarray:
         """A checked canonical output gradient, blocked as this layer's backward kernels read
         it: float32, or bf16 bits rounded as the kernels round where it is stored as bf16."""
-        return self._rounded(self._to_blocked("out", dy, self.out_shape, use), use, self.out_grad_bf16)
-
-    def _rounded(self, xb: np.ndarray, use: str, bf16: bool) -> np.ndarray:
-        """xb, or its bf16 bits (in a buffer of its own) where `bf16`."""
-        if not bf16:
-            return xb
-        bits = self._buffer(use + ".bf16", xb.shape, np.uint16)
-        bf16_bits(xb, bits, flush_subnormals=True)
-        return bits
+        return self._to_blocked("out", dy, self.out_shape, use, self.out_grad_bf16)
 
     def _buffer(self, use: str, shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
         """The blocked buffer the canonical API (or a bf16 copy) uses for `use`, kept from call
@@ -203,14 +193,21 @@ class Layer:
             buf = self._buffers[use] = empty_aligned(shape, dtype=dtype)
         return buf
 
-    def _to_blocked(self, role: str, x: np.ndarray, shape: tuple[int, int, int], use: str) -> np.ndarray:
-        out = self._buffer(use, self.input_shape(x.shape[0]) if role == "in" else self.blocked_shape(shape, x.shape[0]))
-        self._k[f"{role}_to_blocked"](ptr(x), ptr(out), x.shape[0], self.team(x.shape[0]))
+    def _to_blocked(self, role: str, x: np.ndarray, shape: tuple[int, int, int], use: str,
+                    bf16: bool = False) -> np.ndarray:
+        """x blocked into the buffer of `use`: as float32, or as bf16 bits (one pass of the
+        layout library's `*_to_blocked16`: layout and rounding together, threaded)."""
+        blocked = self.input_shape(x.shape[0]) if role == "in" else self.blocked_shape(shape, x.shape[0])
+        out = self._buffer(use, blocked, np.uint16 if bf16 else np.float32)
+        self._k[f"{role}_to_blocked16" if bf16 else f"{role}_to_blocked"](ptr(x), ptr(out), x.shape[0],
+                                                                          self.team(x.shape[0]))
         return out
 
     def _from_blocked(self, role: str, xb: np.ndarray, shape: tuple[int, int, int], flat: bool) -> np.ndarray:
+        """A blocked float32 or bf16 activation in canonical float32 (bf16: widened as it is laid out)."""
         out = np.empty((xb.shape[0], *shape), dtype=np.float32)
-        self._k[f"{role}_from_blocked"](ptr(xb), ptr(out), xb.shape[0], self.team(xb.shape[0]))
+        kind = f"{role}_from_blocked16" if xb.dtype == np.uint16 else f"{role}_from_blocked"
+        self._k[kind](ptr(xb), ptr(out), xb.shape[0], self.team(xb.shape[0]))
         return out.reshape(out.shape[0], -1) if flat else out
 
     def forward(self, x: np.ndarray) -> np.ndarray:
@@ -238,8 +235,6 @@ class Layer:
         dyb = self.output_gradient_blocked(dy, "dy")
         dxb = self._buffer("dx", xb.shape, np.uint16 if self.in_grad_bf16 else np.float32)
         self.backward_blocked(xb, yb, aux, dyb, dxb)
-        if dxb.dtype == np.uint16:
-            dxb = bf16_values(dxb)
         return self._from_blocked("in", dxb, self.in_shape, False).reshape(self._given_shape)
 
 

@@ -63,6 +63,10 @@ WEIGHT_LAYOUTS = ("wt_to_blocked", "wt_from_blocked")
 # bf16 builds: a layer with a vdpbf16ps conv forward kernel also converts its blocked input to
 # the bf16 copy that kernel reads (where the input is not stored as bf16 already).
 BF16_LAYOUTS = {"in_to_bf16": "act_to_bf16"}
+# bf16 builds: a layer whose activations may be stored as bf16 converts its canonical input,
+# output and their gradients to and from blocked bf16 in one pass (the per-layer API)
+ACT16_LAYOUTS = {"in_to_blocked16": "act_layout_to_bf16", "in_from_blocked16": "act_layout_from_bf16",
+                 "out_to_blocked16": "act_layout_to_bf16", "out_from_blocked16": "act_layout_from_bf16"}
 # bf16 builds: an fc layer's weights as the bf16 tiles its kernels read (geometry.FcTileGeometry)
 FC_TILE_LAYOUTS = {"wt_to_tiles": "fc_weight_tiles"}
 
@@ -87,6 +91,9 @@ def kernel_kinds(layer: families.LayerShape, target: families.Target) -> dict[st
         out["layout"] |= BF16_LAYOUTS
     if ltype == "fc" and any(kind.engine is not families.Engine.FP32 for _, kind in chosen.values()):
         out["layout"] |= FC_TILE_LAYOUTS
+    if target.precision == "bf16" and (ltype in families.BF16_ACTIVATION_LAYERS or (ltype == "conv" and layer.groups == 1)):
+        packed = families.reads_packed_image(layer, target.vector_floats)  # its input is the fp32 image
+        out["layout"] |= {r: k for r, k in ACT16_LAYOUTS.items() if not (packed and r.startswith("in_"))}
     return out
 
 PEAK_SYMBOL = "pcldnn_peak"  # the build's FMA peak kernel (pcldnn_gen.codegen.render_peak)

@@ -689,6 +689,45 @@ def test_pooling_relu_dropout_on_bf16_activations(tmp_path, monkeypatch, arch):
     assert np.max(np.abs(logits - reference)) <= 0.02 * np.max(np.abs(reference))
 
 
+@pytest.mark.parametrize("arch", BF16_BUILDS)
+def test_the_layer_api_converts_bf16_activations_in_one_pass(tmp_path, arch):
+    """A layer with bf16 activations (m1: 20 channels, a block partly filled, of 12x11 pixels,
+    past the last whole vector): its input and output gradient go into blocked bf16 and its
+    output and input gradient come back in one pass of the layout library each (layout with
+    vcvtneps2bf16's rounding, or with the widening), bit for bit a numpy blocking and
+    bf16_bits' rounding, on ties, subnormals, the largest finite values, infinities and NaN."""
+    from pcldnn_runtime.kernels import bf16_bits, bf16_values
+    net = _bf16_storage_builds(tmp_path, _activation_spec(BETWEEN_NET, channels=16), arch, modes=("bf16",))["bf16"]
+    layer = net.layers["m1"]
+    assert (layer.in_bf16, layer.out_bf16, layer.in_grad_bf16, layer.out_grad_bf16) == (True,) * 4
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((3, *layer.in_shape)).astype(np.float32)
+    special = np.array([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 1e-40, -1e-39, 3.4e38, np.inf, -np.inf, np.nan,
+                        0.0, -0.0], np.float32)
+    x.reshape(-1)[rng.choice(x.size, (8, special.size), replace=False)] = special
+    c, v = layer.in_shape[0], 16
+    blocks = -(-c // v)
+
+    def blocked(a):
+        out = np.zeros((a.shape[0], blocks * v, *a.shape[2:]), np.float32)
+        out[:, :c] = a
+        return np.ascontiguousarray(out.reshape(a.shape[0], blocks, v, *a.shape[2:]).transpose(0, 1, 3, 4, 2))
+
+    def unblocked(b):
+        return b.transpose(0, 1, 4, 2, 3).reshape(b.shape[0], blocks * v, *b.shape[2:4])[:, :c]
+
+    want = np.empty(blocked(x).shape, np.uint16)
+    bf16_bits(blocked(x), want, flush_subnormals=True)
+    got = layer.input_blocked(x, "t.x")
+    assert got.dtype == np.uint16
+    np.testing.assert_array_equal(got, want)
+    y = x[:, :, :layer.out_shape[1], :layer.out_shape[2]].copy()
+    want_dy = np.empty(blocked(y).shape, np.uint16)
+    bf16_bits(blocked(y), want_dy, flush_subnormals=True)
+    np.testing.assert_array_equal(layer.output_gradient_blocked(y, "t.dy"), want_dy)
+    np.testing.assert_array_equal(layer.output_from_blocked(want_dy), unblocked(bf16_values(want_dy)))
+
+
 @pytest.mark.parametrize("arch", ["avx2", "scalar"])
 def test_compile_refuses_bf16_without_avx512(tmp_path, arch):
     net = tmp_path / "n.json"

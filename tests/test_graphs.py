@@ -123,6 +123,23 @@ def test_a_residual_graph_matches_pytorch(tmp_path, isa):
     close(net.eval().forward(x), model(torch.from_numpy(x)).detach().numpy(), "eval logits after training")
 
 
+def test_an_evaluation_forward_frees_each_activation_after_its_last_reader(tmp_path):
+    """No backward pass follows an evaluation forward: an activation's buffer returns to a pool
+    once its last reader has run. On LAYERS (two residual blocks, a concat) at most four are
+    live at once against the training workspace's 18, and the logits equal a training-mode
+    workspace's evaluation of the same batch (the running statistics, no buffer reused early)."""
+    net = build_and_load(tmp_path, LAYERS, SHAPE, RUNNABLE_ISAS[-1], name="res", threads=2)
+    x = np.random.default_rng(4).standard_normal((5, *SHAPE)).astype(np.float32)
+    logits = net.eval().forward(x)
+    assert net.evaluation_buffers(5).pooled <= 4 < len(net.workspace(5).acts)
+    net.forward(x, training=True)  # the running statistics move: evaluate from them, both ways
+    want = net.forward(x)
+    assert net.evaluation_buffers(5).pooled <= 4
+    np.testing.assert_array_equal(net.predict(x, batch_size=2)[:2], net.forward(x[:2]))
+    assert np.abs(want - logits).max() > 0  # the statistics did move
+    np.testing.assert_array_equal(net.forward(x), want)
+
+
 def _net(layers):
     return {"name": "g", "input": {"channels": 3, "height": 8, "width": 8}, "layers": layers}
 
