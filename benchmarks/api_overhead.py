@@ -5,10 +5,11 @@
 1. Fixed cost per call: a 16 -> 16 fc layer at minibatch 1 (almost no arithmetic), mean of
    many calls after a warm-up: the blocked kernel (`forward_blocked`: cffi and OpenMP) and the
    canonical `layer.forward` (checks, two conversions, the output array), for 1 and 2 threads.
-2. VGG-A conv4 forward (256 -> 256 channels, 56 x 56; or --layer): the blocked kernel against
-   `layer.forward(x)` on an NCHW array, timed alternately (`--rounds`, median of per-round
-   ratios), and the two conversions alone. The target: forward on canonical arrays at most
-   1.10x the blocked kernel.
+2. VGG-A conv4 (256 -> 256 channels, 56 x 56; or --layer), each pass: the blocked kernel
+   against the canonical call (`layer.forward(x)`, `backward_data(dy)`, `backward_weights(x,
+   dy)` on NCHW arrays), timed alternately (`--rounds`, median of per-round ratios), in fp32 or
+   a bf16 build (`--precision bf16`). The targets: the canonical call at most 1.10x (fp32) and
+   1.15x (bf16, issue 50) its kernel.
 """
 from __future__ import annotations
 
@@ -59,19 +60,33 @@ def fixed_cost(arch, tmp: Path, calls: int) -> None:
               f"one pointer {mean_us(lambda: ptr(xb), calls):.2f} us (mean of {calls} calls)")
 
 
-def conversion_cost(arch, tmp: Path, net_file: Path, layer_name: str, batch: int, threads: int, rounds: int) -> None:
+def conversion_cost(arch, tmp: Path, net_file: Path, layer_name: str, batch: int, threads: int, rounds: int,
+                    precision: str) -> None:
     spec = load_netspec(net_file)
-    build(spec, arch, tmp / "net")
+    build(spec, arch, tmp / "net", precision=precision)
     layer = pr.load(tmp / "net", threads=threads).layers[layer_name]
-    x = np.random.default_rng(0).standard_normal((batch, *layer.in_shape)).astype(np.float32)
-    xb, yb = empty_aligned(layer.input_shape(batch)), empty_aligned(layer.blocked_shape(layer.out_shape, batch))
-    y = np.empty((batch, *layer.out_shape), dtype=np.float32)
-    k = layer._k  # the layout kernels alone
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, *layer.in_shape)).astype(np.float32)
+    dy = rng.standard_normal((batch, *layer.out_shape)).astype(np.float32)
+    def aligned(a: np.ndarray) -> np.ndarray:  # the kernels read whole aligned vectors
+        out = empty_aligned(a.shape, dtype=a.dtype)
+        np.copyto(out, a)
+        return out
+
+    # the kernels' own operands, as the layer API makes them (bf16 where the layer stores bf16)
+    xb = aligned(layer.input_blocked(x, "bench.x"))
+    yb = aligned(layer.output_buffer("bench.y", batch))
+    layer.forward_blocked(xb, yb)
+    dyb = aligned(layer.output_gradient_blocked(dy, "bench.dy"))
+    dxb = empty_aligned(xb.shape, dtype=np.uint16 if layer.in_grad_bf16 else np.float32)
+    dw, db = (aligned(g) for g in layer.grad_buffers)
     calls = {
-        "blocked kernel": lambda: layer.forward_blocked(xb, yb),
+        "fwd kernel": lambda: layer.forward_blocked(xb, yb),
         "layer.forward": lambda: layer.forward(x),
-        "input to blocked": lambda: k["in_to_blocked"](ptr(x), ptr(xb), batch, threads),
-        "output from blocked": lambda: k["out_from_blocked"](ptr(yb), ptr(y), batch, threads),
+        "bwd_data kernel": lambda: layer.backward_blocked(xb, yb, None, dyb, dxb),
+        "layer.backward_data": lambda: layer.backward_data(dy),
+        "bwd_weights kernel": lambda: layer.backward_blocked(xb, yb, None, dyb, None, grads=(dw, db)),
+        "layer.backward_weights": lambda: layer.backward_weights(x, dy),
     }
     for fn in calls.values():
         fn()
@@ -79,16 +94,13 @@ def conversion_cost(arch, tmp: Path, net_file: Path, layer_name: str, batch: int
     for _ in range(rounds):
         for name, fn in calls.items():
             times[name].append(seconds(fn))
-    kernel = times["blocked kernel"]
-    ratio = statistics.median(a / b for a, b in zip(times["layer.forward"], kernel))
-    in_mb, out_mb = x.nbytes / 1e6, y.nbytes / 1e6
-    print(f"{spec.name} {layer_name} forward, minibatch {batch}, {threads} thread(s), {arch.name}, "
+    print(f"{spec.name} {layer_name}, minibatch {batch}, {threads} thread(s), {arch.name}, {precision}, "
           f"median of {rounds} interleaved rounds:")
-    for name, t in times.items():
-        mb = {"input to blocked": in_mb, "output from blocked": out_mb}.get(name)
-        rate = f"  ({2 * mb / 1e3 / statistics.median(t):.1f} GB/s read + written)" if mb else ""
-        print(f"  {name:<20} {1e3 * statistics.median(t):9.2f} ms{rate}")
-    print(f"  layer.forward / blocked kernel: {ratio:.3f} (target <= 1.10)")
+    for p, k in (("forward", "fwd"), ("backward_data", "bwd_data"), ("backward_weights", "bwd_weights")):
+        kernel, api = times[f"{k} kernel"], times[f"layer.{p}"]
+        ratio = statistics.median(a / b for a, b in zip(api, kernel))
+        print(f"  {p:<17} kernel {1e3 * statistics.median(kernel):8.2f} ms   layer.{p} "
+              f"{1e3 * statistics.median(api):8.2f} ms   ratio {ratio:.3f}")
 
 
 def main() -> None:
@@ -100,11 +112,14 @@ def main() -> None:
     ap.add_argument("--layer", default="conv4")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=20000)
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--skip-fixed", action="store_true", help="only the layer's three passes")
     args = ap.parse_args()
     arch = get_arch(args.arch)
     with tempfile.TemporaryDirectory() as tmp:
-        fixed_cost(arch, Path(tmp), args.calls)
-        conversion_cost(arch, Path(tmp), args.net, args.layer, args.batch, args.threads, args.rounds)
+        if not args.skip_fixed:
+            fixed_cost(arch, Path(tmp), args.calls)
+        conversion_cost(arch, Path(tmp), args.net, args.layer, args.batch, args.threads, args.rounds, args.precision)
 
 
 if __name__ == "__main__":

@@ -133,6 +133,51 @@ def test_canonical_calls_keep_their_own_state_across_reused_buffers(built):
     np.testing.assert_array_equal(conv.backward_data(dy), dx_alone)  # still the mask of forward(x1)
 
 
+def test_results_are_reused_only_when_the_caller_let_them_go(built):
+    """A canonical result's array is reused for a later one only where nothing outside the layer
+    holds it: a name, a view or a container keeps it the caller's."""
+    net = pr.load(built, threads=1)
+    conv = net.layers["c"]
+    rng = np.random.default_rng(6)
+    xs = [rng.standard_normal((2, 3, 6, 6)).astype(np.float32) for _ in range(4)]
+    want = [conv.forward(x).copy() for x in xs]
+    held = [conv.forward(xs[0]), conv.forward(xs[1])[:, :2]]  # an array, and a view of another
+    kept = {"y": conv.forward(xs[2])}
+    for _ in range(3):
+        conv.forward(xs[3])  # results dropped at once: their arrays come back
+    np.testing.assert_array_equal(held[0], want[0])
+    np.testing.assert_array_equal(held[1], want[1][:, :2])
+    np.testing.assert_array_equal(kept["y"], want[2])
+    y = None
+    for x, w in zip(xs, want, strict=True):  # the loop pattern: the previous result held while the next is made
+        y = conv.forward(x)
+        np.testing.assert_array_equal(y, w)
+
+
+def test_backward_weights_takes_the_last_forwards_mask_only_for_its_input_and_weights(built):
+    """backward_weights(x, dy) of a layer with a ReLU masks dy by forward(x): the last canonical
+    forward's output where that forward had the same input and the same weights, else a forward
+    of its own; the result is the same either way."""
+    net = pr.load(built, threads=1)
+    conv = net.layers["c"]
+    rng = np.random.default_rng(8)
+    x1, x2 = (rng.standard_normal((2, 3, 6, 6)).astype(np.float32) for _ in range(2))
+    dy = rng.standard_normal((2, *conv.out_shape)).astype(np.float32)
+    alone = [g.copy() for g in conv.backward_weights(x1, dy)]  # no forward before it
+    conv.forward(x1)
+    for got, want in zip(conv.backward_weights(x1, dy), alone, strict=True):
+        np.testing.assert_array_equal(got, want)
+    conv.forward(x2)
+    for got, want in zip(conv.backward_weights(x1, dy), alone, strict=True):  # another input: its own forward
+        np.testing.assert_array_equal(got, want)
+    conv.forward(x1)
+    conv.weights = conv.weights * -1.0  # the mask of the last forward is stale now
+    fresh = pr.load(built, threads=1)
+    fresh.load_state_dict(net.state_dict())
+    for got, want in zip(conv.backward_weights(x1, dy), fresh.layers["c"].backward_weights(x1, dy), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_calls_with_little_work_run_on_one_thread(tmp_path):
     """Waking a thread team costs more than sharing out a tiny call saves (PARALLEL_MIN_*):
     such calls get one thread, larger ones the net's, decided per minibatch."""
