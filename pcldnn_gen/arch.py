@@ -18,7 +18,7 @@ from .errors import ArchError
 # ISAs whose kernels the code generator emits.
 GENERATED_ISAS = ("scalar", "avx2", "avx512")
 # Arch fields that are measured rates (fractional); every other numeric field is a count.
-RATE_FIELDS = ("broadcasts_per_cycle", "l1_refill_cycles", "slice_refill_cycles")
+RATE_FIELDS = ("broadcasts_per_cycle", "l1_refill_cycles", "slice_refill_cycles", "dot_rate")
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,12 @@ class Arch:
     # reach the peak, 8 FMA chains 90% of it); bf16 plans with 14 accumulators (7x2) ran 0.95x
     # the 20 of 5x4 there.
     dot_latency: int = 4
+    # FLOP rate of the vdpbf16ps kernels over the fp32 FMA kernels' on this CPU (a bf16 build's
+    # dot products without AMX tiles): 2 where vdpbf16ps issues at the FMA's rate with a bf16
+    # pair per lane (Zen 4, Zen 5: 1.98x measured on the project's EPYC VM, benchmarks/RESULTS.md);
+    # 0.5 measured on Sapphire Rapids (VGG-A conv4: ~115 GFLOP/s against the fp32 kernels' ~230:
+    # there AMX tiles are the bf16 engine). 1: not known.
+    dot_rate: float = 1.0
     load_ports: int = 2       # vector loads per cycle from L1
     # Broadcast loads (one float to every lane) sustained per cycle alongside FMAs. They use
     # the load ports too but ran slower than vector loads: `benchmarks/tile_microbench.py`
@@ -117,7 +123,7 @@ PRESETS: dict[str, Arch] = {
                       slice_refill_cycles=1.0),
     # Sapphire Rapids / Emerald Rapids: 48 KiB L1d, 2 MiB L2, AMX tiles.
     "sapphirerapids": Arch("sapphirerapids", "avx512", 512, 32, 2, 48 * KIB, 2 * MIB, 96 * MIB, 2,
-                           cpu.ISA_CFLAGS["avx512"], amx=True, slice_refill_cycles=1.0),
+                           cpu.ISA_CFLAGS["avx512"], amx=True, slice_refill_cycles=1.0, dot_rate=0.5),
     # Zen 3: AVX2 only, 2 FMA-256 of latency 4, 512 KiB L2, 32 MiB L3 per CCD.
     "zen3": Arch("zen3", "avx2", 256, 16, 2, 32 * KIB, 512 * KIB, 32 * MIB, 2, cpu.ISA_CFLAGS["avx2"]),
     # Zen 4: AVX-512 on two 256-bit pipes: a 512-bit FMA takes both, one per cycle (the AVX2
@@ -127,10 +133,10 @@ PRESETS: dict[str, Arch] = {
     # (0.96-1.04 on the other passes; benchmarks/ab.py, interleaved, 3 rounds); the extra
     # independent accumulators also cover the double-pumped latency. 32 KiB L1d, 1 MiB L2.
     "zen4": Arch("zen4", "avx512", 512, 32, 2, 32 * KIB, 1 * MIB, 32 * MIB, 2, cpu.ISA_CFLAGS["avx512"],
-                   slice_refill_cycles=1.0),
+                   slice_refill_cycles=1.0, dot_rate=2.0),
     # Zen 5 (server, desktop): full 512-bit datapath, 2 FMA-512, 48 KiB L1d, 1 MiB L2.
     "zen5": Arch("zen5", "avx512", 512, 32, 2, 48 * KIB, 1 * MIB, 32 * MIB, 2, cpu.ISA_CFLAGS["avx512"],
-                   slice_refill_cycles=1.0, dot_latency=6),
+                   slice_refill_cycles=1.0, dot_latency=6, dot_rate=2.0),
 }
 
 # Intel family-6 models of each preset (Intel's model table), newest parts of a family included
@@ -153,6 +159,33 @@ def family_preset(identity: cpu.CpuIdentity, isa: str) -> str | None:
         # family 25 (0x19) is Zen 3 and Zen 4: the AVX-512 flag tells them apart
         name = {25: "zen4" if isa == "avx512" else "zen3", 26: "zen5"}.get(identity.family)
     return name if name and PRESETS[name].isa == isa else None
+
+
+def host_family(isa: str) -> str | None:
+    """The preset of the compiling CPU's family: by its model (family_preset), else, where a VM
+    reports another model, an Intel CPU with AMX tiles is of the Sapphire Rapids class."""
+    identity = cpu.cpu_identity()
+    family = family_preset(identity, isa)
+    if family is None and identity.vendor == "GenuineIntel" and isa == "avx512" and not cpu.amx_flags_missing():
+        family = "sapphirerapids"
+    return family
+
+
+def slow_bf16_reason(arch: Arch) -> str | None:
+    """Why a bf16 build for `arch` would run its dot products slower than an fp32 build, or None:
+    no AMX tiles, and vdpbf16ps under the fp32 FMA's rate (Arch.dot_rate). The generic avx512
+    preset is judged by the compiling CPU's family where we know it."""
+    if arch.amx:
+        return None
+    rate, where = arch.dot_rate, arch.name
+    if arch.name in ("avx512", "native-avx512") and (host := host_family("avx512")) is not None:
+        rate, where = PRESETS[host].dot_rate, f"this CPU ({host} class)"
+    if rate >= 1:
+        return None
+    tiles = " (--arch native where Linux grants them, or --arch sapphirerapids)" if "sapphirerapids" in where else ""
+    return (f"--precision bf16 on {where} without AMX tiles: vdpbf16ps runs at {rate:g}x the fp32 kernels' rate "
+            f"there, so this bf16 build's convolutions are slower than an fp32 build's; use AMX tiles{tiles} or "
+            "--precision fp32")
 
 
 def get_arch(spec: str) -> Arch:
@@ -196,6 +229,7 @@ def arch_from_file(path: Path) -> Arch:
 ARCH_RANGES: dict[str, tuple[float, float]] = {
     "fma_units": (1, 4), "l1d_bytes": (4 << 10, 4 << 20), "l2_bytes": (64 << 10, 1 << 30),
     "l3_bytes": (64 << 10, 16 << 30), "cores": (1, 4096), "fma_latency": (1, 32), "dot_latency": (1, 32),
+    "dot_rate": (0.1, 4),
     "load_ports": (1, 8),
     "broadcasts_per_cycle": (0.1, 16), "l2_bytes_per_cycle": (1, 1024), "l1_refill_cycles": (0.1, 1000),
     "slice_refill_cycles": (0.1, 1000),

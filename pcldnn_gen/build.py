@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,10 +29,10 @@ from pcldnn_runtime.state_io import check_state, expected_state
 from pcldnn_runtime.validate import check_writable
 
 from . import __version__
-from .arch import Arch
+from .arch import Arch, slow_bf16_reason
 from .codegen import peak_flops_per_iteration, render_kernel, render_layout, render_peak, render_sgd
 from .compiler import Source, compile_all, compile_source
-from .errors import ArchError, BuildDirError
+from .errors import ArchError, BuildDirError, SlowBuildWarning
 from .netspec import LayerSpec, NetSpec
 from .planner import LAYER_PASSES, Fusion, KernelPlan, plan_layer
 
@@ -153,6 +154,8 @@ def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | Non
     `precision` bf16: the kernels of families.bf16_passes read bf16 copies (docs/design.md §2).
     `fusion` False: every layer's kernels compute its own work only (families.fusion)."""
     check_precision(precision, arch)
+    if precision == "bf16" and (slow := slow_bf16_reason(arch)) is not None:
+        warnings.warn(slow, SlowBuildWarning, stacklevel=2)  # not silently slower than fp32 (the CLI prints it)
     out_dir = Path(out_dir) if out_dir is not None else default_build_dir(net, arch, precision)
     initial = None
     if weights is not None:

@@ -149,6 +149,8 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
             "a kernel row's window values" if kind == "conv_fwd_packed_bf16" else "input channels")
         text = (f"bf16 operands, a pair of {pairs} per 32-bit lane (vdpbf16ps), fp32 accumulation; "
                 "blocks planned for 2-byte operands")
+        if arch.dot_rate != 1:
+            text += f"; vdpbf16ps runs at {arch.dot_rate:g}x the fp32 kernels' FLOP rate on {arch.name} (arch dot_rate)"
         if kind == "conv_fwd_packed_bf16":
             text += "; the fp32 image converted by the kernel into a padded bf16 copy, read in place"
         if kind == "conv_bwd_weights_packed_bf16":

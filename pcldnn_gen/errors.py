@@ -18,6 +18,11 @@ class CompileError(PcldnnError):
     """The C compiler failed; carries its command line, stderr and the source path."""
 
 
+class SlowBuildWarning(UserWarning):
+    """A build that runs, but slower than another precision would on its CPU (a bf16 build whose
+    dot products run on a vdpbf16ps slower than the fp32 FMAs there: arch.slow_bf16_reason)."""
+
+
 class CompilerWarning(UserWarning):
     """The C compiler warned about a generated file (-Wall): a pcldnn-gen bug, the kernel still
     built. The test suite turns it into an error (pyproject.toml), so every kernel it compiles

@@ -32,6 +32,7 @@ def test_native_reads_this_cpu():
 
 AVX512_FLAGS = frozenset({"avx512f", "avx2", "fma"})
 AVX2_FLAGS = frozenset({"avx2", "fma"})
+AMX_FLAGS = frozenset(cpu.AMX_FLAGS)
 
 
 @pytest.mark.parametrize("vendor, family, model, flags, want", [
@@ -57,6 +58,40 @@ def test_native_takes_the_widest_isa_and_the_family_figures(monkeypatch, vendor,
     fields = ("vector_registers", "fma_units", "fma_latency", "dot_latency", "load_ports", "broadcasts_per_cycle")
     assert [getattr(arch, f) for f in fields] == [getattr(PRESETS[want], f) for f in fields]
     assert (arch.l1d_bytes, arch.l2_bytes, arch.l3_bytes) == (48 * 1024, 2 * 1024 * 1024, 64 * 1024 * 1024)  # sysfs wins
+
+
+@pytest.mark.parametrize("vendor, model, flags, arch, slow", [
+    ("GenuineIntel", 0x8F, AVX512_FLAGS, "avx512", True),           # Sapphire Rapids by its model
+    ("GenuineIntel", 0xA7, AVX512_FLAGS | AMX_FLAGS, "avx512", True),  # a VM's other model, AMX flags: that class
+    ("GenuineIntel", 0x8F, AVX512_FLAGS, "sapphirerapids", False),  # the tiles: the bf16 engine
+    ("GenuineIntel", 0x8F, AVX512_FLAGS, "zen5", False),            # compiling for another CPU: its rate
+    ("AuthenticAMD", 0x02, AVX512_FLAGS, "avx512", False),          # Zen 5 host (family 26): 2x fp32
+    ("GenuineIntel", 0x55, AVX512_FLAGS, "avx512", False),          # not known to be slower
+])
+def test_a_bf16_build_slower_than_fp32_says_so(tmp_path, monkeypatch, vendor, model, flags, arch, slow):
+    """compile does not build a bf16 path slower than fp32 silently: without AMX tiles, where
+    vdpbf16ps runs under the fp32 kernels' rate (Arch.dot_rate: Sapphire Rapids 0.5), the build
+    warns once (SlowBuildWarning) with the reason and what to use; the generic avx512 preset is
+    judged by the compiling CPU's family."""
+    import warnings
+
+    from pcldnn_gen.arch import slow_bf16_reason
+    from pcldnn_gen.build import build
+    from pcldnn_gen.errors import SlowBuildWarning
+    from pcldnn_gen.netspec import parse_netspec
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(cpu, "cpu_identity", lambda: cpu.CpuIdentity(vendor, 26 if vendor == "AuthenticAMD" else 6,
+                                                                      model, "test"))
+    reason = slow_bf16_reason(get_arch(arch))
+    assert (reason is not None) == slow
+    if slow:
+        assert "0.5x the fp32" in reason and "--precision fp32" in reason and "sapphirerapids" in reason
+        spec = parse_netspec({"name": "s", "input": {"channels": 16, "height": 4, "width": 4},
+                              "layers": [{"name": "c", "type": "conv", "out_channels": 16, "kernel": 3, "pad": 1}]})
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            build(spec, get_arch(arch), tmp_path / "s", precision="bf16")
+        assert [str(w.message) for w in seen if w.category is SlowBuildWarning] == [reason]
 
 
 def test_every_preset_is_a_valid_arch_description():
