@@ -6,7 +6,7 @@
 Ours: Trainer-equivalent steps (forward, loss, backward, SGD with momentum on the flat
 buffers), median step time after warm-up, and where the step's time goes (the kernels of
 every layer forward and backward, the optimizer, the rest: input layout, loss, Python).
-PyTorch: the same net as nn.Sequential with the same SGD, run in a subprocess per setting so
+PyTorch: the same net (graph_module: chains and graphs) with the same SGD, run in a subprocess per setting so
 that ONEDNN_MAX_CPU_ISA and the thread count are fixed before torch loads: AVX2 and the
 default ISA (AVX-512 here), NCHW and channels_last. With --precision bf16, ours is a bf16 build
 and PyTorch runs at its default ISA in bf16 two ways, autocast (fp32 model) and a bf16 model,
@@ -67,6 +67,61 @@ def ours(net_file: str, arch_name: str, batch: int, threads: int, steps: int, tu
             "kernels_ms": float(np.median(kernels)) * 1e3, "optimizer_ms": float(np.median(optim)) * 1e3}
 
 
+def graph_module(spec, nn):
+    """The net description as a PyTorch module: each layer's module under its name, run in file
+    order on the outputs of the layers it reads (chains and graphs alike: residual adds,
+    concats, batchnorm, depthwise convolutions, global average pooling)."""
+    import torch
+    import torch.nn.functional as F
+
+    class Graph(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = spec.layers
+            self.m = nn.ModuleDict()
+            for l in spec.layers:
+                if l.type == "conv":
+                    self.m[l.name] = nn.Conv2d(l.in_shape[0], l.out_shape[0], l.kernel, l.stride, l.pad,
+                                               groups=l.groups, bias=l.bias)
+                elif l.type == "fc":
+                    self.m[l.name] = nn.Linear(int(np.prod(l.in_shape)), l.out_shape[0], bias=l.bias)
+                elif l.type == "batchnorm":
+                    self.m[l.name] = nn.BatchNorm2d(l.in_shape[0], eps=l.eps, momentum=l.momentum)
+                elif l.type == "maxpool":
+                    self.m[l.name] = nn.MaxPool2d(l.kernel, l.stride, l.pad)
+                elif l.type == "avgpool":
+                    self.m[l.name] = nn.AvgPool2d(l.kernel, l.stride, l.pad)
+                elif l.type == "dropout":
+                    self.m[l.name] = nn.Dropout(l.rate)
+
+        def forward(self, x):
+            out = {"input": x}
+            for l in self.layers:
+                if l.type == "softmax_cross_entropy":
+                    break
+                ins = [out[n] for n in l.inputs]
+                if l.type == "add":
+                    y = ins[0]
+                    for t in ins[1:]:
+                        y = y + t
+                elif l.type == "concat":
+                    y = torch.cat(ins, dim=1)
+                elif l.type == "global_avgpool":
+                    y = F.adaptive_avg_pool2d(ins[0], 1)
+                elif l.type == "fc":
+                    y = self.m[l.name](torch.flatten(ins[0], 1))
+                elif l.type in ("relu", "relu6"):
+                    y = ins[0]
+                else:
+                    y = self.m[l.name](ins[0])
+                if l.relu or l.type in ("relu", "relu6"):
+                    y = F.relu6(y) if l.relu6 else F.relu(y)
+                out[l.name] = y
+            return y
+
+    return Graph()
+
+
 def torch_child(req: dict) -> dict:
     import torch
     from torch import nn
@@ -74,26 +129,7 @@ def torch_child(req: dict) -> dict:
     from pcldnn_gen.netspec import load_netspec
     torch.set_num_threads(req["threads"])
     spec = load_netspec(req["net"])
-    mods, flat = [], False
-    for l in spec.layers:
-        if l.type == "conv":
-            mods.append(nn.Conv2d(l.in_shape[0], l.out_shape[0], l.kernel, l.stride, l.pad))
-        elif l.type == "fc":
-            if not flat:
-                mods.append(nn.Flatten())
-                flat = True
-            mods.append(nn.Linear(int(np.prod(l.in_shape)), l.out_shape[0]))
-        elif l.type == "maxpool":
-            mods.append(nn.MaxPool2d(l.kernel, l.stride, l.pad))
-        elif l.type == "avgpool":
-            mods.append(nn.AvgPool2d(l.kernel, l.stride, l.pad))
-        elif l.type == "dropout":
-            mods.append(nn.Dropout(l.rate))
-        elif l.type == "relu":
-            mods.append(nn.ReLU())
-        if l.relu and l.type in ("conv", "fc"):
-            mods.append(nn.ReLU())
-    model = nn.Sequential(*mods)
+    model = graph_module(spec, nn)
     fmt = torch.channels_last if req["layout"] == "channels_last" else torch.contiguous_format
     dtype = torch.bfloat16 if req.get("dtype") == "bf16" else torch.float32  # "autocast": fp32 model
     model = model.to(memory_format=fmt, dtype=dtype)

@@ -1,4 +1,4 @@
-"""Write examples/nets/{resnet18,resnet50,mobilenet_v2,resnet20_cifar}.json from the models as
+"""Write examples/nets/{resnet18,resnet18_cifar,resnet50,mobilenet_v2,resnet20_cifar}.json from the models as
 torchvision defines them (tests/test_modern_nets.py writes them out), through from_torch: what
 `pcldnn-gen import` or a training script would make of the real ones. Needs torch.
 
@@ -47,6 +47,8 @@ V2_SETTINGS = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 9
 def main() -> None:
     nets = {
         "resnet18": (ResNet(BasicBlock, [2, 2, 2, 2], num_classes=1000), (3, 224, 224)),
+        # ResNet-18 in its CIFAR layout: the 3x3 stride-1 stem without the max pooling, 10 classes
+        "resnet18_cifar": (ResNet(BasicBlock, [2, 2, 2, 2], num_classes=10, cifar=True), (3, 32, 32)),
         "resnet50": (ResNet(Bottleneck, [3, 4, 6, 3], num_classes=1000), (3, 224, 224)),
         "mobilenet_v2": (MobileNetV2(num_classes=1000, width=1.0, settings=V2_SETTINGS, last=1280), (3, 224, 224)),
         "resnet20_cifar": (CifarResNet(3), (3, 32, 32)),
