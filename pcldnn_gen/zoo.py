@@ -44,7 +44,8 @@ def load_zoo(path: str | Path, max_memory: int | None = None) -> list[ZooShape]:
         seen.add(name)
         family = f.string(raw["family"], f"{at}.family", LABEL_RE, "letters, digits, '_', '.', '+', '-'")
         shape = f.array(raw["input"], f"{at}.input", 3, 3)
-        layer = f.obj(raw["layer"], f"{at}.layer", {"type"}, {"out_channels", "out_features", "kernel", "stride", "pad"})
+        layer = f.obj(raw["layer"], f"{at}.layer", {"type"},
+                      {"out_channels", "out_features", "kernel", "stride", "pad", "groups"})
         f.choice(layer["type"], f"{at}.layer.type", ("conv", "fc"))
         net = {"name": name, "input": {"channels": shape[0], "height": shape[1], "width": shape[2]},
                "layers": [{"name": name, **layer}]}

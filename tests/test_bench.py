@@ -261,6 +261,21 @@ def test_the_shipped_zoo_covers_what_users_train():
     channels = {l.in_shape[0] for l in layers} | {l.out_shape[0] for l in layers}
     assert {3, 24, 40, 48, 96, 200, 500} <= channels
     assert max(l.in_shape[1] for l in conv) >= 224 and min(l.in_shape[1] for l in conv) <= 7
+    # issue 50: every convolution of ResNet-50 and MobileNetV2 as the examples describe them,
+    # depthwise ones of stride 1 and 2, and EfficientNet-B0's 5x5 depthwise convolutions
+    from pcldnn_gen.netspec import load_netspec
+
+    def key(l):
+        return l.in_shape, l.out_shape[0], l.kernel, l.stride, l.pad, l.groups
+
+    have = {key(l) for l in conv}
+    for name in ("resnet50", "mobilenet_v2"):
+        missing = [l.name for l in load_netspec(REPO / "examples" / "nets" / f"{name}.json").layers
+                   if l.type == "conv" and key(l) not in have]
+        assert not missing, (name, missing)
+    depthwise = [l for l in conv if l.groups > 1]
+    assert {1, 2} <= {l.stride[0] for l in depthwise} and {3, 5} <= {l.kernel[0] for l in depthwise}
+    assert {"ResNet-50", "MobileNetV2", "EfficientNet-B0"} <= {s.family for s in shapes}
 
 
 def test_a_bf16_zoo_times_a_convolution_as_inside_a_net(tmp_path):
