@@ -23,8 +23,9 @@ MEMORY_BOUND = {
                    "deterministic for any thread count, nothing stored; kept values scaled by 1/(1-rate)",
     "dropout_bwd_data": "the forward mask recomputed from the same seed, applied to dy",
     "batchnorm_fwd": "training: each channel block's mean, then its variance about it (two passes, rows summed "
-                     "in fp32 vectors into double lanes), then one scale-and-shift pass; eval: that pass on "
-                     "the running statistics; threads own channel blocks for the sums, (image, block) planes after",
+                     "in fp32 vectors into double lanes; none where the convolution before computed them), then "
+                     "one scale-and-shift pass; eval: that pass on the running statistics; threads own channel "
+                     "blocks for the sums, (image, block) planes after",
     "add_fwd": "the inputs summed element by element (and the fused ReLU), (image, block) planes a thread",
     "add_bwd_data": "dy masked by the fused ReLU in place: it is then each input's gradient, unchanged",
     "concat_fwd": "each input's channels copied into theirs, whole vectors where its channels start a block",
