@@ -86,6 +86,7 @@ def test_a_bf16_build_slower_than_fp32_says_so(tmp_path, monkeypatch, vendor, mo
     assert (reason is not None) == slow
     if slow:
         assert "0.5x the fp32" in reason and "--precision fp32" in reason and "sapphirerapids" in reason
+    if slow and model == 0x8F:  # one build says it
         spec = parse_netspec({"name": "s", "input": {"channels": 16, "height": 4, "width": 4},
                               "layers": [{"name": "c", "type": "conv", "out_channels": 16, "kernel": 3, "pad": 1}]})
         with warnings.catch_warnings(record=True) as seen:

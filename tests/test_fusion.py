@@ -31,8 +31,8 @@ def _conv(name, oc, k=3, stride=1, relu=False, inputs=None, bias=False):
             "bias": bias, **({"activation": "relu"} if relu else {}), **({"inputs": inputs} if inputs else {})}
 
 
-def _bn(name, relu=False, momentum=0.1):
-    return {"name": name, "type": "batchnorm", "momentum": momentum, **({"activation": "relu"} if relu else {})}
+def _bn(name, relu=False):
+    return {"name": name, "type": "batchnorm", **({"activation": "relu"} if relu else {})}
 
 
 HEAD = [{"name": "gap", "type": "global_avgpool"}, {"name": "fc", "type": "fc", "out_features": 10},
@@ -91,6 +91,18 @@ def test_every_block_of_the_example_resnets_is_fused():
         assert sorted(fusions.residual.values()) == adds
 
 
+def _scale_and_shift(net):
+    """The batchnorms' scale and shift away from 1 and 0, so a slip in either shows."""
+    rng = np.random.default_rng(3)
+    state = net.state_dict()
+    for key in state:
+        if key.startswith("b") and key.endswith(".weight"):
+            state[key] = rng.uniform(0.5, 1.5, state[key].shape).astype(np.float32)
+        elif key.startswith("b") and key.endswith(".bias"):
+            state[key] = rng.uniform(-0.5, 0.5, state[key].shape).astype(np.float32)
+    net.load_state_dict(state)
+
+
 def _pair(tmp_path, layers, shape, name, threads=2):
     """The net built with and without fusion, the unfused one loaded with the fused one's weights."""
     spec = _spec(layers, shape, name)
@@ -98,14 +110,8 @@ def _pair(tmp_path, layers, shape, name, threads=2):
     build(spec, arch, tmp_path / f"{name}-on")
     build(spec, arch, tmp_path / f"{name}-off", fusion=False)
     fused, plain = pr.load(tmp_path / f"{name}-on", threads=threads), pr.load(tmp_path / f"{name}-off", threads=threads)
-    rng = np.random.default_rng(3)
-    state = fused.state_dict()
-    for key in state:  # scale and shift away from 1 and 0, so a slip in either shows
-        if key.startswith("b") and key.endswith((".weight", ".bias")):
-            state[key] = rng.uniform(0.5, 1.5, state[key].shape).astype(np.float32) if key.endswith("weight") else \
-                rng.uniform(-0.5, 0.5, state[key].shape).astype(np.float32)
-    fused.load_state_dict(state)
-    plain.load_state_dict(state)
+    _scale_and_shift(fused)
+    plain.load_state_dict(fused.state_dict())
     return fused, plain
 
 
@@ -138,54 +144,71 @@ def test_the_residual_fusion_equals_the_batchnorm_and_add_kernels(tmp_path):
             np.testing.assert_array_equal(a, b, err_msg=what)
 
 
-# Each convolution of STATISTICS alone on its input, read by a momentum-1 batchnorm.
-ALONE = {"c1": (5, 12, 10), "c2": (24, 12, 10), "c3": (40, 6, 5), "c4": (64, 6, 5)}
+STATS_SHAPE = (5, 12, 10)
 
 
-@pytest.mark.parametrize("conv", ALONE)
-def test_the_statistics_fusion_matches_float64_statistics_of_the_convolution(tmp_path, conv):
-    """A fused convolution's batch statistics (read back through the running ones of a
-    momentum-1 batchnorm: its batch mean and unbiased variance) against float64 sums of the
-    convolution's own output (the layer's forward on the same input), which a bias of 30 puts
-    far from zero (a sum of squares would cancel there; the per-block means and squared
-    deviations do not): the mean within 1e-6 of its size plus the spread, the variance within
-    1e-5 relative; the same bits on one thread and two."""
-    spec = next(dict(l) for l in STATISTICS if l["name"] == conv)
-    shape = ALONE[conv]
-    path = tmp_path / conv
-    build(_spec([spec, _bn("b", momentum=1.0), *HEAD], shape, conv), get_arch(ISA), path)
-    net = pr.load(path, threads=2)
-    assert net.fusions.statistics == {0: 1}
+@pytest.fixture(scope="module")
+def statistics_builds(tmp_path_factory):
+    """STATISTICS built with and without fusion, once for the tests below."""
+    path = tmp_path_factory.mktemp("fusion")
+    spec, arch = _spec(STATISTICS, STATS_SHAPE, "stats"), get_arch(ISA)
+    build(spec, arch, path / "stats-on")
+    build(spec, arch, path / "stats-off", fusion=False)
+    return path
+
+
+def test_the_statistics_fusion_matches_float64_statistics_of_the_convolution(statistics_builds):
+    """Each fused convolution's batch statistics (the batchnorm's after a training forward)
+    against float64 sums of that convolution's own output (its layer's forward on the very input
+    it had in the net), which a bias of 30 puts far from zero (a sum of squares would cancel
+    there; the per-block means and squared deviations do not): the mean within 1e-6 of its size
+    plus the spread, the biased variance within 1e-5 relative; the same bits on one thread and
+    two. Convolutions: 3x3 on 12x10 (row blocks that need not divide it), 1x1 stride 2, 64
+    channels (several vectors a work item), depthwise stride 2 (a row a work item)."""
+    net = pr.load(statistics_builds / "stats-on", threads=2)
+    assert len(net.fusions.statistics) == len(PAIRS) and not net.fusions.residual
     state = net.state_dict()
-    state[f"{conv}.bias"] = np.full_like(state[f"{conv}.bias"], 30.0)
-    if net.layers[conv].spec.depthwise:
-        state[f"{conv}.weight"] *= 8  # a 3x3 window per channel: its output's spread near the others' (~1)
+    for conv, _ in PAIRS:
+        state[f"{conv}.bias"] = np.full_like(state[f"{conv}.bias"], 30.0)
+    state["c4.weight"] *= 8  # a 3x3 window per channel: its output's spread near the others' (~1)
     net.load_state_dict(state)
-    x = np.random.default_rng(7).standard_normal((7, *shape)).astype(np.float32)
+    x = np.random.default_rng(7).standard_normal((7, *STATS_SHAPE)).astype(np.float32)
     net.forward(x, training=True)
-    mean, var = net.layers["b"].running_stats()
-    y = net.layers[conv].forward(x).astype(np.float64)
-    n = y.shape[0] * y.shape[2] * y.shape[3]
-    ref_mean, biased = y.mean(axis=(0, 2, 3)), y.var(axis=(0, 2, 3))
-    assert np.all(np.abs(ref_mean - 30.0) < 10), "the bias puts the output far from zero"
-    assert np.all(np.abs(mean - ref_mean) <= 1e-6 * (np.abs(ref_mean) + np.sqrt(biased)))
-    np.testing.assert_allclose(var, biased * n / (n - 1), rtol=1e-5)
-    one = pr.load(path, threads=1)
+    ws = net.workspace(7)  # the batch statistics and each convolution's input, as the net had them
+    position = {l.name: i for i, l in enumerate(net.chain)}
+    batch = {}
+    for conv, norm in PAIRS:
+        i, j = position[conv], position[norm]
+        c = net.chain[j].out_shape[0]
+        mean, var = ws.aux[j][0][:c].copy(), ws.aux[j][1][:c].copy()
+        batch[norm] = mean, var
+        source = net.sources[i][0]
+        xin = x if source == 0 else net.chain[source - 1].output_from_blocked(ws.acts[source])
+        y = net.layers[conv].forward(xin).astype(np.float64)
+        ref_mean, biased = y.mean(axis=(0, 2, 3)), y.var(axis=(0, 2, 3))
+        assert np.all(np.abs(ref_mean - 30.0) < 10), "the bias puts the output far from zero"
+        assert np.all(np.abs(mean - ref_mean) <= 1e-6 * (np.abs(ref_mean) + np.sqrt(biased))), conv
+        np.testing.assert_allclose(var, biased, rtol=1e-5, err_msg=conv)
+    one = pr.load(statistics_builds / "stats-on", threads=1)
     one.load_state_dict(state)
     one.forward(x, training=True)
-    for got, want in zip(one.layers["b"].running_stats(), (mean, var), strict=True):
-        np.testing.assert_array_equal(got, want, err_msg="1 vs 2 threads")
+    for norm, (mean, var) in batch.items():
+        j = position[norm]
+        c = one.chain[j].out_shape[0]
+        np.testing.assert_array_equal(one.workspace(7).aux[j][0][:c], mean, err_msg=f"{norm}: 1 vs 2 threads")
+        np.testing.assert_array_equal(one.workspace(7).aux[j][1][:c], var, err_msg=f"{norm}: 1 vs 2 threads")
 
 
-def test_the_statistics_fusion_trains_like_the_unfused_kernels(tmp_path):
+def test_the_statistics_fusion_trains_like_the_unfused_kernels(statistics_builds):
     """STATISTICS built with and without fusion: training logits, gradients and state after three
     steps, and evaluation logits, within 2e-5 relative (the statistics' last bits differ,
     nothing else; from biases of zero: with them at 30 a change of 1e-6 in one weight moves the
     unfused net's own gradients by percents within two steps)."""
-    shape = (5, 12, 10)
-    fused, plain = _pair(tmp_path, STATISTICS, shape, "stats")
-    assert len(fused.fusions.statistics) == len(PAIRS) and not fused.fusions.residual
-    got, want = _steps(fused, shape), _steps(plain, shape)
+    fused, plain = (pr.load(statistics_builds / f"stats-{side}", threads=2) for side in ("on", "off"))
+    _scale_and_shift(fused)
+    plain.load_state_dict(fused.state_dict())
+    assert not plain.fusions
+    got, want = _steps(fused, STATS_SHAPE), _steps(plain, STATS_SHAPE)
     for what, a, b in zip(("training logits", "gradients", "state", "eval logits"), got, want, strict=True):
         for key in (b if isinstance(b, dict) else [None]):
             u, v = (a[key], b[key]) if key else (a, b)
