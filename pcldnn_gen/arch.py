@@ -43,8 +43,8 @@ class Arch:
     # FLOP rate of the vdpbf16ps kernels over the fp32 FMA kernels' on this CPU (a bf16 build's
     # dot products without AMX tiles): 2 where vdpbf16ps issues at the FMA's rate with a bf16
     # pair per lane (Zen 4, Zen 5: 1.98x measured on the project's EPYC VM, benchmarks/RESULTS.md);
-    # 0.5 measured on Sapphire Rapids (VGG-A conv4: ~115 GFLOP/s against the fp32 kernels' ~230:
-    # there AMX tiles are the bf16 engine). 1: not known.
+    # 0.5 on Sapphire Rapids as issue 50 reports it for the project's Xeon (VGG-A conv4: ~115
+    # GFLOP/s against the fp32 kernels' ~230: there AMX tiles are the bf16 engine). 1: not known.
     dot_rate: float = 1.0
     load_ports: int = 2       # vector loads per cycle from L1
     # Broadcast loads (one float to every lane) sustained per cycle alongside FMAs. They use

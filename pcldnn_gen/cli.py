@@ -70,16 +70,16 @@ def _inspect(args: argparse.Namespace) -> int:
     arch = get_arch(args.arch)
     layer = net.layer(args.layer)
     check_precision(args.precision, arch)
+    pass_name = args.pass_name
     serving = computed_by(net, arch, args.precision, layer.name)
     if serving is not None:  # a residual fusion: the add's work is its batchnorm's kernel (docs/design.md)
-        pass_name = "fwd" if args.pass_name == "fwd" else "bwd_weights"
+        pass_name = "fwd" if pass_name == "fwd" else "bwd_weights"
         print(f"/* {layer.name} ({layer.type}) is computed by {serving}'s {pass_name} kernel (a residual fusion), below */")
         layer = net.layer(serving)
-        args.pass_name = pass_name
-    plan = plan_kernel(layer, args.pass_name, arch, _tuning(args), None, args.precision,
+    plan = plan_kernel(layer, pass_name, arch, _tuning(args), None, args.precision,
                        net_activations(net, arch, args.precision)[layer.name],
                        net_gradients(net, arch, args.precision)[layer.name])
-    plan = fuse_plans(net, arch, args.precision, {(layer.name, args.pass_name): plan})[(layer.name, args.pass_name)]
+    plan = fuse_plans(net, arch, args.precision, {(layer.name, pass_name): plan})[(layer.name, pass_name)]
     if args.explain:
         print(f"{layer.name} {plan.pass_name} on {arch.name}: {plan.reason}")
         if plan.tile is not None:

@@ -52,6 +52,28 @@ _LAYER_CLASSES: dict[str, type[Layer]] = {
 MAX_WORKSPACES = 2  # minibatch sizes whose buffers a Net keeps (see Net.workspace)
 
 
+class _BufferPool:
+    """Buffers of `floats` floats each, lent as float32 or bf16 views of a shape and given back:
+    as many are allocated as are out at once."""
+
+    def __init__(self, floats: int):
+        self._floats = floats
+        self._free: list[np.ndarray] = []
+        self._lent: dict[int, np.ndarray] = {}  # the buffers given out, by their address
+
+    @property
+    def allocated(self) -> int:
+        return len(self._free) + len(self._lent)
+
+    def take(self, shape: tuple[int, ...], bf16: bool = False) -> np.ndarray:
+        buf = self._free.pop() if self._free else empty_aligned((self._floats,))
+        self._lent[buf.ctypes.data] = buf
+        return (buf.view(np.uint16) if bf16 else buf)[: int(np.prod(shape))].reshape(shape)
+
+    def give(self, view: np.ndarray) -> None:
+        self._free.append(self._lent.pop(view.ctypes.data))
+
+
 class _Workspace:
     """Everything a forward + backward pass of one minibatch size needs, allocated once: the
     net input's and every layer's blocked output (acts[0], acts[i + 1]: kept for the backward
@@ -68,9 +90,7 @@ class _Workspace:
                       empty_aligned(l.blocked_shape(l.out_shape, batch), dtype=np.uint16 if l.out_bf16 else np.float32)
                       for i, l in enumerate(chain)]
         self.aux = [l.aux_buffer(batch) for l in chain]
-        self._largest = max(a.size for a in self.acts)
-        self._free: list[np.ndarray] = []
-        self._lent: dict[int, np.ndarray] = {}  # the buffers given out, by their address
+        self._grads = _BufferPool(max(a.size for a in self.acts))
         classes = chain[-1].out_shape[0]
         self.probs = np.empty((batch, classes), dtype=np.float32)
         self.labels = np.empty(batch, dtype=np.int32)
@@ -78,12 +98,10 @@ class _Workspace:
     def grad(self, like: np.ndarray, bf16: bool = False) -> np.ndarray:
         """A gradient buffer from the pool viewed with the shape of `like`, as float32 or as
         bf16 bits; `release` returns it."""
-        buf = self._free.pop() if self._free else empty_aligned((self._largest,))
-        self._lent[buf.ctypes.data] = buf
-        return (buf.view(np.uint16) if bf16 else buf)[: like.size].reshape(like.shape)
+        return self._grads.take(like.shape, bf16)
 
     def release(self, grad: np.ndarray) -> None:
-        self._free.append(self._lent.pop(grad.ctypes.data))
+        self._grads.give(grad)
 
 
 class _EvaluationBuffers:
@@ -98,26 +116,21 @@ class _EvaluationBuffers:
         self.input = empty_aligned(chain[0].input_shape(batch))
         self.aux = [l.aux_buffer(batch) for l in chain]
         self._shapes = [l.blocked_shape(l.out_shape, batch) for l in chain]
-        self._floats = max(int(np.prod(shape)) for shape in self._shapes)
-        self._free: list[np.ndarray] = []
-        self._lent: dict[int, np.ndarray] = {}  # the buffers given out, by their address
+        self._acts = _BufferPool(max(int(np.prod(shape)) for shape in self._shapes))
         self.probs = np.empty((batch, chain[-1].out_shape[0]), dtype=np.float32)
         self.output: np.ndarray | None = None  # the last forward's output (blocked)
 
     @property
     def pooled(self) -> int:
         """Activation buffers allocated so far (each of the largest activation's size)."""
-        return len(self._free) + len(self._lent)
+        return self._acts.allocated
 
     def take(self, layer: Layer, i: int) -> np.ndarray:
         """A pooled buffer as layer i's output: float32, or bf16 bits where it stores bf16."""
-        buf = self._free.pop() if self._free else empty_aligned((self._floats,))
-        self._lent[buf.ctypes.data] = buf
-        shape = self._shapes[i]
-        return (buf.view(np.uint16) if layer.out_bf16 else buf)[: int(np.prod(shape))].reshape(shape)
+        return self._acts.take(self._shapes[i], layer.out_bf16)
 
     def give(self, act: np.ndarray) -> None:
-        self._free.append(self._lent.pop(act.ctypes.data))
+        self._acts.give(act)
 
 
 class Net:
@@ -204,6 +217,7 @@ class Net:
         # the add's position, when the shortcut is ready).
         self.fusions = plan_fusions(specs, manifest.target) if manifest.fusion else NO_FUSIONS
         self._joined_at = {add: norm for norm, add in self.fusions.residual.items()}
+        self._stats_ready = frozenset(self.fusions.statistics.values())  # batchnorms whose convolution fills them
         # per layer, the activations no layer reads after it (an evaluation forward frees them
         # there; a residual fusion's batchnorm reads its input at its add's position; the net's
         # input and output are not pooled)
@@ -522,7 +536,7 @@ class Net:
                 norm, shortcut = self.chain[j], self._shortcut(i, j)
                 assert isinstance(norm, NormLayer)
                 norm.forward_blocked(acts[self.sources[j][0]], acts[i + 1], auxes[j], training,
-                                     residual=acts[shortcut], statistics_ready=training and self._stats_ready(j))
+                                     residual=acts[shortcut], statistics_ready=training and j in self._stats_ready)
                 timed = norm
             elif isinstance(layer, (AddLayer, ConcatLayer)):
                 layer.forward_join([acts[s] for s in self.sources[i]], acts[i + 1])
@@ -531,7 +545,7 @@ class Net:
                 layer.forward_blocked(acts[self.sources[i][0]], acts[i + 1], auxes[i], training, (aux[0], aux[1]))
             elif isinstance(layer, NormLayer):
                 layer.forward_blocked(acts[self.sources[i][0]], acts[i + 1], auxes[i], training,
-                                      statistics_ready=training and self._stats_ready(i))
+                                      statistics_ready=training and i in self._stats_ready)
             else:
                 layer.forward_blocked(acts[self.sources[i][0]], acts[i + 1], auxes[i], training)
             if timings is not None:  # a fused pair's time goes to the layer whose kernel ran
@@ -628,10 +642,6 @@ class Net:
     def _shortcut(self, add: int, norm: int) -> int:
         """The activation a residual fusion's batchnorm adds: its add's other input."""
         return next(s for s in self.sources[add] if s != norm + 1)
-
-    def _stats_ready(self, norm: int) -> bool:
-        """Whether a statistics fusion's convolution fills this batchnorm's statistics."""
-        return self.sources[norm][0] - 1 in self.fusions.statistics
 
     def _backward_joined(self, ws: _Workspace, grads: dict[int, np.ndarray], add: int, dy: np.ndarray,
                          after_layer: Any) -> None:

@@ -135,7 +135,8 @@ def test_canonical_calls_keep_their_own_state_across_reused_buffers(built):
 
 def test_results_are_reused_only_when_the_caller_let_them_go(built):
     """A canonical result's array is reused for a later one only where nothing outside the layer
-    holds it: a name, a view or a container keeps it the caller's."""
+    holds it: a name, a view or a container keeps it the caller's; in the loop `y =
+    layer.forward(x)` two arrays take turns."""
     net = pr.load(built, threads=1)
     conv = net.layers["c"]
     rng = np.random.default_rng(6)
@@ -148,10 +149,13 @@ def test_results_are_reused_only_when_the_caller_let_them_go(built):
     np.testing.assert_array_equal(held[0], want[0])
     np.testing.assert_array_equal(held[1], want[1][:, :2])
     np.testing.assert_array_equal(kept["y"], want[2])
-    y = None
+    import weakref
+    made = []
     for x, w in zip(xs, want, strict=True):  # the loop pattern: the previous result held while the next is made
         y = conv.forward(x)
         np.testing.assert_array_equal(y, w)
+        made.append(weakref.ref(y))  # (a weak reference holds nothing)
+    assert made[2]() is made[0]() is not None and made[3]() is made[1]() is not None  # two arrays take turns
 
 
 def test_backward_weights_takes_the_last_forwards_mask_only_for_its_input_and_weights(built):
