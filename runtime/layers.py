@@ -671,7 +671,9 @@ class NormLayer(ParamLayer):
         residual fusion's: the add's ReLU, `residual_relu`, yb the add's output; dy masked is
         then the shortcut's gradient too). Under sync_batchnorm, backward-weights' sums (this
         shard's) are summed over the ranks into the means backward-data needs: it runs even
-        where the scale and shift need no gradient."""
+        where the scale and shift need no gradient. Without it backward-data takes its means from
+        the sums backward-weights just made (d shift = sum dy, d scale = sum dy x-hat): two reads
+        of x and dy fewer."""
         assert aux is not None
         batch = xb.shape[0]
         team = self.team(batch)
@@ -685,11 +687,13 @@ class NormLayer(ParamLayer):
             self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(aux[0]), ptr(aux[1]), ptr(dw), ptr(db), batch,
                                    team)
             mask = None
+            values = batch * self.in_shape[1] * self.in_shape[2]
             if synced:  # every rank's values per channel, then sums of dy and of dy x-hat
                 assert self.across_ranks is not None
-                values = batch * self.in_shape[1] * self.in_shape[2]
                 sums = self.across_ranks(np.concatenate([[float(values)], db, dw])).sum(axis=0)
                 means = (sums[1:] / sums[0]).astype(np.float32)
+            elif dxb is not None:  # this minibatch's sums, just made: backward-data reads no x and dy for them
+                means = (np.concatenate([db, dw]) / float(values)).astype(np.float32)
         if dxb is not None:
             self._k["bwd_data"](ptr(dyb), ptr(mask), ptr(xb), self.weights_ptr, ptr(aux[0]), ptr(aux[1]), ptr(means),
                                 ptr(dxb), 1, batch, team)

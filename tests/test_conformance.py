@@ -383,6 +383,16 @@ def test_batchnorm_against_float64(tmp_path, isa):
         dg, db = lay.backward_weights(x, dy)
         assert np.all(np.abs(db - dbeta) <= n * U32 * sums[0]), f"case {k} dbeta"
         assert np.all(np.abs(dg - dgamma) <= n * U32 * sums[1]), f"case {k} dgamma"
+        # a net's backward: backward-weights, then backward-data from the sums it just made
+        xb, dyb = lay.input_blocked(x, "x"), lay.output_gradient_blocked(dy, "dy")
+        yb, aux, dxb = lay.output_buffer("y", images), lay.aux_buffer(images), lay.output_buffer("dx", images)
+        saved = net.state_dict()
+        lay.forward_blocked(xb, yb, aux, training=True)
+        grads = np.zeros_like(lay._dwt), np.zeros_like(lay._dbias)
+        lay.backward_blocked(xb, yb, aux, dyb, dxb, grads=grads)
+        dx_net = lay._from_blocked("in", dxb, lay.in_shape, False)
+        assert np.all(np.abs(dx_net - dx_ref) <= n * U32 * dx_mag), f"case {k} backward-data after backward-weights"
+        net.load_state_dict(saved)  # (that forward moved the running statistics)
         # a training forward: running = 0.9 running + 0.1 (mean, unbiased var) (the layer API's
         # forward above, a training pass as PyTorch's module call, moved them once already)
         before = net.state_dict()
