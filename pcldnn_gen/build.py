@@ -121,11 +121,11 @@ def pass_gradients(gradients: tuple[bool, bool], pass_name: str) -> tuple[bool, 
     return {"fwd": (False, False), "bwd_data": gradients, "bwd_weights": (False, gradients[1])}[pass_name]
 
 
-def pass_activations(activations: tuple[bool, bool], pass_name: str) -> tuple[bool, bool]:
+def pass_activations(activations: tuple[bool, bool], pass_name: str, layer_type: str = "conv") -> tuple[bool, bool]:
     """Which of a layer's (input, output) bf16 activations a pass touches: backward-data reads
     no input (only the output, as a fused ReLU's mask), so an fp32 backward-data kernel may sit
-    beside a bf16 forward (a few-channel convolution's)."""
-    return (False, activations[1]) if pass_name == "bwd_data" else activations
+    beside a bf16 forward (a few-channel convolution's); a batchnorm's reads its input (x-hat)."""
+    return (False, activations[1]) if pass_name == "bwd_data" and layer_type != "batchnorm" else activations
 
 
 def plan_kernel(layer: LayerSpec, pass_name: str, arch: Arch, tuning: TuningDB | None = None,
@@ -138,7 +138,7 @@ def plan_kernel(layer: LayerSpec, pass_name: str, arch: Arch, tuning: TuningDB |
     has_pass = pass_name in LAYER_PASSES[layer.type]  # else plan_layer says which passes the layer has
     engine = choose(layer, pass_name, arch.target(precision))[1].engine if has_pass else Engine.FP32
     bf16, amx = engine is not Engine.FP32, engine is Engine.AMX
-    activations, gradients = pass_activations(activations, pass_name), pass_gradients(gradients, pass_name)
+    activations, gradients = pass_activations(activations, pass_name, layer.type), pass_gradients(gradients, pass_name)
     if choice or tuning is None:
         return plan_layer(layer, pass_name, arch, choice, bf16, amx, activations, gradients)
     return tuning.plan(layer, pass_name, arch, bf16, amx, activations, gradients)

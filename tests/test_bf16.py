@@ -689,6 +689,61 @@ def test_pooling_relu_dropout_on_bf16_activations(tmp_path, monkeypatch, arch):
     assert np.max(np.abs(logits - reference)) <= 0.02 * np.max(np.abs(reference))
 
 
+NORM_NET = [
+    {"name": "c0", "type": "conv", "out_channels": 20, "kernel": 3, "pad": 1},
+    {"name": "n1", "type": "batchnorm", "activation": "relu"},
+    {"name": "c2", "type": "conv", "out_channels": 16, "kernel": 1},
+    {"name": "n3", "type": "batchnorm", "activation": "relu6"},
+    {"name": "c4", "type": "conv", "out_channels": 16, "kernel": 3, "pad": 1},
+    {"name": "n5", "type": "batchnorm"},
+    {"name": "c6", "type": "conv", "out_channels": 16, "kernel": 1},
+    {"name": "f7", "type": "fc", "out_features": 3},
+    {"name": "loss", "type": "softmax_cross_entropy"},
+]
+
+
+@pytest.mark.parametrize("arch", BF16_BUILDS)
+def test_batchnorm_on_bf16_activations_and_gradients(tmp_path, arch):
+    """Batchnorms between bf16 convolutions read and write bf16 (x, y, dy, dx), computing in fp32
+    as on fp32 buffers: fed the same bf16 values, each pass gives the fp32 kernel's result
+    rounded once to nearest even (training forward with the ReLU, the ReLU6 or none; backward-
+    data through the fused activation's mask, in place; the scale and shift gradients exactly;
+    the mask is the stored output's, so a ReLU6 output rounded up to 6 passes no gradient),
+    and the net trains on bf16 buffers within bf16's rounding of the fp32-storage build."""
+    spec = _activation_spec(NORM_NET, channels=16)
+    assert bf16_outputs("bf16", arch.amx, 16, spec.layers) == (True,) * 6 + (False,) * 3
+    nets = _bf16_storage_builds(tmp_path, spec, arch)
+    rng = np.random.default_rng(8)
+    for name in ("n1", "n3", "n5"):
+        got, ref = nets["bf16"].layers[name], nets["fp32"].layers[name]
+        assert (got.in_bf16, got.out_bf16, got.in_grad_bf16, got.out_grad_bf16) == (True,) * 4
+        for layer in (got, ref):
+            layer.weights = np.linspace(0.5, 4.0, got.out_shape[0], dtype=np.float32)  # (past 6: ReLU6)
+            layer.bias = np.linspace(-0.3, 0.3, got.out_shape[0], dtype=np.float32)
+        x = as_float(bf16_reference((rng.standard_normal((3, *got.in_shape)) * 2 + 1).astype(np.float32)))
+        y = got.forward(x)
+        want = ref.forward(x)
+        np.testing.assert_array_equal(y, as_float(bf16_reference(want)))
+        assert name == "n5" or np.any(want == 0)  # the masks have work to do
+        dy = as_float(bf16_reference(rng.standard_normal(y.shape).astype(np.float32)))
+        # the ReLU6's mask reads the output as stored: an fp32 value just below 6 rounded to 6.0
+        # passes no gradient (the next layer did read 6.0)
+        rounded_to_6 = (y == 6) & (want < 6) & (name == "n3")
+        assert name != "n3" or np.any(rounded_to_6)
+        dy_ref = np.where(rounded_to_6, 0, dy).astype(np.float32)
+        np.testing.assert_array_equal(got.backward_data(dy), as_float(bf16_reference(ref.backward_data(dy_ref))))
+        for g, w in zip(got.backward_weights(x, dy), ref.backward_weights(x, dy_ref)):
+            np.testing.assert_array_equal(g, w)
+    x = rng.standard_normal((4, 16, 12, 11)).astype(np.float32)
+    labels = rng.integers(0, 3, 4)
+    net = nets["bf16"]
+    assert [a.dtype for a in net.workspace(4).acts] == [np.float32] + [np.uint16] * 6 + [np.float32] * 2
+    losses = [net.loss_and_grad(x, labels), nets["fp32"].loss_and_grad(x, labels)]
+    assert np.all(np.isfinite(net.grads)) and abs(losses[0] - losses[1]) <= 0.01 * abs(losses[1])
+    logits, reference = net.forward(x), nets["fp32"].forward(x)
+    assert np.max(np.abs(logits - reference)) <= 0.02 * np.max(np.abs(reference))
+
+
 @pytest.mark.parametrize("arch", BF16_BUILDS)
 def test_the_layer_api_converts_bf16_activations_in_one_pass(tmp_path, arch):
     """A layer with bf16 activations (m1: 20 channels, a block partly filled, of 12x11 pixels,

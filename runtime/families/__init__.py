@@ -145,8 +145,9 @@ def amx_passes(layer: LayerShape, target: Target) -> tuple[str, ...]:
 
 
 # Layers whose kernels take a bf16 activation as well as an fp32 one, in and out, in a bf16
-# build (their backward passes read no activation but a standalone ReLU's own output)
-BF16_ACTIVATION_LAYERS = ("maxpool", "avgpool", "relu", "dropout")
+# build (their backward passes read no activation but a standalone ReLU's own output and a
+# batchnorm's input), and the gradients likewise
+BF16_ACTIVATION_LAYERS = ("maxpool", "avgpool", "relu", "dropout", "batchnorm")
 
 
 def bf16_outputs(precision: str, amx: bool, v: int, layers: Sequence[LayerShape]) -> tuple[bool, ...]:
@@ -154,7 +155,7 @@ def bf16_outputs(precision: str, amx: bool, v: int, layers: Sequence[LayerShape]
     for the backward pass, and read by the next layer): where every kernel that touches it takes
     bf16, in a bf16 build. Its writer is a convolution (every conv kernel of a bf16 build, fp32
     ones included, stores its output as bf16 and reads it back as the ReLU's mask) or a pooling,
-    ReLU or dropout layer; its reader is a convolution whose forward and backward-weights passes
+    ReLU, dropout or batchnorm layer; its reader is a convolution whose forward and backward-weights passes
     are bf16 kernels (AMX tiles, or vdpbf16ps without AMX: bf16_passes; they read it as x) or
     one of those layers. Every other activation (the net's input, into and out of fc layers, the
     input of a convolution with fp32 kernels) stays fp32; its gradient is bf16 where
@@ -192,9 +193,8 @@ def bf16_gradients(precision: str, amx: bool, v: int, layers: Sequence[LayerShap
     activation itself is (bf16_outputs) and every kernel that touches the gradient takes bf16,
     as PyTorch's autocast and oneDNN's bf16 training keep an activation's gradient in the
     activation's type (half the bytes of the backward pass). Its writer is the next layer's
-    backward-data pass: a pooling, ReLU or dropout layer's, or a convolution's bf16 kernel
-    (bf16_passes); its readers are this layer's backward passes: a pooling, ReLU or dropout
-    layer's, or a convolution whose backward-data and backward-weights passes are both bf16
+    backward-data pass: a pooling, ReLU, dropout or batchnorm layer's, or a convolution's bf16
+    kernel (bf16_passes); its readers are this layer's backward passes: one of those layers', or a convolution whose backward-data and backward-weights passes are both bf16
     kernels (the packed first layer's backward passes read fp32, on tiles or not). Rounded once
     where written, so a bf16 kernel reading it sees what it rounded itself before; what
     changes are the sums of gradients in fp32 (a bias gradient, overlapping pooling windows),

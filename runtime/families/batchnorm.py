@@ -1,5 +1,7 @@
 """batchnorm: per-channel batch normalization (template batchnorm.c.j2, planned as memory-bound:
-planner/memory.py), fp32 in every build, run by runtime/layers.py's NormLayer. A channel is a
+planner/memory.py), computed in fp32, run by runtime/layers.py's NormLayer. Its activations and
+gradients are fp32 or, in bf16 builds, bf16 where families.bf16_outputs / bf16_gradients say
+(the `void *` arguments; a residual fusion's shortcut and output stay fp32). A channel is a
 lane of the blocked layouts: the statistics are sums over (image, pixel) of whole vectors."""
 from __future__ import annotations
 
@@ -14,16 +16,16 @@ FAMILY = Family(
         # running statistics, or the statistics of every rank's shard: or a fused convolution's).
         # `residual` (or NULL): a residual fusion's shortcut (families.fusion), added before the
         # add's ReLU, into the add's output `out`
-        "batchnorm_fwd": "const float *in, const float *gamma, const float *beta, float *mean, float *var, "
-                         "float *out, const float *residual, int training, int batch, int nthreads",
+        "batchnorm_fwd": "const void *in, const float *gamma, const float *beta, float *mean, float *var, "
+                         "void *out, const float *residual, int training, int batch, int nthreads",
         # dy masked in place by the fused ReLU's output `out` (or NULL); then dx: training, from
         # the batch statistics' gradient (the means of dy and dy x-hat over each channel: this
         # minibatch's, or batch_means, 2 x channels, when it spans ranks); else dy gamma /
         # sqrt(var + eps)
-        "batchnorm_bwd_data": "float *dy, const float *out, const float *in, const float *gamma, const float *mean, "
-                              "const float *var, const float *batch_means, float *dx, int training, int batch, "
+        "batchnorm_bwd_data": "void *dy, const void *out, const void *in, const float *gamma, const float *mean, "
+                              "const float *var, const float *batch_means, void *dx, int training, int batch, "
                               "int nthreads",
         # dgamma = sum dy x-hat, dbeta = sum dy (dy masked in place as above)
-        "batchnorm_bwd_weights": "const float *in, float *dy, const float *out, const float *mean, const float *var, "
+        "batchnorm_bwd_weights": "const void *in, void *dy, const void *out, const float *mean, const float *var, "
                                  "float *dgamma, float *dbeta, int batch, int nthreads",
     })

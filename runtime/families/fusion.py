@@ -73,8 +73,10 @@ def plan_fusions(layers: Sequence[FusableLayer], target: Target) -> Fusions:
 
 
 def _direct_fp32(layer: FusableLayer, target: Target) -> bool:
-    """The convolution's forward is an fp32 kernel that computes statistics (conv_direct's,
-    conv_depthwise's; the bf16 ones do not, yet)."""
+    """The convolution's forward is an fp32 kernel that computes statistics of an fp32 output
+    (conv_depthwise's; conv_direct's outside bf16 builds, where its output into a batchnorm is
+    stored as bf16: families.bf16_outputs; the bf16 kernels compute none, yet)."""
     from . import choose  # the package imports this module
     family, kind = choose(layer, "fwd", target)
-    return family.name in ("conv_direct", "conv_depthwise") and kind.engine is Engine.FP32
+    fp32_output = family.name == "conv_depthwise" or (family.name == "conv_direct" and target.precision != "bf16")
+    return fp32_output and kind.engine is Engine.FP32
