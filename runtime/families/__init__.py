@@ -195,7 +195,8 @@ def bf16_gradients(precision: str, amx: bool, v: int, layers: Sequence[LayerShap
     activation's type (half the bytes of the backward pass). Its writer is the next layer's
     backward-data pass: a pooling, ReLU, dropout or batchnorm layer's, or a convolution's bf16
     kernel (bf16_passes); its readers are this layer's backward passes: one of those layers', or
-    a convolution whose backward-data and backward-weights passes are both bf16 kernels (the packed first layer's backward passes read fp32, on tiles or not). Rounded once
+    a convolution whose backward-data and backward-weights passes are both bf16 kernels (the
+    packed first layer's backward passes read fp32, on tiles or not). Rounded once
     where written, so a bf16 kernel reading it sees what it rounded itself before; what
     changes are the sums of gradients in fp32 (a bias gradient, overlapping pooling windows),
     which now add bf16-rounded terms, as oneDNN's do. Weight gradients stay fp32."""
