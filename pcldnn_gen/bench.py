@@ -25,7 +25,7 @@ from pcldnn_runtime.manifest import PASSES, file_sha256
 from . import __version__
 from .arch import PRESETS, Arch
 from .build import build
-from .codegen import PEAK_SYMBOL, peak_flops_per_iteration, render_peak, template_env
+from .codegen import COPY_SYMBOL, PEAK_SYMBOL, peak_flops_per_iteration, render_copy, render_peak, template_env
 from .compiler import Source, compile_source
 from .errors import PcldnnError
 from .netspec import NetSpec
@@ -54,6 +54,23 @@ def measure_peak(arch: Arch, threads: int, repeats: int = 5) -> float:
     lib = compile_source(source, arch).library
     library = load_library(lib, file_sha256(lib), source.symbols)  # kept while fn is called
     return fma_peak_gflops(library[PEAK_SYMBOL], peak_flops_per_iteration(arch), threads, repeats)
+
+
+def measure_copy_rate(arch: Arch, threads: int, repeats: int = 5) -> float:
+    """Memory copy rate in GB/s with `threads` threads (bytes read + bytes written a second, as
+    STREAM's Copy counts them), from a generated copy kernel over two arrays each twice the
+    last-level cache (at least 256 MiB): the bound of the memory-bound kernels' rows."""
+    pr.cpu.require(arch.isa, "measuring the copy rate")
+    source = render_copy(arch)
+    lib = compile_source(source, arch).library
+    library = load_library(lib, file_sha256(lib), source.symbols)
+    n = max(2 * arch.l3_bytes, 256 << 20) // 4
+    src, dst = empty_aligned((n,)), empty_aligned((n,))
+    src.fill(1.0)
+    dst.fill(0.0)  # (both touched: no page faults in the timed calls)
+    copy = library[COPY_SYMBOL]
+    seconds = median_seconds(lambda: copy(ptr(src), ptr(dst), n, threads), repeats)
+    return 2 * 4 * n / seconds / 1e9
 
 
 # A timing call repeats a kernel until about this long (one call at least, at most MAX_REPEATS).
@@ -121,9 +138,16 @@ def kernel_timers(layer: Any, batch: int) -> dict[str, KernelTimer]:
     yb = empty_aligned(shape, dtype=np.uint16 if layer.out_bf16 else np.float32)
     dyb = random(shape, layer.out_grad_bf16)
     grads = tuple(empty_aligned(g.shape) for g in layer.grad_buffers)
-    runs = {"fwd": lambda: layer.forward_blocked(xb, yb),
-            "bwd_data": lambda: layer.backward_blocked(xb, None, None, dyb, dxb),
-            "bwd_weights": lambda: layer.backward_blocked(xb, None, None, dyb, None, grads)}
+    if layer.type == "batchnorm":  # training passes as a net runs them: backward-data from backward-weights' sums
+        aux = layer.aux_buffer(batch)
+        layer.forward_blocked(xb, yb, aux, training=True)
+        runs = {"fwd": lambda: layer.forward_blocked(xb, yb, aux, training=True),
+                "bwd_data": lambda: layer.backward_blocked(xb, None, aux, dyb, dxb, grads),
+                "bwd_weights": lambda: layer.backward_blocked(xb, None, aux, dyb, None, grads)}
+    else:
+        runs = {"fwd": lambda: layer.forward_blocked(xb, yb),
+                "bwd_data": lambda: layer.backward_blocked(xb, None, None, dyb, dxb),
+                "bwd_weights": lambda: layer.backward_blocked(xb, None, None, dyb, None, grads)}
     # the traced arguments hold the buffers (ptr keeps an array alive)
     return {p: KernelTimer(layer.kernel_kind(p), *layer.traced_kernel_call(p, run)) for p, run in runs.items()}
 
@@ -151,13 +175,42 @@ class PassResult:
     useful_gflops: float = 0.0             # GFLOP/s counting only taps that read inside the input (no padding)
     tuned: bool = False                    # the kernel's tile came from the tuning database
     batch: int = 0                         # the minibatch it ran at
+    gbs: float | None = None               # memory-bound rows: the pass's compulsory bytes (pass_bytes) a second
+    bound_fraction: float | None = None    # gbs / the measured copy rate: the share of the bandwidth bound
+
+
+def memory_bound(layer: Any) -> bool:
+    """Rows judged by bytes, not FLOPs: depthwise convolutions and batchnorms."""
+    return layer.type == "batchnorm" or (layer.type == "conv" and layer.groups > 1)
+
+
+def pass_bytes(layer: Any, pass_name: str, batch: int) -> float:
+    """The bytes a memory-bound pass must move (a runtime layer, its blocked buffers: padded
+    channel blocks; 2 bytes a value where stored as bf16). Depthwise convolution: forward reads x
+    and writes y, backward-data reads dy and writes dx, backward-weights reads x and dy (weights:
+    a few KB, counted). Batchnorm: forward reads x for the statistics, then x and y for the apply
+    (3 activations: the statistics are needed before any output); backward-weights reads x and
+    dy; backward-data, given the sums backward-weights made, reads x and dy and writes dx."""
+    def size(shape: tuple[int, ...], bf16: bool) -> float:
+        return float(np.prod(shape)) * (2 if bf16 else 4)
+
+    x = size(layer.input_shape(batch), layer.in_bf16)
+    out = layer.blocked_shape(layer.out_shape, batch)
+    y, dy = size(out, layer.out_bf16), size(out, layer.out_grad_bf16)
+    dx = size(layer.input_shape(batch), layer.in_grad_bf16)
+    weights = 4.0 * sum(g.size for g in layer.grad_buffers)
+    if layer.type == "batchnorm":
+        return {"fwd": 2 * x + y, "bwd_weights": x + dy, "bwd_data": x + dy + dx}[pass_name]
+    return {"fwd": x + y, "bwd_data": dy + dx, "bwd_weights": x + dy}[pass_name] + weights
 
 
 def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes: Any = PASSES,
               layers: list[str] | None = None, repeats: int = 5, compare: Any = (), peak: float | None = None,
               build_dir: Path | None = None, rounds: int = 1, tuning: Any = None,
-              precision: str = "fp32") -> tuple[float, list[PassResult]]:
-    """Time every (weighted layer, pass). Returns (peak GFLOP/s, results). `precision` bf16: a
+              precision: str = "fp32", copy_rate: float | None = None) -> tuple[float, list[PassResult]]:
+    """Time every (conv, fc or batchnorm layer, pass). Returns (peak GFLOP/s, results).
+    Memory-bound rows (depthwise, batchnorm) also get their bytes a second against the copy rate
+    (`copy_rate` GB/s, else measured once here). `precision` bf16: a
     bf16 build (its vdpbf16ps forward kernels timed without the conversions that feed them; the
     AMX ones and the backward kernels convert their operands themselves, timed with it), against
     oneDNN on bf16 tensors; the peak stays the fp32 FMA peak.
@@ -167,24 +220,31 @@ def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes: Any =
     moment that hits one side of one round does not decide a ratio. The FMA peak is measured
     again after each layer; the denominator is the highest peak seen in the run (the machine's
     demonstrated capability), so a slow moment cannot inflate the efficiencies."""
-    chosen = [l for l in spec.layers if l.weighted and (layers is None or l.name in layers)]
+    benched = [l for l in spec.layers if l.weighted or l.type == "batchnorm"]
+    chosen = [l for l in benched if layers is None or l.name in layers]
     if layers:
-        unknown = set(layers) - {l.name for l in spec.layers if l.weighted}
+        unknown = set(layers) - {l.name for l in benched}
         if unknown:
-            raise PcldnnError(f"{spec.name}: no conv/fc layer named {', '.join(sorted(unknown))}")
+            raise PcldnnError(f"{spec.name}: no conv/fc/batchnorm layer named {', '.join(sorted(unknown))}")
     peaks = [peak] if peak else [measure_peak(arch, threads)]
-    ours, ratios = {}, {}
+    if copy_rate is None and any(memory_bound(l) for l in chosen):
+        copy_rate = measure_copy_rate(arch, threads)
+    ours: dict[tuple[str, str], float] = {}
+    ratios: dict[tuple[str, str], dict] = {}
+    nbytes: dict[tuple[str, str], float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         out = build_dir or Path(tmp) / "build"
         plans = build(spec, arch, out, tuning=tuning, precision=precision).plans
         net = pr.load(out, threads=threads)
         for ls in chosen:
             timers = kernel_timers(net.layers[ls.name], batch)
+            if memory_bound(ls):
+                nbytes |= {(ls.name, p): pass_bytes(net.layers[ls.name], p, batch) for p in passes}
             per_round = []  # [({pass: our seconds}, {"layer/pass": {baseline: seconds}})]
             for _ in range(rounds):
                 mine = {p: median_kernel_seconds(timers[p], repeats) for p in passes}
                 per_round.append((mine, run_baselines([ls], arch, batch, threads, passes, repeats, compare, precision)
-                                  if compare else {}))
+                                  if compare and ls.weighted else {}))
             for p in passes:
                 ours[(ls.name, p)] = float(np.median([mine[p] for mine, _ in per_round]))
                 seen = {k: v for _, b in per_round for k, v in b.get(f"{ls.name}/{p}", {}).items()}
@@ -201,10 +261,12 @@ def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes: Any =
         flops, useful = ls.flops(batch), ls.useful_flops(batch)
         for p in passes:
             t, r = ours[(ls.name, p)], ratios[(ls.name, p)]
+            gbs = nbytes[(ls.name, p)] / t / 1e9 if (ls.name, p) in nbytes else None
             results.append(PassResult(ls.name, p, t * 1e3, flops / t / 1e9, flops / t / 1e9 / best_peak,
                                       r.get("numpy"), r.get("onednn"), r.get("onednn_wall"), r.get("onednn_impl"),
                                       r.get("onednn_isa"), ls.type, useful_gflops=useful / t / 1e9,
-                                      tuned=plans[(ls.name, p)].measured is not None, batch=batch))
+                                      tuned=plans[(ls.name, p)].measured is not None, batch=batch, gbs=gbs,
+                                      bound_fraction=gbs / copy_rate if gbs is not None and copy_rate else None))
     return best_peak, results
 
 
@@ -243,11 +305,12 @@ def bench_zoo(shapes: Any, arch: Arch, batch: int, threads: int, passes: Any = P
     convolution as inside a net (ZooShape.inner: bf16 activations and gradients in and out). The
     FMA peak is measured before and after the whole zoo; the efficiencies use the higher of the two."""
     peaks = [measure_peak(arch, threads)]
+    copy_rate = measure_copy_rate(arch, threads) if any(memory_bound(s.net.layers[0]) for s in shapes) else None
     rows: list[PassResult] = []
     for shape in shapes:
         _, results = bench_net(shape.inner if precision == "bf16" else shape.net, arch, batch, threads, passes, None,
                                repeats, compare, peak=peaks[0],
-                               rounds=rounds, tuning=tuning, precision=precision)
+                               rounds=rounds, tuning=tuning, precision=precision, copy_rate=copy_rate)
         rows += [replace(r, family=shape.family) for r in results]
     peaks.append(measure_peak(arch, threads))
     best = max(peaks)
@@ -289,22 +352,30 @@ def run_baselines(layers: Any, arch: Arch, batch: int, threads: int, passes: Any
 
 
 def format_table(title: str, arch: Arch, batch: int, threads: int, peak: float, results: list[PassResult]) -> str:
+    copy_rate = next((r.gbs / r.bound_fraction for r in results if r.gbs and r.bound_fraction), None)
     lines = [f"{title} on {arch.name}, minibatch {batch}, {threads} thread(s); measured FMA peak {peak:.1f} GFLOP/s "
-             "(highest of the run)",
+             "(highest of the run)" + (f", copy rate {copy_rate:.1f} GB/s" if copy_rate else ""),
              f"{'layer':<8} {'pass':<12} {'ms':>9} {'GFLOP/s':>8} {'%peak':>6} {'useful':>7} {'xnumpy':>7} {'xoneDNN':>8} "
-             f"{'xoneDNN wall':>12}"]
+             f"{'xoneDNN wall':>12}" + (f" {'GB/s':>7} {'%copy':>6}" if copy_rate else "")]
 
     def fmt(v: Any, width: Any) -> Any:
         return f"{v:{width}.2f}" if v is not None else f"{'-':>{width}}"
 
     for r in results:
-        lines.append(f"{r.layer:<8} {r.pass_name:<12} {r.ms:9.{2 if r.ms >= 1 else 4}f} {r.gflops:8.1f} {r.peak_fraction:6.0%} "
-                     f"{r.useful_gflops / r.gflops if r.gflops else 0:7.0%} {fmt(r.vs_numpy, 7)} {fmt(r.vs_onednn, 8)} "
-                     f"{fmt(r.vs_onednn_wall, 12)}")
+        flops = (f"{r.gflops:8.1f} {r.peak_fraction:6.0%} {r.useful_gflops / r.gflops:7.0%}" if r.gflops
+                 else f"{'-':>8} {'-':>6} {'-':>7}")  # (batchnorm: no dot products)
+        lines.append(f"{r.layer:<8} {r.pass_name:<12} {r.ms:9.{2 if r.ms >= 1 else 4}f} {flops} "
+                     f"{fmt(r.vs_numpy, 7)} {fmt(r.vs_onednn, 8)} "
+                     f"{fmt(r.vs_onednn_wall, 12)}"
+                     + ((f" {r.gbs:7.1f} {r.bound_fraction:6.0%}" if r.gbs and r.bound_fraction else f" {'-':>7} {'-':>6}")
+                        if copy_rate else ""))
     lines.append("GFLOP/s and %peak count nominal FLOPs (2 x every multiply-add of the layer, padding taps "
                  "included); useful = the share of them that reads inside the input (the kernels skip the rest)")
     lines.append("x columns: baseline time / our time (> 1: ours is faster); oneDNN = its primitive time "
                  "(ONEDNN_VERBOSE), oneDNN wall = PyTorch call time including layout reorders")
+    if copy_rate:
+        lines.append("GB/s (depthwise and batchnorm rows): the bytes the pass must move (bench.pass_bytes) a second; "
+                     "%copy: of the copy rate measured in the same run (read + written bytes a second)")
     tuned = sum(r.tuned for r in results)
     if tuned:
         lines.append(f"{tuned} of {len(results)} kernels use a tile from the tuning database (`pcldnn-gen tune`)")

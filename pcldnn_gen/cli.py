@@ -273,8 +273,10 @@ def _plan(args: argparse.Namespace) -> int:
     per_node = sorted({-(-args.batch // p) for p in nodes})  # the per-node minibatches the plans need
     machine = (report.local_machine(net, args.arch, per_node, args.bench_json, args.threads)
                if args.machine == "local" else scaling.get_machine(args.machine))
-    strategies, simulated, minima, sims = report.run(net, machine, nodes, args.batch, args.threshold)
-    print(report.format_table(net, machine, strategies, simulated, minima, args.threshold, args.epoch_images))
+    strategies, simulated, minima, sims = report.run(net, machine, nodes, args.batch, args.threshold,
+                                                     args.gradient_exchange, args.sync_batchnorm)
+    print(report.format_table(net, machine, strategies, simulated, minima, args.threshold, args.epoch_images,
+                              args.epochs))
     if args.json:
         Path(args.json).write_text(json.dumps(
             report.report_json(net, machine, strategies, simulated, minima, args.threshold, args.epoch_images), indent=1))
@@ -341,7 +343,8 @@ def parser() -> argparse.ArgumentParser:
                    help="minibatch, or several (1,2,4,...,64: each layer and pass at each, and the efficiency "
                         "curve `plan --machine local --bench-json` uses); default 16")
     b.add_argument("--passes", default=",".join(PASSES), help="comma-separated, default all")
-    b.add_argument("--layers", default=None, help="comma-separated conv/fc layers, or zoo shapes (default all)")
+    b.add_argument("--layers", default=None,
+                   help="comma-separated conv, fc or batchnorm layers, or zoo shapes (default all)")
     b.add_argument("--repeats", type=_int_in(1, 1000), default=5)
     b.add_argument("--rounds", type=_int_in(1, 100), default=2,
                    help="rounds of (our kernels, baselines) per layer; ratios are the median of the per-round ratios")
@@ -397,6 +400,12 @@ def parser() -> argparse.ArgumentParser:
                     help="--machine local: kernel efficiencies from `pcldnn-gen bench NET --json` of this net")
     pl.add_argument("--epoch-images", type=_int_in(1, 10 ** 12), default=None, metavar="N",
                     help="also print the time of one epoch of N images (ImageNet-1K: 1281167)")
+    pl.add_argument("--epochs", type=_int_in(1, 10 ** 6), default=1,
+                    help="with --epoch-images: the time of this many epochs (default 1)")
+    pl.add_argument("--gradient-exchange", choices=("fp32", "bf16"), default="fp32",
+                    help="weight gradients part-reduced and broadcast as fp32 (default) or bf16, as `train` sends them")
+    pl.add_argument("--sync-batchnorm", action="store_true",
+                    help="batchnorm statistics over every node's shard: two allgathers per batchnorm layer a step")
     pl.add_argument("--json", help="write the plans as JSON")
     pl.add_argument("--plot", help="write predicted speedup against nodes (PNG)")
     pl.add_argument("--timeline", help="write the simulated timeline of one iteration at the largest node count (PNG)")

@@ -38,6 +38,8 @@ from .planner import KernelPlan, kernel_layer, reads_packed_image
 from .planner.plans import ConvBwdWeightsPlan
 from .spelling import BF16_ISA, VECTOR_ISAS, target_spellings
 
+COPY_SYMBOL = "pcldnn_copy"  # bench's copy-rate kernel (render_copy); no build carries it
+
 
 def c_comment(text: object) -> str:
     """Text made inert inside a C block comment: printable ASCII only (no newline, no
@@ -259,6 +261,14 @@ def render_peak(arch: Arch) -> Source:
         arch=arch, vec=VECTOR_ISAS[arch.isa], symbol=PEAK_SYMBOL, version=__version__,
         params=SIGNATURES["peak"], accumulators=peak_accumulators(arch))
     return Source("peak.c", text, {PEAK_SYMBOL: "peak"})
+
+
+def render_copy(arch: Arch) -> Source:
+    """C source of the memory copy micro-kernel: `bench`'s copy rate, the bound its memory-bound
+    rows (depthwise convolution, batchnorm) are judged against."""
+    text = template_env().get_template("copy.c.j2").render(
+        arch=arch, vec=VECTOR_ISAS[arch.isa], symbol=COPY_SYMBOL, version=__version__, params=SIGNATURES["copy"])
+    return Source("copy.c", text, {COPY_SYMBOL: "copy"})
 
 
 def render_sgd() -> Source:

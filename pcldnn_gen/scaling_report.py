@@ -115,12 +115,13 @@ def _bench_curve(path: Path, spec: NetSpec) -> dict[str, tuple[tuple[int, float]
     return efficiency_curve(rows, spec, peak)
 
 
-def layer_loads(spec: NetSpec, machine: scaling.Machine) -> list[scaling.LayerLoad]:
-    """The net's conv, fc and batchnorm layers as the model sees them, with each conv and fc pass's
-    parallel loop from
-    the plans for the machine's CPU preset (how a node's cores share the work: the thread
-    division at small per-node minibatches)."""
-    loads = scaling.loads_of(spec.layers)
+def layer_loads(spec: NetSpec, machine: scaling.Machine, gradient_exchange: str = "fp32",
+                sync_batchnorm: bool = False) -> list[scaling.LayerLoad]:
+    """The net's conv, fc and batchnorm layers as the model sees them (activations in the
+    machine's precision; the training options of scaling.loads_of), with each conv and fc pass's
+    parallel loop from the plans for the machine's CPU preset (how a node's cores share the
+    work: the thread division at small per-node minibatches)."""
+    loads = scaling.loads_of(spec.layers, machine.precision, gradient_exchange, sync_batchnorm)
     if not machine.arch:
         return loads
     arch = get_arch(machine.arch)
@@ -128,6 +129,10 @@ def layer_loads(spec: NetSpec, machine: scaling.Machine) -> list[scaling.LayerLo
     return [replace(load, loops={p: parallel_loop(layers[load.name], plan_layer(layers[load.name], p, arch))
                                  for p in PASSES}) if load.type in ("conv", "fc") else load
             for load in loads]
+
+
+def epochs_label(epochs: int) -> str:
+    return "epoch" if epochs == 1 else f"{epochs} epochs"
 
 
 def epoch_text(seconds: float) -> str:
@@ -140,18 +145,19 @@ def epoch_text(seconds: float) -> str:
 
 
 def format_table(spec: NetSpec, machine: scaling.Machine, strategies: list[scaling.Strategy], simulated: list[float],
-                 min_batches: list[int | None], threshold: float, epoch_images: int | None = None) -> str:
+                 min_batches: list[int | None], threshold: float, epoch_images: int | None = None,
+                 epochs: int = 1) -> str:
     m = machine
-    lines = [f"{spec.name} on {m.name} ({m.nodes_note}): peak {m.peak_gflops:.0f} GFLOP/s per node, "
+    lines = [f"{spec.name} on {m.name} ({m.nodes_note}): {m.precision} peak {m.peak_gflops:.0f} GFLOP/s per node, "
              f"link {m.bandwidth_gbs:.3g} GB/s, latency {m.latency_us:.3g} us, {m.algorithm} collectives, "
              f"{'overlapped' if m.overlap else 'no overlap'}; global minibatch {strategies[0].batch}",
              "",
              f"{'nodes':>6} {'img/node':>8} {'iter ms':>9} {'simulated':>9} {'images/s':>9} {'speedup':>8} "
-             f"{'eff':>5} {'min img/node':>12}" + (f" {'epoch':>11}" if epoch_images else "")
+             f"{'eff':>5} {'min img/node':>12}" + (f" {epochs_label(epochs):>11}" if epoch_images else "")
              + "  model/hybrid layers (others data parallel)"]
     for pl, sim, mb in zip(strategies, simulated, min_batches):
         split = ", ".join(f"{c.layer} {c.mode}" for c in pl.costs if c.group > 1) or "-"
-        epoch = f" {epoch_text(epoch_images / pl.images_per_s):>11}" if epoch_images else ""
+        epoch = f" {epoch_text(epochs * epoch_images / pl.images_per_s):>11}" if epoch_images else ""
         lines.append(f"{pl.nodes:>6} {pl.batch / pl.nodes:>8.1f} {pl.time * 1e3:>9.1f} {sim * 1e3:>9.1f} "
                      f"{pl.images_per_s:>9.1f} {pl.speedup:>8.1f} {pl.efficiency:>5.0%} "
                      f"{(str(mb) if mb else 'none'):>12}{epoch}  {split}")
@@ -159,17 +165,17 @@ def format_table(spec: NetSpec, machine: scaling.Machine, strategies: list[scali
     lines.append(f"min img/node: the smallest per-node minibatch at which that many nodes still reach "
                  f"{threshold:.0%} parallel efficiency (against one node with the same global minibatch)")
     if epoch_images:
-        lines.append(f"epoch: {epoch_images} images at the closed form's images/s (h:mm:ss)")
+        lines.append(f"{epochs_label(epochs)}: {epochs} x {epoch_images} images at the closed form's images/s (h:mm:ss)")
     if machine.step_cv:
         lines.append(f"stragglers: per-node compute time varies by {machine.step_cv:.1%} (coefficient of variation); "
                      "an iteration waits for the slowest node")
     last = strategies[-1]
-    lines.append(f"per layer at {last.nodes} nodes (ms: forward, backward, model-parallel exchanges, "
+    lines.append(f"per layer at {last.nodes} nodes (ms: forward, backward, model-parallel and sync_batchnorm exchanges, "
                  f"part-reduce + part-broadcast):")
     width = max([10] + [len(c.layer) for c in last.costs])
     for c in last.costs:
         lines.append(f"  {c.layer:<{width}} {c.mode:<9} fwd {c.fwd * 1e3:8.2f}  bwd {c.bwd * 1e3:8.2f}  "
-                     f"exchange {(c.mp_fwd + c.mp_bwd) * 1e3:8.2f}  weights {c.dp * 1e3:8.2f}")
+                     f"exchange {(c.mp_fwd + c.mp_bwd + 2 * c.sync) * 1e3:8.2f}  weights {c.dp * 1e3:8.2f}")
     return "\n".join(lines)
 
 
@@ -232,7 +238,8 @@ def plot_timeline(path: Path, spec: NetSpec, machine: scaling.Machine, pl: scali
     plt.close(fig)
 
 
-def run(spec: NetSpec, machine: scaling.Machine, nodes: list[int], batch: int, threshold: float = 0.8) -> Any:
+def run(spec: NetSpec, machine: scaling.Machine, nodes: list[int], batch: int, threshold: float = 0.8,
+        gradient_exchange: str = "fp32", sync_batchnorm: bool = False) -> Any:
     """(strategies, simulated times, per-node minibatch minima, simulation of the largest count)."""
     if batch < 1:
         raise PcldnnError(f"--batch must be positive, got {batch}")
@@ -240,7 +247,7 @@ def run(spec: NetSpec, machine: scaling.Machine, nodes: list[int], batch: int, t
         raise PcldnnError(f"--batch {batch} is smaller than {max(nodes)} nodes: a node would get no images")
     if not 0 < threshold <= 1:
         raise PcldnnError(f"--threshold must be in (0, 1], got {threshold}")
-    loads = layer_loads(spec, machine)
+    loads = layer_loads(spec, machine, gradient_exchange, sync_batchnorm)
     if not loads:
         raise PcldnnError(f"net {spec.name} has no conv or fc layer to plan")
     strategies = [scaling.best_strategy(loads, p, batch, machine) for p in nodes]

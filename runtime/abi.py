@@ -25,6 +25,9 @@ SIGNATURES: dict[str, str] = {
     "fc_weight_tiles": "const float *src, unsigned short *fwd_tiles, unsigned short *data_tiles, int ocb_lo, "
                        "int ocb_hi, int nthreads",
     "peak": "long long iters, int nthreads, float *sink",
+    # dst = src over n floats (templates/copy.c.j2): bench's memory copy rate, the bound of the
+    # memory-bound kernels
+    "copy": "const float *src, float *dst, long long n, int nthreads",
     # one SGD update of n parameters (templates/sgd.c.j2); decay NULL: decay_all for every one;
     # *nonfinite: 1 where an updated weight is NaN or infinite, else 0
     "sgd": "float *p, float *v, const float *g, const float *decay, float decay_all, float lr, float momentum, "
@@ -32,10 +35,10 @@ SIGNATURES: dict[str, str] = {
     "weight_layout": "const float *src, float *dst",
 }
 
-# Timing loops of `bench` (templates/repeat.c.j2): a weighted kernel's own arguments after the
-# kernel, the call count and where the seconds per call go; one for every kind of the families
-# of conv and fc layers (families.all_kinds).
-REPEATED_KINDS = tuple(k.name for k in all_kinds() if k.layer_type in ("conv", "fc"))
+# Timing loops of `bench` (templates/repeat.c.j2): a kernel's own arguments after the kernel,
+# the call count and where the seconds per call go; one for every kind of the families of conv,
+# fc and batchnorm layers (families.all_kinds).
+REPEATED_KINDS = tuple(k.name for k in all_kinds() if k.layer_type in ("conv", "fc", "batchnorm"))
 SIGNATURES |= {f"repeat_{kind}": "void *fn, long long reps, double *seconds, " + SIGNATURES[kind]
                for kind in REPEATED_KINDS}
 

@@ -41,7 +41,7 @@ import itertools
 import math
 import os
 import random
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,9 @@ class Machine:
     # Measured efficiency against the per-node minibatch, per kind: ((minibatch, fraction), ...)
     # ascending; where given it replaces `efficiency` (interpolated in log minibatch, clamped).
     efficiency_curve: dict = field(default_factory=dict)
+    # What the peak and the efficiencies describe: fp32 kernels (FMAs), or bf16 ones (AMX tiles or
+    # vdpbf16ps), whose activations are stored in 2 bytes (docs/precision.md)
+    precision: str = "fp32"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -166,6 +169,32 @@ PRESETS: dict[str, Machine] = {
                       1670.4, _eff((0.85, 0.80, 0.80), (0.70, 0.65, 0.65)), 80.0, 50.0, 1.1, 25.0,
                       "ring", True, "Das et al. 2016 section 6; AWS c4 instance specifications",
                       cores=18, arch="haswell", step_cv=STEP_CV),
+    # MLPerf Training v3.0, Intel's closed-division ResNet-50 (88.2 minutes; system
+    # 16-nodes-SPR-pytorch, mlcommons/training_results_v3.0 Intel/systems/16-nodes-SPR-pytorch.json
+    # and benchmarks/resnet/implementations/pytorch-cpu/run_benchmark.sh): 16 nodes of 2 Xeon
+    # Platinum 8480+ (56 cores, 2.00 GHz), 16 x 64 GB DDR5-4800 per socket, Intel E810-C QSFP
+    # Ethernet with RDMA (irdma, PSM3; oneCCL over two NIC ports per rank, CCL_MNIC_COUNT=2),
+    # Rabenseifner allreduce; run as 32 ranks (`mpiexec -np 32 -ppn 2`, one per socket), global
+    # minibatch 3264, bf16 (AMX). A node here is one rank: one socket.
+    # - peak: 56 cores x 2.00 GHz x 1024 bf16 FLOP per cycle (tdpbf16ps: a 16x32 by 32x16 tile
+    #   product, 16384 FLOP, one per 16 cycles) = 114.7 TFLOP/s, at the listed base clock;
+    # - efficiency: this project's AMX kernels on ResNet-50 (bf16, minibatch 16) against 16x the
+    #   fp32 FMA peak measured in the same run on one core of the project's Sapphire-Rapids-class
+    #   Xeon VM (`benchmarks/step_breakdown.py` with PCLDNN_VERBOSE: conv forward 0.215,
+    #   backward-data 0.229, backward-weights 0.137; fc 0.034-0.045): measured, not fitted;
+    # - memory: 8 channels x 4800 MT/s x 8 bytes = 307 GB/s peak, 81% sustained (the STREAM /
+    #   peak ratio of the Cori preset: an assumption, no STREAM figure is published with the run);
+    # - link: two 100 GbE ports a node (4 irdma devices, two dual-port E810-C cards of 100 Gb/s
+    #   each) shared by its two ranks: 12.5 GB/s a rank at line rate; 5 us a message (RDMA over
+    #   Ethernet, assumed); sums at a third of the memory bandwidth (two reads and a write a value).
+    "mlperf-v3-spr": Machine("mlperf-v3-spr", "one socket of a 2x Xeon Platinum 8480+ node (56 cores, 2.0 GHz, AMX), "
+                             "E810-C 100 GbE RDMA", 56 * 2.0 * 1024,
+                             _eff((0.215, 0.229, 0.137), (0.034, 0.045, 0.045)), 0.81 * 307.2, 5.0, 12.5,
+                             0.81 * 307.2 / 3, "rhd", True,
+                             "MLPerf Training v3.0 Intel 16-nodes-SPR-pytorch system description and run script; "
+                             "Intel Xeon Platinum 8480+ specifications; AMX tdpbf16ps throughput; efficiencies "
+                             "measured by benchmarks/step_breakdown.py (runtime/scaling.py PRESETS)",
+                             cores=56, arch="sapphirerapids", step_cv=STEP_CV, precision="bf16"),
 }
 
 # The machine parallel="auto" plans for when PCLDNN_MACHINE names none: Ethernet-class links,
@@ -194,7 +223,8 @@ MACHINE_RANGES = {"peak_gflops": (1e-3, 1e7), "memory_gbs": (1e-3, 1e5), "latenc
 
 def machine_from_dict(data: Any, origin: str) -> Machine:
     f = Fields(origin)
-    optional = {"algorithm", "overlap", "source", "nodes_note", "cores", "arch", "step_cv", "efficiency_curve"}
+    optional = {"algorithm", "overlap", "source", "nodes_note", "cores", "arch", "step_cv", "efficiency_curve",
+                "precision"}
     f.obj(data, "", {fld.name for fld in fields(Machine)} - optional, optional)
     values: dict[str, Any] = {name: f.number_in(data[name], name, lo, hi) for name, (lo, hi) in MACHINE_RANGES.items()}
     eff = f.obj(data["efficiency"], "efficiency", KINDS)
@@ -207,6 +237,7 @@ def machine_from_dict(data: Any, origin: str) -> Machine:
     values["cores"] = f.int_in(data.get("cores", 1), "cores", 1, 1 << 16)
     values["arch"] = f.string(data["arch"], "arch", LABEL_RE, "an arch preset name") if data.get("arch", "") else ""
     values["step_cv"] = f.number_in(data.get("step_cv", 0.0), "step_cv", 0, 1)
+    values["precision"] = f.choice(data.get("precision", "fp32"), "precision", ("fp32", "bf16"))
     curves = f.obj(data.get("efficiency_curve", {}), "efficiency_curve", set(), KINDS)
     values["efficiency_curve"] = {}
     for kind, raw in curves.items():
@@ -261,36 +292,46 @@ class LayerLoad:
     first: bool          # the first layer: no backward-data pass (nothing below needs it)
     # Per pass, how its kernel's parallel loop divides among a node's threads (absent: evenly).
     loops: dict = field(default_factory=dict, compare=False)
+    exchange: float = 1.0  # bytes sent per weight byte in the part-reduce and -broadcast (bf16 gradients: 0.5)
+    sync_values: int = 0   # sync_batchnorm: float64 values each node adds to the statistics' allgathers (2C + 1)
 
     @staticmethod
     def from_shapes(name: str, type_: str, in_shape: Any, out_shape: Any, kernel: Any, first: bool,
-                    groups: int = 1) -> LayerLoad:
+                    groups: int = 1, activation_bytes: float = 4.0) -> LayerLoad:
         """A conv (`groups` > 1: each output channel reads IC / groups input channels) or fc layer."""
         ic, ih, iw = in_shape
         oc, oh, ow = out_shape
         kh, kw = kernel
         macs = oc * oh * ow * (ic // groups) * kh * kw
-        return LayerLoad(name, type_, 2.0 * macs, 4.0 * (oc * (ic // groups) * kh * kw + oc), 4.0 * ic * ih * iw,
-                         4.0 * oc * oh * ow, first)
+        return LayerLoad(name, type_, 2.0 * macs, 4.0 * (oc * (ic // groups) * kh * kw + oc),
+                         activation_bytes * ic * ih * iw, activation_bytes * oc * oh * ow, first)
 
     @staticmethod
-    def batchnorm(name: str, shape: Any) -> LayerLoad:
-        """A batchnorm: a few FLOPs a value, its input read twice by the forward pass."""
+    def batchnorm(name: str, shape: Any, activation_bytes: float = 4.0, sync: bool = False) -> LayerLoad:
+        """A batchnorm: a few FLOPs a value, its input read twice by the forward pass; under
+        sync_batchnorm each pass allgathers every node's 2C + 1 statistics (count, two per channel)."""
         c, h, w = shape
-        return LayerLoad(name, "batchnorm", 4.0 * c * h * w, 4.0 * 2 * c, 2 * 4.0 * c * h * w, 4.0 * c * h * w, False)
+        return LayerLoad(name, "batchnorm", 4.0 * c * h * w, 4.0 * 2 * c, 2 * activation_bytes * c * h * w,
+                         activation_bytes * c * h * w, False, sync_values=2 * c + 1 if sync else 0)
 
 
-def loads_of(layers: Any) -> list[LayerLoad]:
+def loads_of(layers: Any, precision: str = "fp32", gradient_exchange: str = "fp32",
+             sync_batchnorm: bool = False) -> list[LayerLoad]:
     """LayerLoads of the conv, fc and batchnorm layers among `layers` (objects with name, type,
     in_shape, out_shape, kernel and groups: the generator's LayerSpec or a runtime Layer), bottom
-    to top."""
+    to top. precision bf16: activations of 2 bytes; gradient_exchange bf16: the weight
+    gradients sent as bf16 (`Trainer(..., gradient_exchange="bf16")`); sync_batchnorm: the
+    batchnorms' statistics allgathered in both passes (`Trainer(..., sync_batchnorm=True)`)."""
+    act = 2.0 if precision == "bf16" else 4.0
+    exchange = 0.5 if gradient_exchange == "bf16" else 1.0
     out: list[LayerLoad] = []
     for layer in layers:
         if layer.type in ("conv", "fc"):
-            out.append(LayerLoad.from_shapes(layer.name, layer.type, layer.in_shape, layer.out_shape,
-                                             tuple(layer.kernel), not out, getattr(layer, "groups", 1)))
+            out.append(replace(LayerLoad.from_shapes(layer.name, layer.type, layer.in_shape, layer.out_shape,
+                                                     tuple(layer.kernel), not out, getattr(layer, "groups", 1), act),
+                               exchange=exchange))
         elif layer.type == "batchnorm":
-            out.append(LayerLoad.batchnorm(layer.name, layer.out_shape))
+            out.append(replace(LayerLoad.batchnorm(layer.name, layer.out_shape, act, sync_batchnorm), exchange=exchange))
     return out
 
 
@@ -303,6 +344,7 @@ class LayerCost:
     mp_fwd: float        # model-parallel exchanges, forward (critical path)
     mp_bwd: float        # model-parallel exchanges, backward (critical path)
     dp: float            # part-reduce + part-broadcast (overlappable)
+    sync: float = 0.0    # sync_batchnorm: each pass's allgather of the statistics, all nodes (critical path)
 
     @property
     def mode(self) -> str:
@@ -344,21 +386,22 @@ def layer_cost(load: LayerLoad, group: int, p: int, batch: int, m: Machine) -> L
     bwd = _compute(load, "bwd_weights", rows, share, m)
     if not load.first:
         bwd += _compute(load, "bwd_data", rows, share, m)
-    dp = (collective_time("reduce_scatter", load.weight_bytes * share, p // group, m)
-          + collective_time("allgather", load.weight_bytes * share, p // group, m))
+    sent = load.weight_bytes * load.exchange * share
+    dp = collective_time("reduce_scatter", sent, p // group, m) + collective_time("allgather", sent, p // group, m)
+    sync = collective_time("allgather", 8.0 * load.sync_values * p, p, m)  # (a row of doubles from each node)
     mp_fwd = mp_bwd = 0.0
     if group > 1:
         exchange = collective_time("alltoall", rows * load.out_bytes * share, group, m)
         mp_fwd = collective_time("allgather", rows * load.in_bytes, group, m) + exchange
         mp_bwd = exchange + (0.0 if load.first else collective_time("reduce_scatter", rows * load.in_bytes, group, m))
-    return LayerCost(load.name, group, fwd, bwd, mp_fwd, mp_bwd, dp)
+    return LayerCost(load.name, group, fwd, bwd, mp_fwd, mp_bwd, dp, sync)
 
 
 def iteration_time(costs: list[LayerCost], overlap: bool, compute_scale: float = 1.0) -> float:
     """The closed form of the module docstring; costs bottom to top. compute_scale: the
     straggler factor on the compute (the slowest node's over the mean)."""
-    forward = sum(c.fwd * compute_scale + c.mp_fwd for c in costs)
-    back = [c.bwd * compute_scale + c.mp_bwd for c in costs]
+    forward = sum(c.fwd * compute_scale + c.mp_fwd + c.sync for c in costs)
+    back = [c.bwd * compute_scale + c.mp_bwd + c.sync for c in costs]
     if not overlap:
         return forward + sum(back) + sum(c.dp for c in costs)
     above = finish = 0.0
@@ -490,6 +533,7 @@ def simulate(costs: list[LayerCost], p: int, overlap: bool, jitter: list[float] 
 
     for c in costs:
         within, _ = groups_of(c)
+        collective(f"sync_batchnorm fwd {c.layer}", c.sync, [list(range(p))], True)
         compute(f"fwd {c.layer}", c.fwd)
         collective(f"model-parallel fwd {c.layer}", c.mp_fwd, within, True)
     pending = []
@@ -497,6 +541,7 @@ def simulate(costs: list[LayerCost], p: int, overlap: bool, jitter: list[float] 
         within, across = groups_of(c)
         collective(f"model-parallel bwd {c.layer}", c.mp_bwd, within, True)
         compute(f"bwd {c.layer}", c.bwd)
+        collective(f"sync_batchnorm bwd {c.layer}", c.sync, [list(range(p))], True)
         if overlap:
             collective(f"part-reduce+broadcast {c.layer}", c.dp, across, False)
         else:

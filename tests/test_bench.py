@@ -37,6 +37,34 @@ def test_bench_net_with_numpy_baseline(tmp_path):
     assert "c1       bwd_weights" in table and "measured FMA peak 100.0" in table
 
 
+MEMORY_NET = parse_netspec({"name": "mem", "input": {"channels": 20, "height": 9, "width": 7}, "layers": [
+    {"name": "dw", "type": "conv", "out_channels": 20, "kernel": 3, "stride": 2, "pad": 1, "groups": 20},
+    {"name": "bn", "type": "batchnorm", "activation": "relu"},
+    {"name": "f1", "type": "fc", "out_features": 5}]})
+
+
+def test_memory_bound_rows_count_their_bytes_against_the_copy_rate(tmp_path):
+    """Depthwise and batchnorm rows: bytes a second of the compulsory traffic, by hand (20
+    channels pad to whole vector blocks in the buffers), and that over the copy rate given;
+    compute-bound rows have neither. The copy kernel measures a positive rate."""
+    peak, results = bench.bench_net(MEMORY_NET, get_arch("avx512" if "avx512" in RUNNABLE_ISAS else "avx2"), batch=2,
+                                    threads=1, repeats=1, peak=100.0, copy_rate=10.0)
+    v = 16 if "avx512" in RUNNABLE_ISAS else 8
+    x, y = 4.0 * 2 * (-(-20 // v) * v) * 9 * 7, 4.0 * 2 * (-(-20 // v) * v) * 5 * 4
+    w = 4.0 * (-(-20 // v) * v) * (9 + 1)  # (the kernel's weights and bias, padded)
+    want = {("dw", "fwd"): x + y + w, ("dw", "bwd_data"): y + x + w, ("dw", "bwd_weights"): x + y + w,
+            ("bn", "fwd"): 3 * y, ("bn", "bwd_weights"): 2 * y, ("bn", "bwd_data"): 3 * y}
+    rows = {(r.layer, r.pass_name): r for r in results}
+    assert set(rows) == set(want) | {("f1", p) for p in bench.PASSES}
+    for key, nbytes in want.items():
+        r = rows[key]
+        assert r.gbs == pytest.approx(nbytes / (r.ms * 1e-3) / 1e9, rel=1e-6) and r.bound_fraction == pytest.approx(r.gbs / 10)
+    assert all(rows[("f1", p)].gbs is None and rows[("f1", p)].bound_fraction is None for p in bench.PASSES)
+    table = bench.format_table("mem", get_arch("avx2"), 2, 1, peak, results)
+    assert "copy rate 10.0 GB/s" in table and "%copy" in table
+    assert bench.measure_copy_rate(get_arch(RUNNABLE_ISAS[-1]), threads=1, repeats=1) > 0
+
+
 @pytest.mark.parametrize("layer_name", ["c1", "f1"])
 def test_kernel_timer_repeats_the_traced_call_in_c(tmp_path, layer_name):
     """Tracing a kernel call does not run it; the timer runs exactly that call (same buffers,
@@ -135,7 +163,7 @@ def test_cli_bench_json_and_errors(tmp_path, capsys):
     assert main(["bench", str(net), "--passes", "sideways"]) == 2
     assert "unknown pass sideways" in capsys.readouterr().err
     assert main(["bench", str(net), "--layers", "nope", "--arch", RUNNABLE_ISAS[-1]]) == 2
-    assert "no conv/fc layer named nope" in capsys.readouterr().err
+    assert "no conv/fc/batchnorm layer named nope" in capsys.readouterr().err
 
 
 def test_cli_bench_efficiency_curve_feeds_plan_local(tmp_path, capsys):

@@ -69,6 +69,40 @@ def test_depthwise_and_batchnorm_loads_by_hand():
     assert cost.fwd == pytest.approx((2 * 4 * 32 + 4 * 3 * act) / 2e9)
     assert cost.bwd == pytest.approx(2 * cost.fwd)
     assert cost.dp == pytest.approx(2 * 10e-6 + 0.5 * 256 * 1.5e-9 + 0.5 * 256 * 1e-9)
+    assert cost.sync == 0
+
+
+def test_bf16_activations_exchange_and_sync_batchnorm_by_hand():
+    """loads_of's training options: bf16 activations move half the bytes (a memory-bound
+    batchnorm takes half the time, a conv's FLOPs stay); bf16 gradients halve the part-reduce
+    and -broadcast's bytes; sync_batchnorm allgathers each node's 2C + 1 doubles in each pass,
+    on the critical path (forward and backward), and nothing on one node."""
+    from pcldnn_gen.netspec import parse_netspec
+    spec = parse_netspec({"name": "t", "input": {"channels": 8, "height": 16, "width": 16}, "layers": [
+        {"name": "c", "type": "conv", "out_channels": 32, "kernel": 3, "pad": 1},
+        {"name": "bn", "type": "batchnorm", "activation": "relu"},
+        {"name": "fc", "type": "fc", "out_features": 10}, {"name": "loss", "type": "softmax_cross_entropy"}]})
+    m = replace(TOY, memory_gbs=2.0)
+    fp32 = scaling.loads_of(spec.layers)
+    bf16 = scaling.loads_of(spec.layers, "bf16", "bf16", sync_batchnorm=True)
+    assert [(a.flops, a.weight_bytes) for a in fp32] == [(b.flops, b.weight_bytes) for b in bf16]
+    assert [(b.in_bytes, b.out_bytes) for b in bf16] == [(a.in_bytes / 2, a.out_bytes / 2) for a in fp32]
+    (conv16, bn16, _), (conv32, bn32, _) = bf16, fp32
+    assert layer_cost(bn16, 1, 4, 16, m).fwd == pytest.approx((8 * 32 + 4 * 3 * 2 * 32 * 256) / 2e9)
+    assert layer_cost(conv16, 1, 4, 16, m).fwd == layer_cost(conv32, 1, 4, 16, m).fwd  # FLOP-bound on TOY's peak
+    sent = 0.5 * 4 * (32 * 8 * 9 + 32)
+    assert layer_cost(conv16, 1, 4, 16, m).dp == pytest.approx(
+        collective_time("reduce_scatter", sent, 4, m) + collective_time("allgather", sent, 4, m))
+    synced = layer_cost(bn16, 1, 4, 16, m)
+    assert bn16.sync_values == 65 and synced.sync == pytest.approx(3 * 10e-6 + 0.75 * 4 * 65 * 8 * 1e-9)
+    assert layer_cost(bn16, 1, 1, 16, m).sync == 0 and layer_cost(bn32, 1, 4, 16, m).sync == 0
+    costs = [layer_cost(load, 1, 4, 16, m) for load in bf16]
+    unsynced = [replace(c, sync=0.0) for c in costs]
+    for overlap in (True, False):
+        assert iteration_time(costs, overlap) - iteration_time(unsynced, overlap) == pytest.approx(2 * synced.sync)
+    # simulated: the same without overlap; with it, the backward allgather may wait for the link
+    assert simulate(costs, 4, False)["time"] == pytest.approx(iteration_time(costs, False), rel=1e-12)
+    assert simulate(costs, 4, True)["time"] >= iteration_time(costs, True) * (1 - 1e-12)
 
 
 @pytest.mark.parametrize("net", ["resnet18", "mobilenet_v2"])
@@ -187,6 +221,28 @@ def test_plan_cli(tmp_path, capsys):
     assert plans[-1]["simulated_time_s"] >= plans[-1]["time_s"] * (1 - 1e-12)
 
 
+def test_plan_of_the_mlperf_cluster(capsys):
+    """ResNet-50 on the MLPerf v3.0 Sapphire Rapids preset (bf16 peak: 56 cores x 2 GHz x 1024
+    FLOP a cycle), with sync_batchnorm and bf16 gradients: 35 epochs' time is 35 epochs of
+    images at the printed rate; sync_batchnorm slows every multi-node plan and not one node."""
+    m = scaling.get_machine("mlperf-v3-spr")
+    assert m.precision == "bf16" and m.peak_gflops == 56 * 2.0 * 1024 and m.cores == 56
+    rows = {}
+    for sync in (False, True):
+        assert main(["plan", str(NETS / "resnet50.json"), "--machine", "mlperf-v3-spr", "--nodes", "1,32",
+                     "--batch", "3264", "--epoch-images", "1281167", "--epochs", "35", "--gradient-exchange", "bf16",
+                     *(["--sync-batchnorm"] if sync else [])]) == 0
+        text = capsys.readouterr().out
+        assert "bf16 peak 114688 GFLOP/s per node" in text and "35 epochs" in text
+        table = [line.split() for line in text.splitlines() if line.strip().startswith(("1 ", "32 "))]
+        rows[sync] = {int(r[0]): r for r in table}
+        for r in table:
+            days = int(r[8][:-1]) if r[8].endswith("d") else 0
+            h, mi, s = (int(v) for v in r[9 if days else 8].split(":"))
+            assert abs(86400 * days + 3600 * h + 60 * mi + s - 35 * 1281167 / float(r[4])) <= 1
+    assert float(rows[True][32][4]) < float(rows[False][32][4]) and rows[True][1][4] == rows[False][1][4]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--machine", "cray-xc99", "--batch", "64"], "unknown machine 'cray-xc99'"),
     (["--machine", "aws-c4", "--batch", "64", "--nodes", "0,2"], "node counts must be positive"),
@@ -300,6 +356,7 @@ def test_simulated_stragglers_match_the_closed_form():
     ({"efficiency_curve": {"conv_fwd": [[4, 0.5], [2, 0.6]]}}, "minibatches must be distinct and ascending"),
     ({"efficiency_curve": {"conv_fwd": [[4, 1.5]]}}, r"efficiency_curve\.conv_fwd\[0\]\[1\]: must be"),
     ({"efficiency_curve": {"conv_sideways": []}}, "efficiency_curve"),
+    ({"precision": "fp16"}, "precision: must be one of fp32, bf16"),
 ])
 def test_machine_file_new_fields_are_checked(edit, message):
     data = scaling.PRESETS["aws-c4"].to_json() | edit
