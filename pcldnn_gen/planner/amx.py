@@ -45,6 +45,13 @@ L2_SHARE = 0.5
 # while on 28x28 ones (27 units) a whole image's span lost to half of L2's (VGG-A conv6 0.81x).
 MIN_COPY_SPAN = 8
 IMAGE_SPAN = 64
+# Share of L1 an item's dy rows may take across a group (two output blocks x the group's units):
+# they stay in L1 across the item's taps and consecutive input pairs, the x pairs coming from
+# L2. Groups sized for L2 alone (56-64 units) streamed both from L2 or L3: ResNet-50's
+# backward-weights at 16 units a group (2/3 of 48 KiB) against that, mb 16, one thread, Xeon VM
+# (benchmarks/ab.py): 0.95-1.08x on 56x56 and 28x28 layers, 1.03-1.19x on 14x14, 1.00-1.57x on
+# 7x7 (the stride-2 projection into 2048 channels 9.4 -> 6.0 ms); 8 units: 0.87-1.61x, 4: 0.69-1.36x.
+L1_GROUP_SHARE = 2 / 3
 # 1x1 layers reading their bf16 source in place (reads_source_in_place), measured against the
 # copy (mb 16, one thread, Xeon VM): 16-128 result channels 1.14-1.75x (resnet50_layer1_reduce
 # forward 2.44 -> 1.54 ms), 192-2048 0.70-0.96x (resnet50_layer4_reduce forward, 2048 -> 512
@@ -263,7 +270,8 @@ def plan_conv_bwd_weights_amx(layer: LayerSpec, arch: Arch,
     fewer than IMAGE_SPAN in images of more units): a span's copies are written and read in L2, not
     sent to L3 and read back. Where fewer than MIN_COPY_SPAN units fit, the copies of the
     whole minibatch are made first and a group is as many units as keep one item's dy rows
-    and x pairs in L2_SHARE of L2 across its taps."""
+    and x pairs in L2_SHARE of L2 across its taps. Either way no more units than keep an item's
+    dy rows in L1_GROUP_SHARE of L1."""
     kh, kw = layer.kernel
     geo = amx_conv_geometry("bwd_weights", layer.in_shape, layer.out_shape, layer.kernel, layer.pad, layer.stride)
     phases = layer.stride[0] * layer.stride[1]
@@ -288,6 +296,10 @@ def plan_conv_bwd_weights_amx(layer: LayerSpec, arch: Arch,
                f"{copy_per_unit // 1024} KiB a unit, would hold {fit} units in {L2_SHARE:.0%} of L2, under "
                f"{MIN_COPY_SPAN}); groups of {units} units: an item's dy rows and x pairs, {per_unit // 1024} KiB a "
                f"unit, fit {L2_SHARE:.0%} of L2 across its {kh * kw} taps")
+    in_l1 = max(1, int(L1_GROUP_SHARE * arch.l1d_bytes) // (2 * TILE_BYTES))
+    if units > in_l1:
+        units = in_l1
+        how += f"; groups of {units} units, an item's dy rows ({2 * units} KiB) in {L1_GROUP_SHARE:.0%} of L1"
     _, oh, ow = layer.out_shape
     useful = (oh * ow) / (geo.pixel_blocks * AMX_PIXEL_BLOCK)
     reason = (f"tdpbf16ps: {AMX_FLOPS_PER_CYCLE} FLOP/cycle at full tiles, the reduction over flat pixels "
