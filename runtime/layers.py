@@ -665,11 +665,13 @@ class NormLayer(ParamLayer):
         return int(total)
 
     def backward_blocked(self, xb: np.ndarray, yb: np.ndarray | None, aux: np.ndarray | None, dyb: np.ndarray,
-                         dxb: np.ndarray | None, grads: Grads | None = None, residual_relu: bool = False) -> None:
+                         dxb: np.ndarray | None, grads: Grads | None = None, residual_relu: bool = False,
+                         dy_extra: np.ndarray | None = None) -> None:
         """After a training-mode forward (aux: its batch statistics). Backward-weights first: it
         masks dy by the fused ReLU in place, so backward-data has nothing left to mask (a
         residual fusion's: the add's ReLU, `residual_relu`, yb the add's output; dy masked is
-        then the shortcut's gradient too). Under sync_batchnorm, backward-weights' sums (this
+        then the shortcut's gradient too). `dy_extra` (with `grads`, an fp32 dy): a second gradient
+        of the output, added into dy in place first (by backward-weights, as its sums read dy). Under sync_batchnorm, backward-weights' sums (this
         shard's) are summed over the ranks into the means backward-data needs: it runs even
         where the scale and shift need no gradient. Without it backward-data takes its means from
         the sums backward-weights just made (d shift = sum dy, d scale = sum dy x-hat): two reads
@@ -682,10 +684,11 @@ class NormLayer(ParamLayer):
         if grads is None and synced:
             grads = (self._buffer("sync.dw", self._dwt.shape), self._buffer("sync.db", self._dbias.shape))
         means = None
+        assert dy_extra is None or grads is not None, "backward-weights adds dy_extra"
         if grads is not None:
             dw, db = grads
-            self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(mask), ptr(aux[0]), ptr(aux[1]), ptr(dw), ptr(db), batch,
-                                   team)
+            self._k["bwd_weights"](ptr(xb), ptr(dyb), ptr(dy_extra), ptr(mask), ptr(aux[0]), ptr(aux[1]), ptr(dw),
+                                   ptr(db), batch, team)
             mask = None
             values = batch * self.in_shape[1] * self.in_shape[2]
             if synced:  # every rank's values per channel, then sums of dy and of dy x-hat

@@ -218,6 +218,9 @@ class Net:
         self.fusions = plan_fusions(specs, manifest.target) if manifest.fusion else NO_FUSIONS
         self._joined_at = {add: norm for norm, add in self.fusions.residual.items()}
         self._stats_ready = frozenset(self.fusions.statistics.values())  # batchnorms whose convolution fills them
+        # activations whose gradient a residual fusion's batchnorm reads (an add's output): a second
+        # reader's gradient is summed into the first by that batchnorm's kernel, not by numpy
+        self._summed_in_kernel = frozenset(add + 1 for add in self._joined_at)
         # per layer, the activations no layer reads after it (an evaluation forward frees them
         # there; a residual fusion's batchnorm reads its input at its add's position; the net's
         # input and output are not pooled)
@@ -591,22 +594,23 @@ class Net:
         # order every reader of an activation runs before its writer); a layer whose input needs
         # no gradient (below every parameter) computes none, and one with neither is skipped.
         grads: dict[int, np.ndarray] = {len(self.chain): dy}
+        later: dict[int, np.ndarray] = {}  # second gradients, summed by a residual fusion's kernel
         for i in range(len(self.chain) - 1, -1, -1):
             layer, sources = self.chain[i], self.sources[i]
             if i + 1 not in grads:  # below every parameter: no gradient reaches this layer's output
                 continue
             dy = grads.pop(i + 1)
             wanted = [s for s in sources if self.needs_grad[s]]
-            if not wanted and not isinstance(layer, ParamLayer):
+            if not wanted and not isinstance(layer, ParamLayer) and i not in self._joined_at:
                 ws.release(dy)
                 continue
             start = time.perf_counter()
             if i in self._joined_at:
-                self._backward_joined(ws, grads, i, dy, after_layer)
+                self._backward_joined(ws, grads, later, i, dy, later.pop(i + 1, None), after_layer)
             elif isinstance(layer, AddLayer):
                 layer.backward_join(ws.acts[i + 1], dy)
                 for s in wanted:  # the same gradient for every input: the last takes the buffer itself
-                    self._accumulate(grads, ws, s, dy, alias=s == wanted[-1])
+                    self._accumulate(grads, later, ws, s, dy, alias=s == wanted[-1])
                 if not wanted:
                     ws.release(dy)
             elif isinstance(layer, ConcatLayer):
@@ -615,7 +619,7 @@ class Net:
                 ws.release(dy)
                 for s, part in zip(sources, parts, strict=True):
                     if self.needs_grad[s]:
-                        self._accumulate(grads, ws, s, part, alias=True)
+                        self._accumulate(grads, later, ws, s, part, alias=True)
                     else:
                         ws.release(part)
             else:
@@ -628,7 +632,7 @@ class Net:
                 layer.backward_blocked(ws.acts[s], ws.acts[i + 1], ws.aux[i], dy, dx, param_grads, **fused)
                 ws.release(dy)
                 if dx is not None:
-                    self._accumulate(grads, ws, s, dx, alias=True)
+                    self._accumulate(grads, later, ws, s, dx, alias=True)
             if timings is not None:  # a fused pair's time goes to the batchnorm, whose kernels ran
                 timings[layer.name] = 0.0
                 timings[self.chain[self._joined_at.get(i, i)].name] = time.perf_counter() - start
@@ -643,10 +647,11 @@ class Net:
         """The activation a residual fusion's batchnorm adds: its add's other input."""
         return next(s for s in self.sources[add] if s != norm + 1)
 
-    def _backward_joined(self, ws: _Workspace, grads: dict[int, np.ndarray], add: int, dy: np.ndarray,
-                         after_layer: Any) -> None:
-        """A residual fusion's backward at its add: the batchnorm's passes mask dy by the add's
-        ReLU in place (backward-weights), after which dy is the shortcut's gradient as it is."""
+    def _backward_joined(self, ws: _Workspace, grads: dict[int, np.ndarray], later: dict[int, np.ndarray], add: int,
+                         dy: np.ndarray, dy_extra: np.ndarray | None, after_layer: Any) -> None:
+        """A residual fusion's backward at its add: the batchnorm's passes add the output's second
+        gradient `dy_extra` (when two layers read it) and mask dy by the add's ReLU in place
+        (backward-weights), after which dy is the shortcut's gradient as it is."""
         j = self._joined_at[add]
         norm, shortcut, x = self.chain[j], self._shortcut(add, j), self.sources[j][0]
         assert isinstance(norm, NormLayer)
@@ -654,26 +659,29 @@ class Net:
         joined = self.chain[add]
         assert isinstance(joined, AddLayer)
         norm.backward_blocked(ws.acts[x], ws.acts[add + 1], ws.aux[j], dy, dx, norm.grad_buffers,
-                              residual_relu=joined.relu)
+                              residual_relu=joined.relu, dy_extra=dy_extra)
+        if dy_extra is not None:
+            ws.release(dy_extra)
         if after_layer is not None:
             after_layer(norm)
         if dx is not None:
-            self._accumulate(grads, ws, x, dx, alias=True)
+            self._accumulate(grads, later, ws, x, dx, alias=True)
         if self.needs_grad[shortcut]:
-            self._accumulate(grads, ws, shortcut, dy, alias=True)
+            self._accumulate(grads, later, ws, shortcut, dy, alias=True)
         else:
             ws.release(dy)
 
-    @staticmethod
-    def _accumulate(grads: dict[int, np.ndarray], ws: _Workspace, s: int, g: np.ndarray, alias: bool) -> None:
+    def _accumulate(self, grads: dict[int, np.ndarray], later: dict[int, np.ndarray], ws: _Workspace, s: int,
+                    g: np.ndarray, alias: bool) -> None:
         """Activation s's gradient gets g: g itself when it is the first (alias: g may become it;
-        else a copy), added to it after (a fan-out's gradients summed in fp32)."""
+        else a copy), added to it after (a fan-out's gradients summed in fp32); where a residual
+        fusion's batchnorm reads it, the second is kept apart in `later` for that kernel to add."""
         have = grads.get(s)
-        if have is None:
+        if have is None or (s in self._summed_in_kernel and s not in later):
             if alias:
-                grads[s] = g
+                (grads if have is None else later)[s] = g
             else:
-                grads[s] = copy = ws.grad(g)
+                (grads if have is None else later)[s] = copy = ws.grad(g)
                 np.copyto(copy, g)
             return
         np.add(have, g, out=have)

@@ -25,7 +25,9 @@ FAMILY = Family(
         "batchnorm_bwd_data": "void *dy, const void *out, const void *in, const float *gamma, const float *mean, "
                               "const float *var, const float *batch_means, void *dx, int training, int batch, "
                               "int nthreads",
-        # dgamma = sum dy x-hat, dbeta = sum dy (dy masked in place as above)
-        "batchnorm_bwd_weights": "const void *in, void *dy, const void *out, const float *mean, const float *var, "
-                                 "float *dgamma, float *dbeta, int batch, int nthreads",
+        # dgamma = sum dy x-hat, dbeta = sum dy (dy masked in place as above); `dy2` (or NULL; an
+        # fp32 dy only): a second gradient of the output added into dy first, in place (a residual
+        # fusion's add output read by two layers: its gradients summed in this pass)
+        "batchnorm_bwd_weights": "const void *in, void *dy, const float *dy2, const void *out, const float *mean, "
+                                 "const float *var, float *dgamma, float *dbeta, int batch, int nthreads",
     })
