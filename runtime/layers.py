@@ -671,7 +671,8 @@ class NormLayer(ParamLayer):
         masks dy by the fused ReLU in place, so backward-data has nothing left to mask (a
         residual fusion's: the add's ReLU, `residual_relu`, yb the add's output; dy masked is
         then the shortcut's gradient too). `dy_extra` (with `grads`, an fp32 dy): a second gradient
-        of the output, added into dy in place first (by backward-weights, as its sums read dy). Under sync_batchnorm, backward-weights' sums (this
+        of the output, added into dy in place first (by backward-weights, as its sums read dy).
+        Under sync_batchnorm, backward-weights' sums (this
         shard's) are summed over the ranks into the means backward-data needs: it runs even
         where the scale and shift need no gradient. Without it backward-data takes its means from
         the sums backward-weights just made (d shift = sum dy, d scale = sum dy x-hat): two reads
