@@ -121,7 +121,7 @@ def pass_gradients(gradients: tuple[bool, bool], pass_name: str) -> tuple[bool, 
     return {"fwd": (False, False), "bwd_data": gradients, "bwd_weights": (False, gradients[1])}[pass_name]
 
 
-def pass_activations(activations: tuple[bool, bool], pass_name: str, layer_type: str = "conv") -> tuple[bool, bool]:
+def pass_activations(activations: tuple[bool, bool], pass_name: str, layer_type: str) -> tuple[bool, bool]:
     """Which of a layer's (input, output) bf16 activations a pass touches: backward-data reads
     no input (only the output, as a fused ReLU's mask), so an fp32 backward-data kernel may sit
     beside a bf16 forward (a few-channel convolution's); a batchnorm's reads its input (x-hat)."""

@@ -606,7 +606,7 @@ class Net:
                 continue
             start = time.perf_counter()
             if i in self._joined_at:
-                self._backward_joined(ws, grads, later, i, dy, later.pop(i + 1, None), after_layer)
+                self._backward_joined(ws, grads, later, i, dy, after_layer)
             elif isinstance(layer, AddLayer):
                 layer.backward_join(ws.acts[i + 1], dy)
                 for s in wanted:  # the same gradient for every input: the last takes the buffer itself
@@ -648,10 +648,11 @@ class Net:
         return next(s for s in self.sources[add] if s != norm + 1)
 
     def _backward_joined(self, ws: _Workspace, grads: dict[int, np.ndarray], later: dict[int, np.ndarray], add: int,
-                         dy: np.ndarray, dy_extra: np.ndarray | None, after_layer: Any) -> None:
+                         dy: np.ndarray, after_layer: Any) -> None:
         """A residual fusion's backward at its add: the batchnorm's passes add the output's second
-        gradient `dy_extra` (when two layers read it) and mask dy by the add's ReLU in place
+        gradient (`later`, when two layers read it) and mask dy by the add's ReLU in place
         (backward-weights), after which dy is the shortcut's gradient as it is."""
+        dy_extra = later.pop(add + 1, None)
         j = self._joined_at[add]
         norm, shortcut, x = self.chain[j], self._shortcut(add, j), self.sources[j][0]
         assert isinstance(norm, NormLayer)

@@ -41,7 +41,7 @@ import itertools
 import math
 import os
 import random
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -297,22 +297,23 @@ class LayerLoad:
 
     @staticmethod
     def from_shapes(name: str, type_: str, in_shape: Any, out_shape: Any, kernel: Any, first: bool,
-                    groups: int = 1, activation_bytes: float = 4.0) -> LayerLoad:
+                    groups: int = 1, activation_bytes: float = 4.0, exchange: float = 1.0) -> LayerLoad:
         """A conv (`groups` > 1: each output channel reads IC / groups input channels) or fc layer."""
         ic, ih, iw = in_shape
         oc, oh, ow = out_shape
         kh, kw = kernel
         macs = oc * oh * ow * (ic // groups) * kh * kw
         return LayerLoad(name, type_, 2.0 * macs, 4.0 * (oc * (ic // groups) * kh * kw + oc),
-                         activation_bytes * ic * ih * iw, activation_bytes * oc * oh * ow, first)
+                         activation_bytes * ic * ih * iw, activation_bytes * oc * oh * ow, first, exchange=exchange)
 
     @staticmethod
-    def batchnorm(name: str, shape: Any, activation_bytes: float = 4.0, sync: bool = False) -> LayerLoad:
+    def batchnorm(name: str, shape: Any, activation_bytes: float = 4.0, sync: bool = False,
+                  exchange: float = 1.0) -> LayerLoad:
         """A batchnorm: a few FLOPs a value, its input read twice by the forward pass; under
         sync_batchnorm each pass allgathers every node's 2C + 1 statistics (count, two per channel)."""
         c, h, w = shape
         return LayerLoad(name, "batchnorm", 4.0 * c * h * w, 4.0 * 2 * c, 2 * activation_bytes * c * h * w,
-                         activation_bytes * c * h * w, False, sync_values=2 * c + 1 if sync else 0)
+                         activation_bytes * c * h * w, False, exchange=exchange, sync_values=2 * c + 1 if sync else 0)
 
 
 def loads_of(layers: Any, precision: str = "fp32", gradient_exchange: str = "fp32",
@@ -327,11 +328,10 @@ def loads_of(layers: Any, precision: str = "fp32", gradient_exchange: str = "fp3
     out: list[LayerLoad] = []
     for layer in layers:
         if layer.type in ("conv", "fc"):
-            out.append(replace(LayerLoad.from_shapes(layer.name, layer.type, layer.in_shape, layer.out_shape,
-                                                     tuple(layer.kernel), not out, getattr(layer, "groups", 1), act),
-                               exchange=exchange))
+            out.append(LayerLoad.from_shapes(layer.name, layer.type, layer.in_shape, layer.out_shape,
+                                             tuple(layer.kernel), not out, getattr(layer, "groups", 1), act, exchange))
         elif layer.type == "batchnorm":
-            out.append(replace(LayerLoad.batchnorm(layer.name, layer.out_shape, act, sync_batchnorm), exchange=exchange))
+            out.append(LayerLoad.batchnorm(layer.name, layer.out_shape, act, sync_batchnorm, exchange))
     return out
 
 

@@ -281,7 +281,8 @@ def test_kernels_on_bf16_activations_take_the_models_plan_with_a_tuning_database
     spec = _activation_spec(BETWEEN_NET, channels=16)
     plans = plan_net(spec, AMX_ARCH, TuningDB(Path("/nonexistent/tuning.json")), precision="bf16")
     assert plans[("m1", "fwd")].activations == net_activations(spec, AMX_ARCH, "bf16")["m1"] == (True, True)
-    assert all(plan.activations == pass_activations(net_activations(spec, AMX_ARCH, "bf16")[layer], p)
+    assert all(plan.activations == pass_activations(net_activations(spec, AMX_ARCH, "bf16")[layer], p,
+                                                    spec.layer(layer).type)
                for (layer, p), plan in plans.items())
 
 
