@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 
 from pcldnn_gen.arch import PRESETS
-from pcldnn_gen.build import plan_net
+from pcldnn_gen.build import net_activations, plan_net
 from pcldnn_gen.codegen import render_kernel, render_layout, render_peak, render_sgd
 from pcldnn_gen.netspec import load_netspec
 
@@ -37,9 +37,10 @@ def dump(out: Path, nets: list[str], targets: list[str]) -> int:
             folder.mkdir(parents=True, exist_ok=True)
             plans = plan_net(net, arch, tuning=None, precision=precision)
             sources = [render_peak(arch), render_sgd()]
+            activations = net_activations(net, arch, precision)
             for layer in net.layers:
                 sources += [render_kernel(layer, plan, arch) for (name, _), plan in plans.items() if name == layer.name]
-                sources.append(render_layout(layer, arch, precision))
+                sources.append(render_layout(layer, arch, precision, activations[layer.name]))
             for source in sources:
                 (folder / source.filename).write_text(source.text)
                 count += 1

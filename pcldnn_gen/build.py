@@ -162,10 +162,11 @@ def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | Non
         initial, _ = check_state(expected_state(net.layers), weights, weights_origin)
     plans = plan_net(net, arch, tuning, choices, precision, fusion)
     sources: list[tuple[LayerSpec | None, str, Source]] = []
+    activations = net_activations(net, arch, precision)
     for layer in net.layers:
         for p in LAYER_PASSES[layer.type]:
             sources.append((layer, p, render_kernel(layer, plans[(layer.name, p)], arch)))
-        sources.append((layer, "layout", render_layout(layer, arch, precision)))
+        sources.append((layer, "layout", render_layout(layer, arch, precision, activations[layer.name])))
     # the build's own kernels of no layer: the FMA peak (PCLDNN_VERBOSE's % of peak), the SGD update
     sources += [(None, "peak", render_peak(arch)), (None, "sgd", render_sgd())]
     _check_replaceable(out_dir)

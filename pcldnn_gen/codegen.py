@@ -227,12 +227,14 @@ def _render_tiled(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, l
                   cpu.PRECISION_CFLAGS["bf16"] + (cpu.AMX_CFLAGS if amx else ()))
 
 
-def render_layout(layer: LayerSpec, arch: Arch, precision: str = "fp32") -> Source:
+def render_layout(layer: LayerSpec, arch: Arch, precision: str = "fp32",
+                  activations: tuple[bool, bool] = (False, False)) -> Source:
     """C source of a layer's canonical <-> blocked conversions (activations and weights), and
     in a bf16 build the bf16 copies its vdpbf16ps forward kernel reads, or an AMX fc layer's
-    weight tiles."""
+    weight tiles; `activations` (build.net_activations): its (input, output) stored as bf16,
+    converted to and from canonical fp32 in one pass."""
     packed = reads_packed_image(layer, arch)
-    roles = kernel_kinds(layer, arch.target(precision))["layout"]
+    roles = kernel_kinds(layer, arch.target(precision), activations)["layout"]
     wshape = None
     if layer.weighted:
         oc, ic = layer.out_shape[0], layer.in_shape[0]
@@ -245,7 +247,7 @@ def render_layout(layer: LayerSpec, arch: Arch, precision: str = "fp32") -> Sour
         fc_tiles=fc_tile_geometry(layer.in_shape, layer.out_shape[0], arch.vector_floats) if "wt_to_tiles" in roles else None)
     prefix = f"pcldnn_{c_identifier(layer.name)}_"
     return Source(f"{layer.name}_layout.c", text, {prefix + r: kind for r, kind in roles.items()},
-                  cpu.PRECISION_CFLAGS["bf16"] if {"in_to_bf16", "wt_to_tiles", "out_to_blocked16"} & set(roles) else ())
+                  cpu.PRECISION_CFLAGS["bf16"] if {"in_to_bf16", "wt_to_tiles", "in_to_blocked16", "out_to_blocked16"} & set(roles) else ())
 
 
 

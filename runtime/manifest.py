@@ -63,22 +63,25 @@ WEIGHT_LAYOUTS = ("wt_to_blocked", "wt_from_blocked")
 # bf16 builds: a layer with a vdpbf16ps conv forward kernel also converts its blocked input to
 # the bf16 copy that kernel reads (where the input is not stored as bf16 already).
 BF16_LAYOUTS = {"in_to_bf16": "act_to_bf16"}
-# bf16 builds: a layer whose activations may be stored as bf16 converts its canonical input,
-# output and their gradients to and from blocked bf16 in one pass (the per-layer API)
+# bf16 builds: a layer whose input or output is stored as bf16 (families.bf16_outputs: a bf16
+# edge of the net) converts that canonical activation and its gradient to and from blocked bf16
+# in one pass (the per-layer API); an fp32 edge's layer has the fp32 conversions only
 ACT16_LAYOUTS = {"in_to_blocked16": "act_layout_to_bf16", "in_from_blocked16": "act_layout_from_bf16",
                  "out_to_blocked16": "act_layout_to_bf16", "out_from_blocked16": "act_layout_from_bf16"}
 # bf16 builds: an fc layer's weights as the bf16 tiles its kernels read (geometry.FcTileGeometry)
 FC_TILE_LAYOUTS = {"wt_to_tiles": "fc_weight_tiles"}
 
 
-def kernel_kinds(layer: families.LayerShape, target: families.Target) -> dict[str, dict[str, str]]:
+def kernel_kinds(layer: families.LayerShape, target: families.Target,
+                 stored16: tuple[bool, bool] = (False, False)) -> dict[str, dict[str, str]]:
     """{pass or "layout": {symbol suffix: kernel kind}} of one layer: the one list generator
     and manifest reader share, each pass's kind from the family that computes it
     (families.choose). The bf16 copies are converted by the layout library for a vdpbf16ps conv
     forward kernel's blocked input and an fc layer's weight tiles, by a conv forward or
     backward-data kernel's library (`<pass>_tiles`, AMX or vdpbf16ps) for its weight copy
     (weight copies are kept between calls: made once after each change of the weights); the
-    other kernels convert their own operands (a packed image too)."""
+    other kernels convert their own operands (a packed image too). stored16: whether the layer's
+    (input, output) activations are stored as bf16 in its net (the bf16 layout roles)."""
     ltype = layer.type
     chosen = {p: families.choose(layer, p, target) for p in LAYER_PASSES[ltype]}
     out = {p: {p: kind.name} for p, (_, kind) in chosen.items()}
@@ -91,9 +94,8 @@ def kernel_kinds(layer: families.LayerShape, target: families.Target) -> dict[st
         out["layout"] |= BF16_LAYOUTS
     if ltype == "fc" and any(kind.engine is not families.Engine.FP32 for _, kind in chosen.values()):
         out["layout"] |= FC_TILE_LAYOUTS
-    if target.precision == "bf16" and (ltype in families.BF16_ACTIVATION_LAYERS or (ltype == "conv" and layer.groups == 1)):
-        packed = families.reads_packed_image(layer, target.vector_floats)  # its input is the fp32 image
-        out["layout"] |= {r: k for r, k in ACT16_LAYOUTS.items() if not (packed and r.startswith("in_"))}
+    sides = {side for side, stored in zip(("in", "out"), stored16) if stored}
+    out["layout"] |= {r: k for r, k in ACT16_LAYOUTS.items() if r.split("_")[0] in sides}
     return out
 
 PEAK_SYMBOL = "pcldnn_peak"  # the build's FMA peak kernel (pcldnn_gen.codegen.render_peak)
@@ -223,14 +225,20 @@ def parse_manifest(data: Any, origin: str) -> Manifest:
     # Activations and gradients stored as bf16: the build's kernels read and write what
     # families.bf16_outputs and bf16_gradients say, so the manifest must say the same (a build
     # from a generator with another rule would have its activations misread).
+    target = families.Target(precision, arch.get("amx") is True, v)
     for key, rule, what in (("output", families.bf16_outputs, "that activation"),
                             ("gradient", families.bf16_gradients, "that activation's gradient")):
-        for i, bf16 in enumerate(rule(precision, arch.get("amx") is True, v, layers)):
+        for i, bf16 in enumerate(rule(precision, target.amx, v, layers)):
             want = "bf16" if bf16 else "fp32"
             got = f.choice(raw_layers[i].get(key, "fp32"), f"layers[{i}].{key}", ("fp32", "bf16"))
             if got != want:
                 f.fail(f"layers[{i}].{key}", f"is {got} but this runtime stores {what} as {want}: "
                        "compile the net again with this version")
+    stored = families.bf16_outputs(precision, target.amx, v, layers)
+    for i, layer in enumerate(layers):  # each layer's layout library, now that its bf16 edges are known
+        roles = kernel_kinds(layer, target, (i > 0 and stored[i - 1], stored[i]))["layout"]
+        layers[i] = dataclasses.replace(layer, kernels={
+            **layer.kernels, **_kernels(f, raw_layers[i]["kernels"], f"layers[{i}].kernels", layer.name, {"layout": roles})})
     weights = None
     if "weights" in data:
         entry = f.obj(data["weights"], "weights", {"file", "sha256"})
@@ -247,7 +255,7 @@ def parse_manifest(data: Any, origin: str) -> Manifest:
         sgd = _entry(f, raw, "sgd", {SGD_SYMBOL: "sgd"})
     fusion = f.boolean(data.get("fusion", False), "fusion")
     if fusion:
-        _check_fusions(f, raw_layers, layers, families.Target(precision, arch.get("amx") is True, v))
+        _check_fusions(f, raw_layers, layers, target)
     return Manifest(FORMAT, f.text(data["generator"], "generator"), name, net_input, classes, net_hash, arch,
                     tuple(layers), weights, peak, peak_flops, precision, sgd, fusion)
 
@@ -373,7 +381,9 @@ def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: i
             f.fail(f"{where}.{what}", f"a tensor of {size} floats per image, more than the {limits.MAX_TENSOR_FLOATS} allowed")
     kinds = kernel_kinds(families.Shape(index, ltype, in_shape, kernel, stride, pad, groups),
                          families.Target(precision, amx, v))
-    kernels = _kernels(f, raw["kernels"], f"{where}.kernels", name, kinds)
+    f.obj(raw["kernels"], f"{where}.kernels", set(kinds))
+    # the layout library's bf16 roles depend on the net's bf16 edges: parse_manifest checks it after them
+    kernels = _kernels(f, raw["kernels"], f"{where}.kernels", name, {p: r for p, r in kinds.items() if p != "layout"})
     bias = f.boolean(raw.get("bias", True), f"{where}.bias")
     if not bias and ltype not in WEIGHTED:
         f.fail(f"{where}.bias", f"a {ltype} layer has no bias")
@@ -390,8 +400,7 @@ def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: i
                       groups, eps, momentum, relu6, init=init)
 
 
-def _kernels(f: Fields, value: Any, where: str, layer: str, kinds: dict[str, dict[str, str]]) -> dict[str, KernelEntry]:
-    f.obj(value, where, set(kinds))
+def _kernels(f: Fields, value: dict, where: str, layer: str, kinds: dict[str, dict[str, str]]) -> dict[str, KernelEntry]:
     out = {}
     for p, roles in kinds.items():
         at = f"{where}.{p}"

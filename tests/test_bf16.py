@@ -31,7 +31,7 @@ from pcldnn_runtime import cpu
 from pcldnn_runtime.abi import SIGNATURES
 from pcldnn_runtime.errors import ArchError, BuildDirError
 from pcldnn_runtime.families import bf16_gradients, bf16_outputs
-from pcldnn_runtime.manifest import parse_manifest
+from pcldnn_runtime.manifest import ACT16_LAYOUTS, parse_manifest
 
 needs_real_bf16 = pytest.mark.skipif(not HAS_BF16, reason="this CPU lacks AVX512_BF16 and the test runs the "
                                                          "kernels in a process of their own, where nothing emulates it")
@@ -483,6 +483,21 @@ def test_manifest_must_agree_on_bf16_activations(tmp_path):
             bad["layers"][index][key] = value
         with pytest.raises(BuildDirError, match=message):
             parse_manifest(bad, "manifest.json")
+    # the per-layer API's one-pass bf16 conversions exist for the bf16 sides of a layer only
+    # (layer 0: output; 1-5: both; 6: input; 7-8: neither), and the reader checks them against the edges
+    sides = [{r.split("_")[0] for r in ACT16_LAYOUTS if f"pcldnn_{layer['name']}_{r}" in layer["kernels"]["layout"]["symbols"]}
+             for layer in doc["layers"]]
+    assert sides == [{"out"}] + [{"in", "out"}] * 5 + [{"in"}, set(), set()]
+    for index, symbol in ((6, "in_from_blocked16"), (0, "out_to_blocked16")):
+        bad = json.loads(json.dumps(doc))
+        del bad["layers"][index]["kernels"]["layout"]["symbols"][f"pcldnn_{doc['layers'][index]['name']}_{symbol}"]
+        with pytest.raises(BuildDirError, match=f"layers\\[{index}\\].kernels.layout.symbols.pcldnn_\\w+_{symbol}: missing"):
+            parse_manifest(bad, "manifest.json")
+    bad = json.loads(json.dumps(doc))
+    bad["layers"][7]["kernels"]["layout"]["symbols"][f"pcldnn_{doc['layers'][7]['name']}_in_to_blocked16"] = \
+        "act_layout_to_bf16"
+    with pytest.raises(BuildDirError, match="layers\\[7\\].kernels.layout.symbols"):
+        parse_manifest(bad, "manifest.json")
 
 
 def _bf16_storage_builds(tmp_path, spec, arch=AMX_ARCH, modes=("fp32", "bf16")):
