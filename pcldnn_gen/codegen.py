@@ -227,6 +227,9 @@ def _render_tiled(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, l
                   cpu.PRECISION_CFLAGS["bf16"] + (cpu.AMX_CFLAGS if amx else ()))
 
 
+BF16_LAYOUT_ROLES = {"in_to_bf16", "wt_to_tiles", "in_to_blocked16", "out_to_blocked16"}  # need -mavx512bf16
+
+
 def render_layout(layer: LayerSpec, arch: Arch, precision: str = "fp32",
                   activations: tuple[bool, bool] = (False, False)) -> Source:
     """C source of a layer's canonical <-> blocked conversions (activations and weights), and
@@ -247,7 +250,7 @@ def render_layout(layer: LayerSpec, arch: Arch, precision: str = "fp32",
         fc_tiles=fc_tile_geometry(layer.in_shape, layer.out_shape[0], arch.vector_floats) if "wt_to_tiles" in roles else None)
     prefix = f"pcldnn_{c_identifier(layer.name)}_"
     return Source(f"{layer.name}_layout.c", text, {prefix + r: kind for r, kind in roles.items()},
-                  cpu.PRECISION_CFLAGS["bf16"] if {"in_to_bf16", "wt_to_tiles", "in_to_blocked16", "out_to_blocked16"} & set(roles) else ())
+                  cpu.PRECISION_CFLAGS["bf16"] if BF16_LAYOUT_ROLES & set(roles) else ())
 
 
 

@@ -496,7 +496,7 @@ def test_manifest_must_agree_on_bf16_activations(tmp_path):
     bad = json.loads(json.dumps(doc))
     bad["layers"][7]["kernels"]["layout"]["symbols"][f"pcldnn_{doc['layers'][7]['name']}_in_to_blocked16"] = \
         "act_layout_to_bf16"
-    with pytest.raises(BuildDirError, match="layers\\[7\\].kernels.layout.symbols"):
+    with pytest.raises(BuildDirError, match=r"layers\[7\].kernels.layout.symbols"):
         parse_manifest(bad, "manifest.json")
 
 
