@@ -228,6 +228,10 @@ def _render_tiled(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, l
 
 
 BF16_LAYOUT_ROLES = {"in_to_bf16", "wt_to_tiles", "in_to_blocked16", "out_to_blocked16"}  # need -mavx512bf16
+# Layout conversions are memory-bound register transposes written in intrinsics: -O2 runs them as
+# fast as -O3 (VGG-A conv4's, fp32 and bf16, `benchmarks/api_overhead.py`) and compiles in about
+# half the time (0.22 s against 0.38 s a library; a third of the test suite's compile time was theirs)
+LAYOUT_CFLAGS = ("-O2",)
 
 
 def render_layout(layer: LayerSpec, arch: Arch, precision: str = "fp32",
@@ -250,7 +254,7 @@ def render_layout(layer: LayerSpec, arch: Arch, precision: str = "fp32",
         fc_tiles=fc_tile_geometry(layer.in_shape, layer.out_shape[0], arch.vector_floats) if "wt_to_tiles" in roles else None)
     prefix = f"pcldnn_{c_identifier(layer.name)}_"
     return Source(f"{layer.name}_layout.c", text, {prefix + r: kind for r, kind in roles.items()},
-                  cpu.PRECISION_CFLAGS["bf16"] if BF16_LAYOUT_ROLES & set(roles) else ())
+                  LAYOUT_CFLAGS + (cpu.PRECISION_CFLAGS["bf16"] if BF16_LAYOUT_ROLES & set(roles) else ()))
 
 
 

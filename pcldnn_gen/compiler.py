@@ -48,8 +48,8 @@ class Source:
     filename: str
     text: str
     symbols: dict[str, str]
-    # flags beyond the ISA's that this file's instructions need (a precision's: -mavx512bf16),
-    # from the allow-list cpu.PRECISION_CFLAGS
+    # flags beyond the ISA's that this file's instructions need (a precision's: -mavx512bf16,
+    # from the allow-list cpu.PRECISION_CFLAGS), or a layout library's -O2 (codegen.LAYOUT_CFLAGS)
     cflags: tuple[str, ...] = ()
 
 

@@ -135,6 +135,12 @@ def _simd_source(tag: str) -> Source:
                   "void zero(float *x) { _mm256_storeu_ps(x, _mm256_setzero_ps()); }\n", {})
 
 
+def _source_cflags(c_file) -> tuple[str, ...]:
+    """The flags an fp32 build's source was compiled with beyond the ISA's: a layout library's -O2."""
+    from pcldnn_gen.codegen import LAYOUT_CFLAGS
+    return LAYOUT_CFLAGS if "layout conversions between" in c_file.read_text()[:300] else ()
+
+
 def _same_as_plain_compile(lib, arch, tmp_path) -> bool:
     """Whether a cached library is the one the compiler makes from its source alone, with no
     precompiled header (compiled under the same file name: the name is in the library)."""
@@ -142,7 +148,7 @@ def _same_as_plain_compile(lib, arch, tmp_path) -> bool:
     (tmp_path / "plain").mkdir(exist_ok=True)
     src, out = tmp_path / "plain" / lib.with_suffix(".c").name, tmp_path / "plain" / lib.name
     src.write_text(lib.with_suffix(".c").read_text())
-    subprocess.run([c_compiler(), *compile_flags(arch), "-o", str(out), str(src)], check=True)
+    subprocess.run([c_compiler(), *compile_flags(arch, _source_cflags(src)), "-o", str(out), str(src)], check=True)
     return out.read_bytes() == lib.read_bytes()
 
 
@@ -150,7 +156,7 @@ def _uses_precompiled_header(c_file, arch, cache) -> bool:
     """GCC's `-H` lists the headers a compile reads and marks a precompiled one it used with '!'
     (one it rejected, for other flags say, would cost its full parse again)."""
     from pcldnn_gen.compiler import c_compiler, compile_flags, prelude_args
-    flags = compile_flags(arch)
+    flags = compile_flags(arch, _source_cflags(c_file))
     run = subprocess.run([c_compiler(), *flags, *prelude_args(c_compiler(), tuple(flags), cache), "-H", "-fsyntax-only",
                           str(c_file)], capture_output=True, text=True, check=True)
     return "! " + str((cache / "pch").resolve()) in run.stderr
@@ -159,11 +165,11 @@ def _uses_precompiled_header(c_file, arch, cache) -> bool:
 @pytest.mark.skipif(not _is_gcc_cc(), reason="precompiled headers are used with GCC only")
 def test_simd_kernels_share_one_valid_precompiled_header_and_the_same_libraries(tmp_path, fresh_cache):
     """Every SIMD kernel of a build is compiled with <immintrin.h> precompiled for its flags: one
-    .gch for the build's flag set, which GCC accepts for those flags, and the libraries are the
-    ones the sources alone give."""
+    .gch for each of the build's flag sets (the kernels', the layout libraries' -O2), which GCC
+    accepts for those flags, and the libraries are the ones the sources alone give."""
     arch = get_arch("avx2")
     build(load_netspec(NETS / "cifar_small.json"), arch, tmp_path / "b")
-    assert len(list((fresh_cache / "pch").glob("*/prelude.h.gch"))) == 1
+    assert len(list((fresh_cache / "pch").glob("*/prelude.h.gch"))) == 2
     kernels = [c for c in sorted(fresh_cache.glob("*/*.c")) if "#include <immintrin.h>" in c.read_text()]
     assert len(kernels) >= 5 and _uses_precompiled_header(kernels[0], arch, fresh_cache)
     assert all(_same_as_plain_compile(c.with_suffix(".so"), arch, tmp_path) for c in kernels[:3])
