@@ -45,11 +45,6 @@ class VectorISA:
     # Body of transpose_vxv(s, ss, d, ds): d[j * ds + i] = s[i * ss + j] for one V x V block, in
     # registers (fc backward-data panels, layout conversions); empty: _common's scalar loop.
     transpose: str = ""
-    # The same with non-temporal stores (d and ds whole aligned vectors: a layout conversion's
-    # canonical result, streamed past the caches), and the statement that makes a thread's
-    # streamed stores visible before others read them; empty: the ISA streams nothing.
-    transpose_stream: str = ""
-    fence: str = ""
     # The reduction operands (weights, broadcast inputs) where they differ from the accumulators:
     # bf16 kernels hold bf16 pairs (operand_type) and accumulate them with a dot product (_fma).
     operand_type: str = ""
@@ -168,8 +163,7 @@ VECTOR_ISAS: dict[str, VectorISA] = {
                       "_mm256_storeu_ps((float *)({a}), {v})", '__asm__("" : "+x"({v}));',
                       "({{ __m128 s_ = _mm_add_ps(_mm256_castps256_ps128({v}), _mm256_extractf128_ps({v}, 1)); "
                       "s_ = _mm_add_ps(s_, _mm_movehl_ps(s_, s_)); _mm_cvtss_f32(_mm_add_ss(s_, _mm_movehdup_ps(s_))); }})",
-                      _AVX2_TRANSPOSE, _AVX2_TRANSPOSE.replace("_mm256_storeu_ps(", "_mm256_stream_ps("),
-                      "_mm_sfence();", _min="_mm256_min_ps({a}, {b})"),
+                      _AVX2_TRANSPOSE, _min="_mm256_min_ps({a}, {b})"),
     "avx512": VectorISA("__m512", "immintrin.h", "_mm512_loadu_ps({a})", "_mm512_storeu_ps({a}, {v})",
                         "_mm512_set1_ps(*({a}))", "_mm512_fmadd_ps({a}, {b}, {c})",
                         "_mm512_max_ps({a}, {b})", "_mm512_set1_ps({v})", "_mm512_add_ps({a}, {b})", "__m512",
@@ -177,8 +171,7 @@ VECTOR_ISAS: dict[str, VectorISA] = {
                         "{b} = _mm512_mask_blend_ps(gt, {b}, {v}); "
                         "{w} = _mm512_mask_blend_ps(gt, {w}, _mm512_castsi512_ps(_mm512_set1_epi32({p}))); }}",
                         "_mm512_storeu_ps((float *)({a}), {v})", '__asm__("" : "+v"({v}));', "_mm512_reduce_add_ps({v})",
-                        _avx512_transpose(), _avx512_transpose().replace("_mm512_storeu_ps(", "_mm512_stream_ps("),
-                        "_mm_sfence();", _min="_mm512_min_ps({a}, {b})"),
+                        _avx512_transpose(), _min="_mm512_min_ps({a}, {b})"),
     "scalar": VectorISA("float", "", "*({a})", "*({a}) = {v}", "*({a})", "{c} + {a} * {b}",
                         "fmaxf({a}, {b})", "({v})", "{a} + {b}", "int",
                         "if ({v} > {b}) {{ {b} = {v}; {w} = {p}; }}", "*({a}) = {v}", _min="fminf({a}, {b})"),

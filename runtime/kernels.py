@@ -9,7 +9,6 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
-import mmap
 import re
 import shutil
 import tempfile
@@ -194,14 +193,6 @@ def empty_aligned(shape: tuple[int, ...], align: int = 64, dtype: Any = np.float
     raw = (np.zeros if zeroed else np.empty)(count + align // size, dtype=dtype)
     offset = (-raw.ctypes.data % align) // size
     return raw[offset:offset + count].reshape(shape)
-
-
-def page_aligned(shape: tuple[int, ...]) -> np.ndarray:
-    """An uninitialised float32 array on fresh pages (anonymous mmap) that owns its memory:
-    unlike empty_aligned's (a view of a larger array), views of it refer to it, so its
-    reference count says whether a caller still holds any part of it (Layer._result)."""
-    count = int(np.prod(shape))
-    return np.ndarray(shape, np.float32, buffer=mmap.mmap(-1, max(count, 1) * 4))
 
 
 def zeros_aligned(shape: tuple[int, ...], align: int = 64) -> np.ndarray:

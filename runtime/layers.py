@@ -22,7 +22,7 @@ from .geometry import (
     fc_tile_geometry,
     input_pixel_floats,
 )
-from .kernels import bf16_bits, bf16_values, empty_aligned, page_aligned, ptr, ptr_array
+from .kernels import bf16_bits, bf16_values, empty_aligned, ptr, ptr_array
 from .limits import blocks
 from .manifest import PASSES, LayerEntry
 
@@ -218,7 +218,7 @@ class Layer:
             if old.shape == shape and sys.getrefcount(old) == 3:  # the list, `old`, the call's argument
                 kept.append(kept.pop(k))  # most recently handed out last
                 return old
-        kept.append(page_aligned(shape))  # aligned: the conversions may stream whole lines into it
+        kept.append(np.empty(shape, dtype=np.float32))
         del kept[:-2]
         return kept[-1]
 

@@ -31,7 +31,6 @@ from pcldnn_runtime import cpu
 from pcldnn_runtime.abi import SIGNATURES
 from pcldnn_runtime.errors import ArchError, BuildDirError
 from pcldnn_runtime.families import bf16_gradients, bf16_outputs
-from pcldnn_runtime.kernels import ptr
 from pcldnn_runtime.manifest import ACT16_LAYOUTS, parse_manifest
 
 needs_real_bf16 = pytest.mark.skipif(not HAS_BF16, reason="this CPU lacks AVX512_BF16 and the test runs the "
@@ -499,29 +498,6 @@ def test_manifest_must_agree_on_bf16_activations(tmp_path):
         "act_layout_to_bf16"
     with pytest.raises(BuildDirError, match=r"layers\[7\].kernels.layout.symbols"):
         parse_manifest(bad, "manifest.json")
-
-
-@pytest.mark.parametrize("arch", BF16_BUILDS)
-def test_bf16_layout_conversions_of_large_activations(tmp_path, arch):
-    """The per-layer API's one-pass conversions of a bf16 activation larger than L2: canonical
-    fp32 -> blocked bf16 rounded as the kernels round, and back exactly, the canonical result
-    streamed past the caches into an aligned array and stored plainly into a misaligned one."""
-    c, h, w, batch = 32, 64, 96, 3
-    spec = parse_netspec({"name": "big", "input": {"channels": c, "height": h, "width": w}, "layers": [
-        {"name": "c1", "type": "conv", "out_channels": c, "kernel": 1},
-        {"name": "c2", "type": "conv", "out_channels": c, "kernel": 1}]})
-    build(spec, arch, tmp_path / "big", precision="bf16")
-    layer = pr.load(tmp_path / "big", threads=2).layers["c2"]
-    assert layer.in_bf16 and batch * c * h * w * 4 > arch.l2_bytes
-    x = np.random.default_rng(8).standard_normal((batch, c, h, w)).astype(np.float32)
-    xb = layer.input_blocked(x, "x")
-    rounded = bf16_reference(x)
-    np.testing.assert_array_equal(xb, rounded.reshape(batch, c // 16, 16, h, w).transpose(0, 1, 3, 4, 2))
-    np.testing.assert_array_equal(layer._from_blocked("in", xb, layer.in_shape, False), as_float(rounded))
-    raw = np.full(x.size + 1, np.nan, np.float32)
-    misaligned = raw[1:].reshape(x.shape) if raw[1:].ctypes.data % 64 else raw[:-1].reshape(x.shape)
-    layer._k["in_from_blocked16"](ptr(xb), ptr(misaligned), batch, 2)
-    np.testing.assert_array_equal(misaligned, as_float(rounded))
 
 
 def _bf16_storage_builds(tmp_path, spec, arch=AMX_ARCH, modes=("fp32", "bf16")):

@@ -6,9 +6,8 @@ import pytest
 import reference as ref
 from helpers import ISA_PARAMS, NETS, assert_dot_close, build_and_load
 
-from pcldnn_gen.arch import PRESETS, get_arch
+from pcldnn_gen.arch import PRESETS
 from pcldnn_runtime import cpu
-from pcldnn_runtime.kernels import empty_aligned, ptr
 
 # (batch, C, H, W, OC, kernel, stride, pad, relu): kernel 1/2/3/5/11, stride 1/2/4,
 # pad 0/1/2 (also pad > kernel/2), asymmetric, channels 1/3/8/17/64, non-square, batch 1 and 7.
@@ -514,27 +513,6 @@ def test_initialisation_is_seeded_as_pytorch_starts(tmp_path):
     # uniform in +-bound: std bound / sqrt(3); 64*288 samples -> ~0.5% sampling error
     assert np.abs(wa).max() <= bound and abs(wa.std() / (bound / np.sqrt(3)) - 1) < 0.03
     assert abs(a.layers["fc1"].weights.std() / (1 / np.sqrt(2048) / np.sqrt(3)) - 1) < 0.03
-
-
-def test_large_canonical_results_stream_past_the_caches_and_match(tmp_path, isa):
-    """A canonical result larger than L2 whose channel planes start on cache lines goes out in
-    non-temporal stores (SIMD builds): the same values as numpy's transpose, into an aligned
-    array (the layer API's) and, through plain stores, into a misaligned one."""
-    c, h, w, batch = 32, 64, 96, 3
-    net = build_and_load(tmp_path, [{"name": "c", "type": "conv", "out_channels": c, "kernel": 1}], (c, h, w), isa)
-    layer, v = net.layers["c"], net.vector_floats
-    assert batch * c * h * w * 4 > get_arch(isa).l2_bytes and h * w % v == 0  # the stream condition's sizes
-    source = (tmp_path / f"t-{isa}" / "src" / "c_layout.c").read_text()
-    assert ("transpose_vxv_stream" in source) == (isa != "scalar")
-    x = np.random.default_rng(7).standard_normal((batch, c, h, w)).astype(np.float32)
-    xb = empty_aligned(layer.input_shape(batch))
-    layer.input_into_blocked(x, xb)
-    np.testing.assert_array_equal(xb, x.reshape(batch, c // v, v, h, w).transpose(0, 1, 3, 4, 2))
-    np.testing.assert_array_equal(layer.output_from_blocked(xb), x)
-    raw = np.full(x.size + 1, np.nan, np.float32)
-    misaligned = raw[1:].reshape(x.shape) if raw[1:].ctypes.data % 64 else raw[:-1].reshape(x.shape)
-    layer._k["out_from_blocked"](ptr(xb), ptr(misaligned), batch, 2)
-    np.testing.assert_array_equal(misaligned, x)
 
 
 @pytest.mark.parametrize("c,h,w", [(1, 1, 1), (3, 5, 7), (15, 4, 4), (16, 4, 4), (17, 3, 11), (35, 7, 9), (32, 8, 8)])
