@@ -178,7 +178,18 @@ def ptr_array(arrays: list[np.ndarray]) -> Any:
 
 
 _ffi = cffi.FFI()
+_ffi.cdef("int memcmp(const void *, const void *, size_t);")
+_libc = _ffi.dlopen(None)
 _keep: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a pointer array -> the pointers it holds
+
+
+def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two C-contiguous arrays of one dtype and shape hold the same bytes: libc's memcmp,
+    at the memory's speed (np.array_equal builds a boolean array of every element first: 12 ms
+    against ~3 for a 26 MB bf16 activation)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return _libc.memcmp(ptr(a), ptr(b), a.nbytes) == 0
 
 
 CACHE_LINE_FLOATS = 16  # floats in a 64-byte cache line: parameter blocks and MPI parts start on one

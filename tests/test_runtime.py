@@ -158,6 +158,20 @@ def test_results_are_reused_only_when_the_caller_let_them_go(built):
     assert made[2]() is made[0]() is not None and made[3]() is made[1]() is not None  # two arrays take turns
 
 
+def test_same_bytes_compares_bits():
+    """The test backward_weights uses to reuse the last forward's mask: every bit counts (a NaN
+    input equals itself, -0.0 differs from 0.0), and arrays of another dtype or shape differ."""
+    from pcldnn_runtime.kernels import same_bytes
+    a = np.random.default_rng(1).standard_normal((3, 5, 16)).astype(np.float32)
+    a[0, 0, 0] = np.nan
+    b = a.copy()
+    assert same_bytes(a, b)
+    b.view(np.uint32)[2, 4, 15] ^= 1
+    assert not same_bytes(a, b)
+    c, d = np.zeros(4, np.float32), np.array([0.0, 0.0, 0.0, -0.0], np.float32)
+    assert not same_bytes(c, d) and not same_bytes(a, a.reshape(15, 16)) and not same_bytes(c, c.view(np.int32))
+
+
 def test_backward_weights_takes_the_last_forwards_mask_only_for_its_input_and_weights(built):
     """backward_weights(x, dy) of a layer with a ReLU masks dy by forward(x): the last canonical
     forward's output where that forward had the same input and the same weights, else a forward
