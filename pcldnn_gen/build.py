@@ -22,7 +22,7 @@ import numpy as np
 from filelock import FileLock
 
 from pcldnn_runtime import cpu
-from pcldnn_runtime.families import Engine, bf16_gradients, bf16_outputs, choose
+from pcldnn_runtime.families import Engine, bf16_gradients, bf16_outputs, choose, sides
 from pcldnn_runtime.families.fusion import plan_fusions
 from pcldnn_runtime.manifest import FORMAT, FORMAT_FAMILY, MANIFEST, WEIGHTS_FILE, file_sha256
 from pcldnn_runtime.state_io import check_state, expected_state
@@ -106,13 +106,13 @@ def computed_by(net: NetSpec, arch: Arch, precision: str, layer: str) -> str | N
 def net_activations(net: NetSpec, arch: Arch, precision: str) -> dict[str, tuple[bool, bool]]:
     """Per layer, whether its (input, output) activations are stored as bf16 (families.bf16_outputs)."""
     outputs = bf16_outputs(precision, arch.amx, arch.vector_floats, net.layers)
-    return {layer.name: (i > 0 and outputs[i - 1], outputs[i]) for i, layer in enumerate(net.layers)}
+    return {layer.name: pair for layer, pair in zip(net.layers, sides(outputs), strict=True)}
 
 
 def net_gradients(net: NetSpec, arch: Arch, precision: str) -> dict[str, tuple[bool, bool]]:
     """Per layer, whether the gradients of its (input, output) are stored as bf16 (families.bf16_gradients)."""
     grads = bf16_gradients(precision, arch.amx, arch.vector_floats, net.layers)
-    return {layer.name: (i > 0 and grads[i - 1], grads[i]) for i, layer in enumerate(net.layers)}
+    return {layer.name: pair for layer, pair in zip(net.layers, sides(grads), strict=True)}
 
 
 def pass_gradients(gradients: tuple[bool, bool], pass_name: str) -> tuple[bool, bool]:

@@ -229,8 +229,9 @@ def _render_tiled(layer: LayerSpec, plan: KernelPlan, arch: Arch, symbol: str, l
 
 BF16_LAYOUT_ROLES = {"in_to_bf16", "wt_to_tiles", "in_to_blocked16", "out_to_blocked16"}  # need -mavx512bf16
 # Layout conversions are memory-bound register transposes written in intrinsics: -O2 runs them as
-# fast as -O3 (VGG-A conv4's, fp32 and bf16, `benchmarks/api_overhead.py`) and compiles in about
-# half the time (0.22 s against 0.38 s a library; a third of the test suite's compile time was theirs)
+# fast as -O3 (VGG-A conv4's, fp32 and bf16, timed alternately; `benchmarks/api_overhead.py` fp32
+# ratios unchanged) and compiles in about half the time (0.22 s against 0.38 s a library, with the
+# precompiled header; a third of the test suite's compile time was theirs)
 LAYOUT_CFLAGS = ("-O2",)
 
 

@@ -94,8 +94,8 @@ def kernel_kinds(layer: families.LayerShape, target: families.Target,
         out["layout"] |= BF16_LAYOUTS
     if ltype == "fc" and any(kind.engine is not families.Engine.FP32 for _, kind in chosen.values()):
         out["layout"] |= FC_TILE_LAYOUTS
-    sides = {side for side, stored in zip(("in", "out"), stored16) if stored}
-    out["layout"] |= {r: k for r, k in ACT16_LAYOUTS.items() if r.split("_")[0] in sides}
+    bf16_sides = {side for side, stored in zip(("in", "out"), stored16) if stored}
+    out["layout"] |= {r: k for r, k in ACT16_LAYOUTS.items() if r.split("_")[0] in bf16_sides}
     return out
 
 PEAK_SYMBOL = "pcldnn_peak"  # the build's FMA peak kernel (pcldnn_gen.codegen.render_peak)
@@ -226,17 +226,19 @@ def parse_manifest(data: Any, origin: str) -> Manifest:
     # families.bf16_outputs and bf16_gradients say, so the manifest must say the same (a build
     # from a generator with another rule would have its activations misread).
     target = families.Target(precision, arch.get("amx") is True, v)
-    for key, rule, what in (("output", families.bf16_outputs, "that activation"),
-                            ("gradient", families.bf16_gradients, "that activation's gradient")):
-        for i, bf16 in enumerate(rule(precision, target.amx, v, layers)):
+    stored = families.bf16_outputs(precision, target.amx, v, layers)
+    for key, flags, what in (("output", stored, "that activation"),
+                             ("gradient", families.bf16_gradients(precision, target.amx, v, layers),
+                              "that activation's gradient")):
+        for i, bf16 in enumerate(flags):
             want = "bf16" if bf16 else "fp32"
             got = f.choice(raw_layers[i].get(key, "fp32"), f"layers[{i}].{key}", ("fp32", "bf16"))
             if got != want:
                 f.fail(f"layers[{i}].{key}", f"is {got} but this runtime stores {what} as {want}: "
                        "compile the net again with this version")
-    stored = families.bf16_outputs(precision, target.amx, v, layers)
-    for i, layer in enumerate(layers):  # each layer's layout library, now that its bf16 edges are known
-        roles = kernel_kinds(layer, target, (i > 0 and stored[i - 1], stored[i]))["layout"]
+    for i, (layer, stored16) in enumerate(zip(layers, families.sides(stored), strict=True)):
+        # each layer's layout library, now that its bf16 edges are known
+        roles = kernel_kinds(layer, target, stored16)["layout"]
         layers[i] = dataclasses.replace(layer, kernels={
             **layer.kernels, **_kernels(f, raw_layers[i]["kernels"], f"layers[{i}].kernels", layer.name, {"layout": roles})})
     weights = None

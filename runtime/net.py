@@ -13,7 +13,7 @@ import numpy as np
 
 from . import cpu, families, observe
 from .errors import BuildDirError, NonFiniteError, PcldnnError
-from .families import bf16_gradients, bf16_outputs
+from .families import bf16_gradients, bf16_outputs, sides
 from .families.fusion import NONE as NO_FUSIONS
 from .families.fusion import plan_fusions
 from .kernels import (
@@ -248,13 +248,11 @@ class Net:
             self.loss_layer.flat_input = self.loss_layer.flat_output = True
         # bf16 builds: an activation whose writer and reader kernels all take bf16 is stored so
         # (families.bf16_outputs, on chain edges only; the manifest says the same)
-        outputs = bf16_outputs(self.precision, manifest.arch.get("amx") is True, v, specs)
-        gradients = bf16_gradients(self.precision, manifest.arch.get("amx") is True, v, specs)
-        for i, spec in enumerate(specs):
-            self.layers[spec.name].out_bf16 = outputs[i]
-            self.layers[spec.name].in_bf16 = i > 0 and outputs[i - 1]
-            self.layers[spec.name].out_grad_bf16 = gradients[i]
-            self.layers[spec.name].in_grad_bf16 = i > 0 and gradients[i - 1]
+        outputs = sides(bf16_outputs(self.precision, manifest.arch.get("amx") is True, v, specs))
+        gradients = sides(bf16_gradients(self.precision, manifest.arch.get("amx") is True, v, specs))
+        for spec, (in16, out16), (in_grad16, out_grad16) in zip(specs, outputs, gradients, strict=True):
+            layer = self.layers[spec.name]
+            layer.in_bf16, layer.out_bf16, layer.in_grad_bf16, layer.out_grad_bf16 = in16, out16, in_grad16, out_grad16
 
     def _load_kernels(self, spec: LayerEntry) -> dict:
         """{role: callable}: 'fwd', 'bwd_data', 'bwd_weights' and the layout roles

@@ -188,6 +188,13 @@ def chain_edges(layers: Sequence[LayerShape]) -> tuple[bool, ...]:
                  and layers[i + 1].type not in ("add", "concat") for i, layer in enumerate(layers))
 
 
+def sides(per_output: Sequence[bool]) -> tuple[tuple[bool, bool], ...]:
+    """Per layer, (its input's, its output's) value of a per-output flag (bf16_outputs,
+    bf16_gradients): those hold on chain edges only, where layer i reads layer i - 1's output;
+    the first layer's input (the net's) is never bf16."""
+    return tuple((i > 0 and per_output[i - 1], flag) for i, flag in enumerate(per_output))
+
+
 def bf16_gradients(precision: str, amx: bool, v: int, layers: Sequence[LayerShape]) -> tuple[bool, ...]:
     """Per layer, whether the gradient of its output activation is stored as bf16: where the
     activation itself is (bf16_outputs) and every kernel that touches the gradient takes bf16,
