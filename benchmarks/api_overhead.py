@@ -10,6 +10,13 @@
    dy)` on NCHW arrays), timed alternately (`--rounds`, median of per-round ratios), in fp32 or
    a bf16 build (`--precision bf16`). The targets: the canonical call at most 1.10x (fp32) and
    1.15x (bf16, issue 50) its kernel.
+3. `--torch`: the same passes through PyTorch on the same float32 arrays, NCHW and channels_last
+   (its better time each round), timed in the same rounds (`torch.set_num_threads` as ours): a
+   bf16 build against oneDNN's bf16 convolution (x, dy and the weights cast to bf16, the
+   results cast back to float32, as our calls take and give float32), an fp32 build against its
+   fp32 one; forward with the layer's ReLU, the backward passes as aten.convolution_backward
+   computes them (the ReLU's mask left out of PyTorch's side). The issue 50 target: our call at
+   least 1.0x PyTorch's per pass.
 """
 from __future__ import annotations
 
@@ -60,8 +67,41 @@ def fixed_cost(arch, tmp: Path, calls: int) -> None:
               f"one pointer {mean_us(lambda: ptr(xb), calls):.2f} us (mean of {calls} calls)")
 
 
+def torch_calls(layer, x: np.ndarray, dy: np.ndarray, threads: int, precision: str) -> dict:
+    """PyTorch's forward, input-gradient and weight-gradient calls of the layer's convolution
+    (its weights and bias) on float32 arrays in and out, in NCHW and in channels_last (its
+    inputs already in that layout, as a channels_last model's are)."""
+    import torch
+    torch.set_num_threads(threads)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    stride, pad = tuple(layer.spec.stride), tuple(layer.spec.pad)
+    calls = {}
+    for fmt, name in ((torch.contiguous_format, "nchw"), (torch.channels_last, "channels_last")):
+        w = torch.from_numpy(np.ascontiguousarray(layer.weights)).to(dtype).contiguous(memory_format=fmt)
+        b = torch.from_numpy(np.ascontiguousarray(layer.bias)).to(dtype)
+        tx = torch.from_numpy(x).contiguous(memory_format=fmt)
+        tdy = torch.from_numpy(dy).contiguous(memory_format=fmt)
+        x16 = tx.to(dtype)
+
+        def forward(tx=tx, w=w, b=b):
+            with torch.no_grad():
+                out = torch.nn.functional.conv2d(tx.to(dtype), w, b, stride, pad)
+                return (torch.relu(out) if layer.relu else out).float()
+
+        def backward(mask, tdy=tdy, x16=x16, w=w):
+            with torch.no_grad():
+                grads = torch.ops.aten.convolution_backward(tdy.to(dtype), x16, w, [w.shape[0]], stride, pad, (1, 1),
+                                                            False, (0, 0), 1, mask)
+                return [g.float() for g in grads if g is not None]
+
+        calls.update({f"torch {name} fwd": forward,
+                      f"torch {name} bwd_data": lambda backward=backward: backward([True, False, False]),
+                      f"torch {name} bwd_weights": lambda backward=backward: backward([False, True, True])})
+    return calls
+
+
 def conversion_cost(arch, tmp: Path, net_file: Path, layer_name: str, batch: int, threads: int, rounds: int,
-                    precision: str) -> None:
+                    precision: str, with_torch: bool = False) -> None:
     spec = load_netspec(net_file)
     build(spec, arch, tmp / "net", precision=precision)
     layer = pr.load(tmp / "net", threads=threads).layers[layer_name]
@@ -88,6 +128,8 @@ def conversion_cost(arch, tmp: Path, net_file: Path, layer_name: str, batch: int
         "bwd_weights kernel": lambda: layer.backward_blocked(xb, yb, None, dyb, None, grads=(dw, db)),
         "layer.backward_weights": lambda: layer.backward_weights(x, dy),
     }
+    if with_torch:
+        calls.update(torch_calls(layer, x, dy, threads, precision))
     for fn in calls.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in calls}
@@ -99,8 +141,14 @@ def conversion_cost(arch, tmp: Path, net_file: Path, layer_name: str, batch: int
     for p, k in (("forward", "fwd"), ("backward_data", "bwd_data"), ("backward_weights", "bwd_weights")):
         kernel, api = times[f"{k} kernel"], times[f"layer.{p}"]
         ratio = statistics.median(a / b for a, b in zip(api, kernel))
-        print(f"  {p:<17} kernel {1e3 * statistics.median(kernel):8.2f} ms   layer.{p} "
-              f"{1e3 * statistics.median(api):8.2f} ms   ratio {ratio:.3f}")
+        line = (f"  {p:<17} kernel {1e3 * statistics.median(kernel):8.2f} ms   layer.{p} "
+                f"{1e3 * statistics.median(api):8.2f} ms   ratio {ratio:.3f}")
+        if with_torch:  # PyTorch's better layout, round by round
+            theirs = [min(pair) for pair in zip(times[f"torch nchw {k}"], times[f"torch channels_last {k}"])]
+            line += (f"   PyTorch {1e3 * statistics.median(theirs):8.2f} ms (NCHW "
+                     f"{1e3 * statistics.median(times[f'torch nchw {k}']):.1f})   x PyTorch "
+                     f"{statistics.median(t / a for t, a in zip(theirs, api)):.2f}")
+        print(line)
 
 
 def main() -> None:
@@ -114,12 +162,14 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20000)
     ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--skip-fixed", action="store_true", help="only the layer's three passes")
+    ap.add_argument("--torch", action="store_true", help="PyTorch's call of each pass beside ours (same rounds)")
     args = ap.parse_args()
     arch = get_arch(args.arch)
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_fixed:
             fixed_cost(arch, Path(tmp), args.calls)
-        conversion_cost(arch, Path(tmp), args.net, args.layer, args.batch, args.threads, args.rounds, args.precision)
+        conversion_cost(arch, Path(tmp), args.net, args.layer, args.batch, args.threads, args.rounds, args.precision,
+                        args.torch)
 
 
 if __name__ == "__main__":
