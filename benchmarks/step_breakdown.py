@@ -28,31 +28,37 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 CHILD = """
 import sys, numpy as np, pcldnn_runtime as pr
-import resource
+sys.path.insert(0, sys.argv[4])
+from step_breakdown import settle
 net = pr.load(sys.argv[1], threads=int(sys.argv[2]))
 batch = int(sys.argv[3])
 rng = np.random.default_rng(0)
 x = rng.standard_normal((batch, *net.chain[0].in_shape)).astype(np.float32)
 y = rng.integers(0, net.loss_layer.out_shape[0], batch)
-for _ in range(8):  # until a step maps no new page (see the module's docstring)
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    net.loss_and_grad(x, y)
-    if resource.getrusage(resource.RUSAGE_SELF).ru_minflt == faults:
-        break
+settle(lambda: net.loss_and_grad(x, y))
 print("pcldnn_step_marker", file=sys.stderr, flush=True)
 net.loss_and_grad(x, y)
 """
 
 
+def settle(step: Callable[[], object]) -> None:
+    """step() until a call maps no new page, at most 8 calls (see the module's docstring)."""
+    import resource
+    for _ in range(8):
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        step()
+        if resource.getrusage(resource.RUSAGE_SELF).ru_minflt == faults:
+            return
+
+
 def step_time(build: Path, batch: int, threads: int, steps: int) -> float:
     """Median wall seconds of one Trainer.step (SGD with momentum) at this minibatch, once a
     step maps no new page."""
-    import resource
-
     import numpy as np
 
     import pcldnn_runtime as pr
@@ -61,11 +67,7 @@ def step_time(build: Path, batch: int, threads: int, steps: int) -> float:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch, *net.chain[0].in_shape)).astype(np.float32)
     y = rng.integers(0, net.loss_layer.out_shape[0], batch)
-    for _ in range(8):
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        trainer.step(x, y)
-        if resource.getrusage(resource.RUSAGE_SELF).ru_minflt == faults:
-            break
+    settle(lambda: trainer.step(x, y))
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -81,14 +83,14 @@ def verbose_step(build: Path, batch: int, threads: int) -> tuple[list[list[str]]
     """The verbose exec lines (split at commas) of one loss_and_grad, and the FMA peak (GFLOP/s)
     the child measured for this thread count (None: a build without a peak kernel)."""
     env = dict(os.environ, PCLDNN_VERBOSE="1")
-    run = subprocess.run([sys.executable, "-c", CHILD, str(build), str(threads), str(batch)], env=env,
-                         capture_output=True, text=True, check=True)
+    run = subprocess.run([sys.executable, "-c", CHILD, str(build), str(threads), str(batch), str(Path(__file__).parent)],
+                         env=env, capture_output=True, text=True, check=True)
     before, after = run.stderr.split("pcldnn_step_marker", 1)
     peak = None
-    for line in before.splitlines():
+    for line in before.splitlines():  # pcldnn_verbose,<rank>,info,peak,<threads>,<GFLOP/s or "- (why)">
         fields = line.split(",")
-        if fields[:4] == ["pcldnn_verbose", fields[1], "info", "peak"] and fields[4] == str(threads):
-            peak = float(fields[5]) if fields[5].replace(".", "", 1).isdigit() else None
+        if len(fields) >= 6 and fields[0] == "pcldnn_verbose" and fields[2:5] == ["info", "peak", str(threads)]:
+            peak = None if fields[5].startswith("-") else float(fields[5])
     lines = [f for f in (line.split(",") for line in after.splitlines())
              if len(f) >= 11 and f[0] == "pcldnn_verbose" and f[2] == "exec"]
     return lines, peak
