@@ -72,6 +72,8 @@ def torch_calls(layer, x: np.ndarray, dy: np.ndarray, threads: int, precision: s
     (its weights and bias) on float32 arrays in and out, in NCHW and in channels_last (its
     inputs already in that layout, as a channels_last model's are)."""
     import torch
+    if layer.type != "conv" or layer.groups != 1:
+        raise SystemExit(f"--torch compares dense convolutions; {layer.name} is a {layer.type} with {layer.groups} group(s)")
     torch.set_num_threads(threads)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     stride, pad = tuple(layer.spec.stride), tuple(layer.spec.pad)
