@@ -10,8 +10,8 @@ PCLDNN_VERBOSE=1 in a child process whose kernel lines are summed by the manifes
 "other" in the table is the step's time outside every kernel: the optimizer, the runtime's
 Python and its layout calls. Both time only steps that fault no page in: the workspace lends
 its gradient buffers in turn, so a buffer's first use as the largest gradient (the max
-pooling's dx) maps its pages, at ~0.2 ms a fault on the VMs (ResNet-18, fp32: that kernel
-103 ms in the second step, 8 ms from the third).
+pooling's dx) maps its pages (ResNet-18, fp32, Xeon VM: that kernel 103-106 ms with 237-492
+minor faults in the first two steps, 8 ms from the third).
 
 `--per-layer` adds each convolution's time per pass and its share of the FMA peak (the verbose
 lines' nominal GFLOP/s over the peak the build's own peak kernel measured in the child), and
