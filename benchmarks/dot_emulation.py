@@ -93,6 +93,9 @@ def flush_denormals() -> None:
 
 
 def main() -> int:
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
     if len(sys.argv) < 2 or sys.argv[1] not in ("compile", "ab", "bench", "tune"):
         raise SystemExit(__doc__)
     command, rest = sys.argv[1], sys.argv[2:]

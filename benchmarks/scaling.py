@@ -117,7 +117,7 @@ def main() -> None:
     from pcldnn_gen.arch import get_arch
     from pcldnn_gen.build import build
     from pcldnn_gen.netspec import load_netspec
-    from pcldnn_runtime.mpi_safety import mpiexec as find_mpiexec
+    from pcldnn_runtime.launcher import mpiexec as find_mpiexec
     mpiexec = find_mpiexec()
     results = []
     predictions = []

@@ -23,7 +23,8 @@ def from_torch(module: Any, input_shape: Sequence[int], name: str | None = None,
 def compile(net: dict | str | Path, arch: str = "native", out: str | Path | None = None,
             weights: Mapping[str, Any] | None = None) -> Path:
     """Compile a net description (a dict like net.json's, or a path to one) for `arch` into a
-    build directory (default build/<net>-<isa>); `weights` (a state dict, canonical layouts)
+    build directory (default build/<net>-<arch>: build/vgg_a-avx2 for arch "avx2",
+    build/vgg_a-native-avx512 for "native" on an AVX-512 CPU); `weights` (a state dict, canonical layouts)
     become the build's initial weights. Returns the directory, for pcldnn_runtime.load."""
     from .arch import get_arch
     from .build import build

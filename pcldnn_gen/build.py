@@ -48,8 +48,14 @@ class BuildResult:
     plans: dict[tuple[str, str], KernelPlan]
 
 
-def default_build_dir(net: NetSpec, arch: Arch, precision: str = "fp32") -> Path:
-    return Path("build") / (f"{net.name}-{arch.isa}" + ("" if precision == "fp32" else f"-{precision}"))
+def default_build_dir(net: NetSpec, arch: Arch, precision: str = "fp32", fusion: bool = True) -> Path:
+    """build/<net>-<arch>[-bf16][-nofusion]: a name that says which build it is, so that two
+    different builds of one net never replace each other unasked. <arch> is the preset's name
+    (`--arch avx2` -> build/vgg_a-avx2, as docs/design.md §4), native-<isa>[-amx] for this
+    CPU's own figures, or an arch file's name."""
+    where = f"native-{arch.isa}" + ("-amx" if arch.amx else "") if arch.name.startswith("native") else arch.name
+    return Path("build") / (f"{net.name}-{where}" + ("" if precision == "fp32" else f"-{precision}")
+                            + ("" if fusion else "-nofusion"))
 
 
 def check_precision(precision: str, arch: Arch) -> None:
@@ -156,7 +162,7 @@ def build(net: NetSpec, arch: Arch, out_dir: Path | None = None, jobs: int | Non
     check_precision(precision, arch)
     if precision == "bf16" and (slow := slow_bf16_reason(arch)) is not None:
         warnings.warn(slow, SlowBuildWarning, stacklevel=2)  # not silently slower than fp32 (the CLI prints it)
-    out_dir = Path(out_dir) if out_dir is not None else default_build_dir(net, arch, precision)
+    out_dir = Path(out_dir) if out_dir is not None else default_build_dir(net, arch, precision, fusion)
     initial = None
     if weights is not None:
         initial, _ = check_state(expected_state(net.layers), weights, weights_origin)

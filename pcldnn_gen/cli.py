@@ -19,7 +19,7 @@ from .build import build, check_precision, computed_by, fuse_plans, net_activati
 from .codegen import render_kernel
 from .errors import PcldnnError
 from .netspec import load_netspec
-from .planner import PASSES
+from .planner import LAYER_PASSES, PASSES
 
 
 def _compile(args: argparse.Namespace) -> int:
@@ -66,22 +66,33 @@ def _tuning(args: argparse.Namespace) -> Any:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    """The C of one kernel, or (--explain) the plan of each pass asked for (every pass of the
+    layer unless --pass names one)."""
     net = load_netspec(args.net, args.max_memory)
     arch = get_arch(args.arch)
-    layer = net.layer(args.layer)
     check_precision(args.precision, arch)
-    pass_name = args.pass_name
-    serving = computed_by(net, arch, args.precision, layer.name)
-    if serving is not None:  # a residual fusion: the add's work is its batchnorm's kernel (docs/design.md)
-        pass_name = "fwd" if pass_name == "fwd" else "bwd_weights"
-        print(f"/* {layer.name} ({layer.type}) is computed by {serving}'s {pass_name} kernel (a residual fusion), below */")
-        layer = net.layer(serving)
-    plan = plan_kernel(layer, pass_name, arch, _tuning(args), None, args.precision,
-                       net_activations(net, arch, args.precision)[layer.name],
-                       net_gradients(net, arch, args.precision)[layer.name])
-    plan = fuse_plans(net, arch, args.precision, {(layer.name, pass_name): plan})[(layer.name, pass_name)]
-    if args.explain:
-        print(f"{layer.name} {plan.pass_name} on {arch.name}: {plan.reason}")
+    asked = net.layer(args.layer)
+    passes = [args.pass_name] if args.pass_name else list(LAYER_PASSES[asked.type]) if args.explain else ["fwd"]
+    if args.pass_name and args.pass_name not in LAYER_PASSES[asked.type]:
+        raise PcldnnError(f"--pass {args.pass_name}: {asked.name} ({asked.type}) has the passes "
+                          f"{', '.join(LAYER_PASSES[asked.type])}")
+    tuning = _tuning(args)
+    for n, pass_name in enumerate(passes):
+        layer = asked
+        serving = computed_by(net, arch, args.precision, layer.name)
+        if serving is not None:  # a residual fusion: the add's work is its batchnorm's kernel (docs/design.md)
+            pass_name = "fwd" if pass_name == "fwd" else "bwd_weights"
+            print(f"/* {layer.name} ({layer.type}) is computed by {serving}'s {pass_name} kernel (a residual "
+                  "fusion), below */")
+            layer = net.layer(serving)
+        plan = plan_kernel(layer, pass_name, arch, tuning, None, args.precision,
+                           net_activations(net, arch, args.precision)[layer.name],
+                           net_gradients(net, arch, args.precision)[layer.name])
+        plan = fuse_plans(net, arch, args.precision, {(layer.name, pass_name): plan})[(layer.name, pass_name)]
+        if not args.explain:
+            sys.stdout.write(render_kernel(layer, plan, arch).text)
+            continue
+        print(("\n" if n else "") + f"{layer.name} {plan.pass_name} on {arch.name}: {plan.reason}")
         if plan.tile is not None:
             print(f"chosen   : {plan.tile.describe()}, row average {plan.predicted_efficiency:.0%}; "
                   f"L2->L1 {plan.l2_bytes_per_flop:.4f} B/FLOP")
@@ -90,8 +101,9 @@ def _inspect(args: argparse.Namespace) -> int:
             print(_measured_lines(plan) if plan.measured else
                   f"measured : none (`pcldnn-gen tune {args.net} --arch {args.arch}"
                   f"{'' if args.precision == 'fp32' else ' --precision ' + args.precision}` times the candidates)")
-        return 0
-    sys.stdout.write(render_kernel(layer, plan, arch).text)
+    if args.explain:
+        print("\n% of peak, predicted or measured: nominal FLOPs (2 per multiply-add of the layer's definition, "
+              "padding taps included) over the FMA peak; a kernel that skips padded taps can show more than 100%")
     return 0
 
 
@@ -304,7 +316,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("net", help="network description (net.json)")
     c.add_argument("--arch", default="native", help="native (default), a CPU family (haswell, skylake-x, icelake, "
                    "sapphirerapids, zen3, zen4, zen5), avx2, avx512, scalar, or an arch JSON file")
-    c.add_argument("-o", "--output", help="build directory (default build/<net>-<isa>, bf16: build/<net>-<isa>-bf16)")
+    c.add_argument("-o", "--output", help="build directory (default build/<net>-<arch>[-bf16][-nofusion]: <arch> the "
+                   "preset, e.g. avx2, or native-<isa> for --arch native)")
     c.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="kernel number format: fp32 (default) or bf16 (bf16 activations and weight copy, fp32 "
                         "accumulation and master weights; AVX-512 builds, run on CPUs with AVX512_BF16)")
@@ -320,11 +333,12 @@ def parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="print the C emitted for one layer and pass")
     i.add_argument("net")
     i.add_argument("--layer", required=True)
-    i.add_argument("--pass", dest="pass_name", default="fwd", choices=PASSES)
+    i.add_argument("--pass", dest="pass_name", choices=PASSES,
+                   help="the pass (default: fwd for the C; every pass of the layer with --explain)")
     i.add_argument("--arch", default="native")
     i.add_argument("--precision", choices=PRECISIONS, default="fp32", help="bf16: the kernel a bf16 build holds")
     i.add_argument("--explain", action="store_true",
-                   help="print the plan, the rejected tiles and the tuner's measurements instead of C")
+                   help="print each pass's plan, the rejected tiles and the tuner's measurements instead of C")
     _no_tuning_option(i)
     _max_memory_option(i)
     i.set_defaults(func=_inspect)

@@ -28,7 +28,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -279,13 +279,25 @@ def _compile_cached(source: Source, arch: Arch, cache: Path) -> CompileResult:
 
 
 def compile_all(sources: list[Source], arch: Arch, jobs: int | None = None,
-                cache: Path | None = None) -> list[CompileResult]:
-    """Compile independent sources in parallel (`jobs` compiler processes at once)."""
+                cache: Path | None = None, progress: bool | None = None) -> list[CompileResult]:
+    """Compile independent sources in parallel (`jobs` compiler processes at once). `progress`:
+    a bar on stderr, kernels done of all and how many came from the cache (None: where stderr
+    is a terminal; a big net's compile takes a minute or more)."""
+    from tqdm import tqdm
     compiler_identity(c_compiler())  # fail fast, once, if there is no compiler
     cache = usable_cache(cache)
     jobs = max(1, jobs or os.cpu_count() or 1)
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(lambda s: compile_source(s, arch, cache), sources))
+    with ThreadPoolExecutor(max_workers=jobs) as pool, \
+            tqdm(total=len(sources), desc="compiling", unit="kernel", leave=False, dynamic_ncols=True,
+                 disable=None if progress is None else not progress) as bar:
+        futures = [pool.submit(compile_source, s, arch, cache) for s in sources]
+        cached = 0
+        for future in as_completed(futures):
+            if future.exception() is None and not future.result().compiled:
+                cached += 1
+                bar.set_postfix_str(f"{cached} from the cache", refresh=False)
+            bar.update()
+        return [f.result() for f in futures]  # raises the first failure in source order
 
 
 # Keeping the cache's size in check (`pcldnn-gen cache`). A build directory holds copies of its

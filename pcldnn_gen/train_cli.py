@@ -143,9 +143,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.val in ("digits", "synthetic"):
         f.fail("--val", f"must be a path; {args.val} data comes with its own test split (omit --val)")
     if args.metrics:
-        check_writable(args.metrics, "--metrics")
+        check_writable(args.metrics, "--metrics", make_parents=True)
     if args.plot:
-        check_writable(args.plot, "--plot")
+        check_writable(args.plot, "--plot", make_parents=True)
         suffix = Path(args.plot).suffix.lower()
         if suffix not in PLOT_SUFFIXES:
             f.fail("--plot", f"{args.plot}: the picture's format comes from its suffix: one of "
@@ -314,4 +314,5 @@ def save_plot(history: list[dict], path: str) -> None:
     b.set(xlabel="epoch", ylabel="top-1 accuracy")
     b.legend()
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

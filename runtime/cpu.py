@@ -66,10 +66,67 @@ def _first_processor() -> dict[str, str]:
     return fields
 
 
-def cpu_flags() -> frozenset[str]:
-    """The ISA flags of the first processor (empty where unreadable)."""
+# ISA levels, each running everything below it: what `PCLDNN_MAX_ISA` caps (docs/design.md,
+# "Capping the ISA"), as oneDNN's ONEDNN_MAX_CPU_ISA. Each level adds these cpuinfo flags
+# (a trailing * stands for a family: every AVX-512 extension, every AMX one).
+ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512_bf16", "amx")
+_LEVEL_FLAGS: dict[str, tuple[str, ...]] = {
+    "scalar": (), "avx2": ("avx2", "fma"), "avx512": ("avx512*",), "avx512_bf16": ("avx512_bf16",), "amx": ("amx*",)}
+MAX_ISA_VARIABLE = "PCLDNN_MAX_ISA"
+
+
+def max_isa() -> str | None:
+    """The cap `PCLDNN_MAX_ISA` sets (None when unset or empty); an unknown value is an error."""
+    value = os.environ.get(MAX_ISA_VARIABLE, "").strip().lower()
+    if not value:
+        return None
+    if value not in ISA_LEVELS:
+        raise ArchError(f"{MAX_ISA_VARIABLE}={value[:40]!r} is not an ISA level; use one of {', '.join(ISA_LEVELS)}")
+    return value
+
+
+def _flag_level(flag: str) -> int:
+    """The index in ISA_LEVELS of the level `flag` belongs to, -1 for none (an exact name wins
+    over a family: avx512_bf16 is the bf16 level's, not avx512's)."""
+    exact = [i for i, level in enumerate(ISA_LEVELS) if flag in _LEVEL_FLAGS[level]]
+    family = [i for i, level in enumerate(ISA_LEVELS)
+              if any(p.endswith("*") and flag.startswith(p[:-1]) for p in _LEVEL_FLAGS[level])]
+    return (exact or family or [-1])[0]
+
+
+def raw_cpu_flags() -> frozenset[str]:
+    """The ISA flags of the first processor as the kernel reports them (empty where unreadable)."""
     fields = _first_processor()
     return frozenset((fields.get("flags") or fields.get("Features") or "").split())
+
+
+def cpu_flags() -> frozenset[str]:
+    """The ISA flags this process believes the CPU has: the real ones, less those of the levels
+    above `PCLDNN_MAX_ISA`. Every ISA decision (native, the runtime's checks, the tests' skips)
+    reads this."""
+    flags = raw_cpu_flags()
+    cap = max_isa()
+    return flags if cap is None else frozenset(f for f in flags if _flag_level(f) <= ISA_LEVELS.index(cap))
+
+
+def isa_level() -> str:
+    """The highest ISA level this process runs (after the cap): amx only where Linux grants the
+    tile state too."""
+    flags = cpu_flags()
+    level = "scalar"
+    for name in ISA_LEVELS[1:]:
+        needed = {"avx2": ISA_FLAGS["avx2"], "avx512": ISA_FLAGS["avx512"], "avx512_bf16": ("avx512_bf16",),
+                  "amx": AMX_FLAGS}[name]
+        if not all(f in flags for f in needed) or (name == "amx" and request_amx() is not None):
+            break
+        level = name
+    return level
+
+
+def capped(text: str) -> str:
+    """`text` ("this CPU") with the cap named where one is set: an error then says why."""
+    cap = max_isa()
+    return f"{text} (capped by {MAX_ISA_VARIABLE}={cap})" if cap else text
 
 
 @dataclass(frozen=True)
@@ -103,7 +160,7 @@ def require(isa: str, what: str) -> None:
     if not supports(isa):
         missing = [f for f in ISA_FLAGS[isa] if f not in cpu_flags()]
         raise ArchError(
-            f"{what} needs ISA {isa!r} but this CPU lacks {', '.join(missing)}; "
+            f"{what} needs ISA {isa!r} but {capped('this CPU')} lacks {', '.join(missing)}; "
             f"compile with --arch scalar or --arch native instead"
         )
 
@@ -113,7 +170,7 @@ def require_precision(precision: str, what: str, instead: str = "compile it with
     `precision` kernels (bf16 without AVX512_BF16 would die by SIGILL)."""
     missing = [f for f in PRECISION_FLAGS[precision] if f not in cpu_flags()]
     if missing:
-        raise ArchError(f"{what} is a {precision} build but this CPU lacks {', '.join(missing)}; {instead}")
+        raise ArchError(f"{what} is a {precision} build but {capped('this CPU')} lacks {', '.join(missing)}; {instead}")
 
 
 def amx_flags_missing() -> list[str]:
@@ -121,13 +178,17 @@ def amx_flags_missing() -> list[str]:
     return [f for f in AMX_FLAGS if f not in cpu_flags()]
 
 
-@functools.lru_cache(maxsize=1)
 def request_amx() -> str | None:
     """Ask Linux for the AMX tile state (once per process; every thread then may use it).
     None when granted, else why not (what `require_amx` reports)."""
     missing = amx_flags_missing()
     if missing:
-        return f"this CPU lacks {', '.join(missing)}"
+        return f"{capped('this CPU')} lacks {', '.join(missing)}"
+    return _request_tile_state()
+
+
+@functools.lru_cache(maxsize=1)
+def _request_tile_state() -> str | None:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return "AMX tiles are requested through Linux's arch_prctl on x86-64 only"
     libc = ctypes.CDLL(None, use_errno=True)

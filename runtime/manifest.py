@@ -18,6 +18,7 @@ from typing import Any
 from . import cpu, families, limits
 from .errors import BuildDirError
 from .families.fusion import plan_fusions
+from .layer_types import JOINS, LAYER_PASSES, PASSES, WEIGHTED, WINDOWED
 from .validate import LABEL_RE, NAME_RE, SHA256_RE, Fields, read_json, show
 
 # 2: the first layer's few-channel input is packed (geometry.input_pixel_floats); a /1 build's
@@ -45,18 +46,6 @@ MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.npz"  # initial weights recorded by `compile --weights` (canonical layouts)
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 
-PASSES = ("fwd", "bwd_data", "bwd_weights")
-# The passes each layer type has; every layer also has its "layout" conversions.
-LAYER_PASSES: dict[str, tuple[str, ...]] = {
-    "conv": PASSES, "fc": PASSES,
-    "maxpool": ("fwd", "bwd_data"), "avgpool": ("fwd", "bwd_data"),
-    "relu": ("fwd", "bwd_data"), "relu6": ("fwd", "bwd_data"), "dropout": ("fwd", "bwd_data"), "batchnorm": PASSES,
-    "add": ("fwd", "bwd_data"), "concat": ("fwd", "bwd_data"),
-    "softmax_cross_entropy": ("fwd", "bwd_data"),
-}
-WEIGHTED = ("conv", "fc")
-WINDOWED = ("conv", "maxpool", "avgpool")
-JOINS = ("add", "concat")  # the layers that read several
 # Layout conversions (symbol suffix -> kernel kind); weighted layers also convert weights.
 ACT_LAYOUTS = ("in_to_blocked", "in_from_blocked", "out_to_blocked", "out_from_blocked")
 WEIGHT_LAYOUTS = ("wt_to_blocked", "wt_from_blocked")

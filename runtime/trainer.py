@@ -235,6 +235,8 @@ class Trainer:
         lead = self.rank == 0  # progress, metrics and checkpoint files: rank 0 only
         progress = progress and lead
         try:
+            if metrics_file and lead:
+                Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
             metrics = open(metrics_file, "a") if metrics_file and lead else None  # noqa: SIM115 (closed in the finally)
         except OSError as e:
             raise PcldnnError(f"{metrics_file}: cannot write the metrics file: {e.strerror or e}") from None

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from cases import AMX_ARCH
+from helpers import runs
 
 from pcldnn_gen import compiler
 from pcldnn_gen.arch import get_arch
@@ -59,16 +60,14 @@ BF16_FLAG = cpu.PRECISION_CFLAGS["bf16"][0]
 # what must not be left in an emulated library: AVX512_BF16's instructions and AMX's
 UNAVAILABLE = re.compile(r"\s(vdpbf16ps|vcvtne2?ps2bf16[xy]?|tdpbf16ps|tileloadd\w*|ldtilecfg)\s")
 
-HAS_BF16 = cpu.supports("avx512") and "avx512_bf16" in cpu.cpu_flags()
-CAN_EMULATE = not HAS_BF16 and cpu.supports("avx512")
-WHY_NOT = "this CPU lacks AVX-512: bf16 kernels can neither run nor be emulated here"
+HAS_BF16 = runs("avx512_bf16")
+CAN_EMULATE = not HAS_BF16 and runs("avx512")
 # vdpbf16ps kernels run on AVX512_BF16, and on other AVX-512 CPUs with its two instructions
 # emulated exactly in AVX-512F (the `_bf16_kernels` fixture in conftest.py); AMX kernels only
 # where the CPU has tiles and Linux grants their state
 bf16_kernels = pytest.mark.bf16_kernels
-HAS_AMX = HAS_BF16 and cpu.request_amx() is None
-needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU lacks AMX bf16 tiles (or Linux does not grant "
-                                                  "their state): AMX kernels cannot run here")
+HAS_AMX = runs("amx")
+needs_amx = pytest.mark.needs_isa("amx")  # the tiles, and Linux's grant of their state
 # bf16 builds of either kind: AMX tiles, and vdpbf16ps (no AMX: an AVX512_BF16 CPU such as Zen 4/5)
 BF16_BUILDS = [pytest.param(AMX_ARCH, marks=needs_amx, id="amx"),
                pytest.param(get_arch("avx512"), marks=bf16_kernels, id="vdpbf16ps")]

@@ -19,11 +19,18 @@ REPO = Path(__file__).resolve().parent.parent
 NETS = REPO / "examples" / "nets"
 MPIEXEC = mpiexec()
 
-# Every ISA the generator emits; the ones this CPU cannot execute are shown as skipped.
+# Every ISA the generator emits; the ones this CPU (or PCLDNN_MAX_ISA) cannot execute are shown as
+# skipped. A test that needs an ISA level says so with the needs_isa marker (conftest.py skips it
+# where the level is missing, and counts the skips per level); a parameter named `isa` gets the
+# marker from its value, however it was parametrized.
 ISAS = ("scalar", "avx2", "avx512")
 RUNNABLE_ISAS = [isa for isa in ISAS if cpu.supports(isa)]
-ISA_PARAMS = [pytest.param(isa, marks=pytest.mark.skipif(not cpu.supports(isa), reason=f"this CPU cannot run {isa}"))
-              for isa in ISAS]
+ISA_PARAMS = [pytest.param(isa, marks=pytest.mark.needs_isa(isa), id=isa) for isa in ISAS]
+
+
+def runs(level: str) -> bool:
+    """Whether this process runs kernels of ISA level `level` (cpu.ISA_LEVELS; after the cap)."""
+    return cpu.ISA_LEVELS.index(cpu.isa_level()) >= cpu.ISA_LEVELS.index(level)
 U32 = 2.0 ** -24  # unit roundoff of float32
 
 

@@ -186,5 +186,59 @@ def test_running_an_isa_the_cpu_lacks_is_refused_before_any_call(tmp_path, monke
                           "layers": [{"name": "f", "type": "fc", "out_features": 3}]})
     build(spec, get_arch("avx2"), tmp_path / "avx2")  # generating for another ISA is fine
     monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"sse2", "avx"}))
+    monkeypatch.delenv(cpu.MAX_ISA_VARIABLE, raising=False)  # the CPU is faked whole: no cap to name
     with pytest.raises(pr.ArchError, match="needs ISA 'avx2' but this CPU lacks avx2, fma"):
         pr.load(tmp_path / "avx2")
+
+
+# The flags of a Sapphire Rapids core, as /proc/cpuinfo spells them (a subset: the ones that matter)
+SPR_FLAGS = frozenset({"sse2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl",
+                       "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"})
+
+
+@pytest.mark.parametrize("cap, best, level, kept, hidden", [
+    ("scalar", "scalar", "scalar", {"sse2", "avx"}, {"avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"}),
+    ("avx2", "avx2", "avx2", {"avx2", "fma", "f16c"}, {"avx512f", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16"}),
+    ("AVX512", "avx512", "avx512", {"avx512f", "avx512_fp16", "avx512_vnni"}, {"avx512_bf16", "amx_tile", "amx_int8"}),
+    ("avx512_bf16", "avx512", "avx512_bf16", {"avx512f", "avx512_bf16"}, {"amx_tile", "amx_bf16"}),
+    ("amx", "avx512", "amx", set(SPR_FLAGS), set()),
+    ("", "avx512", "amx", set(SPR_FLAGS), set()),
+])
+def test_max_isa_caps_what_the_process_believes(monkeypatch, cap, best, level, kept, hidden):
+    """PCLDNN_MAX_ISA (as oneDNN's ONEDNN_MAX_CPU_ISA, case as typed) hides the flags of the
+    levels above it from every decision: the widest ISA, native's arch, the runtime's checks."""
+    monkeypatch.setattr(cpu, "raw_cpu_flags", lambda: SPR_FLAGS)
+    monkeypatch.setattr(cpu, "_request_tile_state", lambda: None)  # Linux grants the tiles
+    monkeypatch.setattr(cpu, "cpu_identity", lambda: cpu.CpuIdentity("GenuineIntel", 6, 0x8F, "test"))
+    monkeypatch.setenv(cpu.MAX_ISA_VARIABLE, cap)
+    flags = cpu.cpu_flags()
+    assert kept <= flags and not hidden & flags, (kept - flags, hidden & flags)
+    assert (cpu.best_isa(), cpu.isa_level()) == (best, level)
+    arch = native_arch()
+    assert arch.isa == best and arch.amx == (level == "amx")
+    # the Sapphire Rapids figures only where its AVX-512 is believed (a cap at avx2 plans as a generic AVX2 CPU)
+    assert arch.name == ("native-sapphirerapids" if best == "avx512" else f"native-{best}")
+    if level != "amx":
+        assert cpu.request_amx() == f"this CPU (capped by PCLDNN_MAX_ISA={cap.lower()}) lacks amx_tile, amx_bf16"
+
+
+def test_max_isa_refuses_an_unknown_level_and_names_the_cap_in_refusals(tmp_path, monkeypatch, capsys):
+    from pcldnn_gen.cli import main
+    monkeypatch.setenv(cpu.MAX_ISA_VARIABLE, "avx1024")
+    with pytest.raises(ArchError, match=r"^PCLDNN_MAX_ISA='avx1024' is not an ISA level; use one of scalar, avx2, "
+                                        r"avx512, avx512_bf16, amx$"):
+        cpu.cpu_flags()
+    net = tmp_path / "net.json"
+    net.write_text(json.dumps({"name": "t", "input": {"channels": 4, "height": 1, "width": 1},
+                               "layers": [{"name": "f", "type": "fc", "out_features": 3}]}))
+    assert main(["compile", str(net), "-o", str(tmp_path / "b")]) == 2  # native reads the flags
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == ["error: PCLDNN_MAX_ISA='avx1024' is not an ISA level; use one of scalar, avx2, avx512, "
+                                "avx512_bf16, amx"] and not (tmp_path / "b").exists()
+    monkeypatch.setenv(cpu.MAX_ISA_VARIABLE, "scalar")
+    assert main(["compile", str(net), "--arch", "avx2", "-o", str(tmp_path / "b")]) == 0  # generating is not running
+    with pytest.raises(pr.ArchError, match=r"needs ISA 'avx2' but this CPU \(capped by PCLDNN_MAX_ISA=scalar\) lacks "
+                                           r"avx2, fma"):
+        pr.load(tmp_path / "b")
+    assert main(["compile", str(net), "-o", str(tmp_path / "native")]) == 0
+    assert json.loads((tmp_path / "native" / "manifest.json").read_text())["arch"]["isa"] == "scalar"

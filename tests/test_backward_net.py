@@ -56,7 +56,7 @@ def _small_net(tmp_path, which, isa):
 
 
 @pytest.mark.parametrize("which", sorted(SMALL_NETS))
-@pytest.mark.parametrize("isa", RUNNABLE_ISAS[:2])
+@pytest.mark.parametrize("isa", ISA_PARAMS[:2])
 def test_gradients_agree_with_finite_differences(tmp_path, which, isa):
     """Directional derivatives of the mean loss, per layer and all layers at once, against
     central differences. Step h = 1e-3 of a direction scaled to each layer's weight spread:

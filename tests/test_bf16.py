@@ -14,7 +14,7 @@ from pathlib import Path
 import cffi
 import numpy as np
 import pytest
-from bf16_emulation import BF16_BUILDS, HAS_BF16, WHY_NOT, bf16_kernels, needs_amx
+from bf16_emulation import BF16_BUILDS, HAS_BF16, bf16_kernels, needs_amx
 from cases import AMX_ARCH, CONV_CASES
 from helpers import U32, build_and_load, check_relu_pool_masks
 from helpers import conv_net as _conv_net
@@ -33,8 +33,8 @@ from pcldnn_runtime.errors import ArchError, BuildDirError
 from pcldnn_runtime.families import bf16_gradients, bf16_outputs
 from pcldnn_runtime.manifest import ACT16_LAYOUTS, parse_manifest
 
-needs_real_bf16 = pytest.mark.skipif(not HAS_BF16, reason="this CPU lacks AVX512_BF16 and the test runs the "
-                                                         "kernels in a process of their own, where nothing emulates it")
+# these tests run the kernels in a process of their own, where nothing emulates AVX512_BF16
+needs_real_bf16 = pytest.mark.needs_isa("avx512_bf16")
 
 
 SPECIAL = np.array([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x7F7F7FFF, 0x7F7F8000, 0x00000001, 0x80000001,
@@ -141,7 +141,7 @@ void dot(const float *acc, const unsigned short *a, const unsigned short *b, flo
 """
 
 
-@pytest.mark.skipif(not cpu.supports("avx512"), reason=WHY_NOT)
+@pytest.mark.needs_isa("avx512")
 def test_emulated_bf16_instructions(tmp_path):
     """bf16_emulation.py's vdpbf16ps is acc + a_odd * b_odd + a_even * b_even within the two fp32
     roundings the instruction makes (bf16 products are exact in fp32; each add rounds once:
@@ -290,8 +290,8 @@ def test_kernels_on_bf16_activations_take_the_models_plan_with_a_tuning_database
 
 def test_amx_build_is_refused_where_tiles_are_unavailable(tmp_path, monkeypatch):
     out = _conv_net(tmp_path, *CONV_CASES[0], "bf16", name="amx", arch=AMX_ARCH)
+    monkeypatch.delenv(cpu.MAX_ISA_VARIABLE, raising=False)  # the CPU is faked whole: no cap to name
     monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx512f", "avx2", "fma", "avx512_bf16"}))
-    monkeypatch.setattr(cpu, "request_amx", cpu.request_amx.__wrapped__)  # not the cached answer
     with pytest.raises(ArchError, match=r"runs AMX tile kernels but this CPU lacks amx_tile, amx_bf16; compile it "
                                         r"for an arch without AMX \(e\.g\. --arch avx512\) instead$"):
         pr.load(out)
@@ -380,6 +380,7 @@ def test_bf16_build_is_refused_on_a_cpu_without_the_instructions(tmp_path, monke
     out = _conv_net(tmp_path, *CONV_CASES[0], "bf16")
     flags = cpu.cpu_flags() | {"avx512f", "avx2", "fma"}
     monkeypatch.setattr(cpu, "cpu_flags", lambda: flags - {"avx512_bf16"})
+    monkeypatch.delenv(cpu.MAX_ISA_VARIABLE, raising=False)  # the CPU is faked whole: no cap to name
     with pytest.raises(ArchError, match=r"is a bf16 build but this CPU lacks avx512_bf16; compile it with "
                                         r"--precision fp32 instead$"):
         pr.load(out)

@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from bf16_emulation import HAS_AMX
 from cases import (
     AMX_ARCH,
     AMX_CASES,
@@ -43,7 +42,7 @@ from cases import (
     SMALL_L2,
     SMALL_L2_AVX512,
 )
-from helpers import ISA_PARAMS, U32, build_and_load
+from helpers import ISA_PARAMS, ISAS, U32, build_and_load
 from reference import (
     as_float,
     bf16_reference,
@@ -188,9 +187,9 @@ TERMS: dict[str, tuple[Callable[[Shapes], int], Callable[[Shapes], int], Callabl
 # (family, target) -> how it runs: the fp32 families on every ISA this CPU runs, the vdpbf16ps
 # ones on AVX512_BF16 (emulated elsewhere: the bf16_kernels marker), the AMX ones where Linux
 # grants tiles
-TARGETS = ([pytest.param(f, isa, id=f"{f}-{isa.values[0]}") for f in ("conv_direct", "conv_depthwise", "fc_gemm")
-            for isa in ISA_PARAMS]
-           + [pytest.param(f, "amx", marks=pytest.mark.skipif(not HAS_AMX, reason="no AMX tiles here"), id=f)
+TARGETS = ([pytest.param(f, isa, marks=pytest.mark.needs_isa(isa), id=f"{f}-{isa}")
+             for f in ("conv_direct", "conv_depthwise", "fc_gemm") for isa in ISAS]
+           + [pytest.param(f, "amx", marks=pytest.mark.needs_isa("amx"), id=f)
               for f in ("conv_amx", "conv_packed_amx", "fc_tiles_amx")]
            + [pytest.param(f, "vdpbf16ps", marks=pytest.mark.bf16_kernels, id=f)
               for f in ("conv_vdpbf16", "conv_packed_vdpbf16", "fc_tiles_vdpbf16")])
@@ -201,7 +200,7 @@ def _arch(family: str, target):
         return AMX_ARCH
     if target == "vdpbf16ps":
         return SMALL_L2_AVX512 if family == "fc_tiles_vdpbf16" else get_arch("avx512")
-    return get_arch(target.values[0])
+    return get_arch(target)
 
 
 def _bf16(x: np.ndarray) -> np.ndarray:

@@ -234,8 +234,7 @@ def test_bf16_gradient_exchange_stays_close_to_one_rank(build_dir, tmp_path, p, 
     np.testing.assert_allclose(got["losses"], want_losses, rtol=1e-2)
 
 
-@pytest.mark.skipif(not (cpu.supports("avx512") and "avx512_bf16" in cpu.cpu_flags() and cpu.request_amx() is None),
-                    reason="this CPU lacks AMX bf16 tiles (or Linux does not grant them): AMX kernels cannot run here")
+@pytest.mark.needs_isa("amx")
 def test_amx_model_parallel_fc_matches_one_rank(tmp_path):
     """A bf16 build for an arch with AMX (its fc forward passes on tiles, each rank computing its
     slice of output blocks): 3 ranks with the fc layers model parallel reach one rank's weights
@@ -512,7 +511,6 @@ def test_faults_end_the_job_with_a_message(build_dir, tmp_path, fault, message):
 
 
 def test_threads_default_divides_the_cores_among_local_ranks(build_dir, tmp_path):
-    from pcldnn_runtime import cpu
     env_threads = os.environ.pop("OMP_NUM_THREADS", None)
     try:
         proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(WORKER), "faults",

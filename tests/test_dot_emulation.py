@@ -11,13 +11,10 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO
-
-from pcldnn_runtime import cpu
+from helpers import REPO, runs
 
 SCRIPT = REPO / "benchmarks" / "dot_emulation.py"
-HAS_AVX512 = cpu.supports("avx512")
-HAS_BF16 = HAS_AVX512 and "avx512_bf16" in cpu.cpu_flags()
+HAS_BF16 = runs("avx512_bf16")
 sys.path.insert(0, str(REPO / "benchmarks"))
 import dot_emulation  # noqa: E402
 
@@ -72,7 +69,7 @@ def test_timing_process_flushes_denormals():
     assert before > 0 and after == 0.0
 
 
-@pytest.mark.skipif(not HAS_AVX512, reason="this CPU lacks AVX-512: the emulated kernels cannot run")
+@pytest.mark.needs_isa("avx512")  # the emulated kernels are AVX-512F
 def test_ab_times_two_emulated_builds(tmp_path):
     (tmp_path / "net.json").write_text(json.dumps(NET))
     for side in ("a", "b"):
@@ -84,7 +81,7 @@ def test_ab_times_two_emulated_builds(tmp_path):
     assert all(0 < float(r[4]) < 100 for r in rows)  # the ratio of two measured times
 
 
-@pytest.mark.skipif(not HAS_AVX512, reason="this CPU lacks AVX-512: the emulated kernels cannot run")
+@pytest.mark.needs_isa("avx512")  # the emulated kernels are AVX-512F
 def test_bench_json_of_an_emulated_build_says_bf16(tmp_path):
     """`bench --json` records the build's precision beside the net's own name (summarize.py keys
     bf16 runs apart from fp32 runs of the same layers by it)."""
@@ -96,7 +93,8 @@ def test_bench_json_of_an_emulated_build_says_bf16(tmp_path):
     assert [(r["layer"], r["pass_name"]) for r in data["results"]] == [("conv", "fwd"), ("fc", "fwd")]
 
 
-@pytest.mark.skipif(not HAS_AVX512 or HAS_BF16, reason="only a CPU without AVX512_BF16 refuses bf16 builds")
+@pytest.mark.needs_isa("avx512")
+@pytest.mark.skipif(HAS_BF16, reason="only a CPU without AVX512_BF16 refuses bf16 builds")
 def test_ab_without_bf16_refuses_a_build_with_bf16_instructions(tmp_path):
     """On a CPU without AVX512_BF16, `ab` loads emulated builds only: a real bf16 build would
     die by SIGILL, so it names the kernel that holds bf16 instructions instead."""
@@ -110,7 +108,7 @@ def test_ab_without_bf16_refuses_a_build_with_bf16_instructions(tmp_path):
     assert str(tmp_path / "real" / "src") in out.stderr
 
 
-@pytest.mark.skipif(not HAS_AVX512, reason="this CPU lacks AVX-512: the emulated kernels cannot run")
+@pytest.mark.needs_isa("avx512")  # the emulated kernels are AVX-512F
 def test_tune_of_emulated_builds_keeps_its_own_database(tmp_path):
     """`tune` times emulated bf16 builds (their conv kernels' candidates) and records bf16
     entries in a database of its own, not the one a real compile on this machine reads."""

@@ -7,7 +7,6 @@ import reference as ref
 from helpers import ISA_PARAMS, NETS, assert_dot_close, build_and_load
 
 from pcldnn_gen.arch import PRESETS
-from pcldnn_runtime import cpu
 
 # (batch, C, H, W, OC, kernel, stride, pad, relu): kernel 1/2/3/5/11, stride 1/2/4,
 # pad 0/1/2 (also pad > kernel/2), asymmetric, channels 1/3/8/17/64, non-square, batch 1 and 7.
@@ -104,8 +103,7 @@ FAMILIES = [name for name, arch in PRESETS.items() if name != arch.isa]
 
 
 @pytest.mark.parametrize("preset", [
-    pytest.param(name, marks=pytest.mark.skipif(not cpu.supports(PRESETS[name].isa), reason=f"this CPU cannot run "
-                                                f"{PRESETS[name].isa}")) for name in FAMILIES])
+    pytest.param(name, marks=pytest.mark.needs_isa(PRESETS[name].isa)) for name in FAMILIES])
 def test_family_presets_match_numpy(tmp_path, preset):
     """A CPU family's figures (one FMA unit on Zen 4, latency 5 on Haswell, 48 KiB L1 ...) choose
     other tiles and chunks than the generic preset: the kernels they give are checked too, on a

@@ -32,7 +32,7 @@ def test_state_dict_keys_shapes_and_roundtrip(tmp_path, isa):
     np.testing.assert_array_equal(net.layers["fc2"].bias, new["fc2.bias"])
 
 
-@pytest.mark.skipif(len(RUNNABLE_ISAS) < 2, reason="needs two ISAs this CPU runs")
+@pytest.mark.needs_isa("avx2")  # two ISAs: scalar and a vector one
 def test_a_state_moves_between_isas_with_the_same_logits(tmp_path):
     nets = [_net(tmp_path, isa) for isa in (RUNNABLE_ISAS[0], RUNNABLE_ISAS[-1])]
     nets[1].load_state_dict(nets[0].state_dict())

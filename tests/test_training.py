@@ -187,7 +187,7 @@ def test_resume_is_bit_identical(tmp_path):
     np.testing.assert_array_equal(resumed.optimizer.velocity, straight.optimizer.velocity)
 
 
-@pytest.mark.skipif(len(RUNNABLE_ISAS) < 2, reason="needs two ISAs this CPU runs")
+@pytest.mark.needs_isa("avx2")  # two ISAs: scalar and a vector one
 def test_checkpoints_move_between_isas(tmp_path):
     """Canonical layouts: a checkpoint saved by one ISA's build resumes bit for bit (weights and
     momentum) on another's, records where it came from, and training continues alike."""
@@ -266,12 +266,14 @@ def test_train_script_runs_and_rejects_bad_options(tmp_path, monkeypatch, capsys
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     monkeypatch.chdir(tmp_path)  # the build goes to ./build/
+    # the metrics and the plot go into folders that do not exist yet (as `make demo` on a fresh clone)
     args = ["--arch", RUNNABLE_ISAS[-1], "--data", "synthetic", "--epochs", "2", "--batch-size", "64",
-            "--no-progress", "--checkpoint-dir", "ck", "--metrics", "m.jsonl", "--threads", "1"]
-    assert script.main(args) == 0
+            "--no-progress", "--checkpoint-dir", "ck", "--metrics", "out/m.jsonl", "--threads", "1"]
+    assert script.main(args + ["--plot", "plots/curve.png"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("digits: test accuracy") and "images/s" in last and "after 64 steps" in last
-    assert (tmp_path / "ck" / "checkpoint.npz").exists() and (tmp_path / "m.jsonl").stat().st_size > 0
+    assert (tmp_path / "ck" / "checkpoint.npz").exists() and (tmp_path / "out" / "m.jsonl").stat().st_size > 0
+    assert (tmp_path / "plots" / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # resuming at the end of epoch 2 and asking for 3 epochs runs exactly one more epoch
     assert script.main(args[:5] + ["3"] + args[6:] + ["--resume", "ck/checkpoint.npz"]) == 0
     assert "after 96 steps" in capsys.readouterr().out

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..layer_types import LAYER_PASSES
 from . import (
     batchnorm,
     conv_amx,
@@ -130,7 +131,6 @@ def family_for(layer: LayerShape, engine: Engine, v: int) -> Family | None:
 
 def engine_passes(layer: LayerShape, target: Target, *engines: Engine) -> tuple[str, ...]:
     """The passes of a layer whose chosen kernels run on one of `engines`."""
-    from ..manifest import LAYER_PASSES
     return tuple(p for p in LAYER_PASSES[layer.type] if choose(layer, p, target)[0].engine in engines)
 
 

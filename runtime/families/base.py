@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from ..geometry import input_pixel_floats
+from ..layer_types import LAYER_PASSES
 
 if TYPE_CHECKING:
     from ..layers import WeightedLayer
@@ -155,7 +156,6 @@ class Family:
     kinds: tuple[Kind, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        from ..manifest import LAYER_PASSES
         kinds = tuple(Kind(t, p, self.engine, bool(self.packed), self.depthwise) for t in self.layer_types
                       for p in LAYER_PASSES[t] if self.passes is None or p in self.passes)
         object.__setattr__(self, "kinds", kinds)
