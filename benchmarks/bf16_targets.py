@@ -71,7 +71,7 @@ def steps(out: Path, arch: str) -> list[tuple[str, list[str], Path | None]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--out", type=Path, required=True, help="folder for the JSON files and logs")
     ap.add_argument("--arch", default="native")
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")

@@ -48,7 +48,7 @@ def dump(out: Path, nets: list[str], targets: list[str]) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("out", type=Path)
     ap.add_argument("--nets", default="vgg_a,overfeat_fast,cifar_small,digits",
                     help="example net names, or paths of net.json files")

@@ -69,7 +69,7 @@ def measure(name: str, batch: int, rounds: int, threads: int, arch: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--nets", default="digits,cifar_small")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=20)

@@ -65,6 +65,8 @@ static int by_value(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 typedef void (*fwd_t)(const float *, const float *, const float *, float *, int, int, ...);
+/* a convolution's forward also takes a statistics fusion's mean and var (NULL: none) */
+typedef void (*conv_fwd_t)(const float *, const float *, const float *, float *, float *, float *, int, int);
 typedef void (*bwd_data_t)(float *, const float *, const float *, float *, float *, int, int, ...);
 typedef void (*bwd_w_t)(const float *, float *, const float *, float *, float *, int, int, ...);
 static float *buffer(long n)
@@ -90,11 +92,11 @@ int main(int argc, char **argv)
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
         if (pass == 0 && fc) ((fwd_t)fn)(in, wt, bias, out, batch, 1, 0, ocb);
-        else if (pass == 0) ((fwd_t)fn)(in, wt, bias, out, batch, 1);
-        else if (pass == 1 && fc) ((bwd_data_t)fn)(out, NULL, wt, scratch, in, batch, 1, 0, ocb);
-        else if (pass == 1) ((bwd_data_t)fn)(out, NULL, wt, scratch, in, batch, 1);
-        else if (fc) ((bwd_w_t)fn)(in, out, NULL, wt, bias, batch, 1, 0, ocb);
-        else ((bwd_w_t)fn)(in, out, NULL, wt, bias, batch, 1);
+        else if (pass == 0) ((conv_fwd_t)fn)(in, wt, bias, out, NULL, NULL, batch, 1);
+        else if (pass == 1 && fc) ((bwd_data_t)fn)(out, out, wt, scratch, in, batch, 1, 0, ocb);
+        else if (pass == 1) ((bwd_data_t)fn)(out, out, wt, scratch, in, batch, 1);
+        else if (fc) ((bwd_w_t)fn)(in, out, out, wt, bias, batch, 1, 0, ocb);
+        else ((bwd_w_t)fn)(in, out, out, wt, bias, batch, 1);
         clock_gettime(CLOCK_MONOTONIC, &t1);
         seconds[c] = (t1.tv_sec - t0.tv_sec) + 1e-9 * (t1.tv_nsec - t0.tv_nsec);
     }
@@ -324,7 +326,7 @@ def markdown(data: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("net", type=Path, nargs="?", help="net JSON (omit with --table)")
     ap.add_argument("--table", type=Path, default=None, help="print a --json file as a markdown table and exit")
     ap.add_argument("--arch", default="avx2")
@@ -348,6 +350,10 @@ def main(argv=None) -> int:
             print(f"kernel_profile: {tool} is not on PATH", file=sys.stderr)
             return 2
     arch = get_arch(args.arch)
+    if arch.isa == "avx512":  # it stops at the first such instruction with SIGILL
+        print("kernel_profile: valgrind does not execute AVX-512 instructions; profile an AVX2 or scalar "
+              "build (--arch avx2)", file=sys.stderr)
+        return 2
     caches = native_arch()   # simulate the caches of the machine the kernels run on
     net = load_netspec(args.net)
     with tempfile.TemporaryDirectory() as tmp:

@@ -46,7 +46,7 @@ def compare() -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
     rows = compare()

@@ -137,7 +137,7 @@ def check_net(seed: int, mode: str, folder: str) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--seeds", default="0:20", help="first:last (exclusive)")
     ap.add_argument("--mode", choices=sorted(MODES), default="bf16")
     args = ap.parse_args()

@@ -101,7 +101,7 @@ def worker(cfg: dict) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--nets", default="cifar_small,vgg_a_small")
     ap.add_argument("--arch", default="avx2")
     ap.add_argument("--batch", type=int, default=64)

@@ -67,7 +67,7 @@ def scan(zoo: Path, arch_name: str, precision: str, layers: set[str] | None, out
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--zoo", type=Path, default=Path(__file__).resolve().parent / "zoo" / "zoo.json")
     ap.add_argument("--arch", default="avx512")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")

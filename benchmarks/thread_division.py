@@ -35,7 +35,7 @@ PASSES = ("fwd", "bwd_data", "bwd_weights")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--net", default=str(REPO / "benchmarks" / "nets" / "vgg_a_64.json"))
     ap.add_argument("--batch", default="1,2,4,8")
     ap.add_argument("--arch", default="native")

@@ -183,7 +183,7 @@ def measure_latency(arch_name: str, repeats: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--isa", choices=sorted(ISAS), default="avx2", help="the preset whose tiles and model to check")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--tiles", default="", help="comma-separated WxV; default: every tile the planner may pick")

@@ -168,7 +168,7 @@ def pytorch(net_file: str, batch: int, threads: int, steps: int, isa: str | None
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--net", default=str(REPO / "examples" / "nets" / "cifar_small.json"))
     ap.add_argument("--arch", default="native")
     ap.add_argument("--no-tuning", action="store_true", help="the model's tiles only (ignore the tuning database)")

@@ -47,7 +47,7 @@ def summary(d: dict, name: str) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("files", nargs="+", type=Path)
     args = ap.parse_args()
     for path in args.files:

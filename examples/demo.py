@@ -21,7 +21,7 @@ NET = Path(__file__).parent / "nets" / "cifar_small.json"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--net", default=str(NET))
     ap.add_argument("--arch", default="native")
     ap.add_argument("--batch", type=int, default=64)

@@ -2,7 +2,7 @@
 torchvision defines them (tests/test_modern_nets.py writes them out), through from_torch: what
 `pcldnn-gen import` or a training script would make of the real ones. Needs torch.
 
-    python examples/make_modern_nets.py
+    python examples/make_modern_nets.py [--out DIR]    # default: examples/nets
 
 ResNet-20 is He et al.'s CIFAR net (3 stages of 3 basic blocks, 16-32-64 channels) with 1x1
 projection shortcuts where a stage changes size (their option B: the parameter-free option A
@@ -10,6 +10,7 @@ pads channels with zeros, which no layer here does).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -45,6 +46,10 @@ V2_SETTINGS = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 9
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    ap.add_argument("--out", type=Path, default=HERE / "nets", help="folder to write into (default: %(default)s)")
+    out = ap.parse_args().out
+    out.mkdir(parents=True, exist_ok=True)
     nets = {
         "resnet18": (ResNet(BasicBlock, [2, 2, 2, 2], num_classes=1000), (3, 224, 224)),
         # ResNet-18 in its CIFAR layout: the 3x3 stride-1 stem without the max pooling, 10 classes
@@ -55,7 +60,7 @@ def main() -> None:
     }
     for name, (model, shape) in nets.items():
         net, _ = pcldnn_gen.from_torch(model, shape, name=name)
-        path = HERE / "nets" / f"{name}.json"
+        path = out / f"{name}.json"
         head = {k: v for k, v in net.items() if k != "layers"}
         lines = ",\n".join("    " + json.dumps(layer) for layer in net["layers"])
         path.write_text(json.dumps(head)[:-1] + ',\n  "layers": [\n' + lines + "\n  ]\n}\n")

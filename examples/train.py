@@ -17,7 +17,7 @@ NET = Path(__file__).parent / "nets" / "digits.json"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     add_arguments(ap, net_default=str(NET), data_default="digits")
     return run(ap.parse_args(argv), prog="train.py")
 

@@ -401,7 +401,7 @@ def plot(path: Path, title: str, arch: Arch, results: list[PassResult]) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise PcldnnError("--plot needs matplotlib: pip install 'pcldnn-gen[bench]'") from None
+        raise PcldnnError("--plot needs matplotlib: pip install 'pcldnn-gen[demo]'") from None
     labels = [f"{r.layer}\n{r.pass_name}" for r in results]
     ours = [100 * r.peak_fraction for r in results]
     theirs = [100 * r.peak_fraction / r.vs_onednn if r.vs_onednn else 0 for r in results]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from pcldnn_runtime.cpu import PRECISIONS
+from pcldnn_runtime.limits import plural
 from pcldnn_runtime.validate import check_writable
 
 from . import __version__
@@ -41,7 +42,7 @@ def _compile(args: argparse.Namespace) -> int:
             f"{' tuned' if plan.measured is not None else ''}"
             for (name, p), plan in result.plans.items() if name == layer.name and plan.tile is not None)
         print(f"  {layer.name:<12} {layer.type:<22} -> {shape:<14} {detail}")
-    print(f"{result.directory}: {len(net.layers)} layers, {result.compiled} kernels compiled, "
+    print(f"{result.directory}: {plural(len(net.layers), 'layer')}, {plural(result.compiled, 'kernel')} compiled, "
           f"{result.cached} from cache, {elapsed:.2f} s ({arch.name}, {args.precision})")
     return 0
 
@@ -73,9 +74,6 @@ def _inspect(args: argparse.Namespace) -> int:
     check_precision(args.precision, arch)
     asked = net.layer(args.layer)
     passes = [args.pass_name] if args.pass_name else list(LAYER_PASSES[asked.type]) if args.explain else ["fwd"]
-    if args.pass_name and args.pass_name not in LAYER_PASSES[asked.type]:
-        raise PcldnnError(f"--pass {args.pass_name}: {asked.name} ({asked.type}) has the passes "
-                          f"{', '.join(LAYER_PASSES[asked.type])}")
     tuning = _tuning(args)
     for n, pass_name in enumerate(passes):
         layer = asked
@@ -179,11 +177,12 @@ def _cache(args: argparse.Namespace) -> int:
             raise PcldnnError("cache info: --dry-run goes with prune and clear")
         entries = cache_entries(cache)
         now = time.time()
-        for kind, what in (("kernel", "kernel libraries"), ("header", "precompiled headers")):
+        for kind, what in (("kernel", ("kernel library", "kernel libraries")),
+                           ("header", ("precompiled header", "precompiled headers"))):
             some = [e for e in entries if e.kind == kind]
             ages = [now - e.last_used for e in some]
             used = f", last used {_ago(min(ages))} to {_ago(max(ages))} ago" if some else ""
-            print(f"{cache}: {len(some)} {what}, {format_bytes(sum(e.size for e in some))}{used}")
+            print(f"{cache}: {plural(len(some), *what)}, {format_bytes(sum(e.size for e in some))}{used}")
         tuning = cache / "tuning.json"
         if tuning.is_file():
             print(f"{tuning}: the tuning database (prune and clear keep it)")
@@ -192,7 +191,7 @@ def _cache(args: argparse.Namespace) -> int:
         raise PcldnnError("cache prune: give --max-size SIZE and/or --older-than DAYS (or use `cache clear`)")
     result = prune_cache(cache, 0 if args.action == "clear" else args.max_size,
                          None if args.older_than is None else args.older_than * 86400, dry_run=args.dry_run)
-    print(f"{cache}: {'would remove' if args.dry_run else 'removed'} {len(result.removed)} entries "
+    print(f"{cache}: {'would remove' if args.dry_run else 'removed'} {plural(len(result.removed), 'entry', 'entries')} "
           f"({format_bytes(result.freed)}), kept {len(result.kept)} ({format_bytes(sum(e.size for e in result.kept))})"
           + (f", {len(result.busy)} in use by a compile (kept)" if result.busy else "")
           + (f", {result.temporaries} leftover temporaries removed" if result.temporaries else ""))
@@ -200,10 +199,10 @@ def _cache(args: argparse.Namespace) -> int:
 
 
 def _ago(seconds: float) -> str:
-    for unit, size in (("days", 86400), ("hours", 3600), ("minutes", 60)):
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
         if seconds >= size:
-            return f"{seconds / size:.0f} {unit}"
-    return f"{max(seconds, 0):.0f} seconds"
+            return plural(round(seconds / size), unit)
+    return plural(round(max(seconds, 0)), "second")
 
 
 def _cores() -> int:

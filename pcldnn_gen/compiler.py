@@ -288,7 +288,7 @@ def compile_all(sources: list[Source], arch: Arch, jobs: int | None = None,
     cache = usable_cache(cache)
     jobs = max(1, jobs or os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=jobs) as pool, \
-            tqdm(total=len(sources), desc="compiling", unit="kernel", leave=False, dynamic_ncols=True,
+            tqdm(total=len(sources), desc="compiling", unit="kernel", dynamic_ncols=True,
                  disable=None if progress is None else not progress) as bar:
         futures = [pool.submit(compile_source, s, arch, cache) for s in sources]
         cached = 0

@@ -23,6 +23,11 @@ SUPPORTED = ("Conv2d (groups=1 or depthwise, dilation=1, zero padding), Linear, 
              "+ (residual sums) / torch.cat(dim=1) / view(N, -1) in forward")
 
 
+# How to get PyTorch without its CUDA build (several GB, PyPI's default on Linux): the README's
+# set-up says the same.
+TORCH_CPU_INSTALL = "pip install 'torch>=2.1,<3' --index-url https://download.pytorch.org/whl/cpu"
+
+
 def from_torch(module: Any, input_shape: Any, name: str | None = None, loss: bool = True) -> tuple[dict, dict[str, np.ndarray]]:
     """(net dict, state) for a PyTorch module taking (N, C, H, W) images, input_shape = (C, H, W).
     The state maps `<layer>.weight` / `<layer>.bias` to float32 arrays in canonical layouts
@@ -33,7 +38,7 @@ def from_torch(module: Any, input_shape: Any, name: str | None = None, loss: boo
         import torch
         import torch.fx
     except ImportError:
-        raise ModelImportError("from_torch needs PyTorch (pip install 'pcldnn-gen[torch]')") from None
+        raise ModelImportError(f"from_torch needs PyTorch; its CPU build: {TORCH_CPU_INSTALL}") from None
     shape = input_shape_of(input_shape)
     if not isinstance(module, torch.nn.Module):
         raise ModelImportError(f"from_torch: expected a torch.nn.Module, got {type(module).__name__}")

@@ -17,6 +17,7 @@ from typing import Any
 import pcldnn_runtime as pr
 from pcldnn_runtime.cpu import PRECISIONS
 from pcldnn_runtime.layer_modes import mapping_modes
+from pcldnn_runtime.limits import plural
 from pcldnn_runtime.optim import SCHEDULES
 from pcldnn_runtime.validate import Fields, check_writable, open_regular
 
@@ -236,8 +237,13 @@ def run(args: argparse.Namespace, prog: str = "pcldnn-gen train") -> int:
         if args.weights:
             from pcldnn_runtime.state_io import read_npz
             weights = read_npz(args.weights)
-        directory = build(spec, get_arch(args.arch), weights=weights, weights_origin=str(args.weights),
-                          precision=args.precision).directory if lead else None
+        directory = None
+        if lead:
+            built = build(spec, get_arch(args.arch), weights=weights, weights_origin=str(args.weights),
+                          precision=args.precision)
+            directory = built.directory
+            print(f"{spec.name}: {directory} ({plural(built.compiled, 'kernel')} compiled, {built.cached} from the "
+                  "cache)", flush=True)
         if comm is not None:  # rank 0 compiles (or finds the cache), the others load its build
             directory = comm.bcast(directory, root=0)
         net = pr.load(directory, threads=args.threads, seed=args.seed)

@@ -81,6 +81,11 @@ def parse_bytes(text: str, what: str) -> int:
     return int(value)
 
 
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """'1 kernel', '2 kernels' (`nouns` where the plural is not noun + s)."""
+    return f"{n} {noun if n == 1 else nouns or noun + 's'}"
+
+
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024:

@@ -15,7 +15,7 @@ def test_compile_writes_the_build_directory(tmp_path, capsys):
     out = tmp_path / "cifar"
     assert main(["compile", str(NETS / "cifar_small.json"), "--arch", "scalar", "-o", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "conv1" in printed and "kernels compiled" in printed
+    assert "conv1" in printed and "kernels compiled" in printed and "0 kernel " not in printed
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["arch"]["isa"] == "scalar" and manifest["net"]["name"] == "cifar_small"
     conv1 = manifest["layers"][0]
@@ -103,3 +103,35 @@ def test_version_and_help():
     assert out.returncode == 0 and out.stdout.startswith("pcldnn-gen ")
     out = subprocess.run([sys.executable, "-m", "pcldnn_gen.cli", "compile", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--arch" in out.stdout and "--jobs" in out.stdout
+
+
+def test_counts_read_as_english():
+    from pcldnn_gen.cli import _ago
+    from pcldnn_runtime.limits import plural
+    assert [plural(n, "kernel") for n in (0, 1, 2)] == ["0 kernels", "1 kernel", "2 kernels"]
+    assert plural(1, "entry", "entries") == "1 entry" and plural(3, "entry", "entries") == "3 entries"
+    assert [_ago(s) for s in (0.4, 1, 59, 60, 89, 91, 3600, 86400 * 2)] == [
+        "0 seconds", "1 second", "59 seconds", "1 minute", "1 minute", "2 minutes", "1 hour", "2 days"]
+
+
+def test_default_build_directories_say_which_build_they_hold(tmp_path, monkeypatch):
+    """--arch avx2 and --arch native on an AVX2 CPU are different builds (native has this CPU's
+    caches), as are bf16 and --no-fusion builds: none replaces another by default."""
+    from dataclasses import replace
+
+    from pcldnn_gen.arch import get_arch
+    from pcldnn_gen.build import default_build_dir
+    from pcldnn_gen.netspec import load_netspec
+    net = load_netspec(NETS / "cifar_small.json")
+    native_avx2 = replace(get_arch("avx2"), name="native-avx2", l2_bytes=512 << 10)
+    native_amx = replace(get_arch("sapphirerapids"), name="native-sapphirerapids", amx=True)
+    names = {str(default_build_dir(net, arch, precision, fusion)) for arch, precision, fusion in (
+        (get_arch("avx2"), "fp32", True), (native_avx2, "fp32", True), (native_avx2, "fp32", False),
+        (get_arch("avx512"), "bf16", True), (native_amx, "bf16", True), (get_arch("zen3"), "fp32", True))}
+    assert names == {"build/cifar_small-avx2", "build/cifar_small-native-avx2", "build/cifar_small-native-avx2-nofusion",
+                     "build/cifar_small-avx512-bf16", "build/cifar_small-native-avx512-amx-bf16", "build/cifar_small-zen3"}
+    monkeypatch.chdir(tmp_path)
+    assert main(["compile", str(NETS / "cifar_small.json"), "--arch", "scalar"]) == 0
+    assert main(["compile", str(NETS / "cifar_small.json"), "--arch", "scalar", "--no-fusion"]) == 0
+    assert sorted(p.name for p in (tmp_path / "build").iterdir() if not p.name.startswith(".")) == [
+        "cifar_small-scalar", "cifar_small-scalar-nofusion"]

@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -56,7 +57,7 @@ def test_concurrent_compiles_of_the_same_net_both_succeed(tmp_path, fresh_cache)
     results = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], results
     # every kernel was compiled exactly once between the two processes
-    compiled = [int(r[0].split(" kernels compiled")[0].rsplit(" ", 1)[1]) for r in results]
+    compiled = [int(re.search(r"(\d+) kernels? compiled", r[0]).group(1)) for r in results]
     libs = len(list((out / "lib").glob("*.so")))
     assert sum(compiled) == libs
     net = pr.load(out)
@@ -364,3 +365,18 @@ def test_spill_scan_counts_every_kernel_of_a_zoo(tmp_path):
         mp.setattr(sys, "argv", ["spill_scan.py", "--zoo", str(zoo), "--json", str(out), "--layers", "fc"])
         assert spill_scan.main() == 0
     assert {k["shape"] for k in json.loads(out.read_text())["kernels"]} == {"fc"}
+
+
+def test_compile_shows_its_progress_on_request(fresh_cache, capsys):
+    """A terminal sees kernels done of all and the cache hits (a big net compiles for a minute)."""
+    from pcldnn_gen.compiler import Source, compile_all
+    sources = [Source(f"p{i}.c", f"int pcldnn_p{i}(void) {{ return {i}; }}\n", {f"pcldnn_p{i}": "peak"})
+               for i in range(3)]
+    compile_all(sources[:1], get_arch("scalar"), progress=True)
+    capsys.readouterr()
+    results = compile_all(sources, get_arch("scalar"), progress=True)
+    err = capsys.readouterr().err
+    assert [r.compiled for r in results] == [False, True, True]
+    assert "compiling" in err and "3/3" in err and "1 from the cache" in err, err
+    compile_all(sources, get_arch("scalar"), progress=False)
+    assert capsys.readouterr().err == ""
