@@ -44,6 +44,8 @@ from pcldnn_gen.arch import get_arch, native_arch
 from pcldnn_gen.bench import measure_peak
 from pcldnn_gen.build import build
 from pcldnn_gen.netspec import load_netspec
+from pcldnn_runtime import cpu
+from pcldnn_runtime.errors import ArchError
 from pcldnn_runtime.layers import WeightedLayer
 from pcldnn_runtime.limits import blocks
 from pcldnn_runtime.manifest import PASSES, LayerEntry, read_manifest
@@ -353,6 +355,11 @@ def main(argv=None) -> int:
     if arch.isa == "avx512":  # it stops at the first such instruction with SIGILL
         print("kernel_profile: valgrind does not execute AVX-512 instructions; profile an AVX2 or scalar "
               "build (--arch avx2)", file=sys.stderr)
+        return 2
+    try:
+        cpu.require(arch.isa, "kernel_profile")  # the harness runs the kernels here, outside pr.load
+    except ArchError as e:
+        print(f"kernel_profile: {e}", file=sys.stderr)
         return 2
     caches = native_arch()   # simulate the caches of the machine the kernels run on
     net = load_netspec(args.net)

@@ -87,16 +87,20 @@ def _train_step(desc: dict, arch: str, precision: str, out: Path, x, labels) -> 
 
 
 def runnable(mode: str) -> tuple[tuple[str, str], ...]:
-    """In the child process: the configurations of `mode` this CPU runs. AMX builds only where
-    Linux grants the tiles; vdpbf16ps builds on AVX512_BF16 or, without it, on any AVX-512 CPU
-    with the instructions emulated (applied here, for the child's lifetime)."""
+    """In the child process: the configurations of `mode` this CPU runs (after PCLDNN_MAX_ISA;
+    fp32: the first one left is the reference). AMX builds only where Linux grants the tiles;
+    vdpbf16ps builds on AVX512_BF16 or, without it, on any AVX-512 CPU with the instructions
+    emulated (applied here, for the child's lifetime)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     import bf16_emulation
 
+    from pcldnn_gen.arch import get_arch
     from pcldnn_runtime import cpu
+    if mode == "fp32":
+        return tuple(c for c in MODES[mode] if cpu.supports(get_arch(c[0]).isa))
     if mode == "bf16" and not bf16_emulation.HAS_BF16:
         if not bf16_emulation.CAN_EMULATE:
-            raise SystemExit(bf16_emulation.WHY_NOT)
+            raise SystemExit(f"{cpu.capped('this CPU')} lacks AVX-512: bf16 kernels can neither run nor be emulated here")
         import pytest
         bf16_emulation.emulate(pytest.MonkeyPatch())
     amx = bf16_emulation.HAS_BF16 and cpu.request_amx() is None

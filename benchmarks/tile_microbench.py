@@ -189,6 +189,10 @@ def main() -> None:
     ap.add_argument("--tiles", default="", help="comma-separated WxV; default: every tile the planner may pick")
     ap.add_argument("--latency", action="store_true", help="measure the FMA's (and vdpbf16ps's) latency instead")
     args = ap.parse_args()
+    try:
+        cpu.require(args.isa, "tile_microbench")  # its programs run here: no SIGILL
+    except cpu.ArchError as e:
+        raise SystemExit(f"tile_microbench: {e}") from None
     if args.latency:
         measure_latency(args.isa, args.repeats)
         return

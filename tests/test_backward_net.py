@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 import reference as ref
-from helpers import ISA_PARAMS, NETS, REPO, RUNNABLE_ISAS, check_relu_pool_masks
+from helpers import ISA_PARAMS, NETS, REPO, RUNNABLE_ISAS, VECTOR_ISA, check_relu_pool_masks
 
 import pcldnn_runtime as pr
 from pcldnn_gen.arch import get_arch
@@ -112,7 +112,7 @@ def test_vgg_a_forward_backward_matches_numpy(tmp_path):
     """VGG-A at minibatch 2 (224x224): loss of a fixed seed against a float64 numpy forward.
     The loss is 1-Lipschitz in each logit, and float32 logits after 11 layers carry a relative
     error of ~1e-5 (dot products of ~4,600 terms), so 1e-4 relative is a safe bound."""
-    isa = RUNNABLE_ISAS[-1] if "avx2" not in RUNNABLE_ISAS else "avx2"
+    isa = VECTOR_ISA
     spec = load_netspec(NETS / "vgg_a.json")
     build(spec, get_arch(isa), tmp_path / "vgg")
     net = pr.load(tmp_path / "vgg", threads=2, seed=0)
@@ -165,7 +165,7 @@ print(json.dumps({"peak": peak, "weights": 4 * weights, "grads": 4 * weights, "a
 def test_vgg_a_training_memory_stays_under_1_5x_the_tensors(tmp_path):
     """Peak resident memory of a VGG-A forward+backward at minibatch 8 against the sum of
     weights, weight gradients and activations (the only tensors training must keep)."""
-    isa = RUNNABLE_ISAS[-1] if "avx2" not in RUNNABLE_ISAS else "avx2"
+    isa = VECTOR_ISA
     build(load_netspec(NETS / "vgg_a.json"), get_arch(isa), tmp_path / "vgg")
     out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(tmp_path / "vgg")], capture_output=True,
                          text=True, timeout=600, cwd=REPO)

@@ -47,9 +47,9 @@ def test_memory_bound_rows_count_their_bytes_against_the_copy_rate(tmp_path):
     """Depthwise and batchnorm rows: bytes a second of the compulsory traffic, by hand (20
     channels pad to whole vector blocks in the buffers), and that over the copy rate given;
     compute-bound rows have neither. The copy kernel measures a positive rate."""
-    peak, results = bench.bench_net(MEMORY_NET, get_arch("avx512" if "avx512" in RUNNABLE_ISAS else "avx2"), batch=2,
-                                    threads=1, repeats=1, peak=100.0, copy_rate=10.0)
-    v = 16 if "avx512" in RUNNABLE_ISAS else 8
+    arch = get_arch(RUNNABLE_ISAS[-1])
+    peak, results = bench.bench_net(MEMORY_NET, arch, batch=2, threads=1, repeats=1, peak=100.0, copy_rate=10.0)
+    v = arch.vector_floats
     x, y = 4.0 * 2 * (-(-20 // v) * v) * 9 * 7, 4.0 * 2 * (-(-20 // v) * v) * 5 * 4
     w = 4.0 * (-(-20 // v) * v) * (9 + 1)  # (the kernel's weights and bias, padded)
     want = {("dw", "fwd"): x + y + w, ("dw", "bwd_data"): y + x + w, ("dw", "bwd_weights"): x + y + w,
@@ -402,6 +402,7 @@ def test_bf16_targets_script_runs_the_issues_measurements():
     assert [line.split()[0] for line in lines if " tune " in line] == ["PCLDNN_TUNING_DB=/tmp/out/tuning.json"]
 
 
+@pytest.mark.needs_isa("avx2")
 def test_tile_microbench_latency_chains_run_and_more_chains_go_faster():
     """`tile_microbench.py --latency` (how Arch.fma_latency and dot_latency are measured): the
     chains program compiles for the ISA, runs, and more independent chains issue faster than 2

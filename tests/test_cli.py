@@ -65,6 +65,14 @@ def test_inspect_explain(capsys):
     assert main(["inspect", str(NETS / "vgg_a.json"), "--layer", "conv5", "--arch", "avx2", "--explain"]) == 0
     out = capsys.readouterr().out
     assert "chosen   :" in out and "rejected :" in out
+    # every pass of the layer, each once, and what "% of peak" counts
+    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("conv5 ")] == [
+        "conv5 fwd on avx2", "conv5 bwd_data on avx2", "conv5 bwd_weights on avx2"]
+    assert "nominal FLOPs" in out and "padding taps included" in out
+    assert main(["inspect", str(NETS / "vgg_a.json"), "--layer", "conv5", "--arch", "avx2", "--explain",
+                 "--pass", "bwd_data"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("conv5 ")] == ["conv5 bwd_data on avx2"]
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import MPIEXEC, REPO, TRAIN_LAYERS, TRAIN_SHAPE, build_and_load
+from helpers import MPIEXEC, REPO, TRAIN_LAYERS, TRAIN_SHAPE, VECTOR_ISA, build_and_load
 
 import pcldnn_runtime as pr
 from pcldnn_runtime import cpu
@@ -158,7 +158,7 @@ NORM_LAYERS = [
 
 @pytest.fixture(scope="module")
 def norm_build_dir(tmp_path_factory):
-    return build_and_load(tmp_path_factory.mktemp("mpi"), NORM_LAYERS, SHAPE, "avx2", name="mpinorm").build_dir
+    return build_and_load(tmp_path_factory.mktemp("mpi"), NORM_LAYERS, SHAPE, VECTOR_ISA, name="mpinorm").build_dir
 
 
 @pytest.mark.parametrize("p, batch, sync", [(2, 12, True), (3, 10, True), (2, 12, False)])
@@ -193,7 +193,7 @@ def test_train_cli_sync_batchnorm_matches_one_process(tmp_path):
     net_file = tmp_path / "net.json"
     net_file.write_text(json.dumps({"name": "sbn", "input": dict(zip(("channels", "height", "width"), SHAPE)),
                                     "layers": NORM_LAYERS}))
-    common = [sys.executable, "-m", "pcldnn_gen", "train", str(net_file), "--arch", "avx2", "--data", "synthetic",
+    common = [sys.executable, "-m", "pcldnn_gen", "train", str(net_file), "--arch", VECTOR_ISA, "--data", "synthetic",
               "--epochs", "1", "--batch-size", "12", "--threads", "1", "--no-progress", "--checkpoint-dir"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     runs = {"one": [], "sync": [MPIEXEC, "-n", "2"], "own": [MPIEXEC, "-n", "2"]}

@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import NETS, RUNNABLE_ISAS
+from helpers import ISA_PARAMS, NETS, RUNNABLE_ISAS
 
 import pcldnn_runtime as pr
 from pcldnn_gen.arch import get_arch
@@ -103,10 +103,10 @@ def _scale_and_shift(net):
     net.load_state_dict(state)
 
 
-def _pair(tmp_path, layers, shape, name, threads=2):
+def _pair(tmp_path, layers, shape, name, isa, threads=2):
     """The net built with and without fusion, the unfused one loaded with the fused one's weights."""
     spec = _spec(layers, shape, name)
-    arch = get_arch(ISA)
+    arch = get_arch(isa)
     build(spec, arch, tmp_path / f"{name}-on")
     build(spec, arch, tmp_path / f"{name}-off", fusion=False)
     fused, plain = pr.load(tmp_path / f"{name}-on", threads=threads), pr.load(tmp_path / f"{name}-off", threads=threads)
@@ -126,13 +126,13 @@ def _steps(net, shape, steps=3):
     return logits, net.grads.copy(), net.state_dict(), net.eval().forward(x)
 
 
-def test_the_residual_fusion_equals_the_batchnorm_and_add_kernels(tmp_path):
+def test_the_residual_fusion_equals_the_batchnorm_and_add_kernels(tmp_path, isa):
     """Forward in training and evaluation, every gradient, the weights and the running statistics
     after three SGD steps: bit for bit the unfused kernels' (the fused forward adds the
     shortcut to the very value the batchnorm kernel stores; the backward masks dy where the add
     kernel masked it, and the masked dy is what the add passed to both inputs)."""
     shape = (3, 12, 10)
-    fused, plain = _pair(tmp_path, RESIDUAL, shape, "res")
+    fused, plain = _pair(tmp_path, RESIDUAL, shape, "res", isa)
     assert fused.fusions.residual and not fused.fusions.statistics
     assert not plain.fusions
     got, want = _steps(fused, shape), _steps(plain, shape)
@@ -147,11 +147,11 @@ def test_the_residual_fusion_equals_the_batchnorm_and_add_kernels(tmp_path):
 STATS_SHAPE = (5, 12, 10)
 
 
-@pytest.fixture(scope="module")
-def statistics_builds(tmp_path_factory):
-    """STATISTICS built with and without fusion, once for the tests below."""
+@pytest.fixture(scope="module", params=ISA_PARAMS)
+def statistics_builds(request, tmp_path_factory):
+    """STATISTICS built with and without fusion for each ISA, once for the tests below."""
     path = tmp_path_factory.mktemp("fusion")
-    spec, arch = _spec(STATISTICS, STATS_SHAPE, "stats"), get_arch(ISA)
+    spec, arch = _spec(STATISTICS, STATS_SHAPE, "stats"), get_arch(request.param)
     build(spec, arch, path / "stats-on")
     build(spec, arch, path / "stats-off", fusion=False)
     return path
