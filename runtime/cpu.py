@@ -113,11 +113,11 @@ def isa_level() -> str:
     """The highest ISA level this process runs (after the cap): amx only where Linux grants the
     tile state too."""
     flags = cpu_flags()
+    needs = {"avx2": ISA_FLAGS["avx2"], "avx512": ISA_FLAGS["avx512"], "avx512_bf16": PRECISION_FLAGS["bf16"],
+             "amx": AMX_FLAGS}
     level = "scalar"
     for name in ISA_LEVELS[1:]:
-        needed = {"avx2": ISA_FLAGS["avx2"], "avx512": ISA_FLAGS["avx512"], "avx512_bf16": ("avx512_bf16",),
-                  "amx": AMX_FLAGS}[name]
-        if not all(f in flags for f in needed) or (name == "amx" and request_amx() is not None):
+        if not all(f in flags for f in needs[name]) or (name == "amx" and request_amx() is not None):
             break
         level = name
     return level
