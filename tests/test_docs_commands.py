@@ -1,10 +1,12 @@
 """What the documents promise runs: every module of both packages imports alone in a fresh
-interpreter, and every script that README.md, benchmarks/RESULTS.md and docs/ name runs at a
-tiny size here or in the test file named for it (the list is read from the documents, so a
-script they start naming cannot be left out)."""
+interpreter, every script that README.md, benchmarks/RESULTS.md and docs/ name runs at a tiny
+size here or in the test file named for it, and every `pcldnn-gen` command line they write
+parses (both lists are read from the documents, so a new one cannot be left out)."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import re
 import shutil
@@ -153,3 +155,50 @@ def test_a_script_the_documents_name_runs_at_a_tiny_size(script, small, tmp_path
     if script == "examples/make_modern_nets.py":  # the nets in examples/ are what it makes
         for made in sorted((tmp_path / "nets").glob("*.json")):
             assert made.read_text() == (REPO / "examples" / "nets" / made.name).read_text(), made.name
+
+
+COMMAND = re.compile(r"(?:pcldnn-gen|python -m pcldnn_gen) ((?:compile|inspect|peak|bench|tune|plan|import|train|cache)\b"
+                     r"[^`|#;\n]*)")
+# What the documents write for "a value of your choice", as a value the parser takes
+PLACEHOLDERS = {"ISA": "avx2", "T": "1", "B": "16", "NET": "net.json", "OUT.json": "out.json"}
+
+
+def documented_commands() -> list[tuple[str, list[str]]]:
+    """Every `pcldnn-gen VERB ...` the documents write, as argv up to the first token that is
+    prose rather than a value (an optional part in brackets, a {a,b} choice, an ellipsis)."""
+    found = []
+    for doc in DOCUMENTS:
+        for match in COMMAND.finditer(doc.read_text()):
+            argv = []
+            for token in match[1].split():
+                if token == "/" or any(mark in token for mark in ("[", "{", "...", "\\", "<")):
+                    break
+                argv.append(PLACEHOLDERS.get(token, token))
+            if len(argv) > 1:  # a verb alone: the document naming it, not a command
+                found.append((f"{doc.name}: pcldnn-gen {match[1].strip()}", argv))
+    return found
+
+
+def test_every_pcldnn_gen_command_the_documents_write_parses():
+    """Each documented command line names a verb and options the CLI has, with values it
+    takes (the line is parsed, not run: the README's blocks run in test_readme.py)."""
+    from pcldnn_gen.cli import parser
+    commands = documented_commands()
+    assert len(commands) >= 40 and {argv[0] for _, argv in commands} >= {"compile", "bench", "train", "plan", "tune"}
+    def refusal(argv: list[str]) -> str | None:
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                parser().parse_args(argv)
+        except SystemExit:
+            return err.getvalue().strip().splitlines()[-1]
+        return None
+
+    bad = []
+    for where, argv in commands:
+        why = refusal(argv)
+        if why and "expected one argument" in why and refusal(argv[:-1]) is None:
+            continue  # an option last on a line, its value on the next (an inline span wrapped in the text)
+        if why:
+            bad.append(f"{where}: {why}")
+    assert not bad, "documented commands the CLI refuses:\n" + "\n".join(bad)
