@@ -33,6 +33,7 @@ from pcldnn_gen.arch import get_arch
 from pcldnn_gen.build import build
 from pcldnn_gen.netspec import load_netspec, parse_netspec
 from pcldnn_runtime.kernels import empty_aligned, ptr
+from pcldnn_runtime.layer_types import ConvKind
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -72,7 +73,7 @@ def torch_calls(layer, x: np.ndarray, dy: np.ndarray, threads: int, precision: s
     (its weights and bias) on float32 arrays in and out, in NCHW and in channels_last (its
     inputs already in that layout, as a channels_last model's are)."""
     import torch
-    if layer.type != "conv" or layer.groups != 1:
+    if layer.spec.conv_kind is not ConvKind.DENSE:
         raise SystemExit(f"--torch compares dense convolutions; {layer.name} is a {layer.type} with {layer.groups} group(s)")
     torch.set_num_threads(threads)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32

@@ -20,6 +20,7 @@ import numpy as np
 import pcldnn_runtime as pr
 from pcldnn_runtime.abi import REPEATED_KINDS, SIGNATURES
 from pcldnn_runtime.kernels import bf16_bits, empty_aligned, fma_peak_gflops, load_library, ptr
+from pcldnn_runtime.layer_types import ConvKind
 from pcldnn_runtime.manifest import PASSES, file_sha256
 
 from . import __version__
@@ -181,7 +182,7 @@ class PassResult:
 
 def memory_bound(layer: Any) -> bool:
     """Rows judged by bytes, not FLOPs: depthwise convolutions and batchnorms."""
-    return layer.type == "batchnorm" or (layer.type == "conv" and layer.groups > 1)
+    return layer.type == "batchnorm" or layer.conv_kind is ConvKind.DEPTHWISE
 
 
 def pass_bytes(layer: Any, pass_name: str, batch: int) -> float:

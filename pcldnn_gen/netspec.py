@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pcldnn_runtime import limits
+from pcldnn_runtime.layer_types import INITS, JOINS, WEIGHTED, ConvKind, conv_kind
 from pcldnn_runtime.validate import NAME_RE, Fields, read_json, show
 
 from .errors import NetSpecError
@@ -24,7 +25,6 @@ from .errors import NetSpecError
 # (from_torch, `pcldnn-gen import`), informational only, and `inputs`: the earlier layers it
 # reads ("input": the net's input; default: the layer before it).
 _COMMON = {"name", "type"}
-JOINS = ("add", "concat")  # the layers of several inputs
 NET_INPUT = "input"
 LAYER_FIELDS: dict[str, tuple[set[str], dict[str, Any]]] = {
     "conv": ({"out_channels", "kernel"}, {"stride": 1, "pad": 0, "activation": None, "bias": True, "groups": 1,
@@ -41,12 +41,8 @@ LAYER_FIELDS: dict[str, tuple[set[str], dict[str, Any]]] = {
     "batchnorm": (set(), {"eps": 1e-5, "momentum": 0.1, "activation": None}),
     "softmax_cross_entropy": (set(), {}),
 }
-WEIGHTED = ("conv", "fc")
 POOLS = ("maxpool", "avgpool")
 ACTIVATIONS = ("relu", "relu6")
-# How a conv or fc layer's weights start (pcldnn_runtime.layers.WeightedLayer.init_weights):
-# PyTorch's default for Conv2d / Linear, He-normal, or Xavier-uniform
-INITS = ("pytorch", "he", "xavier")
 
 
 @dataclass(frozen=True)
@@ -81,8 +77,9 @@ class LayerSpec:
         return self.type in WEIGHTED
 
     @property
-    def depthwise(self) -> bool:
-        return self.groups > 1
+    def conv_kind(self) -> ConvKind | None:
+        """A convolution's kind (dense, grouped, depthwise); None for other layers."""
+        return conv_kind(self.groups, self.in_shape[0]) if self.type == "conv" else None
 
     @property
     def normalizes(self) -> bool:

@@ -3,6 +3,8 @@ the package), so the kernel families, the manifest reader and the generator all 
 without importing each other."""
 from __future__ import annotations
 
+import enum
+
 PASSES = ("fwd", "bwd_data", "bwd_weights")
 # The passes each layer type has; every layer also has its "layout" conversions.
 LAYER_PASSES: dict[str, tuple[str, ...]] = {
@@ -15,3 +17,21 @@ LAYER_PASSES: dict[str, tuple[str, ...]] = {
 WEIGHTED = ("conv", "fc")
 WINDOWED = ("conv", "maxpool", "avgpool")
 JOINS = ("add", "concat")  # the layers that read several
+# How a conv or fc layer's weights start (net.json "init"; layers.WeightedLayer.init_weights):
+# PyTorch's default for Conv2d / Linear, He-normal, or Xavier-uniform
+INITS = ("pytorch", "he", "xavier")
+
+
+class ConvKind(enum.Enum):
+    """What a convolution computes, by its groups (a weight dimension, as oneDNN has it): the
+    kernel families say which kinds they have kernels for (families.Family.conv_kind)."""
+    DENSE = "dense"          # groups 1: every output channel reads every input channel
+    GROUPED = "grouped"      # 1 < groups < channels: channel groups convolved apart (no kernels yet)
+    DEPTHWISE = "depthwise"  # groups = channels: each channel with its own window
+
+
+def conv_kind(groups: int, in_channels: int) -> ConvKind:
+    """The kind of a convolution of `groups` over `in_channels` input channels."""
+    if groups == 1:
+        return ConvKind.DENSE
+    return ConvKind.DEPTHWISE if groups == in_channels else ConvKind.GROUPED

@@ -23,6 +23,7 @@ from .geometry import (
     input_pixel_floats,
 )
 from .kernels import bf16_bits, bf16_values, empty_aligned, ptr, ptr_array, same_bytes
+from .layer_types import ConvKind
 from .limits import blocks
 from .manifest import PASSES, LayerEntry
 
@@ -431,7 +432,7 @@ class WeightedLayer(ParamLayer):
         KH, KW, V, V), or a depthwise layer's (C/V, KH, KW, V)."""
         oc, ic = spec.out_shape[0], spec.in_shape[0]
         kh, kw = spec.kernel
-        if spec.depthwise:
+        if spec.conv_kind is ConvKind.DEPTHWISE:
             return (blocks(oc, v), kh, kw, v), blocks(oc, v) * v
         return (blocks(oc, v), blocks(ic, v), kh, kw, v, v), blocks(oc, v) * v
 

@@ -18,7 +18,7 @@ from typing import Any
 from . import cpu, families, limits
 from .errors import BuildDirError
 from .families.fusion import plan_fusions
-from .layer_types import JOINS, LAYER_PASSES, PASSES, WEIGHTED, WINDOWED
+from .layer_types import INITS, JOINS, LAYER_PASSES, PASSES, WEIGHTED, WINDOWED, ConvKind, conv_kind
 from .validate import LABEL_RE, NAME_RE, SHA256_RE, Fields, read_json, show
 
 # 2: the first layer's few-channel input is packed (geometry.input_pixel_floats); a /1 build's
@@ -125,11 +125,12 @@ class LayerEntry:
     relu6: bool = False  # the fused ReLU clips at 6 (batchnorm, relu6)
     inputs: tuple[str, ...] = ()  # the layers it reads ("input": the net's); parse_manifest sets them
     in_shapes: tuple[tuple[int, int, int], ...] = ()  # add / concat: each input's shape
-    init: str = "pytorch"  # conv / fc: how the weights start (pcldnn_gen.netspec.INITS)
+    init: str = "pytorch"  # conv / fc: how the weights start (layer_types.INITS)
 
     @property
-    def depthwise(self) -> bool:
-        return self.groups > 1
+    def conv_kind(self) -> ConvKind | None:
+        """A convolution's kind (dense, grouped, depthwise); None for other layers."""
+        return conv_kind(self.groups, self.in_shape[0]) if self.type == "conv" else None
 
 
 @dataclass(frozen=True)
@@ -383,7 +384,7 @@ def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: i
     eps = f.number_in(raw.get("eps", 1e-5), f"{where}.eps", 1e-12, 1.0)
     momentum = f.number_in(raw.get("momentum", 0.1), f"{where}.momentum", 0.0, 1.0)
     relu6 = f.boolean(raw.get("relu6", ltype == "relu6"), f"{where}.relu6")
-    init = f.choice(raw.get("init", "pytorch"), f"{where}.init", ("pytorch", "he", "xavier") if ltype in WEIGHTED
+    init = f.choice(raw.get("init", "pytorch"), f"{where}.init", INITS if ltype in WEIGHTED
                     else ("pytorch",))
     if relu6 != (ltype == "relu6") and not (ltype == "batchnorm" and relu):
         f.fail(f"{where}.relu6", "true for relu6 layers and batchnorm layers with a fused relu6 only")

@@ -14,6 +14,7 @@ from pcldnn_gen.build import plan_net
 from pcldnn_gen.netspec import load_netspec, parse_netspec
 from pcldnn_runtime import families
 from pcldnn_runtime.families import FAMILIES, Engine, Shape, Target, choose, declined, kind_named
+from pcldnn_runtime.layer_types import ConvKind
 from pcldnn_runtime.manifest import LAYER_PASSES, kernel_kinds
 
 FP32 = Target("fp32", False, 16)
@@ -110,3 +111,20 @@ def test_every_plan_is_of_the_family_the_registry_chose(preset, precision):
         for layer in net.layers:
             for p in LAYER_PASSES[layer.type]:
                 assert plans[(layer.name, p)].kind == choose(layer, p, arch.target(precision))[1].name, (net.name, layer.name, p)
+
+
+def test_a_convolutions_kind_picks_its_family():
+    """Depthwise kernels for depthwise convolutions only, the dense families for dense ones; a
+    grouped convolution has no family yet, and each family says so in words."""
+    dw = Shape(1, "conv", (64, 32, 32), (3, 3), groups=64)
+    grouped = Shape(1, "conv", (64, 32, 32), (3, 3), groups=4)
+    assert (dw.conv_kind, grouped.conv_kind, _conv(64).conv_kind) == (
+        ConvKind.DEPTHWISE, ConvKind.GROUPED, ConvKind.DENSE)
+    for target in (FP32, VDPBF16, AMX):
+        assert set(_chosen(dw, target).values()) == {"conv_depthwise"}
+    by_name = {f.name: f for f in FAMILIES}
+    assert by_name["conv_direct"].declines(dw, "fwd", FP32) == "computes dense convolutions only, not depthwise ones"
+    assert by_name["conv_depthwise"].declines(_conv(64), "fwd", FP32) == (
+        "computes depthwise convolutions only, not dense ones")
+    assert not any(f.handles(grouped, 16) for f in FAMILIES)
+    assert by_name["conv_depthwise"].kind("conv", "bwd_data").name == "conv_bwd_data_depthwise"

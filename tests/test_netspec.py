@@ -9,6 +9,7 @@ from helpers import NETS
 
 from pcldnn_gen.errors import NetSpecError
 from pcldnn_gen.netspec import load_netspec, parse_netspec
+from pcldnn_runtime.layer_types import ConvKind, conv_kind
 
 BASE = {
     "name": "n", "input": {"channels": 3, "height": 16, "width": 16}, "classes": 10,
@@ -173,9 +174,13 @@ def test_depthwise_convolutions_have_a_window_per_channel():
         1, {"name": "dw", "type": "conv", "out_channels": 8, "kernel": [3, 5], "stride": 2, "pad": [1, 2],
             "groups": 8})))
     dw, conv = spec.layer("dw"), spec.layer("conv1")
-    assert dw.depthwise and not conv.depthwise and conv.groups == 1
+    assert (dw.conv_kind, conv.conv_kind) == (ConvKind.DEPTHWISE, ConvKind.DENSE) and conv.groups == 1
     assert dw.weight_shape == (8, 1, 3, 5) and dw.out_shape == (8, 8, 8)
     assert dw.flops(2) == 2 * 2 * 8 * 8 * 8 * 3 * 5
+    assert spec.layer("pool1").conv_kind is None
+    # the kind follows from the groups and the input channels alone (grouped: no kernels yet)
+    assert [conv_kind(g, 64) for g in (1, 2, 32, 64)] == [ConvKind.DENSE, ConvKind.GROUPED, ConvKind.GROUPED,
+                                                          ConvKind.DEPTHWISE]
 
 
 def test_global_avgpool_is_an_average_over_the_whole_input():

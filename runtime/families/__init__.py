@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..layer_types import LAYER_PASSES
+from ..layer_types import LAYER_PASSES, ConvKind
 from . import (
     batchnorm,
     conv_amx,
@@ -165,7 +165,7 @@ def bf16_outputs(precision: str, amx: bool, v: int, layers: Sequence[LayerShape]
     target = Target(precision, amx, v)
 
     def writes(layer: LayerShape) -> bool:  # (a depthwise convolution's kernels read and write fp32)
-        return (layer.type == "conv" and layer.groups == 1) or layer.type in BF16_ACTIVATION_LAYERS
+        return layer.conv_kind is ConvKind.DENSE or layer.type in BF16_ACTIVATION_LAYERS
 
     def reads(layer: LayerShape) -> bool:
         if layer.type in BF16_ACTIVATION_LAYERS:

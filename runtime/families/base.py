@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from ..geometry import input_pixel_floats
-from ..layer_types import LAYER_PASSES
+from ..layer_types import LAYER_PASSES, ConvKind, conv_kind
 
 if TYPE_CHECKING:
     from ..layers import WeightedLayer
@@ -28,13 +28,13 @@ class Engine(enum.Enum):
 @dataclass(frozen=True)
 class Kind:
     """A kernel's kind: layer type x pass x engine (and whether it reads the first layer's
-    packed image, or computes a depthwise convolution); `name` is the string builds record
+    packed image, and which kind of convolution); `name` is the string builds record
     (`conv_fwd_packed_amx`, `conv_bwd_data_depthwise`)."""
     layer_type: str
     pass_name: str
     engine: Engine
     packed: bool = False
-    depthwise: bool = False
+    conv_kind: ConvKind = ConvKind.DENSE
 
     @property
     def weight_copy(self) -> bool:
@@ -46,7 +46,8 @@ class Kind:
     @property
     def name(self) -> str:
         if self.engine is Engine.FP32:
-            return f"{self.layer_type}_{self.pass_name}" + ("_depthwise" if self.depthwise else "")
+            return f"{self.layer_type}_{self.pass_name}" + (
+                "" if self.conv_kind is ConvKind.DENSE else f"_{self.conv_kind.value}")
         return (f"{self.layer_type}_{self.pass_name}" + ("_packed" if self.packed else "")
                 + ("_amx" if self.engine is Engine.AMX else "_bf16"))
 
@@ -80,6 +81,8 @@ class LayerShape(Protocol):
     @property
     def groups(self) -> int: ...
     @property
+    def conv_kind(self) -> ConvKind | None: ...
+    @property
     def name(self) -> str: ...
     @property
     def inputs(self) -> tuple[str, ...]: ...
@@ -97,6 +100,10 @@ class Shape:
     groups: int = 1
     name: str = ""
     inputs: tuple[str, ...] = ()
+
+    @property
+    def conv_kind(self) -> ConvKind | None:
+        return conv_kind(self.groups, self.in_shape[0]) if self.type == "conv" else None
 
 
 def reads_packed_image(layer: LayerShape, v: int) -> bool:
@@ -150,13 +157,13 @@ class Family:
     signatures: Mapping[str, str]
     calls: Calls | None = None
     packed: bool | None = None  # True: only the packed first layer; False: never it; None: either
-    depthwise: bool = False  # its conv kernels are for depthwise convolutions (groups > 1) only, else never
+    conv_kind: ConvKind = ConvKind.DENSE  # the one kind of convolution its conv kernels compute
     policy: Callable[[LayerShape, str, Target], str | None] = lambda layer, pass_name, target: None
     passes: tuple[str, ...] | None = None  # the passes it has kernels for (None: every pass of its layers)
     kinds: tuple[Kind, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        kinds = tuple(Kind(t, p, self.engine, bool(self.packed), self.depthwise) for t in self.layer_types
+        kinds = tuple(Kind(t, p, self.engine, bool(self.packed), self.conv_kind) for t in self.layer_types
                       for p in LAYER_PASSES[t] if self.passes is None or p in self.passes)
         object.__setattr__(self, "kinds", kinds)
         if set(self.signatures) != {k.name for k in kinds}:  # a family module's slip, found on import
@@ -167,22 +174,23 @@ class Family:
         return any(k.layer_type == layer_type and k.pass_name == pass_name for k in self.kinds)
 
     def kind(self, layer_type: str, pass_name: str) -> Kind:
-        return Kind(layer_type, pass_name, self.engine, bool(self.packed), self.depthwise)
+        return Kind(layer_type, pass_name, self.engine, bool(self.packed), self.conv_kind)
 
     def handles(self, layer: LayerShape, v: int) -> bool:
-        """Whether its kernels are written for this layer (type, depthwise or not, packed image or not)."""
-        return (layer.type in self.layer_types and self._depthwise_matches(layer)
+        """Whether its kernels are written for this layer (type, kind of convolution, packed image or not)."""
+        return (layer.type in self.layer_types and self._conv_kind_matches(layer)
                 and (self.packed is None or self.packed == reads_packed_image(layer, v)))
 
-    def _depthwise_matches(self, layer: LayerShape) -> bool:
-        return layer.type != "conv" or self.depthwise == (layer.groups > 1)
+    def _conv_kind_matches(self, layer: LayerShape) -> bool:
+        return layer.type != "conv" or layer.conv_kind is self.conv_kind
 
     def declines(self, layer: LayerShape, pass_name: str, target: Target) -> str | None:
         """Why this family does not compute the pass in this build (None: it does)."""
         if layer.type not in self.layer_types:
             return f"computes {', '.join(self.layer_types)} layers, not {layer.type}"
-        if not self._depthwise_matches(layer):
-            return "computes depthwise convolutions only" if self.depthwise else "not a depthwise convolution"
+        if not self._conv_kind_matches(layer):
+            kind = layer.conv_kind.value if layer.conv_kind else layer.type
+            return f"computes {self.conv_kind.value} convolutions only, not {kind} ones"
         if self.packed is not None and self.packed != reads_packed_image(layer, target.vector_floats):
             return "reads the first layer's packed image only" if self.packed else "not the packed first layer"
         if not self.has_pass(layer.type, pass_name):

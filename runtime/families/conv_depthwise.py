@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..layer_types import ConvKind
 from .base import FWD, Calls, Engine, Family, Part, fp32_backward_weights, statistics_forward
 
 if TYPE_CHECKING:
@@ -22,7 +23,7 @@ def _backward_data(layer: WeightedLayer, dyb: np.ndarray, mask: np.ndarray | Non
 
 
 FAMILY = Family(
-    "conv_depthwise", Engine.FP32, ("conv",), depthwise=True,
+    "conv_depthwise", Engine.FP32, ("conv",), conv_kind=ConvKind.DEPTHWISE,
     calls=Calls(statistics_forward, fp32_backward_weights, _backward_data),
     signatures={
         # weights blocked (C/V, KH, KW, V): a window per channel lane; the output fp32; mean, var
