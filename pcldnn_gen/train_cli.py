@@ -86,7 +86,8 @@ def add_arguments(ap: argparse.ArgumentParser, net_default: str | None = None, d
     ap.add_argument("--sync-batchnorm", action="store_true",
                     help="under mpiexec: batchnorm statistics over every rank's shard (p ranks equal one rank with "
                          "the global minibatch); default: each rank's own shard, like DDP")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-progress", action="store_true", help="no bar of steps (there is none where stderr is not a "
+                    "terminal)")
 
 
 def parallel_arg(text: str) -> Any:
@@ -267,7 +268,7 @@ def run(args: argparse.Namespace, prog: str = "pcldnn-gen train") -> int:
                   f"{'as given' if args.no_normalize else 'normalised per channel'}", flush=True)
         start = time.perf_counter()
         history = trainer.fit(train, test, epochs=args.epochs, batch_size=args.batch_size, metrics_file=args.metrics,
-                              checkpoint=checkpoint, progress=not args.no_progress, workers=args.workers)
+                              checkpoint=checkpoint, progress=False if args.no_progress else None, workers=args.workers)
         wall = time.perf_counter() - start
         final = trainer.evaluate(test) if test is not None else None
     except pr.PcldnnError as e:

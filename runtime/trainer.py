@@ -10,6 +10,7 @@ import io
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 import warnings
@@ -190,7 +191,7 @@ class Trainer:
 
     def fit(self, train: Any, val: Any = None, *, epochs: int, batch_size: int | None = None,
             metrics_file: str | Path | None = None, checkpoint: str | Path | None = None,
-            progress: bool = True, workers: int = 2, prefetch: int = 4) -> list[dict]:
+            progress: bool | None = None, workers: int = 2, prefetch: int = 4) -> list[dict]:
         """Train until `epochs` epochs are done in total (a resumed trainer continues where it
         stopped). `train`: a dataset (ArrayDataset, MemmapDataset, ImageFolder, or anything with
         len() and read(indices, epoch)), shuffled per epoch from (seed, epoch) and read one
@@ -199,7 +200,9 @@ class Trainer:
         minibatch; under MPI every rank iterates it and keeps its shard). Per step, a JSON line
         {step, epoch, loss, accuracy, lr, images_per_s} is appended to `metrics_file`; after
         each epoch the validation metrics are computed and, with `checkpoint`, the trainer is
-        saved there. Returns one dict per epoch run."""
+        saved there. `progress`: a bar of each epoch's steps on rank 0's stderr, always (True),
+        never (False) or where stderr is a terminal (None: a log or a pipe gets none). Returns
+        one dict per epoch run."""
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise PcldnnError(f"fit: epochs must be a positive int, got {epochs!r}")
         for name, value in (("workers", workers), ("prefetch", prefetch)):
@@ -233,7 +236,7 @@ class Trainer:
                 data.check_classes(classes)
         history = []
         lead = self.rank == 0  # progress, metrics and checkpoint files: rank 0 only
-        progress = progress and lead
+        progress = progress if lead else False
         try:
             if metrics_file and lead:
                 Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
@@ -513,8 +516,8 @@ def _write_checkpoint(f: Any, meta: dict, params: np.ndarray, velocity: np.ndarr
     f.write(buf.getbuffer())
 
 
-def _progress(total: int | None, desc: str, enabled: bool) -> Any:
-    if not enabled:
+def _progress(total: int | None, desc: str, enabled: bool | None) -> Any:
+    if enabled is False or (enabled is None and not sys.stderr.isatty()):
         return None
     from tqdm import tqdm
     return tqdm(total=total, desc=desc, unit="step", leave=True, dynamic_ncols=True)

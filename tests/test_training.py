@@ -148,6 +148,17 @@ def test_bad_optimizer_options_are_clear_errors(kwargs, message):
         pr.SGD(**kwargs)
 
 
+def test_fit_shows_a_bar_on_a_terminal_or_when_asked(build_dir, capsys):
+    """progress=None (the default, and `train`'s): a bar only where stderr is a terminal, so a
+    log or a pipe (mpiexec's) gets the epoch lines alone; True: always; False: never."""
+    trainer = pr.Trainer(_net(build_dir, seed=3), pr.SGD(0.02), seed=0)
+    train = pr.synthetic(64, SHAPE, 5, seed=7)
+    for progress, shown in ((None, False), (True, True), (False, False)):
+        trainer.fit(train, epochs=trainer.step_count // 2 + 1, batch_size=32, progress=progress)
+        err = capsys.readouterr().err
+        assert ("epoch " in err and "step" in err) == shown, (progress, err)
+
+
 def test_fit_learns_and_writes_metrics(build_dir, tmp_path):
     net = _net(build_dir, seed=3)
     train = pr.synthetic(320, SHAPE, 5, seed=7, noise=1.0)
