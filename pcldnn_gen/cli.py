@@ -75,17 +75,16 @@ def _inspect(args: argparse.Namespace) -> int:
     asked = net.layer(args.layer)
     passes = [args.pass_name] if args.pass_name else list(LAYER_PASSES[asked.type]) if args.explain else ["fwd"]
     tuning = _tuning(args)
+    serving = computed_by(net, arch, args.precision, asked.name)
+    layer = asked if serving is None else net.layer(serving)
+    activations = net_activations(net, arch, args.precision)[layer.name]
+    gradients = net_gradients(net, arch, args.precision)[layer.name]
     for n, pass_name in enumerate(passes):
-        layer = asked
-        serving = computed_by(net, arch, args.precision, layer.name)
         if serving is not None:  # a residual fusion: the add's work is its batchnorm's kernel (docs/design.md)
             pass_name = "fwd" if pass_name == "fwd" else "bwd_weights"
-            print(f"/* {layer.name} ({layer.type}) is computed by {serving}'s {pass_name} kernel (a residual "
+            print(f"/* {asked.name} ({asked.type}) is computed by {serving}'s {pass_name} kernel (a residual "
                   "fusion), below */")
-            layer = net.layer(serving)
-        plan = plan_kernel(layer, pass_name, arch, tuning, None, args.precision,
-                           net_activations(net, arch, args.precision)[layer.name],
-                           net_gradients(net, arch, args.precision)[layer.name])
+        plan = plan_kernel(layer, pass_name, arch, tuning, None, args.precision, activations, gradients)
         plan = fuse_plans(net, arch, args.precision, {(layer.name, pass_name): plan})[(layer.name, pass_name)]
         if not args.explain:
             sys.stdout.write(render_kernel(layer, plan, arch).text)

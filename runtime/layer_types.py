@@ -30,8 +30,11 @@ class ConvKind(enum.Enum):
     DEPTHWISE = "depthwise"  # groups = channels: each channel with its own window
 
 
-def conv_kind(groups: int, in_channels: int) -> ConvKind:
-    """The kind of a convolution of `groups` over `in_channels` input channels."""
+def conv_kind(layer_type: str, groups: int, in_channels: int) -> ConvKind | None:
+    """The kind of a convolution of `groups` over `in_channels` input channels (None: the layer
+    is not a convolution). LayerSpec, LayerEntry and families.Shape all ask here."""
+    if layer_type != "conv":
+        return None
     if groups == 1:
         return ConvKind.DENSE
     return ConvKind.DEPTHWISE if groups == in_channels else ConvKind.GROUPED

@@ -130,7 +130,7 @@ class LayerEntry:
     @property
     def conv_kind(self) -> ConvKind | None:
         """A convolution's kind (dense, grouped, depthwise); None for other layers."""
-        return conv_kind(self.groups, self.in_shape[0]) if self.type == "conv" else None
+        return conv_kind(self.type, self.groups, self.in_shape[0])
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ import io
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 import warnings
@@ -260,10 +259,10 @@ class Trainer:
                         metrics.write(json.dumps({
                             "step": self.step_count, "epoch": epoch + 1, "loss": loss, "accuracy": self.last_accuracy,
                             "lr": self.optimizer.lr_at(self.step_count - 1), "images_per_s": global_batch / dt}) + "\n")
-                    if bar:
+                    if bar is not None:
                         bar.set_postfix(loss=f"{loss:.4f}", acc=f"{self.last_accuracy:.3f}", img_s=f"{rate:.0f}")
                         bar.update(1)
-                if bar:
+                if bar is not None:
                     bar.close()
                 record = {"epoch": epoch + 1, "step": self.step_count,
                           "train_loss": float(np.mean(losses)) if losses else math.nan,
@@ -517,7 +516,9 @@ def _write_checkpoint(f: Any, meta: dict, params: np.ndarray, velocity: np.ndarr
 
 
 def _progress(total: int | None, desc: str, enabled: bool | None) -> Any:
-    if enabled is False or (enabled is None and not sys.stderr.isatty()):
+    """None: tqdm's own test, a bar where stderr is a terminal (as compiler.compile_all's)."""
+    if enabled is False:
         return None
     from tqdm import tqdm
-    return tqdm(total=total, desc=desc, unit="step", leave=True, dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, unit="step", leave=True, dynamic_ncols=True,
+                disable=None if enabled is None else False)

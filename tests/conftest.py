@@ -47,7 +47,12 @@ def pytest_runtest_setup(item) -> None:
         if level not in cpu.ISA_LEVELS:
             raise ValueError(f"needs_isa({level!r}): not one of {cpu.ISA_LEVELS}")
         if not runs(level):
-            pytest.skip(f"{NEEDS}{level}: {cpu.capped('this CPU')} runs up to {cpu.isa_level()}")
+            _skip_for_want_of(level)
+
+
+def _skip_for_want_of(level: str, why: str = "") -> None:
+    """Skip with the reason pytest_terminal_summary counts per level."""
+    pytest.skip(f"{NEEDS}{level}: {cpu.capped('this CPU')} runs up to {cpu.isa_level()}{why}")
 
 
 @pytest.fixture(autouse=True)
@@ -58,8 +63,7 @@ def _bf16_kernels(request, monkeypatch):
     if request.node.get_closest_marker("bf16_kernels") is None or runs("avx512_bf16"):
         return
     if not runs("avx512"):
-        pytest.skip(f"{NEEDS}avx512: {cpu.capped('this CPU')} runs up to {cpu.isa_level()}, and vdpbf16ps kernels "
-                    "are emulated in AVX-512F")
+        _skip_for_want_of("avx512", ", and vdpbf16ps kernels are emulated in AVX-512F")
     emulate(monkeypatch)
 
 

@@ -33,6 +33,8 @@ ISA_PARAMS = [pytest.param(isa, marks=pytest.mark.needs_isa(isa), id=isa) for is
 def runs(level: str) -> bool:
     """Whether this process runs kernels of ISA level `level` (cpu.ISA_LEVELS; after the cap)."""
     return cpu.ISA_LEVELS.index(cpu.isa_level()) >= cpu.ISA_LEVELS.index(level)
+
+
 U32 = 2.0 ** -24  # unit roundoff of float32
 
 

@@ -179,7 +179,7 @@ def test_depthwise_convolutions_have_a_window_per_channel():
     assert dw.flops(2) == 2 * 2 * 8 * 8 * 8 * 3 * 5
     assert spec.layer("pool1").conv_kind is None
     # the kind follows from the groups and the input channels alone (grouped: no kernels yet)
-    assert [conv_kind(g, 64) for g in (1, 2, 32, 64)] == [ConvKind.DENSE, ConvKind.GROUPED, ConvKind.GROUPED,
+    assert [conv_kind("conv", g, 64) for g in (1, 2, 32, 64)] == [ConvKind.DENSE, ConvKind.GROUPED, ConvKind.GROUPED,
                                                           ConvKind.DEPTHWISE]
 
 

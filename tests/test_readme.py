@@ -49,8 +49,7 @@ def test_the_block_reader_finds_every_fenced_block():
 @pytest.mark.slow
 @pytest.mark.needs_isa("avx2")  # the tour builds VGG-A for --arch avx2
 def test_every_readme_block_runs_as_written(tmp_path):
-    for name in ("examples",):
-        (tmp_path / name).symlink_to(REPO / name)
+    (tmp_path / "examples").symlink_to(REPO / "examples")
     (tmp_path / ".venv").symlink_to(sys.prefix)
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
                VIRTUAL_ENV=sys.prefix, PYTHONUNBUFFERED="1", MPLBACKEND="Agg")

@@ -103,7 +103,7 @@ class Shape:
 
     @property
     def conv_kind(self) -> ConvKind | None:
-        return conv_kind(self.groups, self.in_shape[0]) if self.type == "conv" else None
+        return conv_kind(self.type, self.groups, self.in_shape[0])
 
 
 def reads_packed_image(layer: LayerShape, v: int) -> bool:
