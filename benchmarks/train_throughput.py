@@ -110,12 +110,12 @@ def graph_module(spec, nn):
                     y = F.adaptive_avg_pool2d(ins[0], 1)
                 elif l.type == "fc":
                     y = self.m[l.name](torch.flatten(ins[0], 1))
-                elif l.type in ("relu", "relu6"):
+                elif l.act is not None and l.type == l.activation:  # a standalone activation
                     y = ins[0]
                 else:
                     y = self.m[l.name](ins[0])
-                if l.relu or l.type in ("relu", "relu6"):
-                    y = F.relu6(y) if l.relu6 else F.relu(y)
+                if l.act is not None:  # its own, or one fused into the layer
+                    y = getattr(F, l.act.torch_functions[0])(y)
                 out[l.name] = y
             return y
 

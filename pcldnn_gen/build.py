@@ -93,7 +93,7 @@ def fuse_plans(net: NetSpec, arch: Arch, precision: str,
         ((net.layers[conv].name, "fwd"), Fusion(kind="statistics", layer=net.layers[norm].name))
         for conv, norm in fusions.statistics.items()]
     for norm, add in fusions.residual.items():
-        joined = Fusion(kind="residual", layer=net.layers[add].name, relu=net.layers[add].relu)
+        joined = Fusion(kind="residual", layer=net.layers[add].name, activation=net.layers[add].activation)
         fused += [((net.layers[norm].name, p), joined) for p in LAYER_PASSES["batchnorm"]]
     out = dict(plans)
     for key, fusion in fused:
@@ -249,13 +249,13 @@ def _manifest(net: NetSpec, arch: Arch, kernels: dict[str, dict], precision: str
             "name": layer.name, "type": layer.type,
             "in_shape": list(layer.in_shape), "out_shape": list(layer.out_shape),
             "kernel": list(layer.kernel), "stride": list(layer.stride), "pad": list(layer.pad),
-            "relu": layer.relu, "rate": layer.rate,
+            "rate": layer.rate,
             "weight_shape": list(layer.weight_shape) if layer.weight_shape else None,
             "kernels": kernels.get(layer.name, {}),
             **({} if layer.bias else {"bias": False}),
             **({"groups": layer.groups} if layer.groups != 1 else {}),
             **({"eps": layer.eps, "momentum": layer.momentum} if layer.normalizes else {}),
-            **({"relu6": True} if layer.relu6 else {}),
+            **({"activation": layer.activation} if layer.activation else {}),
             **({"init": layer.init} if layer.init != "pytorch" else {}),
             **({"inputs": list(layer.inputs)} if layer.inputs != (previous,) else {}),
             **({"output": "bf16"} if activations[layer.name][1] else {}),

@@ -134,8 +134,9 @@ def render_kernel(layer: LayerSpec, plan: KernelPlan, arch: Arch) -> Source:
     spellings and the layer's blocked sizes. A bf16 plan (kind *_bf16: plan_layer with bf16)
     reads bf16 operands in pairs (lane_step 2) with the BF16_ISA spellings."""
     net_layer, layer = layer, kernel_layer(layer, plan)
-    if plan.fusion is not None and plan.fusion.relu and plan.pass_name != "fwd":
-        layer = replace(layer, relu=True)  # a residual fusion's backward masks dy by the add's ReLU
+    if plan.fusion is not None and plan.fusion.activation and plan.pass_name != "fwd":
+        # a residual fusion's backward masks dy by the add's activation
+        layer = replace(layer, activation=plan.fusion.activation)
     v = arch.vector_floats
     symbol = kernel_symbol(layer.name, plan.pass_name)
     c, h, w = layer.in_shape

@@ -1,8 +1,8 @@
 """Models from other frameworks -> a net description and its weights: the part the PyTorch and
 ONNX front ends share. A front end turns its graph into a chain of `Op`s (and a list of what it
 could not translate); `net_from_ops` checks them against what net.json expresses, names the
-layers after the framework's own names, fuses each ReLU into the conv or fc before it, appends
-the loss and returns (net dict, state dict) that `parse_netspec` accepts and
+layers after the framework's own names, fuses each activation into the layer before it where it
+may, appends the loss and returns (net dict, state dict) that `parse_netspec` accepts and
 `Net.load_state_dict` loads."""
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from typing import Any
 import numpy as np
 
 from pcldnn_runtime import limits
+from pcldnn_runtime.activations import ACTIVATIONS
 from pcldnn_runtime.validate import Fields, show
 
 from .errors import ModelImportError, NetSpecError
 from .netspec import check_groups, check_window, parse_netspec
 
-OP_KINDS = ("conv", "fc", "batchnorm", "maxpool", "avgpool", "relu", "relu6", "dropout", "add", "concat", "flatten",
+OP_KINDS = ("conv", "fc", "batchnorm", "maxpool", "avgpool", *ACTIVATIONS, "dropout", "add", "concat", "flatten",
             "softmax", "identity")
 INPUT = "<input>"  # the tensor name of the model's input in Op.inputs
 
@@ -104,8 +105,8 @@ def net_from_ops(ops: list[Op], input_shape: tuple[int, int, int], name: str, or
                  loss: bool = True) -> tuple[dict, dict[str, np.ndarray]]:
     """The graph of ops (in a topological order: each reads tensors made before it) as (net dict,
     state): every op checked, every problem reported at once. An op's `inputs` name the tensors
-    it reads (none: the previous op's); identity and flatten pass their input on, a ReLU after
-    a layer whose output nothing else reads is fused into it."""
+    it reads (none: the previous op's); identity and flatten pass their input on, an activation
+    after a layer whose output nothing else reads is fused into it where activations.py allows."""
     problems: list[str] = []
     layers: list[dict] = []
     state: dict[str, np.ndarray] = {}
@@ -138,10 +139,9 @@ def net_from_ops(ops: list[Op], input_shape: tuple[int, int, int], name: str, or
             tensors[previous] = tensors[ins[0]]
             continue
         last: dict[str, Any] = layers[-1] if layers else {"name": "input", "type": "input"}
-        fusable = (maker == last["name"] and readers.get(ins[0], 0) == 1 and "activation" not in last
-                   and last["type"] in ("conv", "fc", "batchnorm", "add"))
-        if fusable and (op.kind == "relu" or (op.kind == "relu6" and last["type"] == "batchnorm")):
-            last["activation"] = op.kind  # (a ReLU6 fuses into a batchnorm only)
+        fusable = maker == last["name"] and readers.get(ins[0], 0) == 1 and "activation" not in last
+        if fusable and op.kind in ACTIVATIONS and last["type"] in ACTIVATIONS[op.kind].fuses_into:
+            last["activation"] = op.kind  # (where the table says it fuses: a ReLU6 into a batchnorm only)
             tensors[previous] = tensors[ins[0]]
             continue
         layer: dict[str, Any] = {"name": layer_name(op.source, taken), "type": op.kind}
@@ -234,7 +234,7 @@ def net_from_ops(ops: list[Op], input_shape: tuple[int, int, int], name: str, or
         elif op.kind == "dropout":
             layer["rate"] = Fields(origin, ModelImportError).number_in(_plain(op.attrs["rate"]), f"{op.label}.rate",
                                                                        0, 1, open_hi=True)
-        elif op.kind not in ("relu", "relu6"):
+        elif op.kind not in ACTIVATIONS:
             raise AssertionError(op.kind)
         if op.weight is not None:
             state[f"{layer['name']}.weight"] = _finite(op.weight, f"{op.label} weight", problems)
@@ -260,7 +260,7 @@ def net_from_ops(ops: list[Op], input_shape: tuple[int, int, int], name: str, or
     if loss:
         if weighted[-1]["type"] != "fc" or (c, h, w) != (weighted[-1]["out_features"], 1, 1):
             raise ModelImportError(f"{origin}: the model must end with a linear layer (the logits the loss "
-                                   "reads), optionally followed by ReLU, dropout or softmax")
+                                   "reads), optionally followed by an activation, dropout or softmax")
         net["classes"] = weighted[-1]["out_features"]
         layers.append({"name": layer_name("loss", taken), "type": "softmax_cross_entropy"})
     net["layers"] = layers

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pcldnn_runtime import limits
+from pcldnn_runtime.activations import ACTIVATIONS, Activation, activation
 from pcldnn_runtime.layer_types import INITS, JOINS, WEIGHTED, ConvKind, conv_kind
 from pcldnn_runtime.validate import NAME_RE, Fields, read_json, show
 
@@ -35,14 +36,12 @@ LAYER_FIELDS: dict[str, tuple[set[str], dict[str, Any]]] = {
     "global_avgpool": (set(), {}),  # an avgpool over the whole input: C x 1 x 1
     "add": (set(), {"activation": None}),  # the element-wise sum of two or more inputs
     "concat": (set(), {}),  # two or more inputs along the channels
-    "relu": (set(), {}),
-    "relu6": (set(), {}),
+    **{name: (set(), {}) for name in ACTIVATIONS},  # a standalone activation (activations.py)
     "dropout": (set(), {"rate": 0.5}),
     "batchnorm": (set(), {"eps": 1e-5, "momentum": 0.1, "activation": None}),
     "softmax_cross_entropy": (set(), {}),
 }
 POOLS = ("maxpool", "avgpool")
-ACTIVATIONS = ("relu", "relu6")
 
 
 @dataclass(frozen=True)
@@ -61,11 +60,10 @@ class LayerSpec:
     kernel: tuple[int, int] = (1, 1)
     stride: tuple[int, int] = (1, 1)
     pad: tuple[int, int] = (0, 0)
-    relu: bool = False
+    activation: str | None = None  # fused into this layer, or the standalone activation's own (activations.py)
     rate: float = 0.0  # dropout probability (dropout layers only)
     eps: float = 1e-5  # batchnorm: added to the variance before its square root
     momentum: float = 0.1  # batchnorm: running = (1 - momentum) running + momentum batch statistic
-    relu6: bool = False  # with relu: the fused activation is min(max(x, 0), 6) (batchnorm, relu6 layers)
     inputs: tuple[str, ...] = ()  # the layers it reads, NET_INPUT for the net's input (set by parse_netspec)
     in_shapes: tuple[tuple[int, int, int], ...] = ()  # add / concat: each input's shape
     init: str = "pytorch"  # conv / fc: how the weights start (INITS)
@@ -75,6 +73,11 @@ class LayerSpec:
     @property
     def weighted(self) -> bool:
         return self.type in WEIGHTED
+
+    @property
+    def act(self) -> Activation | None:
+        """The activation this layer applies to its output: its row of the table, or None."""
+        return activation(self.activation)
 
     @property
     def conv_kind(self) -> ConvKind | None:
@@ -191,24 +194,21 @@ def parse_netspec(data: Any, origin: str = "<net>", max_memory: int | None = Non
             ltype, f = "avgpool", {"kernel": [shape[1], shape[2]], "stride": None, "pad": 0}
         if ltype in ("conv", *POOLS) and flat:
             p.fail(where, f"{ltype} cannot follow an fc layer (its input is a flat vector)")
-        activation = p.activation(f.get("activation"), f"{where}.activation")
-        relu = activation is not None
-        if activation == "relu6" and ltype != "batchnorm":
-            p.fail(f"{where}.activation", f"relu6 is fused into batchnorm layers only; after a {ltype} put a relu6 layer")
+        act = p.activation(f.get("activation"), ltype, f"{where}.activation")
 
         if ltype in JOINS:
-            spec = _join(p, ltype, i, lname, inputs, [outputs[n] for n in inputs], relu, where)
+            spec = _join(p, ltype, i, lname, inputs, [outputs[n] for n in inputs], act, where)
         elif ltype == "conv" or ltype in POOLS:
             kernel, stride, pad, (oh, ow) = check_window(p, ltype, f["kernel"], f["stride"], f["pad"], where, (h, w))
             oc = (p.int_in(f["out_channels"], f"{where}.out_channels", 1, limits.MAX_CHANNELS)
                   if ltype == "conv" else c)
             groups = check_groups(p, f.get("groups", 1), c, oc, where) if ltype == "conv" else 1
-            spec = LayerSpec(i, lname, ltype, shape, (oc, oh, ow), kernel, stride, pad, relu,
+            spec = LayerSpec(i, lname, ltype, shape, (oc, oh, ow), kernel, stride, pad, act,
                              bias=p.boolean(f["bias"], f"{where}.bias") if ltype == "conv" else True, groups=groups,
                              init=p.choice(f["init"], f"{where}.init", INITS) if ltype == "conv" else "pytorch")
         elif ltype == "fc":
             oc = p.int_in(f["out_features"], f"{where}.out_features", 1, limits.MAX_FEATURES)
-            spec = LayerSpec(i, lname, ltype, shape, (oc, 1, 1), (h, w), (1, 1), (0, 0), relu,
+            spec = LayerSpec(i, lname, ltype, shape, (oc, 1, 1), (h, w), (1, 1), (0, 0), act,
                              bias=p.boolean(f["bias"], f"{where}.bias"), init=p.choice(f["init"], f"{where}.init", INITS))
         elif ltype == "dropout":
             rate = p.number_in(f["rate"], f"{where}.rate", 0.0, 1.0, open_hi=True)
@@ -216,11 +216,11 @@ def parse_netspec(data: Any, origin: str = "<net>", max_memory: int | None = Non
         elif ltype == "batchnorm":
             if flat:
                 p.fail(where, "batchnorm normalizes the channels of an image (BatchNorm2d); it cannot follow an fc layer")
-            spec = LayerSpec(i, lname, ltype, shape, shape, relu=relu, relu6=activation == "relu6",
+            spec = LayerSpec(i, lname, ltype, shape, shape, activation=act,
                              eps=p.number_in(f["eps"], f"{where}.eps", 1e-12, 1.0),
                              momentum=p.number_in(f["momentum"], f"{where}.momentum", 0.0, 1.0))
-        else:  # relu, softmax_cross_entropy: shape-preserving
-            spec = LayerSpec(i, lname, ltype, shape, shape, relu=ltype in ("relu", "relu6"), relu6=ltype == "relu6")
+        else:  # an activation, softmax_cross_entropy: shape-preserving
+            spec = LayerSpec(i, lname, ltype, shape, shape, activation=ltype if ltype in ACTIVATIONS else None)
         for size, what in ((spec.out_shape[0] * spec.out_shape[1] * spec.out_shape[2], "output"),
                            (math.prod(spec.weight_shape or ()), "weight")):
             if size > limits.MAX_TENSOR_FLOATS:
@@ -302,8 +302,8 @@ def _inputs(p: Fields, raw: Any, ltype: str, where: str, previous: str, earlier:
 
 
 def _join(p: Fields, ltype: str, index: int, name: str, inputs: tuple[str, ...],
-          sources: list[tuple[tuple[int, int, int], bool]], relu: bool, where: str) -> LayerSpec:
-    """add: inputs of one shape, summed (and the fused ReLU); concat: inputs of one height and
+          sources: list[tuple[tuple[int, int, int], bool]], act: str | None, where: str) -> LayerSpec:
+    """add: inputs of one shape, summed (and the fused activation); concat: inputs of one height and
     width, their channels in order."""
     shapes = tuple(s for s, _ in sources)
     for k, (s, flat) in enumerate(sources):
@@ -316,7 +316,7 @@ def _join(p: Fields, ltype: str, index: int, name: str, inputs: tuple[str, ...],
     out = shapes[0] if ltype == "add" else (sum(s[0] for s in shapes), *shapes[0][1:])
     if out[0] > limits.MAX_CHANNELS:
         p.fail(where, f"{out[0]} channels, more than the {limits.MAX_CHANNELS} allowed")
-    return LayerSpec(index, name, ltype, out, out, relu=relu, in_shapes=shapes)
+    return LayerSpec(index, name, ltype, out, out, activation=act, in_shapes=shapes)
 
 
 def check_groups(p: Fields, groups: Any, channels: int, out_channels: int, where: str) -> int:
@@ -347,9 +347,14 @@ class _Parser(Fields):
         return self.string(value, where, NAME_RE, "letters, digits, underscore; it becomes a C identifier "
                            "and a file name")
 
-    def activation(self, value: Any, where: str) -> str | None:
+    def activation(self, value: Any, layer_type: str, where: str) -> str | None:
+        """A layer's fused `activation`: a name of the table that fuses into this layer type."""
         if value is None:
             return None
         if not any(value == a for a in ACTIVATIONS if isinstance(value, str)):
             self.fail(where, f"must be one of {', '.join(ACTIVATIONS)} or absent, got {show(value)}")
-        return str(value)
+        act = ACTIVATIONS[value]
+        if layer_type not in act.fuses_into:
+            self.fail(where, f"{value} is fused into {', '.join(sorted(act.fuses_into))} layers only; after a "
+                      f"{layer_type} put a {value} layer")
+        return act.name

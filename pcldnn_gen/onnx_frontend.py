@@ -1,7 +1,8 @@
 """ONNX models -> net description + weights (`pcldnn-gen import MODEL.onnx -o NET.json`). The
 `onnx` package is an optional extra, imported on call. A model is a chain from its one image
 input to its logits: Conv, Gemm (or MatMul with an Add of its bias), MaxPool, AveragePool,
-GlobalAveragePool, Relu, Dropout, Flatten or Reshape to (N, -1), Identity, and a final Softmax or
+GlobalAveragePool, Relu, Clip to [0, 6], SiLU (Mul of Sigmoid) and GELU (its erf form, or Gelu),
+Dropout, Flatten or Reshape to (N, -1), Identity, and a final Softmax or
 LogSoftmax; weights come from initializers or Constant nodes. Every node that does not fit is
 listed in one error."""
 from __future__ import annotations
@@ -23,10 +24,11 @@ from pcldnn_runtime.validate import check_writable, read_bounded, remove_stale_t
 from .errors import ModelImportError, PcldnnError
 from .frontend import INPUT, Op, fail_unsupported, input_shape_of, model_name, net_from_ops, printable
 
-SUPPORTED = ("Conv (group 1 or depthwise, dilation 1, symmetric pads), Gemm (transA 0), MatMul (+ Add), MaxPool / AveragePool "
-             "(floor, symmetric pads; AveragePool counting pads), GlobalAveragePool, BatchNormalization (inference "
-             "form), Relu, Clip to [0, 6], Add / Sum of tensors, Concat (axis 1), Dropout, Flatten "
-             "(axis 1), Reshape to (N, -1), Identity, a final Softmax / LogSoftmax")
+SUPPORTED = ("Conv (group 1 or depthwise, dilation 1, symmetric pads), Gemm (transA 0), MatMul (+ Add), MaxPool / "
+             "AveragePool (floor, symmetric pads; AveragePool counting pads), GlobalAveragePool, BatchNormalization "
+             "(inference form), Relu, Clip to [0, 6], SiLU (x Sigmoid(x)), GELU (Gelu, or its Erf form), Add / Sum of "
+             "tensors, Concat (axis 1), Dropout, Flatten (axis 1), Reshape to (N, -1), Identity, a final Softmax / "
+             "LogSoftmax")
 MAX_MODEL_BYTES = 4 * 1024 ** 3  # a protobuf cannot exceed 2 GiB without external data anyway
 MIN_OPSET = 7  # the oldest opset whose operator forms the translation below reads (opset 7 dropped is_test etc.)
 
@@ -243,7 +245,7 @@ def _ops(graph: Any, constants: dict[str, np.ndarray], image: str, origin: str, 
     problems: list[str] = []
     ops: list[Op] = []
     last = image
-    nodes = [n for n in graph.node if n.op_type != "Constant"]
+    nodes = fold_activations([n for n in graph.node if n.op_type != "Constant"], constants, graph, onnx)
     k = 0
     while k < len(nodes):
         node = nodes[k]
@@ -345,8 +347,12 @@ def _node_op(node: Any, following: Any, source: str, constants: Any, onnx: Any) 
         # both attributes are float32 in the file: as decimals of that precision
         eps, momentum = (float(f"{float(v):.7g}") for v in (_float(a, "epsilon", 1e-5), 1.0 - _float(a, "momentum", 0.9)))
         return Op("batchnorm", source, t, {"eps": eps, "momentum": momentum}, scale, shift, (mean, var, 0)), False
-    if t == "Relu":
-        return Op("relu", source, t), False
+    if t in ONNX_ACTIVATIONS:  # one operator, or a pattern fold_activations made one
+        approximate = a.get("approximate", b"none")  # (Gelu's: a string attribute, bytes here)
+        if approximate not in ("none", b"none"):
+            raise _Unsupported(f"approximate {printable(repr(bytes(approximate).decode(errors='replace')))} "
+                               "(only 'none', the erf form)")
+        return Op(ONNX_ACTIVATIONS[t], source, t), False
     if t == "Clip":  # ReLU6 when it clips to [0, 6] (attributes before opset 11, inputs since)
         lo = _const(constants, node, 1, "min") if len(node.input) > 1 and node.input[1] else None
         hi = _const(constants, node, 2, "max") if len(node.input) > 2 and node.input[2] else None
@@ -377,6 +383,93 @@ def _node_op(node: Any, following: Any, source: str, constants: Any, onnx: Any) 
             raise _Unsupported(f"axis {a['axis']} (only over the classes)")
         return Op("softmax", source, t), False
     raise _Unsupported("operator not supported")
+
+
+# The activations' ONNX forms (activations.py; runtime/onnx_export.py writes the first of each):
+# one operator, or a pattern of several that fold_activations turns into one node of this name.
+ONNX_ACTIVATIONS = {"Relu": "relu", "Sigmoid*Mul": "silu", "Erf-GELU": "gelu", "Gelu": "gelu"}
+_SQRT2 = math.sqrt(2.0)
+
+
+def fold_activations(nodes: list, constants: dict[str, np.ndarray], graph: Any, onnx: Any) -> list:
+    """`nodes` with each activation written as a pattern of several operators replaced by one node
+    (ONNX_ACTIVATIONS) where its last node was: SiLU as Mul(x, Sigmoid(x)), GELU in its erf form
+    as torch.onnx writes it (x (1 + erf(x / sqrt 2)) / 2, any operand order, the 1 / sqrt 2 as a
+    Div or a Mul, the half applied first or last). A pattern's inner tensors must have no other
+    reader (nor be a graph output); anything else is left as it is, to be refused node by node."""
+    readers: dict[str, list[Any]] = {}
+    for node in nodes:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+
+    def only(tensor: str, op_type: str) -> Any:
+        """The one reader of `tensor`, when it is an `op_type` and the tensor is not an output."""
+        found = readers.get(tensor, [])
+        return found[0] if len(found) == 1 and found[0].op_type == op_type and tensor not in outputs else None
+
+    def scalar(name: str) -> float | None:
+        value = constants.get(name)
+        return float(np.asarray(value).reshape(-1)[0]) if value is not None and np.asarray(value).size == 1 else None
+
+    def other(node: Any, tensor: str) -> str | None:
+        """A two-input node's input that is not `tensor` (None: it reads `tensor` twice, or not at all)."""
+        rest = [i for i in node.input if i != tensor]
+        return rest[0] if len(node.input) == 2 and len(rest) == 1 else None
+
+    def close(value: float | None, want: float) -> bool:
+        return value is not None and abs(value - want) <= 1e-6 * abs(want)
+
+    def silu(node: Any) -> tuple[str, list[Any]] | None:
+        if node.op_type != "Sigmoid" or len(node.input) != 1:
+            return None
+        x, mul = node.input[0], only(node.output[0], "Mul")
+        return (x, [node, mul]) if mul is not None and other(mul, node.output[0]) == x else None
+
+    def gelu(node: Any) -> tuple[str, list[Any]] | None:
+        if node.op_type != "Erf" or len(node.input) != 1:
+            return None
+        scale = next((n for n in nodes if node.input[0] in n.output), None)
+        if scale is None or scale.op_type not in ("Div", "Mul") or only(scale.output[0], "Erf") is not node:
+            return None
+        x = scale.input[0]
+        if not close(scalar(scale.input[1]), _SQRT2 if scale.op_type == "Div" else 1 / _SQRT2):
+            if scale.op_type != "Mul" or not close(scalar(scale.input[0]), 1 / _SQRT2):
+                return None
+            x = scale.input[1]
+        add = only(node.output[0], "Add")
+        if add is None or not close(scalar(other(add, node.output[0]) or ""), 1.0):
+            return None
+        mul = only(add.output[0], "Mul")
+        if mul is None:
+            return None
+        by = other(mul, add.output[0])
+        if by is None:
+            return None
+        if by == x:  # x (1 + erf), then halved
+            half = only(mul.output[0], "Mul")
+            if half is None or not close(scalar(other(half, mul.output[0]) or ""), 0.5):
+                return None
+            return x, [scale, node, add, mul, half]
+        halving = next((n for n in nodes if by in n.output), None)  # (x / 2) (1 + erf)
+        if (halving is None or halving.op_type != "Mul" or only(by, "Mul") is not mul
+                or other(halving, x) is None or not close(scalar(other(halving, x) or ""), 0.5)):
+            return None
+        return x, [scale, node, add, halving, mul]
+
+    folded: dict[int, Any] = {}  # id of a pattern's last node -> the node replacing it
+    dropped: set[int] = set()
+    position = {id(n): i for i, n in enumerate(nodes)}
+    for node in nodes:
+        for kind, match in (("Sigmoid*Mul", silu), ("Erf-GELU", gelu)):
+            found = match(node)
+            if found is None or any(id(n) in dropped for n in found[1]):
+                continue
+            x, group = found
+            last = max(group, key=lambda n: position[id(n)])
+            dropped.update(id(n) for n in group)
+            folded[id(last)] = onnx.helper.make_node(kind, [x], [last.output[0]], name=last.name or group[0].name)
+    return [folded.get(id(n), n) for n in nodes if id(n) not in dropped or id(n) in folded]
 
 
 def write_net(net: dict, state: dict[str, np.ndarray], out: Path) -> tuple[Path, Path]:

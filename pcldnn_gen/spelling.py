@@ -51,6 +51,37 @@ class VectorISA:
     _operand_load: str = ""
     _operand_broadcast: str = ""
     _min: str = ""       # lane-wise minimum (a ReLU6's clip)
+    # The arithmetic of the activations computed from their input (templates/_activation.c.j2):
+    _mul: str = ""
+    _sub: str = ""
+    _div: str = ""
+    _abs: str = ""
+    _round: str = ""     # to the nearest integer, as a float
+    _pow2: str = ""      # 2^n of an integral n in [-126, 127], by its exponent bits
+    _if_negative: str = ""  # where x < 0 (its sign bit), a, else b
+
+    def mul(self, a: str, b: str) -> str:
+        return self._mul.format(a=a, b=b)
+
+    def sub(self, a: str, b: str) -> str:
+        """a - b"""
+        return self._sub.format(a=a, b=b)
+
+    def div(self, a: str, b: str) -> str:
+        """a / b"""
+        return self._div.format(a=a, b=b)
+
+    def abs(self, a: str) -> str:
+        return self._abs.format(a=a)
+
+    def round(self, a: str) -> str:
+        return self._round.format(a=a)
+
+    def pow2(self, n: str) -> str:
+        return self._pow2.format(a=n)
+
+    def if_negative(self, x: str, a: str, b: str) -> str:
+        return self._if_negative.format(x=x, a=a, b=b)
 
     def operand(self) -> str:
         return self.operand_type or self.type
@@ -163,7 +194,13 @@ VECTOR_ISAS: dict[str, VectorISA] = {
                       "_mm256_storeu_ps((float *)({a}), {v})", '__asm__("" : "+x"({v}));',
                       "({{ __m128 s_ = _mm_add_ps(_mm256_castps256_ps128({v}), _mm256_extractf128_ps({v}, 1)); "
                       "s_ = _mm_add_ps(s_, _mm_movehl_ps(s_, s_)); _mm_cvtss_f32(_mm_add_ss(s_, _mm_movehdup_ps(s_))); }})",
-                      _AVX2_TRANSPOSE, _min="_mm256_min_ps({a}, {b})"),
+                      _AVX2_TRANSPOSE, _min="_mm256_min_ps({a}, {b})", _mul="_mm256_mul_ps({a}, {b})",
+                      _sub="_mm256_sub_ps({a}, {b})", _div="_mm256_div_ps({a}, {b})",
+                      _abs="_mm256_andnot_ps(_mm256_set1_ps(-0.0f), {a})",
+                      _round="_mm256_round_ps({a}, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)",
+                      _pow2="_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32({a}), "
+                            "_mm256_set1_epi32(127)), 23))",
+                      _if_negative="_mm256_blendv_ps({b}, {a}, {x})"),
     "avx512": VectorISA("__m512", "immintrin.h", "_mm512_loadu_ps({a})", "_mm512_storeu_ps({a}, {v})",
                         "_mm512_set1_ps(*({a}))", "_mm512_fmadd_ps({a}, {b}, {c})",
                         "_mm512_max_ps({a}, {b})", "_mm512_set1_ps({v})", "_mm512_add_ps({a}, {b})", "__m512",
@@ -171,10 +208,18 @@ VECTOR_ISAS: dict[str, VectorISA] = {
                         "{b} = _mm512_mask_blend_ps(gt, {b}, {v}); "
                         "{w} = _mm512_mask_blend_ps(gt, {w}, _mm512_castsi512_ps(_mm512_set1_epi32({p}))); }}",
                         "_mm512_storeu_ps((float *)({a}), {v})", '__asm__("" : "+v"({v}));', "_mm512_reduce_add_ps({v})",
-                        _avx512_transpose(), _min="_mm512_min_ps({a}, {b})"),
+                        _avx512_transpose(), _min="_mm512_min_ps({a}, {b})", _mul="_mm512_mul_ps({a}, {b})",
+                        _sub="_mm512_sub_ps({a}, {b})", _div="_mm512_div_ps({a}, {b})", _abs="_mm512_abs_ps({a})",
+                        _round="_mm512_roundscale_ps({a}, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)",
+                        _pow2="_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32({a}), "
+                              "_mm512_set1_epi32(127)), 23))",
+                        _if_negative="_mm512_mask_blend_ps(_mm512_cmp_ps_mask({x}, _mm512_setzero_ps(), _CMP_LT_OQ), "
+                                     "{b}, {a})"),
     "scalar": VectorISA("float", "", "*({a})", "*({a}) = {v}", "*({a})", "{c} + {a} * {b}",
                         "fmaxf({a}, {b})", "({v})", "{a} + {b}", "int",
-                        "if ({v} > {b}) {{ {b} = {v}; {w} = {p}; }}", "*({a}) = {v}", _min="fminf({a}, {b})"),
+                        "if ({v} > {b}) {{ {b} = {v}; {w} = {p}; }}", "*({a}) = {v}", _min="fminf({a}, {b})",
+                        _mul="{a} * {b}", _sub="{a} - {b}", _div="{a} / {b}", _abs="fabsf({a})", _round="rintf({a})",
+                        _pow2="ldexpf(1.0f, (int){a})", _if_negative="{x} < 0.0f ? {a} : {b}"),
 }
 
 # bf16 kernels: the AVX-512 spellings, except for the reduction. A weight vector is 16 oc lanes

@@ -12,14 +12,17 @@ from typing import Any
 import numpy as np
 
 from pcldnn_runtime import limits
+from pcldnn_runtime.activations import ACTIVATIONS
 
 from .errors import ModelImportError, PcldnnError
 from .frontend import INPUT, Op, fail_unsupported, input_shape_of, model_name, net_from_ops, printable
 
 SUPPORTED = ("Conv2d (groups=1 or depthwise, dilation=1, zero padding), Linear, BatchNorm2d, MaxPool2d, AvgPool2d, "
-             "AdaptiveAvgPool2d "
-             "(to a size that divides the input), ReLU, ReLU6, Dropout, Flatten, Identity, a final Softmax / LogSoftmax, "
-             "and torch.flatten / F.relu / F.relu6 / F.dropout / F.max_pool2d / F.avg_pool2d / F.adaptive_avg_pool2d / "
+             "AdaptiveAvgPool2d (to a size that divides the input), "
+             + ", ".join(m for a in ACTIVATIONS.values() for m in a.torch_modules) + " (GELU: approximate='none'), "
+             "Dropout, Flatten, Identity, a final Softmax / LogSoftmax, and torch.flatten / "
+             + " / ".join(f"F.{a.torch_functions[0]}" for a in ACTIVATIONS.values())
+             + " / F.dropout / F.max_pool2d / F.avg_pool2d / F.adaptive_avg_pool2d / "
              "+ (residual sums) / torch.cat(dim=1) / view(N, -1) in forward")
 
 
@@ -184,10 +187,10 @@ def _module_op(target: str, m: Any, nn: Any) -> Op:
             raise _Unsupported(kind, "momentum=None (a cumulative average; only a number)")
         return Op("batchnorm", target, kind, {"eps": m.eps, "momentum": m.momentum}, _array(m.weight), _array(m.bias),
                   (_array(m.running_mean), _array(m.running_var), int(m.num_batches_tracked)))
-    if isinstance(m, nn.ReLU):
-        return Op("relu", target, kind)
-    if isinstance(m, nn.ReLU6):
-        return Op("relu6", target, kind)
+    for act in ACTIVATIONS.values():
+        if any(isinstance(m, getattr(nn, cls)) for cls in act.torch_modules):
+            _exact(kind, getattr(m, "approximate", "none"))
+            return Op(act.name, target, kind)
     if isinstance(m, nn.Dropout):
         return Op("dropout", target, kind, {"rate": m.p})
     if isinstance(m, nn.Flatten):
@@ -201,6 +204,12 @@ def _module_op(target: str, m: Any, nn: Any) -> Op:
             raise _Unsupported(kind, f"dim={m.dim} (only over the classes, dim 1)")
         return Op("softmax", target, kind)
     raise _Unsupported(kind)
+
+
+def _exact(kind: str, approximate: Any) -> None:
+    """GELU's `approximate` (no other activation has one): 'none' (erf) only, the form the table computes."""
+    if approximate != "none":
+        raise _Unsupported(kind, f"approximate={printable(repr(approximate))} (only 'none', the erf form)")
 
 
 def _pool_op(target: str, kind: str, kernel: Any, stride: Any, padding: Any, ceil_mode: Any, dilation: Any, return_indices: Any,
@@ -245,10 +254,11 @@ def _one_input_op(node: Any, torch: Any, F: Any, kind: str) -> Op:
     """The calls of one tensor."""
     fn, args, kwargs = node.target, node.args, node.kwargs
     name = node.name
-    if fn in (F.relu, torch.relu) or (node.op == "call_method" and fn in ("relu", "relu_")):
-        return Op("relu", name, kind)
-    if fn is F.relu6:
-        return Op("relu6", name, kind)
+    for act in ACTIVATIONS.values():
+        functions = [f for n in act.torch_functions for f in (getattr(F, n, None), getattr(torch, n, None)) if f]
+        if fn in functions or (node.op == "call_method" and fn in act.torch_functions):
+            _exact(kind, kwargs.get("approximate", "none"))  # (keyword-only in F.gelu)
+            return Op(act.name, name, kind)
     if fn in (torch.flatten,) or (node.op == "call_method" and fn == "flatten"):
         start = args[1] if len(args) > 1 else kwargs.get("start_dim", 0)
         end = args[2] if len(args) > 2 else kwargs.get("end_dim", -1)

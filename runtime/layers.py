@@ -269,7 +269,6 @@ class ParamLayer(Layer):
                  offsets: tuple[int, int] = (0, 0)) -> None:
         super().__init__(spec, kernels, v, net)
         self.weight_shape: tuple[int, ...] = self.canonical_weight_shape(spec)
-        self.relu: bool = spec.relu
         self._wt, self._bias = params
         self._dwt, self._dbias = grads
         # Views into the net's parameter buffer for the layer's life: their C pointers are made
@@ -537,7 +536,7 @@ class WeightedLayer(ParamLayer):
         and fc-tile kernels) leaves backward-data nothing to mask."""
         batch = xb.shape[0]
         threads = self.team(batch)
-        mask = yb if self.relu and not dy_masked else None
+        mask = yb if self.spec.activation and not dy_masked else None
         if grads is not None:
             dw, db = grads
             if self._calls["bwd_weights"].backward_weights(self, xb, dyb, mask, dw, db, part, batch, threads):
@@ -559,7 +558,7 @@ class WeightedLayer(ParamLayer):
         xb = self.input_blocked(x, "weights.x")
         dyb = self.output_gradient_blocked(dy, "weights.dy")
         yb = None
-        if self.relu:  # the mask needs this input's forward output: the last forward's when of this x
+        if self.spec.activation:  # the mask needs this input's forward output: the last forward's when of this x
             saved = self._saved
             if saved is not None and self._saved_weights == self._net.weights_version and same_bytes(saved[0], xb):
                 yb = saved[1]
@@ -668,7 +667,8 @@ class NormLayer(ParamLayer):
                          dxb: np.ndarray | None, grads: Grads | None = None, residual_relu: bool = False,
                          dy_extra: np.ndarray | None = None) -> None:
         """After a training-mode forward (aux: its batch statistics). Backward-weights first: it
-        masks dy by the fused ReLU in place, so backward-data has nothing left to mask (a
+        masks dy by the fused ReLU in place (or scales it by the derivative of an activation that
+        reads its input: activations.py), so backward-data has nothing left to mask (a
         residual fusion's: the add's ReLU, `residual_relu`, yb the add's output; dy masked is
         then the shortcut's gradient too). `dy_extra` (with `grads`, an fp32 dy): a second gradient
         of the output, added into dy in place first (by backward-weights, as its sums read dy).
@@ -680,7 +680,12 @@ class NormLayer(ParamLayer):
         assert aux is not None
         batch = xb.shape[0]
         team = self.team(batch)
-        mask = yb if self.relu or residual_relu else None
+        act = self.spec.act
+        mask: np.ndarray | None = None
+        if act is not None and act.from_input:  # the kernels recompute its input from x, gamma and beta
+            mask = np.concatenate((self._wt, self._bias))
+        else:
+            mask = yb if act is not None or residual_relu else None
         synced = self.across_ranks is not None and dxb is not None
         if grads is None and synced:
             grads = (self._buffer("sync.dw", self._dwt.shape), self._buffer("sync.db", self._dbias.shape))
@@ -749,11 +754,8 @@ class JoinLayer(Layer):
 class AddLayer(JoinLayer):
     def backward_join(self, yb: np.ndarray, dyb: np.ndarray) -> None:
         """dy masked in place by the fused ReLU: then it is every input's gradient."""
-        self._k["bwd_data"](ptr(dyb), ptr(yb) if self.relu else ptr(None), dyb.shape[0], self.team(dyb.shape[0]))
-
-    @property
-    def relu(self) -> bool:
-        return self.spec.relu
+        self._k["bwd_data"](ptr(dyb), ptr(yb) if self.spec.activation else ptr(None), dyb.shape[0],
+                            self.team(dyb.shape[0]))
 
 
 class ConcatLayer(JoinLayer):
@@ -790,13 +792,19 @@ class AvgPoolLayer(Layer):
         self._k["bwd_data"](ptr(dyb), ptr(dxb), dyb.shape[0], self.team(dyb.shape[0]))
 
 
-class ReluLayer(Layer):
+class ActivationLayer(Layer):
+    """A standalone activation (activations.py): its backward reads the forward output (a mask)
+    or the forward input (the derivative's argument), as its row says."""
+
     def forward_blocked(self, xb: np.ndarray, yb: np.ndarray, aux: np.ndarray | None = None, training: bool = False) -> None:
         self._k["fwd"](ptr(xb), ptr(yb), xb.shape[0], self.team(xb.shape[0]))
 
     def backward_blocked(self, xb: np.ndarray, yb: np.ndarray, aux: np.ndarray | None,
                          dyb: np.ndarray, dxb: np.ndarray | None, grads: Grads | None = None) -> None:
-        self._k["bwd_data"](ptr(dyb), ptr(yb), ptr(dxb), dyb.shape[0], self.team(dyb.shape[0]))
+        act = self.spec.act
+        assert act is not None  # an activation layer is its own activation
+        read = xb if act.from_input else yb
+        self._k["bwd_data"](ptr(dyb), ptr(read), ptr(dxb), dyb.shape[0], self.team(dyb.shape[0]))
 
 
 

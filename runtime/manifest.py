@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from . import cpu, families, limits
+from .activations import ACTIVATIONS, Activation, activation
 from .errors import BuildDirError
 from .families.fusion import plan_fusions
 from .layer_types import INITS, JOINS, LAYER_PASSES, PASSES, WEIGHTED, WINDOWED, ConvKind, conv_kind
@@ -40,6 +41,8 @@ from .validate import LABEL_RE, NAME_RE, SHA256_RE, Fields, read_json, show
 # (`inputs`; add and concat read several).
 # 10: conv_fwd kernels take a statistics fusion's mean and var, batchnorm_fwd a residual fusion's
 # shortcut (families.fusion); `fusion` says whether the build's kernels were planned with them.
+# A layer's activation is one field, `activation` (activations.py; absent: none): /10 manifests
+# written before it say `relu` (true: some activation) and `relu6` (it clips at 6); they still load.
 FORMAT = "pcldnn-build/10"
 FORMAT_FAMILY = "pcldnn-build/"
 MANIFEST = "manifest.json"
@@ -114,7 +117,7 @@ class LayerEntry:
     kernel: tuple[int, int]
     stride: tuple[int, int]
     pad: tuple[int, int]
-    relu: bool
+    activation: str | None  # applied to its output (activations.py); an activation layer's own
     rate: float
     weight_shape: tuple[int, ...] | None
     kernels: dict[str, KernelEntry]  # by pass name, and "layout"
@@ -122,7 +125,6 @@ class LayerEntry:
     groups: int = 1     # conv: 1, or its channels (depthwise)
     eps: float = 1e-5   # batchnorm: added to the variance
     momentum: float = 0.1  # batchnorm: the running statistics' update weight
-    relu6: bool = False  # the fused ReLU clips at 6 (batchnorm, relu6)
     inputs: tuple[str, ...] = ()  # the layers it reads ("input": the net's); parse_manifest sets them
     in_shapes: tuple[tuple[int, int, int], ...] = ()  # add / concat: each input's shape
     init: str = "pytorch"  # conv / fc: how the weights start (layer_types.INITS)
@@ -131,6 +133,11 @@ class LayerEntry:
     def conv_kind(self) -> ConvKind | None:
         """A convolution's kind (dense, grouped, depthwise); None for other layers."""
         return conv_kind(self.type, self.groups, self.in_shape[0])
+
+    @property
+    def act(self) -> Activation | None:
+        """The activation this layer applies to its output: its row of the table, or None."""
+        return activation(self.activation)
 
 
 @dataclass(frozen=True)
@@ -328,9 +335,9 @@ def _arch(f: Fields, value: Any) -> dict:
 def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: int, precision: str,
            amx: bool) -> LayerEntry:
     where = f"layers[{index}]"
-    keys = {"name", "type", "in_shape", "out_shape", "kernel", "stride", "pad", "relu", "rate",
-            "weight_shape", "kernels"}
-    f.obj(raw, where, keys, {"bias", "groups", "eps", "momentum", "relu6", "inputs", "init", "output", "gradient"})
+    keys = {"name", "type", "in_shape", "out_shape", "kernel", "stride", "pad", "rate", "weight_shape", "kernels"}
+    f.obj(raw, where, keys, {"activation", "relu", "relu6", "bias", "groups", "eps", "momentum", "inputs", "init",
+                             "output", "gradient"})
     name = f.string(raw["name"], f"{where}.name", NAME_RE, "a layer name")
     ltype = f.choice(raw["type"], f"{where}.type", tuple(LAYER_PASSES))
     got_in = _shape(f, raw["in_shape"], f"{where}.in_shape", limits.MAX_FEATURES)
@@ -341,7 +348,7 @@ def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: i
     kernel = _pair(f, raw["kernel"], f"{where}.kernel", 1, kmax)
     stride = _pair(f, raw["stride"], f"{where}.stride", 1, kmax)
     pad = _pair(f, raw["pad"], f"{where}.pad", 0, limits.MAX_PAD)
-    relu = f.boolean(raw["relu"], f"{where}.relu")
+    act = _activation(f, raw, ltype, where)
     rate = f.number_in(raw["rate"], f"{where}.rate", 0.0, 1.0, open_hi=True)
     c, h, w = in_shape
     groups = f.int_in(raw.get("groups", 1), f"{where}.groups", 1, limits.MAX_FEATURES)
@@ -383,13 +390,34 @@ def _layer(f: Fields, raw: Any, index: int, in_shape: tuple[int, int, int], v: i
         f.fail(f"{where}.eps" if "eps" in raw else f"{where}.momentum", f"a {ltype} layer has no running statistics")
     eps = f.number_in(raw.get("eps", 1e-5), f"{where}.eps", 1e-12, 1.0)
     momentum = f.number_in(raw.get("momentum", 0.1), f"{where}.momentum", 0.0, 1.0)
-    relu6 = f.boolean(raw.get("relu6", ltype == "relu6"), f"{where}.relu6")
     init = f.choice(raw.get("init", "pytorch"), f"{where}.init", INITS if ltype in WEIGHTED
                     else ("pytorch",))
-    if relu6 != (ltype == "relu6") and not (ltype == "batchnorm" and relu):
-        f.fail(f"{where}.relu6", "true for relu6 layers and batchnorm layers with a fused relu6 only")
-    return LayerEntry(index, name, ltype, in_shape, out, kernel, stride, pad, relu, rate, weight_shape, kernels, bias,
-                      groups, eps, momentum, relu6, init=init)
+    return LayerEntry(index, name, ltype, in_shape, out, kernel, stride, pad, act, rate, weight_shape, kernels, bias,
+                      groups, eps, momentum, init=init)
+
+
+def _activation(f: Fields, raw: dict, ltype: str, where: str) -> str | None:
+    """A layer's `activation`: an activation layer's own name, a name of the table that fuses into
+    its type, or absent; an earlier /10 manifest's `relu` and `relu6` booleans say the same."""
+    own = ltype if ltype in ACTIVATIONS else None
+    if "activation" in raw:
+        for old in ("relu", "relu6"):
+            if old in raw:
+                f.fail(f"{where}.{old}", "comes with `activation` in no manifest: one or the other")
+        act = raw["activation"]
+        if act is not None:
+            act = f.choice(act, f"{where}.activation", tuple(ACTIVATIONS))
+    else:
+        relu = f.boolean(raw.get("relu", own is not None), f"{where}.relu")
+        relu6 = f.boolean(raw.get("relu6", ltype == "relu6"), f"{where}.relu6")
+        if relu6 and not relu:
+            f.fail(f"{where}.relu6", "is true without relu")
+        act = ("relu6" if relu6 else "relu") if relu else None
+    if own is not None and act != own:
+        f.fail(f"{where}.activation", f"is {show(act)} for a {ltype} layer, which is its own activation {own!r}")
+    if own is None and act is not None and ltype not in ACTIVATIONS[act].fuses_into:
+        f.fail(f"{where}.activation", f"{act} is not fused into a {ltype} layer")
+    return act
 
 
 def _kernels(f: Fields, value: dict, where: str, layer: str, kinds: dict[str, dict[str, str]]) -> dict[str, KernelEntry]:

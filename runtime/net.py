@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from . import cpu, families, observe
+from .activations import ACTIVATIONS
 from .errors import BuildDirError, NonFiniteError, PcldnnError
 from .families import bf16_gradients, bf16_outputs, sides
 from .families.fusion import NONE as NO_FUSIONS
@@ -27,6 +28,7 @@ from .kernels import (
 )
 from .launcher import local_ranks
 from .layers import (
+    ActivationLayer,
     AddLayer,
     AvgPoolLayer,
     ConcatLayer,
@@ -36,7 +38,6 @@ from .layers import (
     MaxPoolLayer,
     NormLayer,
     ParamLayer,
-    ReluLayer,
     WeightedLayer,
 )
 from .manifest import PEAK_SYMBOL, SGD_SYMBOL, WEIGHTS_FILE, LayerEntry, Manifest, inside, read_manifest
@@ -45,7 +46,7 @@ from .validate import non_finite_at
 
 _LAYER_CLASSES: dict[str, type[Layer]] = {
     "conv": WeightedLayer, "fc": WeightedLayer, "batchnorm": NormLayer, "maxpool": MaxPoolLayer,
-    "avgpool": AvgPoolLayer, "relu": ReluLayer, "relu6": ReluLayer, "dropout": DropoutLayer,
+    "avgpool": AvgPoolLayer, **dict.fromkeys(ACTIVATIONS, ActivationLayer), "dropout": DropoutLayer,
     "add": AddLayer, "concat": ConcatLayer, "softmax_cross_entropy": LossLayer}
 
 
@@ -239,7 +240,7 @@ class Net:
         # (from its own, smaller, output) and the convolution's kernels read no mask (Net.backward).
         self.relu_pools = frozenset(i for i in range(1, len(self.chain)) if isinstance(self.chain[i], MaxPoolLayer)
                                     and self.sources[i] == (i,) and chained[i - 1]
-                                    and isinstance(below := self.chain[i - 1], WeightedLayer) and below.relu)
+                                    and isinstance(below := self.chain[i - 1], WeightedLayer) and below.spec.activation)
         flat = [False] * (len(self.chain) + 1)  # after an fc layer activations are vectors
         for i, layer in enumerate(self.chain):
             layer.flat_input = layer.flat_input or flat[self.sources[i][0]]
@@ -658,7 +659,7 @@ class Net:
         joined = self.chain[add]
         assert isinstance(joined, AddLayer)
         norm.backward_blocked(ws.acts[x], ws.acts[add + 1], ws.aux[j], dy, dx, norm.grad_buffers,
-                              residual_relu=joined.relu, dy_extra=dy_extra)
+                              residual_relu=bool(joined.spec.activation), dy_extra=dy_extra)
         if dy_extra is not None:
             ws.release(dy_extra)
         if after_layer is not None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from .activations import ACTIVATIONS, Activation
 from .errors import PcldnnError
 from .validate import write_atomic
 
@@ -21,10 +22,24 @@ def _weights(state: dict, name: str, inits: list, numpy_helper: Any) -> list[str
     return keys
 
 
-def _relu6(helper: Any, numpy_helper: Any, inits: list, x: str, out: str, name: str) -> Any:
-    """A Clip node to [0, 6] (its bounds as initializers: opset 11 and later)."""
-    inits += [numpy_helper.from_array(np.array(v, np.float32), f"{name}.{k}") for k, v in (("min", 0.0), ("max", 6.0))]
-    return helper.make_node("Clip", [x, f"{name}.min", f"{name}.max"], [out], name=name)
+def _activation(act: Activation, helper: Any, numpy_helper: Any, inits: list, x: str, out: str, name: str) -> list:
+    """The nodes of an activation from x to out (opset 17 has no SiLU or GELU operator: their
+    defining forms, which onnx_frontend reads back as one)."""
+    if act.name == "relu6":  # a Clip to [0, 6], its bounds as initializers (opset 11 and later)
+        inits += [numpy_helper.from_array(np.array(v, np.float32), f"{name}.{k}") for k, v in (("min", 0.0), ("max", 6.0))]
+        return [helper.make_node("Clip", [x, f"{name}.min", f"{name}.max"], [out], name=name)]
+    if act.name == "silu":  # x sigmoid(x)
+        return [helper.make_node("Sigmoid", [x], [f"{name}.sigmoid"], name=f"{name}.sigmoid"),
+                helper.make_node("Mul", [x, f"{name}.sigmoid"], [out], name=name)]
+    if act.name == "gelu":  # x (1 + erf(x / sqrt 2)) / 2, as torch.onnx writes it
+        inits += [numpy_helper.from_array(np.array(v, np.float32), f"{name}.{k}")
+                  for k, v in (("sqrt2", np.sqrt(2.0)), ("one", 1.0), ("half", 0.5))]
+        steps = (("Div", [x, f"{name}.sqrt2"], "scaled"), ("Erf", [f"{name}.scaled"], "erf"),
+                 ("Add", [f"{name}.erf", f"{name}.one"], "sum"), ("Mul", [x, f"{name}.sum"], "product"),
+                 ("Mul", [f"{name}.product", f"{name}.half"], None))
+        return [helper.make_node(op, ins, [out if step is None else f"{name}.{step}"],
+                                 name=name if step is None else f"{name}.{step}") for op, ins, step in steps]
+    return [helper.make_node(act.onnx_op, [x], [out], name=name)]
 
 
 def export_onnx(net: Any, path: str | Path) -> Path:
@@ -69,10 +84,8 @@ def export_onnx(net: Any, path: str | Path) -> Path:
             inits += [numpy_helper.from_array(state[k], k) for k in stats]
             nodes.append(helper.make_node("BatchNormalization", [x, *inputs, *stats], [out], name=name,
                                           epsilon=spec.eps, momentum=1.0 - spec.momentum))
-        elif spec.type == "relu":
-            nodes.append(helper.make_node("Relu", [x], [out], name=name))
-        elif spec.type == "relu6":
-            nodes.append(_relu6(helper, numpy_helper, inits, x, out, name))
+        elif spec.type in ACTIVATIONS:
+            nodes += _activation(spec.act, helper, numpy_helper, inits, x, out, name)
         elif spec.type == "add":
             nodes.append(helper.make_node("Sum", [tensors[n][0] for n in spec.inputs], [out], name=name))
         elif spec.type == "concat":
@@ -82,10 +95,9 @@ def export_onnx(net: Any, path: str | Path) -> Path:
             nodes.append(helper.make_node("Dropout", [x, f"{name}.ratio"], [out], name=name))
         else:
             raise AssertionError(spec.type)
-        if spec.relu and spec.type not in ("relu", "relu6"):  # a fused activation
-            fused = f"{name}.relu"
-            nodes.append(_relu6(helper, numpy_helper, inits, out, fused, fused) if spec.relu6 else
-                         helper.make_node("Relu", [out], [fused], name=fused))
+        if spec.activation and spec.type not in ACTIVATIONS:  # a fused activation
+            fused = f"{name}.{'relu' if spec.activation in ('relu', 'relu6') else spec.activation}"
+            nodes += _activation(spec.act, helper, numpy_helper, inits, out, fused, fused)
             out = fused
         x = out
         tensors[name] = (out, spatial)

@@ -176,9 +176,9 @@ def net_forward(spec, net, x):
     for layer in spec.layers:
         L = net.layers[layer.name]
         if layer.type == "conv":
-            h = conv2d(h, L.weights, L.bias, layer.stride, layer.pad, layer.relu)
+            h = conv2d(h, L.weights, L.bias, layer.stride, layer.pad, layer.activation == "relu")
         elif layer.type == "fc":
-            h = fc(h, L.weights, L.bias, layer.relu)
+            h = fc(h, L.weights, L.bias, layer.activation == "relu")
         elif layer.type == "maxpool":
             h = maxpool(h, layer.kernel, layer.stride, layer.pad)
         elif layer.type == "avgpool":
@@ -205,7 +205,8 @@ def net_gradients(spec, net, x, labels):
     grads = {}
     for layer, xin, yout in reversed(list(zip(layers, ins, outs))):
         dy = np.asarray(dy, np.float64).reshape(yout.shape)
-        if layer.relu:  # fused or standalone: the gradient passes where the output is positive
+        if layer.activation:  # fused or standalone: the gradient passes where the output is positive
+            assert layer.activation == "relu", "this reference has ReLU's mask only"
             dy = dy * (yout > 0)
         if layer.type == "conv":
             w = net.layers[layer.name].weights

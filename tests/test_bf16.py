@@ -932,3 +932,46 @@ def test_verbose_lines_of_a_bf16_build(tmp_path):
     assert [(fields[3], fields[4], fields[5]) for fields in lines] == [
         ("conv", "in_to_blocked", "avx512"), ("conv", "in_to_bf16", "avx512_bf16"), ("conv", "fwd", "avx512_bf16"),
         ("conv", "out_from_blocked", "avx512")]
+
+
+SMOOTH_NORM_NET = [
+    {"name": "c0", "type": "conv", "out_channels": 20, "kernel": 3, "pad": 1},
+    {"name": "n1", "type": "batchnorm", "activation": "silu"},
+    {"name": "c2", "type": "conv", "out_channels": 16, "kernel": 1},
+    {"name": "n3", "type": "batchnorm", "activation": "gelu"},
+    {"name": "c4", "type": "conv", "out_channels": 16, "kernel": 1},
+    {"name": "f5", "type": "fc", "out_features": 3},
+    {"name": "loss", "type": "softmax_cross_entropy"},
+]
+
+
+@pytest.mark.parametrize("arch", BF16_BUILDS)
+def test_batchnorm_with_silu_or_gelu_on_bf16_activations_and_gradients(tmp_path, arch):
+    """A fused SiLU or GELU on bf16 buffers: the forward is the fp32 kernel's result rounded once
+    (the activation computed in fp32 from the widened input); the backward scales the bf16 dy in
+    place by the derivative recomputed from x, gamma and beta, so dy * f'(z) is rounded to bf16
+    once before dx and the scale and shift gradients are made from it: within that rounding
+    (2^-8 of the largest value) of the fp32-storage build's, which scales an fp32 dy."""
+    spec = _activation_spec(SMOOTH_NORM_NET, channels=16)
+    assert bf16_outputs("bf16", arch.amx, 16, spec.layers)[:4] == (True,) * 4
+    nets = _bf16_storage_builds(tmp_path, spec, arch)
+    rng = np.random.default_rng(9)
+    for name in ("n1", "n3"):
+        got, ref = nets["bf16"].layers[name], nets["fp32"].layers[name]
+        assert (got.in_bf16, got.out_bf16, got.in_grad_bf16, got.out_grad_bf16) == (True,) * 4
+        for layer in (got, ref):
+            layer.weights = np.linspace(0.5, 4.0, got.out_shape[0], dtype=np.float32)
+            layer.bias = np.linspace(-0.5, 0.5, got.out_shape[0], dtype=np.float32)
+        x = as_float(bf16_reference((rng.standard_normal((3, *got.in_shape)) * 2 + 1).astype(np.float32)))
+        y, want = got.forward(x), ref.forward(x)
+        np.testing.assert_array_equal(y, as_float(bf16_reference(want)))
+        assert np.any(want < 0)  # the negative lobe: neither activation is a mask here
+        dy = as_float(bf16_reference(rng.standard_normal(y.shape).astype(np.float32)))
+        dx, dx_ref = got.backward_data(dy), ref.backward_data(dy)
+        np.testing.assert_allclose(dx, dx_ref, rtol=0, atol=2 ** -8 * np.abs(dx_ref).max(), err_msg=name)
+        for g, w in zip(got.backward_weights(x, dy), ref.backward_weights(x, dy)):
+            np.testing.assert_allclose(g, w, rtol=0, atol=2 ** -8 * np.abs(w).max(), err_msg=name)
+    x = rng.standard_normal((4, 16, 12, 11)).astype(np.float32)
+    labels = rng.integers(0, 3, 4)
+    losses = [nets["bf16"].loss_and_grad(x, labels), nets["fp32"].loss_and_grad(x, labels)]
+    assert np.all(np.isfinite(nets["bf16"].grads)) and abs(losses[0] - losses[1]) <= 0.01 * abs(losses[1])

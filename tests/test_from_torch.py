@@ -146,13 +146,14 @@ def test_names_come_from_the_modules_and_sources_are_kept():
 
 
 def test_every_unsupported_node_is_listed_in_one_error():
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8, momentum=None), nn.GELU(),
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8, momentum=None), nn.GELU(approximate="tanh"),
                           nn.Conv2d(8, 8, 3, groups=2), nn.MaxPool2d(2, ceil_mode=True), nn.Flatten(), nn.Linear(8, 5))
     with pytest.raises(ModelImportError) as e:
         pcldnn_gen.from_torch(model, (3, 12, 12))
     msg = str(e.value)
     assert "4 unsupported node(s)" in msg
-    for part in ("1 (BatchNorm2d): momentum=None", "2 (GELU)", "3 (Conv2d): groups=2 (1, or depthwise",
+    for part in ("1 (BatchNorm2d): momentum=None", "2 (GELU): approximate='tanh' (only 'none'",
+                 "3 (Conv2d): groups=2 (1, or depthwise",
                  "4 (MaxPool2d): ceil_mode=True"):
         assert part in msg, part
 

@@ -162,7 +162,7 @@ def test_defaults_and_asymmetric_parameters():
         {"name": "p", "type": "maxpool", "kernel": 2},
         {"name": "f", "type": "fc", "out_features": 3}]})
     c, p, f = net.layers
-    assert c.out_shape == (4, 10, 8) and not c.relu
+    assert c.out_shape == (4, 10, 8) and not c.activation
     assert p.stride == (2, 2) and p.out_shape == (4, 5, 4)  # pool stride defaults to its kernel
     assert f.kernel == (5, 4) and f.weight_shape == (3, 80)
 

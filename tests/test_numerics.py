@@ -460,14 +460,14 @@ def test_whole_net_forward_matches_layer_by_layer_reference(tmp_path, isa):
         for layer in spec.layers:
             L = net.layers[layer.name]
             if layer.type == "conv":
-                h = ref.conv2d(h, L.weights, L.bias, layer.stride, layer.pad, layer.relu)
+                h = ref.conv2d(h, L.weights, L.bias, layer.stride, layer.pad, layer.activation == "relu")
                 habs = ref.conv2d(habs, np.abs(L.weights), np.abs(L.bias), layer.stride, layer.pad)
                 terms += layer.in_shape[0] * 9
             elif layer.type == "maxpool":
                 h = ref.maxpool(h, layer.kernel, layer.stride, layer.pad)
                 habs = ref.maxpool(habs, layer.kernel, layer.stride, layer.pad)
             elif layer.type == "fc":
-                h = ref.fc(h, L.weights, L.bias, layer.relu)
+                h = ref.fc(h, L.weights, L.bias, layer.activation == "relu")
                 habs = ref.fc(habs, np.abs(L.weights), np.abs(L.bias))
                 terms += int(np.prod(layer.in_shape))
         logits = net.forward(x)

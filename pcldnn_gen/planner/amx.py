@@ -99,7 +99,7 @@ def reads_source_in_place(layer: LayerSpec, pass_name: str, source_bf16: bool) -
         (layer.out_shape[0], layer.in_shape[0])
     return (layer.kernel == (1, 1) and (layer.stride == (1, 1) or pass_name == "fwd") and layer.pad == (0, 0)
             and source_bf16 and source_channels % 16 == 0 and result_channels <= IN_PLACE_RESULT_CHANNELS
-            and (pass_name == "fwd" or not layer.relu))
+            and (pass_name == "fwd" or not layer.activation))
 
 
 def plan_conv_amx(layer: LayerSpec, pass_name: str, arch: Arch, activations: tuple[bool, bool] = (False, False),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pcldnn_runtime.activations import ACTIVATIONS
+
 from ..arch import Arch
 from ..netspec import LayerSpec
 from .tiles import LATENCY_SLACK, RegisterTile, RowCover
@@ -15,10 +17,10 @@ MEMORY_BOUND = {
                         "accumulate, threads own whole (image, channel block) planes so no races",
     "avgpool_fwd": "one vector per output pixel, mean over the window (divisor: kernel area, padding counts as 0)",
     "avgpool_bwd_data": "each output gradient / kernel area added to its window; threads own whole planes",
-    "relu_fwd": "elementwise max(x, 0) on the blocked buffer",
-    "relu_bwd_data": "elementwise dy * (y > 0), using the forward output as the mask",
-    "relu6_fwd": "elementwise min(max(x, 0), 6) on the blocked buffer",
-    "relu6_bwd_data": "elementwise dy * (0 < y < 6), using the forward output as the mask",
+    **{f"{a.name}_fwd": f"elementwise {a.formula} on the blocked buffer" for a in ACTIVATIONS.values()},
+    **{f"{a.name}_bwd_data": (f"elementwise dy * {a.derivative}, using the forward output as the mask"
+                              if not a.from_input else f"elementwise dy * ({a.derivative}), from the forward input")
+       for a in ACTIVATIONS.values()},
     "dropout_fwd": "elementwise keep/drop from a counter-based hash of (seed, element index): "
                    "deterministic for any thread count, nothing stored; kept values scaled by 1/(1-rate)",
     "dropout_bwd_data": "the forward mask recomputed from the same seed, applied to dy",

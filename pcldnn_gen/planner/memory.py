@@ -3,6 +3,7 @@ the template and, for dropout, the mask's constants."""
 from __future__ import annotations
 
 from pcldnn_runtime.abi import DROPOUT_HASH_STEP
+from pcldnn_runtime.activations import ACTIVATIONS
 
 from ..arch import Arch
 from ..netspec import LayerSpec
@@ -12,9 +13,8 @@ from .plans import DropoutPlan, KernelPlan
 TEMPLATES = {
     "maxpool_fwd": "pool_fwd.c.j2", "avgpool_fwd": "pool_fwd.c.j2",
     "maxpool_bwd_data": "pool_bwd_data.c.j2", "avgpool_bwd_data": "pool_bwd_data.c.j2",
-    "relu_fwd": "eltwise_fwd.c.j2", "dropout_fwd": "eltwise_fwd.c.j2", "relu6_fwd": "eltwise_fwd.c.j2",
-    "relu_bwd_data": "eltwise_bwd_data.c.j2", "dropout_bwd_data": "eltwise_bwd_data.c.j2",
-    "relu6_bwd_data": "eltwise_bwd_data.c.j2",
+    **{f"{t}_fwd": "eltwise_fwd.c.j2" for t in (*ACTIVATIONS, "dropout")},
+    **{f"{t}_bwd_data": "eltwise_bwd_data.c.j2" for t in (*ACTIVATIONS, "dropout")},
     "softmax_cross_entropy_fwd": "loss_fwd.c.j2", "softmax_cross_entropy_bwd_data": "loss_bwd_data.c.j2",
     **{f"batchnorm_{p}": "batchnorm.c.j2" for p in ("fwd", "bwd_data", "bwd_weights")},
     **{f"{t}_{p}": "join.c.j2" for t in ("add", "concat") for p in ("fwd", "bwd_data")},

@@ -40,17 +40,18 @@ class Fusion:
     """Another layer's work this kernel does too (runtime/families/fusion.py): `statistics`, a
     convolution's forward computing its batchnorm reader's batch statistics; `residual`, a
     batchnorm's passes computing its add reader's sum with the add's other input and, where
-    `relu`, the add's ReLU (forward) and its mask (backward)."""
+    `activation`, the add's activation (forward) and its mask (backward)."""
     kind: str                       # "statistics" or "residual"
     layer: str                      # the other layer
-    relu: bool = False              # residual: the add applies a ReLU
+    activation: str | None = None   # residual: the add's activation (one that fuses into an add: a ReLU)
 
     def describe(self) -> str:
         if self.kind == "statistics":
             return (f"computes the batch statistics of {self.layer} (per-channel mean and variance of each block "
                     "of output rows, while it is in cache)")
-        relu = ", ReLU included" if self.relu else ""
-        return f"computes {self.layer} (the residual add{relu}): out = {'relu(' if self.relu else '('}bn(x) + shortcut)"
+        act = f", {'ReLU' if self.activation == 'relu' else self.activation} included" if self.activation else ""
+        return (f"computes {self.layer} (the residual add{act}): "
+                f"out = {self.activation or ''}(bn(x) + shortcut)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,7 +124,7 @@ class KernelPlan:
         d["predicted_efficiency"] = round(self.predicted_efficiency, 4)
         d["l2_bytes_per_flop"] = round(self.l2_bytes_per_flop, 5)
         if self.fusion is not None:
-            d["fusion"] = {"kind": self.fusion.kind, "layer": self.fusion.layer, "relu": self.fusion.relu}
+            d["fusion"] = {"kind": self.fusion.kind, "layer": self.fusion.layer, "activation": self.fusion.activation}
         if self.measured is not None:
             d["tuned"] = {"model_tile": list(self.measured.model), "batch": self.measured.batch,
                           "threads": self.measured.threads,

@@ -1,18 +1,19 @@
-"""eltwise: ReLU and dropout (templates eltwise_fwd, eltwise_bwd_data; planner/memory.py), bound
-by memory; run by runtime/layers.py's ReluLayer and DropoutLayer."""
+"""eltwise: the activation layers and dropout (templates eltwise_fwd, eltwise_bwd_data;
+planner/memory.py), bound by memory; run by runtime/layers.py's ActivationLayer and DropoutLayer."""
 from __future__ import annotations
 
+from ..activations import ACTIVATIONS
 from .base import Engine, Family
 
 # Activations and gradients fp32 or bf16 as for pooling (families.bf16_outputs, bf16_gradients).
 FAMILY = Family(
-    "eltwise", Engine.FP32, ("relu", "relu6", "dropout"),
+    "eltwise", Engine.FP32, (*ACTIVATIONS, "dropout"),
     signatures={
-        "relu_fwd": "const void *in, void *out, int batch, int nthreads",
-        "relu_bwd_data": "const void *dy, const void *out, void *dx, int batch, int nthreads",
-        # min(max(x, 0), 6); its backward lets dy through where 0 < y < 6 (fp32 activations only)
-        "relu6_fwd": "const void *in, void *out, int batch, int nthreads",
-        "relu6_bwd_data": "const void *dy, const void *out, void *dx, int batch, int nthreads",
+        # an activation's backward reads its forward output (a mask) or its input (activations.py);
+        # ReLU's activations may be bf16 (families.bf16_outputs), the others' are fp32
+        **{f"{a.name}_fwd": "const void *in, void *out, int batch, int nthreads" for a in ACTIVATIONS.values()},
+        **{f"{a.name}_bwd_data": f"const void *dy, const void *{'in' if a.from_input else 'out'}, void *dx, int batch, "
+           "int nthreads" for a in ACTIVATIONS.values()},
         # the mask is a counter hash of (seed, element): nothing stored between the passes
         "dropout_fwd": "const void *in, void *out, unsigned long long seed, int batch, int nthreads",
         "dropout_bwd_data": "const void *dy, void *dx, unsigned long long seed, int batch, int nthreads",

@@ -23,7 +23,7 @@ from .base import Engine, LayerShape, Target
 
 class FusableLayer(LayerShape, Protocol):
     @property
-    def relu(self) -> bool: ...
+    def activation(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -59,14 +59,14 @@ def plan_fusions(layers: Sequence[FusableLayer], target: Target) -> Fusions:
             continue
         for name in layer.inputs:  # the first batchnorm input that qualifies
             norm = index.get(name)
-            if norm is not None and layers[norm].type == "batchnorm" and not layers[norm].relu \
+            if norm is not None and layers[norm].type == "batchnorm" and not layers[norm].activation \
                     and only_reader(norm) == j:
                 residual[norm] = j
                 break
     statistics: dict[int, int] = {}
     for i, layer in enumerate(layers):
         reader = only_reader(i)
-        if (layer.type == "conv" and not layer.relu and reader is not None and layers[reader].type == "batchnorm"
+        if (layer.type == "conv" and not layer.activation and reader is not None and layers[reader].type == "batchnorm"
                 and _direct_fp32(layer, target)):
             statistics[i] = reader
     return Fusions(statistics, residual)
