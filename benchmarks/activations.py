@@ -24,11 +24,11 @@ from pathlib import Path
 import numpy as np
 
 import pcldnn_runtime as pr
-from pcldnn_runtime.kernels import empty_aligned
 from pcldnn_gen.arch import get_arch
 from pcldnn_gen.bench import measure_copy_rate, pass_bytes
 from pcldnn_gen.build import build
 from pcldnn_gen.netspec import parse_netspec
+from pcldnn_runtime.kernels import empty_aligned
 
 # (name, channels, height, width): EfficientNet-B0's expanded activations at 224 and ResNet-50's
 SHAPES = [("effnet_b1", 96, 112, 112), ("effnet_b3", 240, 28, 28), ("effnet_b6", 1152, 7, 7),

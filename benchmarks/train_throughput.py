@@ -104,6 +104,8 @@ def graph_module(spec, nn):
                     y = ins[0]
                     for t in ins[1:]:
                         y = y + t
+                elif l.type == "mul":
+                    y = ins[0] * ins[1]
                 elif l.type == "concat":
                     y = torch.cat(ins, dim=1)
                 elif l.type == "global_avgpool":

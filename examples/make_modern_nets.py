@@ -1,4 +1,4 @@
-"""Write examples/nets/{resnet18,resnet18_cifar,resnet50,mobilenet_v2,resnet20_cifar}.json from the models as
+"""Write examples/nets/{resnet18,resnet18_cifar,resnet50,mobilenet_v2,resnet20_cifar,efficientnet_b0}.json from the models as
 torchvision defines them (tests/test_modern_nets.py writes them out), through from_torch: what
 `pcldnn-gen import` or a training script would make of the real ones. Needs torch.
 
@@ -18,7 +18,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from test_modern_nets import BasicBlock, Bottleneck, MobileNetV2, ResNet, nn  # noqa: E402
+from test_modern_nets import BasicBlock, Bottleneck, EfficientNet, MobileNetV2, ResNet, nn  # noqa: E402
 
 import pcldnn_gen  # noqa: E402
 
@@ -57,6 +57,8 @@ def main() -> None:
         "resnet50": (ResNet(Bottleneck, [3, 4, 6, 3], num_classes=1000), (3, 224, 224)),
         "mobilenet_v2": (MobileNetV2(num_classes=1000, width=1.0, settings=V2_SETTINGS, last=1280), (3, 224, 224)),
         "resnet20_cifar": (CifarResNet(3), (3, 32, 32)),
+        # torchvision's EfficientNet-B0 (stochastic depth, a random row drop, left out)
+        "efficientnet_b0": (EfficientNet(num_classes=1000), (3, 224, 224)),
     }
     for name, (model, shape) in nets.items():
         net, _ = pcldnn_gen.from_torch(model, shape, name=name)

@@ -14,12 +14,13 @@ import numpy as np
 
 from pcldnn_runtime import limits
 from pcldnn_runtime.activations import ACTIVATIONS
+from pcldnn_runtime.layer_types import JOIN_NEEDS, JOINS, joined_shape
 from pcldnn_runtime.validate import Fields, show
 
 from .errors import ModelImportError, NetSpecError
 from .netspec import check_groups, check_window, parse_netspec
 
-OP_KINDS = ("conv", "fc", "batchnorm", "maxpool", "avgpool", *ACTIVATIONS, "dropout", "add", "concat", "flatten",
+OP_KINDS = ("conv", "fc", "batchnorm", "maxpool", "avgpool", *ACTIVATIONS, "dropout", *JOINS, "flatten",
             "softmax", "identity")
 INPUT = "<input>"  # the tensor name of the model's input in Op.inputs
 
@@ -148,16 +149,18 @@ def net_from_ops(ops: list[Op], input_shape: tuple[int, int, int], name: str, or
         makers = [tensors[t][0] for t in ins]
         if makers != [last["name"]]:
             layer["inputs"] = makers
-        if op.kind in ("add", "concat"):
-            shapes = [tensors[t][1] for t in ins]
+        if op.kind in JOINS:
+            shapes = tuple(tensors[t][1] for t in ins)
             if any(tensors[t][2] for t in ins):
                 problems.append(f"{op.label}: joins vectors (after a flatten); only images")
                 continue
-            if (op.kind == "add" and len(set(shapes)) != 1) or (op.kind == "concat" and len({s[1:] for s in shapes}) != 1):
-                problems.append(f"{op.label}: inputs of shapes {[list(s) for s in shapes]} cannot be "
-                                f"{'added' if op.kind == 'add' else 'concatenated along the channels'}")
+            joined = joined_shape(op.kind, shapes)
+            if joined is None:
+                verb = {"add": "added", "concat": "concatenated along the channels", "mul": "multiplied"}[op.kind]
+                problems.append(f"{op.label}: inputs of shapes {[list(s) for s in shapes]} cannot be {verb} "
+                                f"({op.kind} takes {JOIN_NEEDS[op.kind]})")
                 continue
-            c = shapes[0][0] if op.kind == "add" else sum(s[0] for s in shapes)
+            c, h, w = joined
         elif op.kind in ("conv", "maxpool", "avgpool"):
             if flat:
                 problems.append(f"{op.label}: follows a flatten (its input is a vector)")

@@ -16,7 +16,7 @@ from typing import Any
 
 from pcldnn_runtime import limits
 from pcldnn_runtime.activations import ACTIVATIONS, Activation, activation
-from pcldnn_runtime.layer_types import INITS, JOINS, WEIGHTED, ConvKind, conv_kind
+from pcldnn_runtime.layer_types import INITS, JOIN_NEEDS, JOINS, WEIGHTED, ConvKind, conv_kind, joined_shape
 from pcldnn_runtime.validate import NAME_RE, Fields, read_json, show
 
 from .errors import NetSpecError
@@ -36,6 +36,7 @@ LAYER_FIELDS: dict[str, tuple[set[str], dict[str, Any]]] = {
     "global_avgpool": (set(), {}),  # an avgpool over the whole input: C x 1 x 1
     "add": (set(), {"activation": None}),  # the element-wise sum of two or more inputs
     "concat": (set(), {}),  # two or more inputs along the channels
+    "mul": (set(), {}),  # the element-wise product of two inputs, or one scaled by a C x 1 x 1 input per channel
     **{name: (set(), {}) for name in ACTIVATIONS},  # a standalone activation (activations.py)
     "dropout": (set(), {"rate": 0.5}),
     "batchnorm": (set(), {"eps": 1e-5, "momentum": 0.1, "activation": None}),
@@ -304,11 +305,18 @@ def _inputs(p: Fields, raw: Any, ltype: str, where: str, previous: str, earlier:
 def _join(p: Fields, ltype: str, index: int, name: str, inputs: tuple[str, ...],
           sources: list[tuple[tuple[int, int, int], bool]], act: str | None, where: str) -> LayerSpec:
     """add: inputs of one shape, summed (and the fused activation); concat: inputs of one height and
-    width, their channels in order."""
+    width, their channels in order; mul: two inputs, multiplied (joined_shape)."""
     shapes = tuple(s for s, _ in sources)
-    for k, (s, flat) in enumerate(sources):
+    for k, (_, flat) in enumerate(sources):
         if flat:
             p.fail(f"{where}.inputs[{k}]", f"{inputs[k]!r} is a vector (after an fc layer): {ltype} joins images")
+    if ltype == "mul":
+        out = joined_shape(ltype, shapes)
+        if out is None:
+            p.fail(f"{where}.inputs", f"inputs of shapes {' and '.join('x'.join(map(str, s)) for s in shapes)}: "
+                   f"mul takes {JOIN_NEEDS['mul']}")
+        return LayerSpec(index, name, ltype, out, out, activation=act, in_shapes=shapes)
+    for k, (s, _) in enumerate(sources):
         if (s if ltype == "add" else s[1:]) != (shapes[0] if ltype == "add" else shapes[0][1:]):
             what = "shape" if ltype == "add" else "height and width"
             p.fail(f"{where}.inputs[{k}]", f"{inputs[k]!r} has {what} {'x'.join(map(str, s))}, "

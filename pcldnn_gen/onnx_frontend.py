@@ -26,9 +26,9 @@ from .frontend import INPUT, Op, fail_unsupported, input_shape_of, model_name, n
 
 SUPPORTED = ("Conv (group 1 or depthwise, dilation 1, symmetric pads), Gemm (transA 0), MatMul (+ Add), MaxPool / "
              "AveragePool (floor, symmetric pads; AveragePool counting pads), GlobalAveragePool, BatchNormalization "
-             "(inference form), Relu, Clip to [0, 6], SiLU (x Sigmoid(x)), GELU (Gelu, or its Erf form), Add / Sum of "
-             "tensors, Concat (axis 1), Dropout, Flatten (axis 1), Reshape to (N, -1), Identity, a final Softmax / "
-             "LogSoftmax")
+             "(inference form), Relu, Clip to [0, 6], Sigmoid, SiLU (x Sigmoid(x)), GELU (Gelu, or its Erf form), "
+             "Add / Sum of tensors, Mul of two tensors, Concat (axis 1), Dropout, Flatten (axis 1), Reshape to "
+             "(N, -1), Identity, a final Softmax / LogSoftmax")
 MAX_MODEL_BYTES = 4 * 1024 ** 3  # a protobuf cannot exceed 2 GiB without external data anyway
 MIN_OPSET = 7  # the oldest opset whose operator forms the translation below reads (opset 7 dropped is_test etc.)
 
@@ -259,6 +259,8 @@ def _ops(graph: Any, constants: dict[str, np.ndarray], image: str, origin: str, 
                 if len(data) != len(node.input):
                     raise _Unsupported("a sum of tensors and constants (only of tensors)")
                 op, merged = Op("add", source, node.op_type), False
+            elif node.op_type == "Mul" and len(data) == 2 == len(node.input):  # (a Mul of a constant: refused)
+                op, merged = Op("mul", source, node.op_type), False
             elif node.op_type == "Concat":
                 if _int(_attrs(node, onnx), "axis", 0) not in (1, -3) or len(data) < 2 or len(data) != len(node.input):
                     raise _Unsupported("only two or more tensors along the channels (axis 1)")
@@ -387,7 +389,7 @@ def _node_op(node: Any, following: Any, source: str, constants: Any, onnx: Any) 
 
 # The activations' ONNX forms (activations.py; runtime/onnx_export.py writes the first of each):
 # one operator, or a pattern of several that fold_activations turns into one node of this name.
-ONNX_ACTIVATIONS = {"Relu": "relu", "Sigmoid*Mul": "silu", "Erf-GELU": "gelu", "Gelu": "gelu"}
+ONNX_ACTIVATIONS = {"Relu": "relu", "Sigmoid": "sigmoid", "Sigmoid*Mul": "silu", "Erf-GELU": "gelu", "Gelu": "gelu"}
 _SQRT2 = math.sqrt(2.0)
 
 

@@ -23,7 +23,8 @@ SUPPORTED = ("Conv2d (groups=1 or depthwise, dilation=1, zero padding), Linear, 
              "Dropout, Flatten, Identity, a final Softmax / LogSoftmax, and torch.flatten / "
              + " / ".join(f"F.{a.torch_functions[0]}" for a in ACTIVATIONS.values())
              + " / F.dropout / F.max_pool2d / F.avg_pool2d / F.adaptive_avg_pool2d / "
-             "+ (residual sums) / torch.cat(dim=1) / view(N, -1) in forward")
+             "+ (residual sums) / * (a product, or a per-channel scale: squeeze-and-excitation) / torch.cat(dim=1) / "
+             "view(N, -1) in forward")
 
 
 # How to get PyTorch without its CUDA build (several GB, PyPI's default on Linux): the README's
@@ -240,6 +241,10 @@ def _function_op(node: Any, torch: Any, F: Any) -> tuple[Op, tuple[Any, ...]]:
         if len(args) != 2 or kwargs or not all(isinstance(a, type(node)) for a in args):
             raise _Unsupported(kind, "only the sum of two tensors (no constant, no alpha)")
         return Op("add", node.name, kind), tuple(args)
+    if fn in (operator.mul, operator.imul, torch.mul) or (node.op == "call_method" and fn in ("mul", "mul_")):
+        if len(args) != 2 or kwargs or not all(isinstance(a, type(node)) for a in args):
+            raise _Unsupported(kind, "only the product of two tensors (no constant)")
+        return Op("mul", node.name, kind), tuple(args)
     if fn is torch.cat:
         parts = args[0] if args else kwargs.get("tensors")
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)

@@ -734,7 +734,7 @@ class NormLayer(ParamLayer):
 
 
 class JoinLayer(Layer):
-    """add and concat: several inputs (Net passes their blocked activations). The canonical
+    """add, concat and mul: several inputs (Net passes their blocked activations). The canonical
     per-layer API of a single input does not apply: a Net runs them."""
 
     def __init__(self, spec: LayerEntry, kernels: dict[str, Callable], v: int, net: Any) -> None:
@@ -756,6 +756,12 @@ class AddLayer(JoinLayer):
         """dy masked in place by the fused ReLU: then it is every input's gradient."""
         self._k["bwd_data"](ptr(dyb), ptr(yb) if self.spec.activation else ptr(None), dyb.shape[0],
                             self.team(dyb.shape[0]))
+
+
+class MulLayer(JoinLayer):
+    def backward_join(self, dyb: np.ndarray, xbs: list[np.ndarray], dxbs: list[np.ndarray]) -> None:
+        """Each input's gradient: dy times the other input (a per-channel one's summed over the pixels)."""
+        self._k["bwd_data"](ptr(dyb), ptr_array(xbs), ptr_array(dxbs), dyb.shape[0], self.team(dyb.shape[0]))
 
 
 class ConcatLayer(JoinLayer):

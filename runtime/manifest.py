@@ -19,7 +19,7 @@ from . import cpu, families, limits
 from .activations import ACTIVATIONS, Activation, activation
 from .errors import BuildDirError
 from .families.fusion import plan_fusions
-from .layer_types import INITS, JOINS, LAYER_PASSES, PASSES, WEIGHTED, WINDOWED, ConvKind, conv_kind
+from .layer_types import INITS, JOINS, LAYER_PASSES, PASSES, WEIGHTED, WINDOWED, ConvKind, conv_kind, joined_shape
 from .validate import LABEL_RE, NAME_RE, SHA256_RE, Fields, read_json, show
 
 # 2: the first layer's few-channel input is packed (geometry.input_pixel_floats); a /1 build's
@@ -285,19 +285,18 @@ def _inputs(f: Fields, raw: Any, index: int, previous: str, outputs: dict) -> tu
             f.fail(f"{where}[{k}]", f"must name an earlier layer (or {NET_INPUT!r}, the first layer's) once, "
                    f"got {show(name)}")
     if (len(names) > 1) != (raw.get("type") in JOINS):
-        f.fail(where, "add and concat read two or more layers, every other layer one")
+        f.fail(where, f"{', '.join(JOINS)} read two or more layers, every other layer one")
     return tuple(names)
 
 
 def _joined(f: Fields, raw: Any, index: int, shapes: tuple[tuple[int, int, int], ...]) -> tuple[int, int, int]:
-    """The input shape a layer of these input shapes has: the one input's; add: their common
-    shape; concat: their channels summed, their common height and width."""
+    """The input shape a layer of these input shapes has: the one input's; a join's, as
+    layer_types.joined_shape says."""
     if len(shapes) == 1:
         return shapes[0]
-    if raw.get("type") == "add" and len(set(shapes)) == 1:
-        return shapes[0]
-    if raw.get("type") == "concat" and len({s[1:] for s in shapes}) == 1:
-        return (sum(s[0] for s in shapes), *shapes[0][1:])
+    joined = joined_shape(str(raw.get("type")), shapes)
+    if joined is not None:
+        return joined
     return f.fail(f"layers[{index}].inputs", f"inputs of shapes {[list(s) for s in shapes]} cannot be joined by "
                   f"{show(raw.get('type'))}")
 

@@ -33,9 +33,11 @@ from .layers import (
     AvgPoolLayer,
     ConcatLayer,
     DropoutLayer,
+    JoinLayer,
     Layer,
     LossLayer,
     MaxPoolLayer,
+    MulLayer,
     NormLayer,
     ParamLayer,
     WeightedLayer,
@@ -47,7 +49,7 @@ from .validate import non_finite_at
 _LAYER_CLASSES: dict[str, type[Layer]] = {
     "conv": WeightedLayer, "fc": WeightedLayer, "batchnorm": NormLayer, "maxpool": MaxPoolLayer,
     "avgpool": AvgPoolLayer, **dict.fromkeys(ACTIVATIONS, ActivationLayer), "dropout": DropoutLayer,
-    "add": AddLayer, "concat": ConcatLayer, "softmax_cross_entropy": LossLayer}
+    "add": AddLayer, "concat": ConcatLayer, "mul": MulLayer, "softmax_cross_entropy": LossLayer}
 
 
 MAX_WORKSPACES = 2  # minibatch sizes whose buffers a Net keeps (see Net.workspace)
@@ -540,7 +542,7 @@ class Net:
                 norm.forward_blocked(acts[self.sources[j][0]], acts[i + 1], auxes[j], training,
                                      residual=acts[shortcut], statistics_ready=training and j in self._stats_ready)
                 timed = norm
-            elif isinstance(layer, (AddLayer, ConcatLayer)):
+            elif isinstance(layer, JoinLayer):
                 layer.forward_join([acts[s] for s in self.sources[i]], acts[i + 1])
             elif isinstance(layer, WeightedLayer) and training and i in fusions.statistics:
                 aux = auxes[fusions.statistics[i]]  # its batchnorm's batch statistics, filled by the kernel
@@ -612,9 +614,12 @@ class Net:
                     self._accumulate(grads, later, ws, s, dy, alias=s == wanted[-1])
                 if not wanted:
                     ws.release(dy)
-            elif isinstance(layer, ConcatLayer):
+            elif isinstance(layer, (ConcatLayer, MulLayer)):
                 parts = [ws.grad(ws.acts[s]) for s in sources]
-                layer.backward_join(dy, parts)
+                if isinstance(layer, MulLayer):  # (each part from the other input's values)
+                    layer.backward_join(dy, [ws.acts[s] for s in sources], parts)
+                else:
+                    layer.backward_join(dy, parts)
                 ws.release(dy)
                 for s, part in zip(sources, parts, strict=True):
                     if self.needs_grad[s]:

@@ -88,6 +88,8 @@ def export_onnx(net: Any, path: str | Path) -> Path:
             nodes += _activation(spec.act, helper, numpy_helper, inits, x, out, name)
         elif spec.type == "add":
             nodes.append(helper.make_node("Sum", [tensors[n][0] for n in spec.inputs], [out], name=name))
+        elif spec.type == "mul":  # (ONNX broadcasts a N x C x 1 x 1 input over the other's pixels)
+            nodes.append(helper.make_node("Mul", [tensors[n][0] for n in spec.inputs], [out], name=name))
         elif spec.type == "concat":
             nodes.append(helper.make_node("Concat", [tensors[n][0] for n in spec.inputs], [out], name=name, axis=1))
         elif spec.type == "dropout":  # the identity at inference; the rate kept for re-import

@@ -216,7 +216,7 @@ def test_onnx_export_and_import_of_silu_and_gelu(tmp_path):
 
 def test_onnx_gelu_operator_and_patterns_that_are_not_an_activation(tmp_path):
     """Opset 20's Gelu node imports as a GELU (its tanh form is refused by name); a Sigmoid whose
-    output another node reads too is no SiLU: it and the Mul are refused, not folded."""
+    output another node reads too is no SiLU: a sigmoid layer and a mul, not folded."""
     from onnx import TensorProto, helper, numpy_helper
 
     from pcldnn_gen.errors import ModelImportError
@@ -257,5 +257,8 @@ def test_onnx_gelu_operator_and_patterns_that_are_not_an_activation(tmp_path):
         import_onnx(model([helper.make_node("Gelu", ["c"], ["a"], approximate="tanh")], "tanh"))
     shared = [helper.make_node("Sigmoid", ["c"], ["s"]), helper.make_node("Mul", ["c", "s"], ["m"]),
               helper.make_node("Add", ["m", "s"], ["a"])]
-    with pytest.raises(ModelImportError, match=r"Sigmoid.*operator not supported"):
-        import_onnx(model(shared, "shared"))
+    net, _ = import_onnx(model(shared, "shared"))
+    assert [l["type"] for l in net["layers"]] == ["conv", "sigmoid", "mul", "add", "fc", "softmax_cross_entropy"]
+    with pytest.raises(ModelImportError, match=r"Mul_1 \(Mul\): operator not supported"):  # a Mul of a constant
+        import_onnx(model([helper.make_node("Constant", [], ["k"], value=numpy_helper.from_array(np.float32(2.0))),
+                           helper.make_node("Mul", ["c", "k"], ["a"])], "constant"))

@@ -31,6 +31,8 @@ TESTED_ELSEWHERE = {
 # The others, at a tiny size: arguments ({isa}, {tmp}, {net}: a small net.json, {res}: a small
 # residual one, {build}: the small net's build), and what they need beyond the suite's own.
 TINY = {
+    "benchmarks/activations.py": (["--threads", "1", "--batch", "2", "--rounds", "1", "--repeats", "1", "--arch",
+                                   "{isa}", "--shapes", "effnet_b6"], ("torch",)),
     "benchmarks/ab.py": (["{build}", "{build}", "--batch", "2", "--threads", "1", "--rounds", "1", "--repeats", "1"], ()),
     "benchmarks/api_overhead.py": (["--arch", "{isa}", "--net", "{net}", "--layer", "conv1", "--batch", "2",
                                     "--rounds", "1", "--calls", "10"], ()),

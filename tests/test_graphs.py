@@ -247,3 +247,98 @@ def test_a_graph_comes_back_from_onnx(tmp_path):
     got = pr.load(tmp_path / "b", threads=1).forward(x)
     want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+# A squeeze-and-excitation block (EfficientNet's): the pooled channels through two 1x1
+# convolutions gate every pixel of the block's output (a C x 1 x 1 input of a mul, written first
+# as torchvision writes `scale * x`), then an element-wise product of two images.
+SE_LAYERS = [
+    _conv("stem", 24), {"name": "bn0", "type": "batchnorm", "activation": "silu"},
+    {"name": "pool", "type": "global_avgpool"},
+    {"name": "fc1", "type": "conv", "out_channels": 6, "kernel": 1}, {"name": "act1", "type": "silu"},
+    {"name": "fc2", "type": "conv", "out_channels": 24, "kernel": 1}, {"name": "gate", "type": "sigmoid"},
+    {"name": "se", "type": "mul", "inputs": ["gate", "bn0"]},
+    _conv("c1", 24, k=1), {"name": "both", "type": "mul", "inputs": ["c1", "se"]},
+    {"name": "gap", "type": "global_avgpool"}, {"name": "fc", "type": "fc", "out_features": 10},
+    {"name": "loss", "type": "softmax_cross_entropy"},
+]
+
+
+class TorchSE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.m = nn.ModuleDict({"stem": nn.Conv2d(3, 24, 3, 1, 1, bias=False), "bn0": nn.BatchNorm2d(24),
+                                "fc1": nn.Conv2d(24, 6, 1), "fc2": nn.Conv2d(6, 24, 1),
+                                "c1": nn.Conv2d(24, 24, 1, bias=False), "fc": nn.Linear(24, 10)})
+
+    def forward(self, x):
+        m = self.m
+        a = F.silu(m["bn0"](m["stem"](x)))
+        se = torch.sigmoid(m["fc2"](F.silu(m["fc1"](F.adaptive_avg_pool2d(a, 1))))) * a
+        return m["fc"](torch.flatten(F.adaptive_avg_pool2d(m["c1"](se) * se, 1), 1))
+
+
+def test_squeeze_and_excitation_matches_pytorch(tmp_path, isa):
+    """mul, broadcast (a per-channel gate) and element-wise: logits in both modes and the
+    parameters after three SGD steps within 1e-4 of PyTorch's, each input's gradient the other
+    input times dy (the gate's summed over the pixels)."""
+    net = build_and_load(tmp_path, SE_LAYERS, SHAPE, isa, name="se", threads=2)
+    torch.manual_seed(2)
+    model = TorchSE()
+    net.load_state_dict({k[2:]: v.numpy() for k, v in model.state_dict().items()})
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, *SHAPE)).astype(np.float32)
+
+    def close(got, want, what):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * max(float(np.abs(want).max()), 1e-6),
+                                   err_msg=what)
+
+    model.eval()
+    close(net.forward(x), model(torch.from_numpy(x)).detach().numpy(), "eval logits")
+    model.train()
+    close(net.forward(x, training=True), model(torch.from_numpy(x)).detach().numpy(), "train logits")
+    trainer = pr.Trainer(net, pr.SGD(0.1, momentum=0.9))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        ys = rng.integers(0, 10, 3)
+        trainer.step(x, ys)
+        opt.zero_grad()
+        F.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(ys)).backward()
+        opt.step()
+    theirs = {k[2:]: v.numpy() for k, v in model.state_dict().items()}
+    for key, value in net.state_dict().items():
+        close(value, theirs[key], key)
+
+
+@pytest.mark.parametrize("inputs,shapes", [
+    (["a", "p"], r"8x8x8 and 5x1x1: mul takes two inputs of one shape, or a C x H x W and a C x 1 x 1"),
+    (["p", "q"], None),  # two C x 1 x 1: one shape
+])
+def test_mul_needs_one_shape_or_a_per_channel_scale(inputs, shapes):
+    layers = [_conv("a", 8), {"name": "pool", "type": "global_avgpool"},
+              {"name": "p", "type": "conv", "out_channels": 5, "kernel": 1},
+              {"name": "q", "type": "conv", "out_channels": 5, "kernel": 1, "inputs": ["p"]},
+              {"name": "m", "type": "mul", "inputs": inputs}, {"name": "fc", "type": "fc", "out_features": 2,
+                                                               "inputs": ["m"]}]
+    if shapes is None:
+        assert parse_netspec(_net(layers)).layer("m").out_shape == (5, 1, 1)
+    else:
+        with pytest.raises(NetSpecError, match=r"layers\[\d\]\.inputs: inputs of shapes " + shapes):
+            parse_netspec(_net(layers))
+
+
+def test_squeeze_and_excitation_goes_to_onnx_and_back(tmp_path):
+    """Mul and Sigmoid nodes: onnxruntime's logits are ours, and the import gives the graph back."""
+    pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from pcldnn_gen.onnx_frontend import import_onnx
+    net = build_and_load(tmp_path, SE_LAYERS, SHAPE, RUNNABLE_ISAS[-1], name="se", threads=1)
+    x = np.random.default_rng(6).standard_normal((2, *SHAPE)).astype(np.float32)
+    net.forward(x, training=True)  # running statistics away from (0, 1)
+    path = net.export_onnx(tmp_path / "se.onnx")
+    want = net.forward(x)
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    back, _ = import_onnx(path)
+    assert [(l["type"], l.get("activation")) for l in back["layers"]] == [
+        (l["type"] if l["type"] != "global_avgpool" else "avgpool", l.get("activation")) for l in SE_LAYERS]

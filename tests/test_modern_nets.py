@@ -1,4 +1,4 @@
-"""ResNet and MobileNetV2 as torchvision defines them (written out here: the torchvision wheel
+"""ResNet, MobileNetV2 and EfficientNet as torchvision defines them (written out here: the torchvision wheel
 available is not a CPU build), imported by from_torch and trained like PyTorch: logits in both
 modes within 1e-4 of the same model in PyTorch, in float64 (the reference), and after five SGD
 steps (momentum 0.9, weight decay 5e-4) every parameter and running statistic within 2% of the
@@ -156,6 +156,71 @@ class MobileNetV2(nn.Module):
         return self.classifier(torch.flatten(x, 1))
 
 
+class SqueezeExcitation(nn.Module):
+    """torchvision.ops.SqueezeExcitation with EfficientNet's activations (SiLU, then Sigmoid)."""
+
+    def __init__(self, channels, squeezed):
+        super().__init__()
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc1 = nn.Conv2d(channels, squeezed, 1)
+        self.fc2 = nn.Conv2d(squeezed, channels, 1)
+        self.activation, self.scale_activation = nn.SiLU(), nn.Sigmoid()
+
+    def forward(self, x):
+        scale = self.scale_activation(self.fc2(self.activation(self.fc1(self.avgpool(x)))))
+        return scale * x
+
+
+class ConvBNSiLU(nn.Sequential):
+    """torchvision's Conv2dNormActivation as EfficientNet uses it (SiLU, or no activation)."""
+
+    def __init__(self, inp, out, kernel=1, stride=1, groups=1, activation=True):
+        super().__init__(nn.Conv2d(inp, out, kernel, stride, (kernel - 1) // 2, groups=groups, bias=False),
+                         nn.BatchNorm2d(out), *([nn.SiLU(inplace=True)] if activation else []))
+
+
+class MBConv(nn.Module):
+    """torchvision.models.efficientnet.MBConv (stochastic depth left out: a random row drop no two
+    runs share; torchvision's is the identity at probability 0 and in evaluation)."""
+
+    def __init__(self, inp, out, expand, kernel, stride):
+        super().__init__()
+        hidden = inp * expand
+        self.use_res_connect = stride == 1 and inp == out
+        layers = [ConvBNSiLU(inp, hidden)] if expand != 1 else []
+        layers += [ConvBNSiLU(hidden, hidden, kernel, stride, groups=hidden), SqueezeExcitation(hidden, max(1, inp // 4)),
+                   ConvBNSiLU(hidden, out, activation=False)]
+        self.block = nn.Sequential(*layers)
+
+    def forward(self, x):
+        result = self.block(x)
+        return result + x if self.use_res_connect else result
+
+
+# torchvision's EfficientNet-B0 stages: (expand ratio, kernel, stride, in, out, blocks)
+EFFICIENTNET_B0 = ((1, 3, 1, 32, 16, 1), (6, 3, 2, 16, 24, 2), (6, 5, 2, 24, 40, 2), (6, 3, 2, 40, 80, 3),
+                   (6, 5, 1, 80, 112, 3), (6, 5, 2, 112, 192, 4), (6, 3, 1, 192, 320, 1))
+
+
+class EfficientNet(nn.Module):
+    """torchvision.models.efficientnet.EfficientNet (B0's stages by default; `stages` and `last`
+    reduce it), dropout before the classifier."""
+
+    def __init__(self, num_classes=10, stages=EFFICIENTNET_B0, last=1280):
+        super().__init__()
+        features = [ConvBNSiLU(3, stages[0][3], 3, 2)]
+        for expand, kernel, stride, inp, out, blocks in stages:
+            for i in range(blocks):
+                features.append(MBConv(inp if i == 0 else out, out, expand, kernel, stride if i == 0 else 1))
+        features.append(ConvBNSiLU(stages[-1][4], last))
+        self.features = nn.Sequential(*features)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(nn.Dropout(0.2), nn.Linear(last, num_classes))
+
+    def forward(self, x):
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
 def _randomize_batchnorm(model):
     with torch.no_grad():
         for m in model.modules():
@@ -170,12 +235,14 @@ def _close(got, want, what):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * max(float(np.abs(want).max()), 1e-6), err_msg=what)
 
 
-@pytest.mark.parametrize("make,shape,batch", [
-    (lambda: ResNet(BasicBlock, [2, 2, 2, 2], cifar=True), (3, 32, 32), 2),        # ResNet-18, CIFAR layout
-    (lambda: ResNet(Bottleneck, [1, 1, 1, 1], width=8), (3, 64, 64), 2),             # ResNet-50's blocks, narrow
-    (lambda: MobileNetV2(), (3, 32, 32), 3),
-], ids=["resnet18_cifar", "resnet_bottleneck", "mobilenet_v2"])
-def test_torchvision_nets_import_and_train_like_pytorch(tmp_path, make, shape, batch):
+@pytest.mark.parametrize("make,shape,batch,kinds", [
+    (lambda: ResNet(BasicBlock, [2, 2, 2, 2], cifar=True), (3, 32, 32), 2, ()),        # ResNet-18, CIFAR layout
+    (lambda: ResNet(Bottleneck, [1, 1, 1, 1], width=8), (3, 64, 64), 2, ()),             # ResNet-50's blocks, narrow
+    (lambda: MobileNetV2(), (3, 32, 32), 3, ("relu6",)),
+    (lambda: EfficientNet(stages=((1, 3, 1, 16, 8, 1), (6, 3, 2, 8, 12, 2), (6, 5, 2, 12, 20, 1)), last=64),
+     (3, 32, 32), 3, ("mul", "sigmoid", "silu")),  # EfficientNet-B0's first stages at half width: its every kind
+], ids=["resnet18_cifar", "resnet_bottleneck", "mobilenet_v2", "efficientnet"])
+def test_torchvision_nets_import_and_train_like_pytorch(tmp_path, make, shape, batch, kinds):
     torch.manual_seed(0)
     model = make()
     _randomize_batchnorm(model)
@@ -184,8 +251,8 @@ def test_torchvision_nets_import_and_train_like_pytorch(tmp_path, make, shape, b
             m.p = 0.0
     net_dict, state = pcldnn_gen.from_torch(model, shape)
     model.double()
-    types = {layer["type"] for layer in net_dict["layers"]}
-    assert {"add", "batchnorm"} <= types
+    types = {layer["type"] for layer in net_dict["layers"]} | {l.get("activation") for l in net_dict["layers"]}
+    assert {"add", "batchnorm", *kinds} <= types
     build(parse_netspec(net_dict), get_arch(RUNNABLE_ISAS[-1]), tmp_path / "b")
     net = pr.load(tmp_path / "b", threads=2)
     net.load_state_dict(state)

@@ -145,7 +145,7 @@ def test_every_unsupported_node_is_listed_and_nothing_is_written(tmp_path, capsy
         helper.make_node("Conv", ["x", "w0"], ["c0"], pads=[0, 0, 1, 1]),
         helper.make_node("LeakyRelu", ["c0"], ["lr"]),
         helper.make_node("Conv", ["lr", "w1"], ["c1"], group=2, pads=[1, 1, 1, 1]),
-        helper.make_node("Sigmoid", ["c1"], ["y"]),
+        helper.make_node("Tanh", ["c1"], ["y"]),
     ]
     inits = {"w0": f32(4, 4, 2, 2), "w1": f32(4, 2, 3, 3)}
     path = tmp_path / "bad.onnx"
@@ -154,7 +154,7 @@ def test_every_unsupported_node_is_listed_and_nothing_is_written(tmp_path, capsy
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "4 unsupported node(s)" in err
     for part in ("Conv_0 (Conv): pads [0, 0, 1, 1]", "LeakyRelu_1 (LeakyRelu): operator not supported",
-                 "Conv_2 (Conv): group 2", "Sigmoid_3 (Sigmoid)"):
+                 "Conv_2 (Conv): group 2", "Tanh_3 (Tanh)"):
         assert part in err, part
     assert not list(tmp_path.glob("bad.json*")) and not list(tmp_path.glob("*.npz"))
 

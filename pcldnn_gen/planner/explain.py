@@ -32,6 +32,10 @@ MEMORY_BOUND = {
     "add_bwd_data": "dy masked by the fused ReLU in place: it is then each input's gradient, unchanged",
     "concat_fwd": "each input's channels copied into theirs, whole vectors where its channels start a block",
     "concat_bwd_data": "each input's channels of dy copied out, the inverse of the forward",
+    "mul_fwd": "the two inputs multiplied element by element (a C x 1 x 1 input's lane scaling every pixel of the "
+               "other), (image, block) planes a thread",
+    "mul_bwd_data": "each input's gradient, dy times the other input (a C x 1 x 1 input's summed over the pixels, "
+                    "in fp32 chunks into double lanes)",
     "batchnorm_bwd_data": "the sums of dy and dy x-hat per channel (as backward-weights), then dx in one pass",
     "batchnorm_bwd_weights": "dgamma = sum dy x-hat, dbeta = sum dy per channel, a channel block a thread",
     "softmax_cross_entropy_fwd": "per row: max-shifted softmax, loss = log-sum-exp - logit[label], "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pcldnn_runtime.abi import DROPOUT_HASH_STEP
 from pcldnn_runtime.activations import ACTIVATIONS
+from pcldnn_runtime.layer_types import JOINS
 
 from ..arch import Arch
 from ..netspec import LayerSpec
@@ -17,7 +18,7 @@ TEMPLATES = {
     **{f"{t}_bwd_data": "eltwise_bwd_data.c.j2" for t in (*ACTIVATIONS, "dropout")},
     "softmax_cross_entropy_fwd": "loss_fwd.c.j2", "softmax_cross_entropy_bwd_data": "loss_bwd_data.c.j2",
     **{f"batchnorm_{p}": "batchnorm.c.j2" for p in ("fwd", "bwd_data", "bwd_weights")},
-    **{f"{t}_{p}": "join.c.j2" for t in ("add", "concat") for p in ("fwd", "bwd_data")},
+    **{f"{t}_{p}": "join.c.j2" for t in JOINS for p in ("fwd", "bwd_data")},
 }
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..layer_types import LAYER_PASSES, ConvKind
+from ..layer_types import JOINS, LAYER_PASSES, ConvKind
 from . import (
     batchnorm,
     conv_amx,
@@ -185,7 +185,7 @@ def chain_edges(layers: Sequence[LayerShape]) -> tuple[bool, ...]:
         for name in layer.inputs:
             readers.setdefault(name, []).append(j)
     return tuple(i + 1 < len(layers) and readers.get(layer.name, [i + 1]) == [i + 1]
-                 and layers[i + 1].type not in ("add", "concat") for i, layer in enumerate(layers))
+                 and layers[i + 1].type not in JOINS for i, layer in enumerate(layers))
 
 
 def sides(per_output: Sequence[bool]) -> tuple[tuple[bool, bool], ...]:
