@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 
 import pcldnn_runtime as pr
+from pcldnn_runtime import families
 from pcldnn_runtime.abi import REPEATED_KINDS, SIGNATURES
+from pcldnn_runtime.families import Target
 from pcldnn_runtime.kernels import bf16_bits, empty_aligned, fma_peak_gflops, load_library, ptr
-from pcldnn_runtime.layer_types import ConvKind
 from pcldnn_runtime.manifest import PASSES, file_sha256
 
 from . import __version__
@@ -180,9 +181,10 @@ class PassResult:
     bound_fraction: float | None = None    # gbs / the measured copy rate: the share of the bandwidth bound
 
 
-def memory_bound(layer: Any) -> bool:
-    """Rows judged by bytes, not FLOPs: depthwise convolutions and batchnorms."""
-    return layer.type == "batchnorm" or layer.conv_kind is ConvKind.DEPTHWISE
+def memory_bound(layer: Any, target: Target) -> bool:
+    """Rows judged by bytes, not FLOPs: a layer whose forward kernel is a memory-bound family's
+    (Family.memory_bound: depthwise convolutions, batchnorms)."""
+    return families.choose(layer, "fwd", target)[0].memory_bound
 
 
 def pass_bytes(layer: Any, pass_name: str, batch: int) -> float:
@@ -228,7 +230,8 @@ def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes: Any =
         if unknown:
             raise PcldnnError(f"{spec.name}: no conv/fc/batchnorm layer named {', '.join(sorted(unknown))}")
     peaks = [peak] if peak else [measure_peak(arch, threads)]
-    if copy_rate is None and any(memory_bound(l) for l in chosen):
+    target = arch.target(precision)
+    if copy_rate is None and any(memory_bound(l, target) for l in chosen):
         copy_rate = measure_copy_rate(arch, threads)
     ours: dict[tuple[str, str], float] = {}
     ratios: dict[tuple[str, str], dict] = {}
@@ -239,7 +242,7 @@ def bench_net(spec: NetSpec, arch: Arch, batch: int, threads: int, passes: Any =
         net = pr.load(out, threads=threads)
         for ls in chosen:
             timers = kernel_timers(net.layers[ls.name], batch)
-            if memory_bound(ls):
+            if memory_bound(ls, target):
                 nbytes |= {(ls.name, p): pass_bytes(net.layers[ls.name], p, batch) for p in passes}
             per_round = []  # [({pass: our seconds}, {"layer/pass": {baseline: seconds}})]
             for _ in range(rounds):
@@ -306,7 +309,8 @@ def bench_zoo(shapes: Any, arch: Arch, batch: int, threads: int, passes: Any = P
     convolution as inside a net (ZooShape.inner: bf16 activations and gradients in and out). The
     FMA peak is measured before and after the whole zoo; the efficiencies use the higher of the two."""
     peaks = [measure_peak(arch, threads)]
-    copy_rate = measure_copy_rate(arch, threads) if any(memory_bound(s.net.layers[0]) for s in shapes) else None
+    target = arch.target(precision)
+    copy_rate = measure_copy_rate(arch, threads) if any(memory_bound(s.net.layers[0], target) for s in shapes) else None
     rows: list[PassResult] = []
     for shape in shapes:
         _, results = bench_net(shape.inner if precision == "bf16" else shape.net, arch, batch, threads, passes, None,

@@ -18,8 +18,7 @@ from pcldnn_gen.build import build
 from pcldnn_gen.codegen import VECTOR_ISAS, template_env
 from pcldnn_gen.errors import NetSpecError
 from pcldnn_gen.netspec import LAYER_FIELDS, parse_netspec
-from pcldnn_gen.planner.explain import MEMORY_BOUND
-from pcldnn_gen.planner.memory import TEMPLATES
+from pcldnn_gen.planner.memory import ELTWISE
 from pcldnn_runtime.abi import SIGNATURES
 from pcldnn_runtime.activations import ACTIVATIONS
 from pcldnn_runtime.errors import BuildDirError
@@ -37,7 +36,7 @@ def test_every_activation_has_all_its_parts(name):
     act = ACTIVATIONS[name]
     assert name in LAYER_FIELDS and LAYER_PASSES[name] == ("fwd", "bwd_data")
     for kernel in (f"{name}_fwd", f"{name}_bwd_data"):
-        assert kernel in SIGNATURES and kernel in TEMPLATES and kernel in MEMORY_BOUND
+        assert kernel in SIGNATURES and kernel in ELTWISE.templates and kernel in ELTWISE.reasons
     assert ("const void *in" if act.from_input else "const void *out") in SIGNATURES[f"{name}_bwd_data"]
     assert act.backward in ("output", "input") and act.fuses_into <= {"conv", "fc", "batchnorm", "add"}
     assert all(isinstance(getattr(nn, m), type) for m in act.torch_modules)

@@ -134,26 +134,26 @@ def test_every_family_has_its_generator_parts():
     """What the generator needs of each family, checked in one place, so that a family added
     without one of them fails here and not at the first net that reaches it (depthwise's
     thread-division model was once missed, and `plan` crashed on the first depthwise net): a
-    planner; for the memory-bound kinds, a template that exists and inspect's explanation; for
-    the fp32 conv and fc kinds, the scaling model's parallel loop."""
+    planner record; a memory-bound family planned without register tiles, its every kind's
+    template (that exists) and explanation, in the record; for the fp32 conv and fc kinds, the
+    scaling model's parallel loop."""
     from pcldnn_gen.codegen import template_env
     from pcldnn_gen.planner import _FAMILY_PLANNERS, plan_layer
-    from pcldnn_gen.planner.explain import MEMORY_BOUND
-    from pcldnn_gen.planner.memory import TEMPLATES
-    from pcldnn_gen.planner.parallel import parallel_loop
+    from pcldnn_gen.planner.parallel import LOOPS, parallel_loop
     assert set(_FAMILY_PLANNERS) == {f.name for f in FAMILIES}
     templates = set(template_env().list_templates())
-    memory_bound = [k.name for f in FAMILIES if _FAMILY_PLANNERS[f.name].__name__ == "_memory_bound" for k in f.kinds]
-    assert {"maxpool_fwd", "relu6_bwd_data", "batchnorm_bwd_weights", "concat_fwd", "softmax_cross_entropy_fwd"} <= set(
-        memory_bound)
-    for kind in memory_bound:
-        assert kind in MEMORY_BOUND and TEMPLATES.get(kind) in templates, kind
+    planned_by_bytes = [f for f in FAMILIES if _FAMILY_PLANNERS[f.name].memory is not None]
+    assert {f.name for f in planned_by_bytes} == {"pool", "eltwise", "batchnorm", "join", "loss"}
+    for family in planned_by_bytes:
+        kernels = _FAMILY_PLANNERS[family.name].memory
+        assert family.memory_bound and set(kernels.templates) == {k.name for k in family.kinds}, family.name
+        assert set(kernels.templates.values()) <= templates, family.name
     spec = parse_netspec({"name": "t", "input": {"channels": 16, "height": 12, "width": 12}, "layers": [
         {"name": "c", "type": "conv", "out_channels": 32, "kernel": 3, "pad": 1},
         {"name": "dw", "type": "conv", "out_channels": 32, "kernel": 3, "pad": 1, "groups": 32},
         {"name": "f", "type": "fc", "out_features": 10}]})
     fp32 = [f for f in FAMILIES if f.engine is Engine.FP32 and set(f.layer_types) <= {"conv", "fc"}]
-    assert {f.name for f in fp32} == {"conv_direct", "conv_depthwise", "fc_gemm"}
+    assert {f.name for f in fp32} == {"conv_direct", "conv_depthwise", "fc_gemm"} == set(LOOPS)
     for family in fp32:
         layer = next(l for l in spec.layers if family.handles(l, 16))
         for kind in family.kinds:

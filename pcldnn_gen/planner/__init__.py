@@ -3,7 +3,7 @@
     tiles    the register-tile model (RegisterTile) and the row cover of the conv kernels
     conv     conv forward, backward-data (general, few-channel), backward-weights
     fc       the three GEMMs
-    memory   pooling, elementwise and loss kernels: no blocks to choose
+    memory   pooling, elementwise, batchnorm, join and loss kernels: no blocks to choose
     explain  the `reason` sentence of each plan
     plans    KernelPlan and one typed plan per kernel family: the contract with the templates
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 
 # Passes each layer type has (the loss's bwd_data is the gradient of the mean loss w.r.t. the
 # logits): one table, in the manifest schema the runtime validates builds against.
@@ -34,7 +35,7 @@ from .conv import (
 )
 from .depthwise import plan_conv_depthwise
 from .fc import plan_fc_bwd_data, plan_fc_bwd_weights, plan_fc_fwd
-from .memory import plan_memory_bound
+from .memory import BATCHNORM, ELTWISE, JOIN, LOSS, POOL, MemoryKernels, plan_memory_bound
 from .plans import ConvBwdDataPlan, ConvFwdPlan, Fusion, KernelPlan, Measured, TileTiming
 from .tiles import LATENCY_SLACK, RegisterTile
 
@@ -46,10 +47,6 @@ _PLANNERS: dict[tuple[str, str], Callable[[LayerSpec, Arch, tuple[int, int] | No
     **{("conv", p): planner for p, planner in _CONV_PLANNERS.items()},
     ("fc", "fwd"): plan_fc_fwd, ("fc", "bwd_data"): plan_fc_bwd_data, ("fc", "bwd_weights"): plan_fc_bwd_weights,
 }
-
-
-# The families whose convolution kernels read a small 1x1 plane as one row (conv.plane_as_row)
-PLANE_AS_ROW_FAMILIES = ("conv_direct", "conv_vdpbf16")
 
 
 def reads_packed_image(layer: LayerSpec, arch: Arch) -> bool:
@@ -76,8 +73,9 @@ def plan_layer(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, 
     family = families.family_for(layer, engine, arch.vector_floats)
     if family is None:
         raise PlanError(f"{layer.name}: no {engine.value} kernels for a {layer.type} layer")
-    row = plane_as_row(layer, pass_name) if family.name in PLANE_AS_ROW_FAMILIES else None
-    plan = _FAMILY_PLANNERS[family.name](row or layer, pass_name, arch, choice, activations, gradients)
+    planner = _FAMILY_PLANNERS[family.name]
+    row = plane_as_row(layer, pass_name) if planner.plane_as_row else None
+    plan = planner.plan(row or layer, pass_name, arch, choice, activations, gradients)
     if row is not None:
         assert isinstance(plan, (ConvFwdPlan, ConvBwdDataPlan))
         plan = dataclasses.replace(plan, plane_as_row=True, reason=plan.reason + explain.plane_as_row(layer))
@@ -129,30 +127,47 @@ def _conv_amx(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, i
         plan_conv_amx(layer, pass_name, arch, activations, gradients)
 
 
-def _memory_bound(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, int] | None,
-                  activations: tuple[bool, bool], gradients: tuple[bool, bool]) -> KernelPlan:
-    """pool, eltwise, loss: no blocks to choose."""
-    if choice is not None:
-        raise PlanError(f"{layer.name}: the {pass_name} pass of a {layer.type} layer has no register tile to choose")
-    return plan_memory_bound(layer, pass_name, arch, activations)
+def _memory_bound(kernels: MemoryKernels) -> _Planner:
+    """pool, eltwise, batchnorm, join, loss: no blocks to choose."""
+    def plan(layer: LayerSpec, pass_name: str, arch: Arch, choice: tuple[int, int] | None,
+             activations: tuple[bool, bool], gradients: tuple[bool, bool]) -> KernelPlan:
+        if choice is not None:
+            raise PlanError(f"{layer.name}: the {pass_name} pass of a {layer.type} layer has no register tile to choose")
+        return plan_memory_bound(layer, pass_name, arch, kernels, activations)
+    return plan
+
+
+@dataclass(frozen=True)
+class FamilyPlanner:
+    """The generator's half of a kernel family: its planner and what the planner needs of it, so a
+    family cannot come without them (tests/test_families.py checks every family's record; the
+    fp32 compute families' thread-division models are planner/parallel.py's LOOPS, on the cluster
+    side of the layering)."""
+    plan: _Planner
+    memory: MemoryKernels | None = None  # a memory-bound family's kinds: templates and sentences
+    plane_as_row: bool = False           # its convolutions read a small 1x1 plane as one row (conv.plane_as_row)
+
+
+def _memory_family(kernels: MemoryKernels) -> FamilyPlanner:
+    return FamilyPlanner(_memory_bound(kernels), kernels)
 
 
 # Each kernel family's planner (families.FAMILIES names them): the planner's half of the registry.
-_FAMILY_PLANNERS: dict[str, _Planner] = {
-    "conv_packed_amx": lambda layer, p, arch, choice, act, grad: plan_conv_packed_amx(layer, p, arch),
-    "conv_amx": _conv_amx,
-    "fc_tiles_amx": _fc_tiles(True),
-    "conv_packed_vdpbf16": _conv_packed_vdpbf16,
-    "conv_vdpbf16": _conv_vdpbf16,
-    "fc_tiles_vdpbf16": _fc_tiles(False),
-    "conv_depthwise": lambda layer, p, arch, choice, act, grad: plan_conv_depthwise(layer, p, arch),
-    "conv_direct": _register_tiled,
-    "fc_gemm": _register_tiled,
-    "pool": _memory_bound,
-    "eltwise": _memory_bound,
-    "batchnorm": _memory_bound,
-    "join": _memory_bound,
-    "loss": _memory_bound,
+_FAMILY_PLANNERS: dict[str, FamilyPlanner] = {
+    "conv_packed_amx": FamilyPlanner(lambda layer, p, arch, choice, act, grad: plan_conv_packed_amx(layer, p, arch)),
+    "conv_amx": FamilyPlanner(_conv_amx),
+    "fc_tiles_amx": FamilyPlanner(_fc_tiles(True)),
+    "conv_packed_vdpbf16": FamilyPlanner(_conv_packed_vdpbf16),
+    "conv_vdpbf16": FamilyPlanner(_conv_vdpbf16, plane_as_row=True),
+    "fc_tiles_vdpbf16": FamilyPlanner(_fc_tiles(False)),
+    "conv_depthwise": FamilyPlanner(lambda layer, p, arch, choice, act, grad: plan_conv_depthwise(layer, p, arch)),
+    "conv_direct": FamilyPlanner(_register_tiled, plane_as_row=True),
+    "fc_gemm": FamilyPlanner(_register_tiled),
+    "pool": _memory_family(POOL),
+    "eltwise": _memory_family(ELTWISE),
+    "batchnorm": _memory_family(BATCHNORM),
+    "join": _memory_family(JOIN),
+    "loss": _memory_family(LOSS),
 }
 
 

@@ -4,48 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pcldnn_runtime.activations import ACTIVATIONS
-
 from ..arch import Arch
 from ..netspec import LayerSpec
 from .tiles import LATENCY_SLACK, RegisterTile, RowCover
-
-MEMORY_BOUND = {
-    "maxpool_fwd": "one vector of channels per output pixel, max over the clipped window; the argmax "
-                   "(index in the input plane, per lane) is kept for the backward pass",
-    "maxpool_bwd_data": "scatter-add of each output gradient to its argmax; overlapping windows "
-                        "accumulate, threads own whole (image, channel block) planes so no races",
-    "avgpool_fwd": "one vector per output pixel, mean over the window (divisor: kernel area, padding counts as 0)",
-    "avgpool_bwd_data": "each output gradient / kernel area added to its window; threads own whole planes",
-    **{f"{a.name}_fwd": f"elementwise {a.formula} on the blocked buffer" for a in ACTIVATIONS.values()},
-    **{f"{a.name}_bwd_data": (f"elementwise dy * {a.derivative}, using the forward output as the mask"
-                              if not a.from_input else f"elementwise dy * ({a.derivative}), from the forward input")
-       for a in ACTIVATIONS.values()},
-    "dropout_fwd": "elementwise keep/drop from a counter-based hash of (seed, element index): "
-                   "deterministic for any thread count, nothing stored; kept values scaled by 1/(1-rate)",
-    "dropout_bwd_data": "the forward mask recomputed from the same seed, applied to dy",
-    "batchnorm_fwd": "training: each channel block's mean, then its variance about it (two passes, rows summed "
-                     "in fp32 vectors into double lanes; none where the convolution before computed them), then "
-                     "one scale-and-shift pass; eval: that pass on the running statistics; threads own channel "
-                     "blocks for the sums, (image, block) planes after",
-    "add_fwd": "the inputs summed element by element (and the fused ReLU), (image, block) planes a thread",
-    "add_bwd_data": "dy masked by the fused ReLU in place: it is then each input's gradient, unchanged",
-    "concat_fwd": "each input's channels copied into theirs, whole vectors where its channels start a block",
-    "concat_bwd_data": "each input's channels of dy copied out, the inverse of the forward",
-    "mul_fwd": "the two inputs multiplied element by element (a C x 1 x 1 input's lane scaling every pixel of the "
-               "other), (image, block) planes a thread",
-    "mul_bwd_data": "each input's gradient, dy times the other input (a C x 1 x 1 input's summed over the pixels, "
-                    "in fp32 chunks into double lanes)",
-    "batchnorm_bwd_data": "the sums of dy and dy x-hat per channel (as backward-weights), then dx in one pass",
-    "batchnorm_bwd_weights": "dgamma = sum dy x-hat, dbeta = sum dy per channel, a channel block a thread",
-    "softmax_cross_entropy_fwd": "per row: max-shifted softmax, loss = log-sum-exp - logit[label], "
-                                 "accumulated in double; mean over the minibatch",
-    "softmax_cross_entropy_bwd_data": "(softmax - onehot(label)) / minibatch, padded lanes zero",
-}
-
-
-def memory_bound(kind: str) -> str:
-    return MEMORY_BOUND[kind] + "; memory-bound, no register tile to choose"
 
 
 def tile_sentence(tile: RegisterTile, arch: Arch, rows: str, vectors: str) -> str:

@@ -160,6 +160,10 @@ class Family:
     conv_kind: ConvKind = ConvKind.DENSE  # the one kind of convolution its conv kernels compute
     policy: Callable[[LayerShape, str, Target], str | None] = lambda layer, pass_name, target: None
     passes: tuple[str, ...] | None = None  # the passes it has kernels for (None: every pass of its layers)
+    # bound by memory, not FLOPs: its kernels are judged by bytes a second (bench's copy-rate rows)
+    memory_bound: bool = False
+    # its fp32 forward fills its batchnorm reader's batch statistics (fusion.py) where its output is fp32
+    fills_statistics: bool = False
     kinds: tuple[Kind, ...] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -9,6 +9,7 @@ from .base import Engine, Family
 
 FAMILY = Family(
     "batchnorm", Engine.FP32, ("batchnorm",),
+    memory_bound=True,
     signatures={
         # training (1): the batch's per-channel mean and biased variance into mean, var, then
         # out = (in - mean) / sqrt(var + eps) x gamma + beta (and the fused ReLU); 2: only the

@@ -23,7 +23,7 @@ def _backward_data(layer: WeightedLayer, dyb: np.ndarray, mask: np.ndarray | Non
 
 
 FAMILY = Family(
-    "conv_depthwise", Engine.FP32, ("conv",), conv_kind=ConvKind.DEPTHWISE,
+    "conv_depthwise", Engine.FP32, ("conv",), conv_kind=ConvKind.DEPTHWISE, memory_bound=True, fills_statistics=True,
     calls=Calls(statistics_forward, fp32_backward_weights, _backward_data),
     signatures={
         # weights blocked (C/V, KH, KW, V): a window per channel lane; the output fp32; mean, var

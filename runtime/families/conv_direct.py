@@ -17,6 +17,7 @@ from .base import (
 
 FAMILY = Family(
     "conv_direct", Engine.FP32, ("conv",), calls=Calls(statistics_forward, fp32_backward_weights, fp32_backward_data),
+    fills_statistics=True,
     signatures={
         # every conv kernel takes its output y (`out`: the forward's result, the backward passes'
         # ReLU mask) as fp32 or, in a bf16 build where families.bf16_outputs says, bf16 (the

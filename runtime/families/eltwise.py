@@ -8,6 +8,7 @@ from .base import Engine, Family
 # Activations and gradients fp32 or bf16 as for pooling (families.bf16_outputs, bf16_gradients).
 FAMILY = Family(
     "eltwise", Engine.FP32, (*ACTIVATIONS, "dropout"),
+    memory_bound=True,
     signatures={
         # an activation's backward reads its forward output (a mask) or its input (activations.py);
         # ReLU's activations may be bf16 (families.bf16_outputs), the others' are fp32

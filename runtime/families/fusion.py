@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ..layer_types import ConvKind
 from .base import Engine, LayerShape, Target
 
 
@@ -73,10 +74,11 @@ def plan_fusions(layers: Sequence[FusableLayer], target: Target) -> Fusions:
 
 
 def _direct_fp32(layer: FusableLayer, target: Target) -> bool:
-    """The convolution's forward is an fp32 kernel that computes statistics of an fp32 output
-    (conv_depthwise's; conv_direct's outside bf16 builds, where its output into a batchnorm is
-    stored as bf16: families.bf16_outputs; the bf16 kernels compute none, yet)."""
+    """The convolution's forward is a kernel that fills statistics (Family.fills_statistics: the
+    fp32 ones; the bf16 kernels compute none, yet) of an fp32 output: in bf16 builds a dense
+    convolution's output into a batchnorm is stored as bf16 (families.bf16_outputs), a depthwise
+    one's is not."""
     from . import choose  # the package imports this module
     family, kind = choose(layer, "fwd", target)
-    fp32_output = family.name == "conv_depthwise" or (family.name == "conv_direct" and target.precision != "bf16")
-    return fp32_output and kind.engine is Engine.FP32
+    fp32_output = target.precision != "bf16" or layer.conv_kind is not ConvKind.DENSE
+    return family.fills_statistics and fp32_output and kind.engine is Engine.FP32

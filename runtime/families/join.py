@@ -9,6 +9,7 @@ from .base import Engine, Family
 
 FAMILY = Family(
     "join", Engine.FP32, ("add", "concat", "mul"),
+    memory_bound=True,
     signatures={
         # `in`: the inputs' blocked activations, as many as the layer has (compiled in)
         "add_fwd": "float *const *in, float *out, int batch, int nthreads",

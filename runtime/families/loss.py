@@ -6,6 +6,7 @@ from .base import Engine, Family
 
 FAMILY = Family(
     "loss", Engine.FP32, ("softmax_cross_entropy",),
+    memory_bound=True,
     signatures={
         "softmax_cross_entropy_fwd":
             "const float *logits, const int *labels, float *probs, double *loss, int batch, int nthreads",

@@ -8,6 +8,7 @@ from .base import Engine, Family
 # gradients (dy, dx) fp32 or, where families.bf16_gradients says, bf16 (the kernel knows which).
 FAMILY = Family(
     "pool", Engine.FP32, ("maxpool", "avgpool"),
+    memory_bound=True,
     signatures={
         "maxpool_fwd": "const void *in, void *out, int *argmax, int batch, int nthreads",
         # its backward takes its own forward output `out` (or NULL): where given, it routes no
