@@ -68,11 +68,15 @@ def ours(net_file: str, arch_name: str, batch: int, threads: int, steps: int, tu
 
 
 def graph_module(spec, nn):
-    """The net description as a PyTorch module: each layer's module under its name, run in file
-    order on the outputs of the layers it reads (chains and graphs alike: residual adds,
+    """The net description as a PyTorch module: each layer's module (pcldnn_gen.torch_frontend's
+    table, the rows from_torch reads, then its fused activation) under its name, run in file order
+    on the outputs of the layers it reads (chains and graphs alike: residual adds, products,
     concats, batchnorm, depthwise convolutions, global average pooling)."""
+    import dataclasses
+
     import torch
-    import torch.nn.functional as F
+
+    from pcldnn_gen.torch_frontend import torch_module
 
     class Graph(nn.Module):
         def __init__(self):
@@ -80,19 +84,12 @@ def graph_module(spec, nn):
             self.layers = spec.layers
             self.m = nn.ModuleDict()
             for l in spec.layers:
-                if l.type == "conv":
-                    self.m[l.name] = nn.Conv2d(l.in_shape[0], l.out_shape[0], l.kernel, l.stride, l.pad,
-                                               groups=l.groups, bias=l.bias)
-                elif l.type == "fc":
-                    self.m[l.name] = nn.Linear(int(np.prod(l.in_shape)), l.out_shape[0], bias=l.bias)
-                elif l.type == "batchnorm":
-                    self.m[l.name] = nn.BatchNorm2d(l.in_shape[0], eps=l.eps, momentum=l.momentum)
-                elif l.type == "maxpool":
-                    self.m[l.name] = nn.MaxPool2d(l.kernel, l.stride, l.pad)
-                elif l.type == "avgpool":
-                    self.m[l.name] = nn.AvgPool2d(l.kernel, l.stride, l.pad)
-                elif l.type == "dropout":
-                    self.m[l.name] = nn.Dropout(l.rate)
+                parts = [torch_module(l)]
+                if l.act is not None and l.type != l.activation:  # a fused activation, applied after the layer
+                    parts.append(torch_module(dataclasses.replace(l, type=l.activation)))
+                parts = [p for p in parts if p is not None]
+                if parts:
+                    self.m[l.name] = parts[0] if len(parts) == 1 else nn.Sequential(*parts)
 
         def forward(self, x):
             out = {"input": x}
@@ -108,16 +105,10 @@ def graph_module(spec, nn):
                     y = ins[0] * ins[1]
                 elif l.type == "concat":
                     y = torch.cat(ins, dim=1)
-                elif l.type == "global_avgpool":
-                    y = F.adaptive_avg_pool2d(ins[0], 1)
-                elif l.type == "fc":
-                    y = self.m[l.name](torch.flatten(ins[0], 1))
-                elif l.act is not None and l.type == l.activation:  # a standalone activation
-                    y = ins[0]
                 else:
-                    y = self.m[l.name](ins[0])
-                if l.act is not None:  # its own, or one fused into the layer
-                    y = getattr(F, l.act.torch_functions[0])(y)
+                    y = torch.flatten(ins[0], 1) if l.type == "fc" else ins[0]
+                if l.name in self.m:
+                    y = self.m[l.name](y)
                 out[l.name] = y
             return y
 

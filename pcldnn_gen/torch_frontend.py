@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,16 +18,6 @@ from pcldnn_runtime.activations import ACTIVATIONS
 
 from .errors import ModelImportError, PcldnnError
 from .frontend import INPUT, Op, fail_unsupported, input_shape_of, model_name, net_from_ops, printable
-
-SUPPORTED = ("Conv2d (groups=1 or depthwise, dilation=1, zero padding), Linear, BatchNorm2d, MaxPool2d, AvgPool2d, "
-             "AdaptiveAvgPool2d (to a size that divides the input), "
-             + ", ".join(m for a in ACTIVATIONS.values() for m in a.torch_modules) + " (GELU: approximate='none'), "
-             "Dropout, Flatten, Identity, a final Softmax / LogSoftmax, and torch.flatten / "
-             + " / ".join(f"F.{a.torch_functions[0]}" for a in ACTIVATIONS.values())
-             + " / F.dropout / F.max_pool2d / F.avg_pool2d / F.adaptive_avg_pool2d / "
-             "+ (residual sums) / * (a product, or a per-channel scale: squeeze-and-excitation) / torch.cat(dim=1) / "
-             "view(N, -1) in forward")
-
 
 # How to get PyTorch without its CUDA build (several GB, PyPI's default on Linux): the README's
 # set-up says the same.
@@ -97,7 +89,8 @@ def _array(t: Any) -> np.ndarray:
 def _ops(traced: Any, torch: Any, origin: str) -> list[Op]:
     """The traced graph as Ops in its (topological) order, each naming the tensors it reads;
     every unsupported node collected, then one error."""
-    nn, F = torch.nn, torch.nn.functional
+    nn = torch.nn
+    rows = _function_rows(torch)
     modules = dict(traced.named_modules())
     problems: list[str] = []
     ops: list[Op] = []
@@ -118,7 +111,7 @@ def _ops(traced: Any, torch: Any, origin: str) -> list[Op]:
                 op = _module_op(str(node.target), modules[node.target], nn)
                 reads = node.args[:1]
             elif node.op in ("call_function", "call_method"):
-                op, reads = _function_op(node, torch, F)
+                op, reads = _function_op(node, torch, rows)
             else:
                 raise _Unsupported(node.op)
             if not reads or not all(r in names for r in reads):
@@ -152,150 +145,236 @@ def _is_shape_query(node: Any, torch: Any) -> bool:
             and (node.args[0].op, node.args[0].target) in (("call_method", "size"), ("call_function", getattr)))
 
 
-def _module_op(target: str, m: Any, nn: Any) -> Op:
-    kind = type(m).__name__
-    if isinstance(m, nn.Conv2d):
-        if m.groups != 1 and not m.groups == m.in_channels == m.out_channels:
-            raise _Unsupported(kind, f"groups={m.groups} (1, or depthwise: groups = in_channels = out_channels)")
-        if _pair(m.dilation) != (1, 1):
-            raise _Unsupported(kind, f"dilation={m.dilation} (only 1)")
-        if m.padding_mode != "zeros":
-            raise _Unsupported(kind, f"padding_mode={m.padding_mode!r} (only 'zeros')")
-        if isinstance(m.padding, str):  # 'valid' or 'same' (stride 1)
-            if m.padding not in ("valid", "same"):
-                raise _Unsupported(kind, f"padding={printable(m.padding)} (an int, a pair, 'valid' or 'same')")
-            k = _pair(m.kernel_size)
-            if m.padding == "same" and (k[0] % 2 == 0 or k[1] % 2 == 0):
-                raise _Unsupported(kind, "padding='same' with an even kernel (asymmetric padding)")
-            pad = (0, 0) if m.padding == "valid" else (k[0] // 2, k[1] // 2)
-        else:
-            pad = _pair(m.padding)
-        return Op("conv", target, kind, {"kernel": _pair(m.kernel_size), "stride": _pair(m.stride), "pad": pad,
-                                         "groups": m.groups}, _array(m.weight), None if m.bias is None else _array(m.bias))
-    if isinstance(m, nn.Linear):
-        return Op("fc", target, kind, {}, _array(m.weight), None if m.bias is None else _array(m.bias))
-    if isinstance(m, (nn.MaxPool2d, nn.AvgPool2d)):
-        return _pool_op(target, kind, m.kernel_size, m.stride, m.padding, m.ceil_mode,
-                        getattr(m, "dilation", 1), getattr(m, "return_indices", False),
-                        getattr(m, "count_include_pad", True), getattr(m, "divisor_override", None))
-    if isinstance(m, nn.AdaptiveAvgPool2d):
-        size = m.output_size if isinstance(m.output_size, (tuple, list)) else (m.output_size, m.output_size)
-        return Op("avgpool", target, kind, {"adaptive": tuple(size)})
-    if isinstance(m, nn.BatchNorm2d):
-        if not m.affine or not m.track_running_stats:
-            raise _Unsupported(kind, "affine=False or track_running_stats=False (only BatchNorm2d's defaults)")
-        if m.momentum is None:
-            raise _Unsupported(kind, "momentum=None (a cumulative average; only a number)")
-        return Op("batchnorm", target, kind, {"eps": m.eps, "momentum": m.momentum}, _array(m.weight), _array(m.bias),
-                  (_array(m.running_mean), _array(m.running_var), int(m.num_batches_tracked)))
-    for act in ACTIVATIONS.values():
-        if any(isinstance(m, getattr(nn, cls)) for cls in act.torch_modules):
-            _exact(kind, getattr(m, "approximate", "none"))
-            return Op(act.name, target, kind)
-    if isinstance(m, nn.Dropout):
-        return Op("dropout", target, kind, {"rate": m.p})
-    if isinstance(m, nn.Flatten):
-        if (m.start_dim, m.end_dim) != (1, -1):
-            raise _Unsupported(kind, f"start_dim={m.start_dim}, end_dim={m.end_dim} (only 1, -1)")
-        return Op("flatten", target, kind)
-    if isinstance(m, nn.Identity):
-        return Op("identity", target, kind)
-    if isinstance(m, (nn.Softmax, nn.LogSoftmax)):
-        if m.dim not in (1, -1):
-            raise _Unsupported(kind, f"dim={m.dim} (only over the classes, dim 1)")
-        return Op("softmax", target, kind)
-    raise _Unsupported(kind)
 
 
-def _exact(kind: str, approximate: Any) -> None:
-    """GELU's `approximate` (no other activation has one): 'none' (erf) only, the form the table computes."""
-    if approximate != "none":
-        raise _Unsupported(kind, f"approximate={printable(repr(approximate))} (only 'none', the erf form)")
+# The table: our ops and PyTorch's spellings of them, read and written in both directions --------
 
 
-def _pool_op(target: str, kind: str, kernel: Any, stride: Any, padding: Any, ceil_mode: Any, dilation: Any, return_indices: Any,
-             count_include_pad: Any, divisor_override: Any) -> Op:
-    k = _pair(kernel)
+@dataclass(frozen=True)
+class TorchRow:
+    """One op of ours and PyTorch's spellings of it: its torch.nn modules, its functions (looked up
+    in torch.nn.functional, torch and operator) and tensor methods, and its arguments in the
+    functions' order after the input, with their defaults. A module's attributes of those names
+    and a call's arguments are read alike (`arguments`), so a module and its functional form are
+    one row and one reader; `build` makes the module back from a layer (torch_module)."""
+    kind: str
+    read: Callable[[str, str, dict[str, Any]], Op]  # (source, PyTorch's type name, arguments) -> Op
+    modules: tuple[str, ...] = ()
+    functions: tuple[str, ...] = ()
+    methods: tuple[str, ...] = ()
+    params: tuple[tuple[str, Any], ...] = ()
+    tensors: int = 1  # the tensors a call reads first: 1, 2 (add, mul), or 0: one list of them (cat)
+    build: Callable[[Any, Any], Any] | None = None  # (layer, torch.nn) -> a module computing it; None: a graph op
+    supported: str = ""  # what SUPPORTED says of the row's conditions
+
+
+def _conv(source: str, kind: str, a: dict[str, Any]) -> Op:
+    m = a["module"]
+    if a["groups"] != 1 and not a["groups"] == m.in_channels == m.out_channels:
+        raise _Unsupported(kind, f"groups={a['groups']} (1, or depthwise: groups = in_channels = out_channels)")
+    if _pair(a["dilation"]) != (1, 1):
+        raise _Unsupported(kind, f"dilation={a['dilation']} (only 1)")
+    if a["padding_mode"] != "zeros":
+        raise _Unsupported(kind, f"padding_mode={a['padding_mode']!r} (only 'zeros')")
+    k = _pair(m.kernel_size)
+    if isinstance(a["padding"], str):  # 'valid' or 'same' (stride 1)
+        if a["padding"] not in ("valid", "same"):
+            raise _Unsupported(kind, f"padding={printable(a['padding'])} (an int, a pair, 'valid' or 'same')")
+        if a["padding"] == "same" and (k[0] % 2 == 0 or k[1] % 2 == 0):
+            raise _Unsupported(kind, "padding='same' with an even kernel (asymmetric padding)")
+        pad = (0, 0) if a["padding"] == "valid" else (k[0] // 2, k[1] // 2)
+    else:
+        pad = _pair(a["padding"])
+    return Op("conv", source, kind, {"kernel": k, "stride": _pair(a["stride"]), "pad": pad, "groups": a["groups"]},
+              _array(a["weight"]), None if a["bias"] is None else _array(a["bias"]))
+
+
+def _linear(source: str, kind: str, a: dict[str, Any]) -> Op:
+    return Op("fc", source, kind, {}, _array(a["weight"]), None if a["bias"] is None else _array(a["bias"]))
+
+
+def _batchnorm(source: str, kind: str, a: dict[str, Any]) -> Op:
+    m = a["module"]
+    if not m.affine or not m.track_running_stats:
+        raise _Unsupported(kind, "affine=False or track_running_stats=False (only BatchNorm2d's defaults)")
+    if m.momentum is None:
+        raise _Unsupported(kind, "momentum=None (a cumulative average; only a number)")
+    return Op("batchnorm", source, kind, {"eps": m.eps, "momentum": m.momentum}, _array(m.weight), _array(m.bias),
+              (_array(m.running_mean), _array(m.running_var), int(m.num_batches_tracked)))
+
+
+def _pool(source: str, kind: str, a: dict[str, Any]) -> Op:
+    """max and average pooling, as modules (MaxPool2d, AvgPool2d) and functions alike."""
+    k = _pair(a["kernel_size"])
+    stride = a["stride"]
     s = k if stride is None or stride == [] or stride == () else _pair(stride)
-    p = _pair(padding)
-    if ceil_mode:
+    if a["ceil_mode"]:
         raise _Unsupported(kind, "ceil_mode=True (only floor)")
-    if _pair(dilation) != (1, 1):
-        raise _Unsupported(kind, f"dilation={dilation} (only 1)")
-    if return_indices:
+    if _pair(a.get("dilation", 1)) != (1, 1):
+        raise _Unsupported(kind, f"dilation={a['dilation']} (only 1)")
+    if a.get("return_indices"):
         raise _Unsupported(kind, "return_indices=True")
-    if kind.startswith("Avg") or kind == "avg_pool2d":
-        if divisor_override:
+    if "count_include_pad" in a:  # average pooling
+        if a["divisor_override"]:
             raise _Unsupported(kind, "divisor_override")
-        if p != (0, 0) and not count_include_pad:
+        if _pair(a["padding"]) != (0, 0) and not a["count_include_pad"]:
             raise _Unsupported(kind, "count_include_pad=False with padding (only padding counted as zeros)")
-        return Op("avgpool", target, kind, {"kernel": k, "stride": s, "pad": p})
-    return Op("maxpool", target, kind, {"kernel": k, "stride": s, "pad": p})
+        return Op("avgpool", source, kind, {"kernel": k, "stride": s, "pad": _pair(a["padding"])})
+    return Op("maxpool", source, kind, {"kernel": k, "stride": s, "pad": _pair(a["padding"])})
 
 
-def _function_op(node: Any, torch: Any, F: Any) -> tuple[Op, tuple[Any, ...]]:
+def _adaptive(source: str, kind: str, a: dict[str, Any]) -> Op:
+    size = a["output_size"]
+    return Op("avgpool", source, kind, {"adaptive": tuple(size) if isinstance(size, (tuple, list)) else (size, size)})
+
+
+def _activation(act: str) -> Callable[[str, str, dict[str, Any]], Op]:
+    def read(source: str, kind: str, a: dict[str, Any]) -> Op:
+        if a["approximate"] != "none":  # (GELU's: no other activation has one)
+            raise _Unsupported(kind, f"approximate={printable(repr(a['approximate']))} (only 'none', the erf form)")
+        return Op(act, source, kind)
+    return read
+
+
+def _activation_module(cls: str) -> Callable[[Any, Any], Any]:
+    return lambda layer, nn: getattr(nn, cls)()
+
+
+def _dropout(source: str, kind: str, a: dict[str, Any]) -> Op:
+    return Op("dropout", source, kind, {"rate": a["p"]})
+
+
+def _flatten(source: str, kind: str, a: dict[str, Any]) -> Op:
+    if (a["start_dim"], a["end_dim"]) != (1, -1):
+        raise _Unsupported(kind, f"start_dim={a['start_dim']}, end_dim={a['end_dim']} (only 1, -1)")
+    return Op("flatten", source, kind)
+
+
+def _view(source: str, kind: str, a: dict[str, Any]) -> Op:
+    dims = a["args"] if len(a["args"]) != 1 or not isinstance(a["args"][0], (tuple, list)) else tuple(a["args"][0])
+    if len(dims) == 2 and dims[1] == -1:
+        return Op("flatten", source, kind)
+    raise _Unsupported(kind, f"{kind}{tuple(dims)} (only (N, -1), a flatten)")
+
+
+def _softmax(source: str, kind: str, a: dict[str, Any]) -> Op:
+    if a["dim"] not in (1, -1):
+        raise _Unsupported(kind, f"dim={a['dim']} (only over the classes, dim 1)")
+    return Op("softmax", source, kind)
+
+
+def _binary(op: str, what: str) -> Callable[[str, str, dict[str, Any]], Op]:
+    def read(source: str, kind: str, a: dict[str, Any]) -> Op:
+        if a["extra"]:
+            raise _Unsupported(kind, f"only the {what} of two tensors (no constant{', no alpha' if op == 'add' else ''})")
+        return Op(op, source, kind)
+    return read
+
+
+def _cat(source: str, kind: str, a: dict[str, Any]) -> Op:
+    if a["dim"] not in (1, -3) or len(a["tensors"]) < 2:
+        raise _Unsupported(kind, f"dim={a['dim']} over {len(a['tensors'])} tensors (only two or more along the "
+                           "channels, dim 1)")
+    return Op("concat", source, kind)
+
+
+_POOL_PARAMS = (("kernel_size", None), ("stride", None), ("padding", 0))
+ROWS: tuple[TorchRow, ...] = (
+    TorchRow("conv", _conv, modules=("Conv2d",), params=(
+        ("weight", None), ("bias", None), ("stride", 1), ("padding", 0), ("dilation", 1), ("groups", 1),
+        ("padding_mode", "zeros")),
+        build=lambda l, nn: nn.Conv2d(l.in_shape[0], l.out_shape[0], l.kernel, l.stride, l.pad, groups=l.groups,
+                                      bias=l.bias),
+        supported="groups=1 or depthwise, dilation=1, zero padding"),
+    TorchRow("fc", _linear, modules=("Linear",), params=(("weight", None), ("bias", None)),
+             build=lambda l, nn: nn.Linear(l.in_shape[0] * l.in_shape[1] * l.in_shape[2], l.out_shape[0], bias=l.bias)),
+    TorchRow("batchnorm", _batchnorm, modules=("BatchNorm2d",),
+             build=lambda l, nn: nn.BatchNorm2d(l.in_shape[0], eps=l.eps, momentum=l.momentum)),
+    TorchRow("maxpool", _pool, modules=("MaxPool2d",), functions=("max_pool2d",),
+             params=(*_POOL_PARAMS, ("dilation", 1), ("ceil_mode", False), ("return_indices", False)),
+             build=lambda l, nn: nn.MaxPool2d(l.kernel, l.stride, l.pad)),
+    TorchRow("avgpool", _pool, modules=("AvgPool2d",), functions=("avg_pool2d",),
+             params=(*_POOL_PARAMS, ("ceil_mode", False), ("count_include_pad", True), ("divisor_override", None)),
+             build=lambda l, nn: nn.AvgPool2d(l.kernel, l.stride, l.pad)),
+    TorchRow("avgpool", _adaptive, modules=("AdaptiveAvgPool2d",), functions=("adaptive_avg_pool2d",),
+             params=(("output_size", None),), supported="to a size that divides the input"),
+    *(TorchRow(a.name, _activation(a.name), modules=a.torch_modules, functions=a.torch_functions,
+               methods=a.torch_functions, params=(("inplace", False), ("approximate", "none")),
+               build=_activation_module(a.torch_modules[0]),
+               supported="approximate='none'" if a.name == "gelu" else "") for a in ACTIVATIONS.values()),
+    TorchRow("dropout", _dropout, modules=("Dropout",), functions=("dropout",), methods=("dropout",),
+             params=(("p", 0.5),), build=lambda l, nn: nn.Dropout(l.rate)),
+    TorchRow("flatten", _flatten, modules=("Flatten",), params=(("start_dim", 1), ("end_dim", -1))),
+    TorchRow("flatten", _flatten, functions=("flatten",), methods=("flatten",),
+             params=(("start_dim", 0), ("end_dim", -1)), supported="from dim 1"),
+    TorchRow("flatten", _view, methods=("view", "reshape"), supported="(N, -1)"),
+    TorchRow("identity", lambda source, kind, a: Op("identity", source, kind), modules=("Identity",)),
+    TorchRow("softmax", _softmax, modules=("Softmax", "LogSoftmax"), functions=("softmax", "log_softmax"),
+             methods=("softmax", "log_softmax"), params=(("dim", None),), supported="the last node, over dim 1"),
+    TorchRow("add", _binary("add", "sum"), functions=("add", "iadd"), methods=("add", "add_"), tensors=2,
+             supported="+ of two tensors: residual sums"),
+    TorchRow("mul", _binary("mul", "product"), functions=("mul", "imul"), methods=("mul", "mul_"), tensors=2,
+             supported="* of two tensors, or a per-channel scale: squeeze-and-excitation"),
+    TorchRow("concat", _cat, functions=("cat",), params=(("dim", 0),), tensors=0, supported="dim=1"),
+)
+
+
+def _names(row: TorchRow) -> str:
+    spelled = [*row.modules, *(f"F.{f}" if f not in ("add", "iadd", "mul", "imul", "cat", "flatten") else f"torch.{f}"
+                               for f in row.functions if not f.startswith("i")), *(f".{m}()" for m in row.methods
+                                                                                 if not row.functions)]
+    return " / ".join(spelled) + (f" ({row.supported})" if row.supported else "")
+
+
+SUPPORTED = "; ".join(_names(row) for row in ROWS)
+
+
+def _function_rows(torch: Any) -> dict[Any, TorchRow]:
+    """Each row's functions, as the objects torch.fx records as call targets."""
+    found: dict[Any, TorchRow] = {}
+    for row in ROWS:
+        for name in row.functions:
+            for space in (torch.nn.functional, torch, operator):
+                fn = getattr(space, name, None)
+                if fn is not None:
+                    found.setdefault(fn, row)
+    return found
+
+
+def _module_row(m: Any, nn: Any) -> TorchRow | None:
+    return next((row for row in ROWS for cls in row.modules if isinstance(m, getattr(nn, cls))), None)
+
+
+def _module_op(target: str, m: Any, nn: Any) -> Op:
+    row = _module_row(m, nn)
+    if row is None:
+        raise _Unsupported(type(m).__name__)
+    arguments = {name: getattr(m, name, default) for name, default in row.params} | {"module": m}
+    return row.read(target, type(m).__name__, arguments)
+
+
+def _function_op(node: Any, torch: Any, rows: dict[Any, TorchRow]) -> tuple[Op, tuple[Any, ...]]:
     """torch.* / F.* calls and tensor methods inside forward, and the nodes whose tensors they read."""
     fn, args, kwargs = node.target, node.args, node.kwargs
     kind = getattr(fn, "__name__", str(fn))
-    if fn in (operator.add, operator.iadd, torch.add) or (node.op == "call_method" and fn in ("add", "add_")):
-        if len(args) != 2 or kwargs or not all(isinstance(a, type(node)) for a in args):
-            raise _Unsupported(kind, "only the sum of two tensors (no constant, no alpha)")
-        return Op("add", node.name, kind), tuple(args)
-    if fn in (operator.mul, operator.imul, torch.mul) or (node.op == "call_method" and fn in ("mul", "mul_")):
-        if len(args) != 2 or kwargs or not all(isinstance(a, type(node)) for a in args):
-            raise _Unsupported(kind, "only the product of two tensors (no constant)")
-        return Op("mul", node.name, kind), tuple(args)
-    if fn is torch.cat:
-        parts = args[0] if args else kwargs.get("tensors")
-        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-        if dim not in (1, -3) or not isinstance(parts, (list, tuple)) or len(parts) < 2:
-            raise _Unsupported(kind, f"dim={dim} over {len(parts) if isinstance(parts, (list, tuple)) else parts} "
-                               "tensors (only two or more along the channels, dim 1)")
-        return Op("concat", node.name, kind), tuple(parts)
-    return _one_input_op(node, torch, F, kind), tuple(args[:1])
+    row = next((r for r in ROWS if fn in r.methods), None) if node.op == "call_method" else rows.get(fn)
+    if row is None:
+        raise _Unsupported(kind)
+    if row.tensors == 0:  # one list of tensors (torch.cat)
+        listed = args[0] if args else kwargs.get("tensors")
+        tensors = tuple(listed) if isinstance(listed, (list, tuple)) else ()
+        rest, given = args[1:], {k: v for k, v in kwargs.items() if k != "tensors"}
+    else:
+        tensors, rest, given = tuple(args[:row.tensors]), args[row.tensors:], dict(kwargs)
+    arguments = dict(row.params) | dict(zip((p for p, _ in row.params), rest)) | given | {"args": rest, "tensors": tensors}
+    if row.tensors == 2:  # a constant operand, or an argument (alpha) beside the two tensors
+        arguments["extra"] = bool(rest or kwargs) or not all(isinstance(t, type(node)) for t in tensors)
+    return row.read(node.name, kind, arguments), tensors
 
 
-def _one_input_op(node: Any, torch: Any, F: Any, kind: str) -> Op:
-    """The calls of one tensor."""
-    fn, args, kwargs = node.target, node.args, node.kwargs
-    name = node.name
-    for act in ACTIVATIONS.values():
-        functions = [f for n in act.torch_functions for f in (getattr(F, n, None), getattr(torch, n, None)) if f]
-        if fn in functions or (node.op == "call_method" and fn in act.torch_functions):
-            _exact(kind, kwargs.get("approximate", "none"))  # (keyword-only in F.gelu)
-            return Op(act.name, name, kind)
-    if fn in (torch.flatten,) or (node.op == "call_method" and fn == "flatten"):
-        start = args[1] if len(args) > 1 else kwargs.get("start_dim", 0)
-        end = args[2] if len(args) > 2 else kwargs.get("end_dim", -1)
-        if (start, end) != (1, -1):
-            raise _Unsupported(kind, f"start_dim={start}, end_dim={end} (only 1, -1)")
-        return Op("flatten", name, kind)
-    if node.op == "call_method" and fn in ("view", "reshape"):
-        dims = args[1:] if len(args) != 2 or not isinstance(args[1], (tuple, list)) else tuple(args[1])
-        if len(dims) == 2 and dims[1] == -1:
-            return Op("flatten", name, kind)
-        raise _Unsupported(kind, f"{fn}{tuple(dims)} (only (N, -1), a flatten)")
-    if fn is F.dropout or (node.op == "call_method" and fn == "dropout"):
-        rate = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
-        return Op("dropout", name, kind, {"rate": rate})
-    if fn is F.adaptive_avg_pool2d:
-        size = args[1] if len(args) > 1 else kwargs.get("output_size")
-        return Op("avgpool", name, kind, {"adaptive": tuple(size) if isinstance(size, (tuple, list)) else (size, size)})
-    if fn in (F.max_pool2d, F.avg_pool2d):
-        names = ("kernel_size", "stride", "padding")
-        given = dict(zip(names, args[1:])) | {k: v for k, v in kwargs.items() if k in names}
-        extra: dict[str, Any]
-        if fn is F.max_pool2d:
-            extra = {"ceil_mode": False, "dilation": 1, "return_indices": False}
-            order = ("dilation", "ceil_mode", "return_indices")
-        else:
-            extra = {"ceil_mode": False, "count_include_pad": True, "divisor_override": None}
-            order = ("ceil_mode", "count_include_pad", "divisor_override")
-        extra |= dict(zip(order, args[4:])) | {k: v for k, v in kwargs.items() if k in extra}
-        return _pool_op(name, kind, given["kernel_size"], given.get("stride"), given.get("padding", 0),
-                        extra["ceil_mode"], extra.get("dilation", 1), extra.get("return_indices", False),
-                        extra.get("count_include_pad", True), extra.get("divisor_override"))
-    if fn in (F.softmax, F.log_softmax, torch.softmax, torch.log_softmax) or (
-            node.op == "call_method" and fn in ("softmax", "log_softmax")):
-        return Op("softmax", name, kind)
-    raise _Unsupported(kind)
+def torch_module(layer: Any) -> Any:
+    """A torch.nn module computing `layer` (a LayerSpec) from the same row its import reads (None:
+    a graph operation: add, mul, concat; the loss). The benchmarks' PyTorch nets are built so."""
+    import torch
+    build = next((r.build for r in ROWS if r.kind == layer.type and r.build is not None), None)
+    return build(layer, torch.nn) if build is not None else None

@@ -309,3 +309,32 @@ def test_relu6_fused_into_batchnorm_and_standalone_matches_pytorch(tmp_path):
         g = dict(model.named_parameters())[f"{layer['source']}.weight"].grad.numpy()
         key = f"{layer['name']}.weight"
         np.testing.assert_allclose(before[key] - after[key], g, rtol=1e-3, atol=2e-4 * np.abs(g).max(), err_msg=key)
+
+
+def test_the_table_builds_the_modules_it_reads():
+    """torch_module makes each layer's PyTorch module from the row from_torch reads it by: a chain
+    built so (fused activations as modules after their layer) imports as the same layers."""
+    from dataclasses import replace
+
+    from pcldnn_gen.netspec import parse_netspec
+    from pcldnn_gen.torch_frontend import torch_module
+    spec = parse_netspec({"name": "t", "input": {"channels": 3, "height": 10, "width": 10}, "layers": [
+        {"name": "c", "type": "conv", "out_channels": 8, "kernel": 3, "pad": 1, "activation": "relu"},
+        {"name": "n", "type": "batchnorm", "activation": "silu", "eps": 1e-3, "momentum": 0.2},
+        {"name": "p", "type": "maxpool", "kernel": 2}, {"name": "g", "type": "gelu"},
+        {"name": "a", "type": "avgpool", "kernel": 3, "stride": 1, "pad": 1}, {"name": "s", "type": "sigmoid"},
+        {"name": "d", "type": "dropout", "rate": 0.25}, {"name": "f", "type": "fc", "out_features": 4, "bias": False},
+        {"name": "loss", "type": "softmax_cross_entropy"}]})
+    modules = []
+    for layer in spec.layers[:-1]:
+        if layer.type == "fc":
+            modules.append(nn.Flatten())
+        modules.append(torch_module(layer))
+        if layer.act is not None and layer.type != layer.activation:
+            modules.append(torch_module(replace(layer, type=layer.activation)))
+    back, _ = pcldnn_gen.from_torch(nn.Sequential(*modules), (3, 10, 10))
+
+    def fields(layer):
+        return (layer.type, layer.activation, layer.kernel, layer.stride, layer.pad, layer.rate, layer.eps,
+                layer.momentum, layer.bias, layer.out_shape)
+    assert [fields(l) for l in parse_netspec(back).layers] == [fields(l) for l in spec.layers]
