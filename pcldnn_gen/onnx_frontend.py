@@ -12,23 +12,20 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from pcldnn_runtime import limits
+from pcldnn_runtime.onnx_conventions import ONNX_ACTIVATIONS, momentum_from_onnx, pads_from_onnx
 from pcldnn_runtime.validate import check_writable, read_bounded, remove_stale_temporaries, show
 
 from .errors import ModelImportError, PcldnnError
 from .frontend import INPUT, Op, fail_unsupported, input_shape_of, model_name, net_from_ops, printable
 
-SUPPORTED = ("Conv (group 1 or depthwise, dilation 1, symmetric pads), Gemm (transA 0), MatMul (+ Add), MaxPool / "
-             "AveragePool (floor, symmetric pads; AveragePool counting pads), GlobalAveragePool, BatchNormalization "
-             "(inference form), Relu, Clip to [0, 6], Sigmoid, SiLU (x Sigmoid(x)), GELU (Gelu, or its Erf form), "
-             "Add / Sum of tensors, Mul of two tensors, Concat (axis 1), Dropout, Flatten (axis 1), Reshape to "
-             "(N, -1), Identity, a final Softmax / LogSoftmax")
 MAX_MODEL_BYTES = 4 * 1024 ** 3  # a protobuf cannot exceed 2 GiB without external data anyway
 MIN_OPSET = 7  # the oldest opset whose operator forms the translation below reads (opset 7 dropped is_test etc.)
 
@@ -214,10 +211,10 @@ def _float(a: dict, name: str, default: float) -> np.float32:
 
 
 def _symmetric(pads: list[int]) -> list[int]:
-    pads = pads or [0, 0, 0, 0]
-    if len(pads) != 4 or pads[:2] != pads[2:]:
+    ours = pads_from_onnx(pads)
+    if ours is None:
         raise _Unsupported(f"pads {pads} (only symmetric: [top, left, top, left])")
-    return pads[:2]
+    return list(ours)
 
 
 def _window(a: dict, kernel_from: Any = None) -> dict[str, Any]:
@@ -293,103 +290,157 @@ def _const(constants: dict[str, np.ndarray], node: Any, index: int, what: str) -
 
 def _node_op(node: Any, following: Any, source: str, constants: Any, onnx: Any) -> tuple[Op, bool]:
     """The Op of one node, and whether it consumed `following` (the Add after a MatMul)."""
-    t, a = node.op_type, _attrs(node, onnx)
-    if t == "Conv":
-        w = _const(constants, node, 1, "weight")
-        if w is None or w.ndim != 4:
-            raise _Unsupported("needs a 4-D weight initializer")
-        group = _int(a, "group", 1)
-        if group != 1 and not (group == w.shape[0] and w.shape[1] == 1):
-            raise _Unsupported(f"group {group} (1, or depthwise: group = input channels = output channels)")
-        return Op("conv", source, t, _window(a, w.shape[2:]) | {"groups": group}, w,
-                  _const(constants, node, 2, "bias")), False
-    if t == "Gemm":
-        if _int(a, "transA", 0):
-            raise _Unsupported("transA 1 (only 0)")
-        b = _const(constants, node, 1, "B")
-        if b is None or b.ndim != 2:
-            raise _Unsupported("needs a 2-D B initializer")
-        w = (b if _int(a, "transB", 0) else b.T) * _float(a, "alpha", 1.0)
-        c = _const(constants, node, 2, "C")
-        bias = None
-        if c is not None:
-            if c.size not in (1, w.shape[0]) or c.ndim > 2:
-                raise _Unsupported(f"C of shape {c.shape} (only a bias of the {w.shape[0]} outputs)")
-            bias = np.broadcast_to(c.reshape(-1), (w.shape[0],)) * _float(a, "beta", 1.0)
-        return Op("fc", source, t, {}, w, bias), False
-    if t == "MatMul":
-        b = _const(constants, node, 1, "B")
-        if b is None or b.ndim != 2:
-            raise _Unsupported("needs a 2-D weight initializer as its second input")
-        bias, merged = None, False
-        if following is not None and following.op_type == "Add" and node.output[0] in following.input:
-            other = [i for i in following.input if i != node.output[0]]
-            if len(other) == 1 and other[0] in constants and np.asarray(constants[other[0]]).size == b.shape[1]:
-                bias, merged = np.asarray(constants[other[0]]).reshape(-1), True
-        return Op("fc", source, "MatMul" + ("+Add" if merged else ""), {}, b.T, bias), merged
-    if t in ("MaxPool", "AveragePool"):
-        if _int(a, "ceil_mode", 0):
-            raise _Unsupported("ceil_mode 1 (only floor)")
-        if t == "MaxPool" and (_int(a, "storage_order", 0) or len([o for o in node.output if o]) > 1):
-            raise _Unsupported("an Indices output or storage_order")
-        window = _window(a)
-        if t == "AveragePool" and window["pad"] != [0, 0] and not _int(a, "count_include_pad", 0):
-            raise _Unsupported("count_include_pad 0 with pads (only pads counted as zeros)")
-        return Op("maxpool" if t == "MaxPool" else "avgpool", source, t, window), False
-    if t == "GlobalAveragePool":
-        return Op("avgpool", source, t, {"adaptive": (1, 1)}), False
-    if t == "BatchNormalization":  # inference form: the running statistics are inputs 3 and 4
-        if _int(a, "training_mode", 0):
-            raise _Unsupported("training_mode 1 (only the inference form)")
-        scale, shift, mean, var = (_const(constants, node, i, what) for i, what in
-                                   ((1, "scale"), (2, "B"), (3, "input_mean"), (4, "input_var")))
-        if scale is None or shift is None or mean is None or var is None:
-            raise _Unsupported("needs scale, B, input_mean and input_var initializers")
-        # ONNX's momentum weighs the running statistic (0.9), PyTorch's and ours the new one (0.1);
-        # both attributes are float32 in the file: as decimals of that precision
-        eps, momentum = (float(f"{float(v):.7g}") for v in (_float(a, "epsilon", 1e-5), 1.0 - _float(a, "momentum", 0.9)))
-        return Op("batchnorm", source, t, {"eps": eps, "momentum": momentum}, scale, shift, (mean, var, 0)), False
-    if t in ONNX_ACTIVATIONS:  # one operator, or a pattern fold_activations made one
-        approximate = a.get("approximate", b"none")  # (Gelu's: a string attribute, bytes here)
-        if approximate not in ("none", b"none"):
-            raise _Unsupported(f"approximate {printable(repr(bytes(approximate).decode(errors='replace')))} "
-                               "(only 'none', the erf form)")
-        return Op(ONNX_ACTIVATIONS[t], source, t), False
-    if t == "Clip":  # ReLU6 when it clips to [0, 6] (attributes before opset 11, inputs since)
-        lo = _const(constants, node, 1, "min") if len(node.input) > 1 and node.input[1] else None
-        hi = _const(constants, node, 2, "max") if len(node.input) > 2 and node.input[2] else None
-        bounds = (float(lo.reshape(-1)[0]) if lo is not None and lo.size == 1 else a.get("min"),
-                  float(hi.reshape(-1)[0]) if hi is not None and hi.size == 1 else a.get("max"))
-        if bounds != (0.0, 6.0):
-            raise _Unsupported(f"bounds {bounds} (only [0, 6]: ReLU6)")
-        return Op("relu6", source, t), False
-    if t == "Dropout":
-        ratio = _const(constants, node, 1, "ratio")
-        if ratio is not None and ratio.size != 1:
-            raise _Unsupported(f"ratio of shape {ratio.shape} (a scalar)")
-        rate = ratio.reshape(-1)[0].item() if ratio is not None else a.get("ratio", 0.5)
-        return Op("dropout", source, t, {"rate": rate}), False
-    if t == "Flatten":
-        if _int(a, "axis", 1) != 1:
-            raise _Unsupported(f"axis {a['axis']} (only 1)")
-        return Op("flatten", source, t), False
-    if t == "Reshape":
-        shape = _const(constants, node, 1, "shape")
-        if shape is None or shape.ndim != 1 or len(shape) != 2 or not (shape[0] in (0, -1) or shape[1] == -1):
-            raise _Unsupported(f"shape {None if shape is None else shape.tolist()} (only (N, -1), a flatten)")
-        return Op("flatten", source, t), False
-    if t == "Identity":
-        return Op("identity", source, t), False
-    if t in ("Softmax", "LogSoftmax"):
-        if _int(a, "axis", -1) not in (1, -1):
-            raise _Unsupported(f"axis {a['axis']} (only over the classes)")
-        return Op("softmax", source, t), False
-    raise _Unsupported("operator not supported")
+    row = READERS.get(node.op_type)
+    if row is None or row.read is None:
+        raise _Unsupported("operator not supported")
+    return row.read(node, _attrs(node, onnx), following, source, constants)
 
 
-# The activations' ONNX forms (activations.py; runtime/onnx_export.py writes the first of each):
-# one operator, or a pattern of several that fold_activations turns into one node of this name.
-ONNX_ACTIVATIONS = {"Relu": "relu", "Sigmoid": "sigmoid", "Sigmoid*Mul": "silu", "Erf-GELU": "gelu", "Gelu": "gelu"}
+def _conv(node: Any, a: dict, following: Any, source: str, constants: Any) -> tuple[Op, bool]:
+    w = _const(constants, node, 1, "weight")
+    if w is None or w.ndim != 4:
+        raise _Unsupported("needs a 4-D weight initializer")
+    group = _int(a, "group", 1)
+    if group != 1 and not (group == w.shape[0] and w.shape[1] == 1):
+        raise _Unsupported(f"group {group} (1, or depthwise: group = input channels = output channels)")
+    return Op("conv", source, node.op_type, _window(a, w.shape[2:]) | {"groups": group}, w,
+              _const(constants, node, 2, "bias")), False
+
+
+def _gemm(node: Any, a: dict, following: Any, source: str, constants: Any) -> tuple[Op, bool]:
+    if _int(a, "transA", 0):
+        raise _Unsupported("transA 1 (only 0)")
+    b = _const(constants, node, 1, "B")
+    if b is None or b.ndim != 2:
+        raise _Unsupported("needs a 2-D B initializer")
+    w = (b if _int(a, "transB", 0) else b.T) * _float(a, "alpha", 1.0)
+    c = _const(constants, node, 2, "C")
+    bias = None
+    if c is not None:
+        if c.size not in (1, w.shape[0]) or c.ndim > 2:
+            raise _Unsupported(f"C of shape {c.shape} (only a bias of the {w.shape[0]} outputs)")
+        bias = np.broadcast_to(c.reshape(-1), (w.shape[0],)) * _float(a, "beta", 1.0)
+    return Op("fc", source, node.op_type, {}, w, bias), False
+
+
+def _matmul(node: Any, a: dict, following: Any, source: str, constants: Any) -> tuple[Op, bool]:
+    b = _const(constants, node, 1, "B")
+    if b is None or b.ndim != 2:
+        raise _Unsupported("needs a 2-D weight initializer as its second input")
+    bias, merged = None, False
+    if following is not None and following.op_type == "Add" and node.output[0] in following.input:
+        other = [i for i in following.input if i != node.output[0]]
+        if len(other) == 1 and other[0] in constants and np.asarray(constants[other[0]]).size == b.shape[1]:
+            bias, merged = np.asarray(constants[other[0]]).reshape(-1), True
+    return Op("fc", source, "MatMul" + ("+Add" if merged else ""), {}, b.T, bias), merged
+
+
+def _pool(node: Any, a: dict, following: Any, source: str, constants: Any) -> tuple[Op, bool]:
+    t = node.op_type
+    if _int(a, "ceil_mode", 0):
+        raise _Unsupported("ceil_mode 1 (only floor)")
+    if t == "MaxPool" and (_int(a, "storage_order", 0) or len([o for o in node.output if o]) > 1):
+        raise _Unsupported("an Indices output or storage_order")
+    window = _window(a)
+    if t == "AveragePool" and window["pad"] != [0, 0] and not _int(a, "count_include_pad", 0):
+        raise _Unsupported("count_include_pad 0 with pads (only pads counted as zeros)")
+    return Op("maxpool" if t == "MaxPool" else "avgpool", source, t, window), False
+
+
+def _batchnorm(node: Any, a: dict, following: Any, source: str, constants: Any) -> tuple[Op, bool]:
+    """The inference form: the running statistics are inputs 3 and 4."""
+    if _int(a, "training_mode", 0):
+        raise _Unsupported("training_mode 1 (only the inference form)")
+    scale, shift, mean, var = (_const(constants, node, i, what) for i, what in
+                               ((1, "scale"), (2, "B"), (3, "input_mean"), (4, "input_var")))
+    if scale is None or shift is None or mean is None or var is None:
+        raise _Unsupported("needs scale, B, input_mean and input_var initializers")
+    eps = float(f"{float(_float(a, 'epsilon', 1e-5)):.7g}")  # (a float32 attribute: its decimal)
+    momentum = momentum_from_onnx(_float(a, "momentum", 0.9))
+    return Op("batchnorm", source, node.op_type, {"eps": eps, "momentum": momentum}, scale, shift, (mean, var, 0)), False
+
+
+def _activation(node: Any, a: dict, following: Any, source: str, constants: Any) -> tuple[Op, bool]:
+    """One operator, or a pattern fold_activations made one (ONNX_ACTIVATIONS)."""
+    approximate = a.get("approximate", b"none")  # (Gelu's: a string attribute, bytes here)
+    if approximate not in ("none", b"none"):
+        raise _Unsupported(f"approximate {printable(repr(bytes(approximate).decode(errors='replace')))} "
+                           "(only 'none', the erf form)")
+    return Op(ONNX_ACTIVATIONS[node.op_type], source, node.op_type), False
+
+
+def _clip(node: Any, a: dict, following: Any, source: str, constants: Any) -> tuple[Op, bool]:
+    """ReLU6 when it clips to [0, 6] (attributes before opset 11, inputs since)."""
+    lo = _const(constants, node, 1, "min") if len(node.input) > 1 and node.input[1] else None
+    hi = _const(constants, node, 2, "max") if len(node.input) > 2 and node.input[2] else None
+    bounds = (float(lo.reshape(-1)[0]) if lo is not None and lo.size == 1 else a.get("min"),
+              float(hi.reshape(-1)[0]) if hi is not None and hi.size == 1 else a.get("max"))
+    if bounds != (0.0, 6.0):
+        raise _Unsupported(f"bounds {bounds} (only [0, 6]: ReLU6)")
+    return Op("relu6", source, node.op_type), False
+
+
+def _dropout(node: Any, a: dict, following: Any, source: str, constants: Any) -> tuple[Op, bool]:
+    ratio = _const(constants, node, 1, "ratio")
+    if ratio is not None and ratio.size != 1:
+        raise _Unsupported(f"ratio of shape {ratio.shape} (a scalar)")
+    rate = ratio.reshape(-1)[0].item() if ratio is not None else a.get("ratio", 0.5)
+    return Op("dropout", source, node.op_type, {"rate": rate}), False
+
+
+def _flatten(node: Any, a: dict, following: Any, source: str, constants: Any) -> tuple[Op, bool]:
+    if _int(a, "axis", 1) != 1:
+        raise _Unsupported(f"axis {a['axis']} (only 1)")
+    return Op("flatten", source, node.op_type), False
+
+
+def _reshape(node: Any, a: dict, following: Any, source: str, constants: Any) -> tuple[Op, bool]:
+    shape = _const(constants, node, 1, "shape")
+    if shape is None or shape.ndim != 1 or len(shape) != 2 or not (shape[0] in (0, -1) or shape[1] == -1):
+        raise _Unsupported(f"shape {None if shape is None else shape.tolist()} (only (N, -1), a flatten)")
+    return Op("flatten", source, node.op_type), False
+
+
+def _softmax(node: Any, a: dict, following: Any, source: str, constants: Any) -> tuple[Op, bool]:
+    if _int(a, "axis", -1) not in (1, -1):
+        raise _Unsupported(f"axis {a['axis']} (only over the classes)")
+    return Op("softmax", source, node.op_type), False
+
+
+@dataclass(frozen=True)
+class OnnxRow:
+    """How the import reads one operator (None: a join, read by _ops from its several inputs), and
+    how SUPPORTED names it. The export's side is runtime/onnx_export.py, the conventions both
+    share runtime/onnx_conventions.py."""
+    read: Callable[[Any, dict, Any, str, Any], tuple[Op, bool]] | None
+    supported: str
+
+
+READERS: dict[str, OnnxRow] = {
+    "Conv": OnnxRow(_conv, "Conv (group 1 or depthwise, dilation 1, symmetric pads)"),
+    "Gemm": OnnxRow(_gemm, "Gemm (transA 0)"),
+    "MatMul": OnnxRow(_matmul, "MatMul (+ Add)"),
+    "MaxPool": OnnxRow(_pool, "MaxPool / AveragePool (floor, symmetric pads; AveragePool counting pads)"),
+    "AveragePool": OnnxRow(_pool, ""),
+    "GlobalAveragePool": OnnxRow(lambda node, a, following, source, constants: (
+        Op("avgpool", source, node.op_type, {"adaptive": (1, 1)}), False), "GlobalAveragePool"),
+    "BatchNormalization": OnnxRow(_batchnorm, "BatchNormalization (inference form)"),
+    **{t: OnnxRow(_activation, {"Sigmoid*Mul": "SiLU (x Sigmoid(x))", "Erf-GELU": "GELU (Gelu, or its Erf form)",
+                                "Gelu": ""}.get(t, t)) for t in ONNX_ACTIVATIONS},
+    "Clip": OnnxRow(_clip, "Clip to [0, 6]"),
+    "Add": OnnxRow(None, "Add / Sum of tensors"), "Sum": OnnxRow(None, ""),
+    "Mul": OnnxRow(None, "Mul of two tensors"),
+    "Concat": OnnxRow(None, "Concat (axis 1)"),
+    "Dropout": OnnxRow(_dropout, "Dropout"),
+    "Flatten": OnnxRow(_flatten, "Flatten (axis 1)"),
+    "Reshape": OnnxRow(_reshape, "Reshape to (N, -1)"),
+    "Identity": OnnxRow(lambda node, a, following, source, constants: (Op("identity", source, node.op_type), False),
+                        "Identity"),
+    "Softmax": OnnxRow(_softmax, "a final Softmax / LogSoftmax"), "LogSoftmax": OnnxRow(_softmax, ""),
+}
+SUPPORTED = ", ".join(row.supported for row in READERS.values() if row.supported)
+
+
 _SQRT2 = math.sqrt(2.0)
 
 

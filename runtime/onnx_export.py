@@ -8,11 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from .activations import ACTIVATIONS, Activation
+from .activations import ACTIVATIONS
 from .errors import PcldnnError
+from .onnx_conventions import OPSET, activation_nodes, momentum_to_onnx, pads_to_onnx
 from .validate import write_atomic
-
-OPSET = 17
 
 
 def _weights(state: dict, name: str, inits: list, numpy_helper: Any) -> list[str]:
@@ -20,26 +19,6 @@ def _weights(state: dict, name: str, inits: list, numpy_helper: Any) -> list[str
     keys = [k for k in (f"{name}.weight", f"{name}.bias") if k in state]
     inits += [numpy_helper.from_array(state[k], k) for k in keys]
     return keys
-
-
-def _activation(act: Activation, helper: Any, numpy_helper: Any, inits: list, x: str, out: str, name: str) -> list:
-    """The nodes of an activation from x to out (opset 17 has no SiLU or GELU operator: their
-    defining forms, which onnx_frontend reads back as one)."""
-    if act.name == "relu6":  # a Clip to [0, 6], its bounds as initializers (opset 11 and later)
-        inits += [numpy_helper.from_array(np.array(v, np.float32), f"{name}.{k}") for k, v in (("min", 0.0), ("max", 6.0))]
-        return [helper.make_node("Clip", [x, f"{name}.min", f"{name}.max"], [out], name=name)]
-    if act.name == "silu":  # x sigmoid(x)
-        return [helper.make_node("Sigmoid", [x], [f"{name}.sigmoid"], name=f"{name}.sigmoid"),
-                helper.make_node("Mul", [x, f"{name}.sigmoid"], [out], name=name)]
-    if act.name == "gelu":  # x (1 + erf(x / sqrt 2)) / 2, as torch.onnx writes it
-        inits += [numpy_helper.from_array(np.array(v, np.float32), f"{name}.{k}")
-                  for k, v in (("sqrt2", np.sqrt(2.0)), ("one", 1.0), ("half", 0.5))]
-        steps = (("Div", [x, f"{name}.sqrt2"], "scaled"), ("Erf", [f"{name}.scaled"], "erf"),
-                 ("Add", [f"{name}.erf", f"{name}.one"], "sum"), ("Mul", [x, f"{name}.sum"], "product"),
-                 ("Mul", [f"{name}.product", f"{name}.half"], None))
-        return [helper.make_node(op, ins, [out if step is None else f"{name}.{step}"],
-                                 name=name if step is None else f"{name}.{step}") for op, ins, step in steps]
-    return [helper.make_node(act.onnx_op, [x], [out], name=name)]
 
 
 def export_onnx(net: Any, path: str | Path) -> Path:
@@ -61,10 +40,10 @@ def export_onnx(net: Any, path: str | Path) -> Path:
         out = name
         x, spatial = tensors[spec.inputs[0]]
         if spec.type == "conv":
-            (kh, kw), (sh, sw), (ph, pw) = spec.kernel, spec.stride, spec.pad
+            (kh, kw), (sh, sw) = spec.kernel, spec.stride
             inputs = _weights(state, name, inits, numpy_helper)
             nodes.append(helper.make_node("Conv", [x, *inputs], [out], name=name, kernel_shape=[kh, kw],
-                                          strides=[sh, sw], pads=[ph, pw, ph, pw], group=spec.groups))
+                                          strides=[sh, sw], pads=pads_to_onnx(spec.pad), group=spec.groups))
         elif spec.type == "fc":
             if spatial:
                 nodes.append(helper.make_node("Flatten", [x], [f"{name}.flat"], name=f"{name}.flatten", axis=1))
@@ -72,9 +51,9 @@ def export_onnx(net: Any, path: str | Path) -> Path:
             inputs = _weights(state, name, inits, numpy_helper)
             nodes.append(helper.make_node("Gemm", [x, *inputs], [out], name=name, transB=1))
         elif spec.type in ("maxpool", "avgpool"):
-            (kh, kw), (sh, sw), (ph, pw) = spec.kernel, spec.stride, spec.pad
+            (kh, kw), (sh, sw) = spec.kernel, spec.stride
             node = helper.make_node("MaxPool" if spec.type == "maxpool" else "AveragePool", [x], [out],
-                                    name=name, kernel_shape=[kh, kw], strides=[sh, sw], pads=[ph, pw, ph, pw])
+                                    name=name, kernel_shape=[kh, kw], strides=[sh, sw], pads=pads_to_onnx(spec.pad))
             if spec.type == "avgpool":  # our average divides by the window's area, padding included
                 node.attribute.append(helper.make_attribute("count_include_pad", 1))
             nodes.append(node)
@@ -83,9 +62,9 @@ def export_onnx(net: Any, path: str | Path) -> Path:
             stats = [f"{name}.running_mean", f"{name}.running_var"]
             inits += [numpy_helper.from_array(state[k], k) for k in stats]
             nodes.append(helper.make_node("BatchNormalization", [x, *inputs, *stats], [out], name=name,
-                                          epsilon=spec.eps, momentum=1.0 - spec.momentum))
+                                          epsilon=spec.eps, momentum=momentum_to_onnx(spec.momentum)))
         elif spec.type in ACTIVATIONS:
-            nodes += _activation(spec.act, helper, numpy_helper, inits, x, out, name)
+            nodes += activation_nodes(spec.act, helper, numpy_helper, inits, x, out, name)
         elif spec.type == "add":
             nodes.append(helper.make_node("Sum", [tensors[n][0] for n in spec.inputs], [out], name=name))
         elif spec.type == "mul":  # (ONNX broadcasts a N x C x 1 x 1 input over the other's pixels)
@@ -99,7 +78,7 @@ def export_onnx(net: Any, path: str | Path) -> Path:
             raise AssertionError(spec.type)
         if spec.activation and spec.type not in ACTIVATIONS:  # a fused activation
             fused = f"{name}.{'relu' if spec.activation in ('relu', 'relu6') else spec.activation}"
-            nodes += _activation(spec.act, helper, numpy_helper, inits, out, fused, fused)
+            nodes += activation_nodes(spec.act, helper, numpy_helper, inits, out, fused, fused)
             out = fused
         x = out
         tensors[name] = (out, spatial)

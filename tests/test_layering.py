@@ -12,12 +12,13 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 CORE = ("net", "layers", "kernels", "optim", "data", "npyfile", "observe", "launcher", "families", "geometry",
         "limits", "manifest", "validate", "cpu", "abi", "errors", "state_io", "onnx_export", "partition",
-        "layer_types", "activations")
+        "layer_types", "activations", "onnx_conventions")
 CLUSTER = {"mpi_safety", "distributed", "model_parallel", "layer_modes", "scaling", "mpi4py"}
-# What generator and runtime share: the layer types and the activations' table, the manifest schema, ranges, the kernel ABI,
-# the kernel families and their geometry, CPU flags, the user-file reader, weights by name, error types.
-CONTRACT = {"layer_types", "activations", "cpu", "limits", "manifest", "families", "geometry", "abi", "validate", "state_io",
-            "errors"}
+# What generator and runtime share: the layer types, the activations' table and ONNX's
+# conventions, the manifest schema, ranges, the kernel ABI, the kernel families and their geometry,
+# CPU flags, the user-file reader, weights by name, error types.
+CONTRACT = {"layer_types", "activations", "onnx_conventions", "cpu", "limits", "manifest", "families", "geometry",
+            "abi", "validate", "state_io", "errors"}
 COMPILE_PATH = ("netspec.py", "arch.py", "codegen.py", "compiler.py", "build.py", "tuning.py", "frontend.py",
                 "onnx_frontend.py", "torch_frontend.py", "planner/__init__.py", "planner/conv.py", "planner/fc.py",
                 "planner/amx.py", "planner/memory.py", "planner/plans.py", "planner/tiles.py", "planner/explain.py")
