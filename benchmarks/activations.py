@@ -2,7 +2,7 @@
 layers against PyTorch: one training step's kernels (forward, then backward: weights and data)
 on activation shapes of EfficientNet-B0 and ResNet-50, fp32, the same threads.
 
-    python benchmarks/activations.py [--threads 2] [--batch 16] [--rounds 5] [--arch native]
+    python benchmarks/activations.py [--threads 2] [--batch 16] [--rounds 5] [--arch native] [--shapes 64x28x28]
 
 Ours: the layer's kernels on their blocked buffers as a training step runs them (forward, then
 backward-weights, which scales dy in place by the fused activation's derivative, then
@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--arch", default="native")
-    p.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    p.add_argument("--shapes", default=",".join(s[0] for s in SHAPES),
+                   help="comma-separated names of SHAPES, or CxHxW (default: all of SHAPES)")
     args = p.parse_args(argv)
     import torch
     torch.set_num_threads(args.threads)
@@ -100,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"arch {arch.name} ({arch.isa}), {args.threads} threads, minibatch {args.batch}, fp32; "
           f"copy rate {copy:.1f} GB/s; torch {torch.__version__}")
     print(f"{'shape':<11} {'layer':<12} {'ours ms':>8} {'GB/s':>6} {'torch ms':>9} {'speedup':>8}")
-    for name, c, h, w in (s for s in SHAPES if s[0] in args.shapes.split(",")):
+    known = {s[0]: s for s in SHAPES}
+    shapes = [known.get(n) or (n, *map(int, n.split("x"))) for n in args.shapes.split(",")]
+    for name, c, h, w in shapes:
         with tempfile.TemporaryDirectory() as tmp:
             build(parse_netspec(_net(c, h, w)), arch, Path(tmp) / "b")
             net = pr.load(Path(tmp) / "b", threads=args.threads)

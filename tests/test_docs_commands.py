@@ -32,7 +32,7 @@ TESTED_ELSEWHERE = {
 # residual one, {build}: the small net's build), and what they need beyond the suite's own.
 TINY = {
     "benchmarks/activations.py": (["--threads", "1", "--batch", "2", "--rounds", "1", "--repeats", "1", "--arch",
-                                   "{isa}", "--shapes", "effnet_b6"], ("torch",)),
+                                   "{isa}", "--shapes", "16x6x6"], ("torch",)),
     "benchmarks/ab.py": (["{build}", "{build}", "--batch", "2", "--threads", "1", "--rounds", "1", "--repeats", "1"], ()),
     "benchmarks/api_overhead.py": (["--arch", "{isa}", "--net", "{net}", "--layer", "conv1", "--batch", "2",
                                     "--rounds", "1", "--calls", "10"], ()),
