@@ -127,3 +127,17 @@ def conv_net(tmp_path: Path, source: dict, layer: dict, precision: str, name: st
     out = tmp_path / f"{name}-{precision}"
     build(spec, arch or get_arch("avx512"), out, precision=precision)
     return out
+
+
+def one_sgd_step(net, model, x: np.ndarray, labels: np.ndarray) -> tuple[dict, dict]:
+    """One plain SGD step (lr 1) of the net on (x, labels), and PyTorch's backward of the same
+    minibatch through `model`: (each parameter's move, ours; each parameter's gradient, PyTorch's
+    by its name in the model). A step of lr 1 moves a parameter by its gradient."""
+    import torch
+    before = net.state_dict()
+    pr.Trainer(net, pr.SGD(lr=1.0)).step(x, labels)
+    after = net.state_dict()
+    model.zero_grad()
+    torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(labels)).backward()
+    moves = {key: before[key] - after[key] for key in before if key in after}
+    return moves, {name: p.grad.numpy() for name, p in model.named_parameters()}

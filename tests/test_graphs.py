@@ -76,6 +76,10 @@ class Torch(nn.Module):
         return m["fc"](torch.flatten(F.adaptive_avg_pool2d(cat, 1), 1))
 
 
+def close(got, want, what):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * max(float(np.abs(want).max()), 1e-6), err_msg=what)
+
+
 def _ours_to_torch(state):
     return {f"m.{k}": torch.from_numpy(np.asarray(v)) for k, v in state.items()}
 
@@ -95,10 +99,6 @@ def test_a_residual_graph_matches_pytorch(tmp_path, isa):
     net.load_state_dict({k[2:]: v.numpy() for k, v in model.state_dict().items()})
     rng = np.random.default_rng(1)
     x = rng.standard_normal((4, *SHAPE)).astype(np.float32)
-
-    def close(got, want, what):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * max(float(np.abs(want).max()), 1e-6),
-                                   err_msg=what)
 
     model.eval()
     close(net.forward(x), model(torch.from_numpy(x)).detach().numpy(), "eval logits")
@@ -288,10 +288,6 @@ def test_squeeze_and_excitation_matches_pytorch(tmp_path, isa):
     net.load_state_dict({k[2:]: v.numpy() for k, v in model.state_dict().items()})
     rng = np.random.default_rng(5)
     x = rng.standard_normal((3, *SHAPE)).astype(np.float32)
-
-    def close(got, want, what):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * max(float(np.abs(want).max()), 1e-6),
-                                   err_msg=what)
 
     model.eval()
     close(net.forward(x), model(torch.from_numpy(x)).detach().numpy(), "eval logits")
