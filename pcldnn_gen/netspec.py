@@ -39,6 +39,8 @@ LAYER_FIELDS: dict[str, tuple[set[str], dict[str, Any]]] = {
     "mul": (set(), {}),  # the element-wise product of two inputs, or one scaled by a C x 1 x 1 input per channel
     **{name: (set(), {}) for name in ACTIVATIONS},  # a standalone activation (activations.py)
     "dropout": (set(), {"rate": 0.5}),
+    # stochastic depth: a training step drops each image's whole activation (a residual branch's) at `rate`
+    "drop_path": (set(), {"rate": 0.1}),
     "batchnorm": (set(), {"eps": 1e-5, "momentum": 0.1, "activation": None}),
     "softmax_cross_entropy": (set(), {}),
 }
@@ -211,7 +213,7 @@ def parse_netspec(data: Any, origin: str = "<net>", max_memory: int | None = Non
             oc = p.int_in(f["out_features"], f"{where}.out_features", 1, limits.MAX_FEATURES)
             spec = LayerSpec(i, lname, ltype, shape, (oc, 1, 1), (h, w), (1, 1), (0, 0), act,
                              bias=p.boolean(f["bias"], f"{where}.bias"), init=p.choice(f["init"], f"{where}.init", INITS))
-        elif ltype == "dropout":
+        elif ltype in ("dropout", "drop_path"):
             rate = p.number_in(f["rate"], f"{where}.rate", 0.0, 1.0, open_hi=True)
             spec = LayerSpec(i, lname, ltype, shape, shape, rate=rate)
         elif ltype == "batchnorm":

@@ -271,6 +271,13 @@ def _binary(op: str, what: str) -> Callable[[str, str, dict[str, Any]], Op]:
     return read
 
 
+def _stochastic_depth(source: str, kind: str, a: dict[str, Any]) -> Op:
+    """torchvision.ops.stochastic_depth (StochasticDepth's forward, kept a call by torch.fx.wrap)."""
+    if a["mode"] != "row":
+        raise _Unsupported(kind, f"mode={printable(repr(a['mode']))} (only 'row': each image's branch dropped apart)")
+    return Op("identity", source, kind) if a["p"] == 0 else Op("drop_path", source, kind, {"rate": a["p"]})
+
+
 def _cat(source: str, kind: str, a: dict[str, Any]) -> Op:
     if a["dim"] not in (1, -3) or len(a["tensors"]) < 2:
         raise _Unsupported(kind, f"dim={a['dim']} over {len(a['tensors'])} tensors (only two or more along the "
@@ -304,6 +311,8 @@ ROWS: tuple[TorchRow, ...] = (
                supported="approximate='none'" if a.name == "gelu" else "") for a in ACTIVATIONS.values()),
     TorchRow("dropout", _dropout, modules=("Dropout",), functions=("dropout",), methods=("dropout",),
              params=(("p", 0.5),), build=lambda l, nn: nn.Dropout(l.rate)),
+    TorchRow("drop_path", _stochastic_depth, functions=("torchvision.ops.stochastic_depth",),
+             params=(("p", None), ("mode", None), ("training", True)), supported="mode='row'"),
     TorchRow("flatten", _flatten, modules=("Flatten",), params=(("start_dim", 1), ("end_dim", -1))),
     TorchRow("flatten", _flatten, functions=("flatten",), methods=("flatten",),
              params=(("start_dim", 0), ("end_dim", -1)), supported="from dim 1"),
@@ -330,15 +339,32 @@ SUPPORTED = "; ".join(_names(row) for row in ROWS)
 
 
 def _function_rows(torch: Any) -> dict[Any, TorchRow]:
-    """Each row's functions, as the objects torch.fx records as call targets."""
+    """Each row's functions, as the objects torch.fx records as call targets (a dotted name is
+    another library's function, matched by its module and name: torchvision need not be here)."""
     found: dict[Any, TorchRow] = {}
     for row in ROWS:
         for name in row.functions:
+            if "." in name:
+                found.setdefault(name, row)
+                continue
             for space in (torch.nn.functional, torch, operator):
                 fn = getattr(space, name, None)
                 if fn is not None:
                     found.setdefault(fn, row)
     return found
+
+
+def _row_of_call(fn: Any, rows: dict[Any, TorchRow]) -> TorchRow | None:
+    """The row of a call target: by identity, or (another library's function) by package and name."""
+    if fn in rows:
+        return rows[fn]
+    module, name = getattr(fn, "__module__", None) or "", getattr(fn, "__name__", "")
+    for key, row in rows.items():
+        if isinstance(key, str):
+            package, function = key.rsplit(".", 1)
+            if name == function and (module == package or module.startswith(package + ".")):
+                return row
+    return None
 
 
 def _module_row(m: Any, nn: Any) -> TorchRow | None:
@@ -357,7 +383,7 @@ def _function_op(node: Any, torch: Any, rows: dict[Any, TorchRow]) -> tuple[Op, 
     """torch.* / F.* calls and tensor methods inside forward, and the nodes whose tensors they read."""
     fn, args, kwargs = node.target, node.args, node.kwargs
     kind = getattr(fn, "__name__", str(fn))
-    row = next((r for r in ROWS if fn in r.methods), None) if node.op == "call_method" else rows.get(fn)
+    row = next((r for r in ROWS if fn in r.methods), None) if node.op == "call_method" else _row_of_call(fn, rows)
     if row is None:
         raise _Unsupported(kind)
     if row.tensors == 0:  # one list of tensors (torch.cat)

@@ -12,7 +12,8 @@ PASSES = ("fwd", "bwd_data", "bwd_weights")
 LAYER_PASSES: dict[str, tuple[str, ...]] = {
     "conv": PASSES, "fc": PASSES,
     "maxpool": ("fwd", "bwd_data"), "avgpool": ("fwd", "bwd_data"),
-    **dict.fromkeys(ACTIVATIONS, ("fwd", "bwd_data")), "dropout": ("fwd", "bwd_data"), "batchnorm": PASSES,
+    **dict.fromkeys(ACTIVATIONS, ("fwd", "bwd_data")), "dropout": ("fwd", "bwd_data"),
+    "drop_path": ("fwd", "bwd_data"), "batchnorm": PASSES,
     "add": ("fwd", "bwd_data"), "concat": ("fwd", "bwd_data"), "mul": ("fwd", "bwd_data"),
     "softmax_cross_entropy": ("fwd", "bwd_data"),
 }

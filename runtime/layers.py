@@ -816,13 +816,14 @@ class ActivationLayer(Layer):
 
 
 class DropoutLayer(Layer):
-    """Training: keep each element with probability 1 - rate, scaled by 1/(1 - rate), from a
-    hash of (seed, index); evaluation: identity. `aux` is a one-element array holding the seed.
+    """Training: keep each element (dropout), or each image whole (drop_path: stochastic depth),
+    with probability 1 - rate, scaled by 1/(1 - rate), from a hash of (seed, index); evaluation:
+    identity. `aux` is a one-element array holding the seed.
 
-    The index counts from the first row of the *global* minibatch: a rank whose shard starts
-    at row `net.row_offset` shifts the seed instead (the hash takes seed + (i + 1) x G, so
-    adding offset x G to the seed is the same as adding offset to i), and p ranks draw exactly
-    the masks one process draws for the whole minibatch."""
+    The index (of an element, or an image) counts from the first row of the *global* minibatch:
+    a rank whose shard starts at row `net.row_offset` shifts the seed instead (the hash takes
+    seed + (i + 1) x G, so adding offset x G to the seed is the same as adding offset to i), and
+    p ranks draw exactly the masks one process draws for the whole minibatch."""
 
     def __init__(self, spec: LayerEntry, kernels: dict[str, Callable], v: int, net: Any) -> None:
         super().__init__(spec, kernels, v, net)
@@ -841,7 +842,7 @@ class DropoutLayer(Layer):
                 np.copyto(yb, bf16_values(xb))
             return
         assert aux is not None  # the mask's seed, kept for the backward pass
-        offset = self._net.row_offset * int(np.prod(yb.shape[1:]))
+        offset = self._net.row_offset * (1 if self.type == "drop_path" else int(np.prod(yb.shape[1:])))
         aux[0] = (self._net.next_dropout_seed() + offset * DROPOUT_HASH_STEP) % 2 ** 64
         self._k["fwd"](ptr(xb), ptr(yb), int(aux[0]), xb.shape[0], self.team(xb.shape[0]))
 

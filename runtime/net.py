@@ -49,6 +49,7 @@ from .validate import non_finite_at
 _LAYER_CLASSES: dict[str, type[Layer]] = {
     "conv": WeightedLayer, "fc": WeightedLayer, "batchnorm": NormLayer, "maxpool": MaxPoolLayer,
     "avgpool": AvgPoolLayer, **dict.fromkeys(ACTIVATIONS, ActivationLayer), "dropout": DropoutLayer,
+    "drop_path": DropoutLayer,
     "add": AddLayer, "concat": ConcatLayer, "mul": MulLayer, "softmax_cross_entropy": LossLayer}
 
 

@@ -71,6 +71,8 @@ def export_onnx(net: Any, path: str | Path) -> Path:
             nodes.append(helper.make_node("Mul", [tensors[n][0] for n in spec.inputs], [out], name=name))
         elif spec.type == "concat":
             nodes.append(helper.make_node("Concat", [tensors[n][0] for n in spec.inputs], [out], name=name, axis=1))
+        elif spec.type == "drop_path":  # stochastic depth: the identity at inference (ONNX has no such operator)
+            nodes.append(helper.make_node("Identity", [x], [out], name=name))
         elif spec.type == "dropout":  # the identity at inference; the rate kept for re-import
             inits.append(numpy_helper.from_array(np.array(spec.rate, np.float32), f"{name}.ratio"))
             nodes.append(helper.make_node("Dropout", [x, f"{name}.ratio"], [out], name=name))

@@ -35,7 +35,8 @@ def build_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dropout_build_dir(tmp_path_factory):
-    layers = LAYERS[:3] + [{"name": "drop", "type": "dropout", "rate": 0.3}] + LAYERS[3:]
+    layers = LAYERS[:3] + [{"name": "drop", "type": "dropout", "rate": 0.3},
+                           {"name": "path", "type": "drop_path", "rate": 0.4}] + LAYERS[3:]
     return build_and_load(tmp_path_factory.mktemp("mpi"), layers, SHAPE, "scalar", name="mpidrop").build_dir
 
 
@@ -334,7 +335,8 @@ def test_timeline_and_verbose_of_a_two_rank_run(build_dir, tmp_path):
 @pytest.mark.parametrize("parallel", ["data", {"fc1": "model"}])
 def test_dropout_masks_match_one_rank(dropout_build_dir, tmp_path, parallel):
     """Each rank draws the masks of its rows of the global minibatch (rank-specific seeds are
-    replaced by rank 0's): with per-rank masks the weights would differ by far more."""
+    replaced by rank 0's; a drop_path layer's per image): with per-rank masks the weights would
+    differ by far more."""
     cfg = _cfg(dropout_build_dir, tmp_path, batch=10, parallel=parallel)
     mpirun(3, "train", cfg)
     want, _ = single_rank_reference(dropout_build_dir, cfg)

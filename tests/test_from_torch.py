@@ -332,3 +332,91 @@ def test_the_table_builds_the_modules_it_reads():
         return (layer.type, layer.activation, layer.kernel, layer.stride, layer.pad, layer.rate, layer.eps,
                 layer.momentum, layer.bias, layer.out_shape)
     assert [fields(l) for l in parse_netspec(back).layers] == [fields(l) for l in spec.layers]
+
+
+# torchvision.ops.stochastic_depth as torchvision writes it (torchvision is not installed here):
+# its module is built from this source, so torch.fx.wrap keeps the function a call in a trace
+TORCHVISION_STOCHASTIC_DEPTH = '''
+import torch
+from torch import Tensor, nn
+
+
+def stochastic_depth(input: Tensor, p: float, mode: str, training: bool = True) -> Tensor:
+    if p < 0.0 or p > 1.0:
+        raise ValueError(f"drop probability has to be between 0 and 1, but got {p}")
+    if mode not in ["batch", "row"]:
+        raise ValueError(f"mode has to be either 'batch' or 'row', but got {mode}")
+    if not training or p == 0.0:
+        return input
+    survival_rate = 1.0 - p
+    size = [input.shape[0]] + [1] * (input.ndim - 1) if mode == "row" else [1] * input.ndim
+    noise = torch.empty(size, dtype=input.dtype, device=input.device)
+    noise = noise.bernoulli_(survival_rate)
+    if survival_rate > 0.0:
+        noise.div_(survival_rate)
+    return input * noise
+
+
+torch.fx.wrap("stochastic_depth")
+
+
+class StochasticDepth(nn.Module):
+    def __init__(self, p: float, mode: str) -> None:
+        super().__init__()
+        self.p = p
+        self.mode = mode
+
+    def forward(self, input: Tensor) -> Tensor:
+        return stochastic_depth(input, self.p, self.mode, self.training)
+'''
+
+
+def _torchvision_stochastic_depth():
+    import types
+    module = types.ModuleType("torchvision.ops.stochastic_depth")
+    exec(compile(TORCHVISION_STOCHASTIC_DEPTH, module.__name__, "exec"), module.__dict__)
+    return module.StochasticDepth
+
+
+@pytest.mark.parametrize("p,mode,want", [(0.2, "row", ("drop_path", 0.2)), (0.0, "row", None),
+                                         (0.2, "batch", "mode='batch' \\(only 'row'")])
+def test_torchvisions_stochastic_depth_is_drop_path(tmp_path, p, mode, want):
+    """A residual branch behind torchvision's StochasticDepth: a drop_path layer of its
+    probability (row mode), nothing at probability 0, refused by name in batch mode; evaluation
+    logits as PyTorch's; in training each image's branch is kept (scaled by 1/(1-p)) or dropped."""
+    depth = _torchvision_stochastic_depth()
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem, self.branch = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+            self.depth, self.head = depth(p, mode), nn.Linear(8 * 6 * 6, 4)
+
+        def forward(self, x):
+            x = self.stem(x)
+            return self.head(torch.flatten(x + self.depth(self.branch(x)), 1))
+
+    torch.manual_seed(0)
+    model = Block()
+    if isinstance(want, str):
+        with pytest.raises(ModelImportError, match=want):
+            pcldnn_gen.from_torch(model, (3, 6, 6))
+        return
+    net_dict, state = pcldnn_gen.from_torch(model, (3, 6, 6))
+    dropping = [(l["type"], l["rate"]) for l in net_dict["layers"] if l["type"] == "drop_path"]
+    assert dropping == ([want] if want else [])
+    build(parse_netspec(net_dict), get_arch(RUNNABLE_ISAS[-1]), tmp_path / "b")
+    net = pr.load(tmp_path / "b", threads=2)
+    net.load_state_dict(state)
+    x = np.random.default_rng(3).standard_normal((64, 3, 6, 6)).astype(np.float32)
+    want_logits = model.eval()(torch.from_numpy(x)).detach().numpy()
+    np.testing.assert_allclose(net.forward(x), want_logits, rtol=1e-4, atol=1e-4 * np.abs(want_logits).max())
+    if want:
+        layer = net.layers[next(l["name"] for l in net_dict["layers"] if l["type"] == "drop_path")]
+        branch = net.layers[layer.spec.inputs[0]].forward(net.layers["stem"].forward(x))
+        xb, yb, aux = layer.input_blocked(branch, "t.x"), layer.output_buffer("t.y", 64), layer.aux_buffer(64)
+        layer.forward_blocked(xb, yb, aux, training=True)
+        out = layer.output_from_blocked(yb)
+        kept = [np.allclose(out[n], branch[n] / (1 - p), rtol=1e-6) for n in range(64)]
+        dropped = [not out[n].any() for n in range(64)]
+        assert all(k or d for k, d in zip(kept, dropped)) and 0 < sum(dropped) < 64

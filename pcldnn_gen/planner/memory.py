@@ -39,15 +39,18 @@ POOL = MemoryKernels(
      "avgpool_bwd_data": "each output gradient / kernel area added to its window; threads own whole planes"})
 
 ELTWISE = MemoryKernels(
-    {**{f"{t}_fwd": "eltwise_fwd.c.j2" for t in (*ACTIVATIONS, "dropout")},
-     **{f"{t}_bwd_data": "eltwise_bwd_data.c.j2" for t in (*ACTIVATIONS, "dropout")}},
+    {**{f"{t}_fwd": "eltwise_fwd.c.j2" for t in (*ACTIVATIONS, "dropout", "drop_path")},
+     **{f"{t}_bwd_data": "eltwise_bwd_data.c.j2" for t in (*ACTIVATIONS, "dropout", "drop_path")}},
     {**{f"{a.name}_fwd": f"elementwise {a.formula} on the blocked buffer" for a in ACTIVATIONS.values()},
      **{f"{a.name}_bwd_data": (f"elementwise dy * {a.derivative}, using the forward output as the mask"
                                if not a.from_input else f"elementwise dy * ({a.derivative}), from the forward input")
         for a in ACTIVATIONS.values()},
      "dropout_fwd": "elementwise keep/drop from a counter-based hash of (seed, element index): "
                     "deterministic for any thread count, nothing stored; kept values scaled by 1/(1-rate)",
-     "dropout_bwd_data": "the forward mask recomputed from the same seed, applied to dy"})
+     "dropout_bwd_data": "the forward mask recomputed from the same seed, applied to dy",
+     "drop_path_fwd": "each image kept whole or dropped from the hash of (seed, image index), kept ones scaled by "
+                      "1/(1-rate); (image, chunk) items a thread",
+     "drop_path_bwd_data": "the forward's per-image mask recomputed from the same seed, applied to dy"})
 
 BATCHNORM = MemoryKernels(
     {f"batchnorm_{p}": "batchnorm.c.j2" for p in ("fwd", "bwd_data", "bwd_weights")},
@@ -86,7 +89,7 @@ def plan_memory_bound(layer: LayerSpec, pass_name: str, arch: Arch, kernels: Mem
         reason += f"; its {which} stored as bf16 (families.bf16_outputs): half the bytes"
     plan = KernelPlan(layer=layer.name, pass_name=pass_name, kind=kind, template=kernels.templates[kind], isa=arch.isa,
                       vector_floats=arch.vector_floats, reason=reason, activations=activations)
-    if layer.type == "dropout":
+    if layer.type in ("dropout", "drop_path"):
         # the runtime shifts seeds by multiples of the hash step, so it is the ABI's constant
         return DropoutPlan(**vars(plan), keep_threshold=round(layer.rate * 2 ** 32), scale=1.0 / (1.0 - layer.rate),
                            hash_step=DROPOUT_HASH_STEP)

@@ -1,4 +1,4 @@
-"""eltwise: the activation layers and dropout (templates eltwise_fwd, eltwise_bwd_data;
+"""eltwise: the activation layers, dropout and drop_path (templates eltwise_fwd, eltwise_bwd_data;
 planner/memory.py), bound by memory; run by runtime/layers.py's ActivationLayer and DropoutLayer."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from .base import Engine, Family
 
 # Activations and gradients fp32 or bf16 as for pooling (families.bf16_outputs, bf16_gradients).
 FAMILY = Family(
-    "eltwise", Engine.FP32, (*ACTIVATIONS, "dropout"),
+    "eltwise", Engine.FP32, (*ACTIVATIONS, "dropout", "drop_path"),
     memory_bound=True,
     signatures={
         # an activation's backward reads its forward output (a mask) or its input (activations.py);
@@ -18,4 +18,7 @@ FAMILY = Family(
         # the mask is a counter hash of (seed, element): nothing stored between the passes
         "dropout_fwd": "const void *in, void *out, unsigned long long seed, int batch, int nthreads",
         "dropout_bwd_data": "const void *dy, void *dx, unsigned long long seed, int batch, int nthreads",
+        # the same hash, of (seed, image): an image is kept or dropped whole (fp32 activations only)
+        "drop_path_fwd": "const void *in, void *out, unsigned long long seed, int batch, int nthreads",
+        "drop_path_bwd_data": "const void *dy, void *dx, unsigned long long seed, int batch, int nthreads",
     })
