@@ -11,7 +11,9 @@ step; the Python calls around the kernels (a few microseconds) included. PyTorch
 training mode then the activation (F.relu, F.silu, F.gelu), forward and autograd's backward on
 NCHW tensors (its eager CPU kernels). Rounds interleave the two sides; each ratio is the
 median of the per-round ratios. GB/s: the batchnorm's compulsory bytes (bench.pass_bytes) over
-our time, against the copy rate measured first.
+our time, against the copy rate measured first. The standalone GELU's forward is also timed
+against oneDNN's (PyTorch's F.gelu on a to_mkldnn() tensor: ONEDNN_VERBOSE shows the eltwise
+primitive, jit:<isa> eltwise_gelu_erf; oneDNN has no SiLU on that path).
 """
 from __future__ import annotations
 
@@ -84,6 +86,28 @@ def _torch_seconds(torch, act: str | None, bn: bool, shape: tuple[int, ...], rep
     return float(np.median(times[1:]))
 
 
+def _forward_seconds(layer, batch: int, repeats: int) -> float:
+    xb = empty_aligned(layer.input_shape(batch))
+    xb[...] = np.random.default_rng(1).standard_normal(xb.shape)
+    yb = empty_aligned(layer.blocked_shape(layer.out_shape, batch))
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        layer.forward_blocked(xb, yb)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times[1:]))
+
+
+def _onednn_gelu_seconds(torch, shape: tuple[int, ...], repeats: int) -> float:
+    x = torch.randn(shape).to_mkldnn()
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        torch.nn.functional.gelu(x)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times[1:]))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2)
@@ -122,6 +146,13 @@ def main(argv: list[str] | None = None) -> int:
                 gbs = f"{nbytes / t / 1e9:6.1f}" if nbytes else f"{'':>6}"
                 print(f"{name:<11} {layer_name:<12} {t * 1e3:8.2f} {gbs} {t * float(np.median(ratios)) * 1e3:9.2f} "
                       f"{float(np.median(ratios)):7.2f}x", flush=True)
+                if layer_name == "only_gelu":  # its forward against oneDNN's eltwise_gelu_erf
+                    pairs = [(_forward_seconds(layer, args.batch, args.repeats),
+                              _onednn_gelu_seconds(torch, (args.batch, c, h, w), args.repeats))
+                             for _ in range(args.rounds)]
+                    print(f"{name:<11} {'gelu fwd':<12} {np.median([p[0] for p in pairs]) * 1e3:8.2f} {'':>6} "
+                          f"{'oneDNN':>5} {np.median([p[1] for p in pairs]) * 1e3:.2f} "
+                          f"{np.median([p[1] / p[0] for p in pairs]):7.2f}x", flush=True)
     return 0
 
 

@@ -52,30 +52,38 @@ def test_every_activation_has_all_its_parts(name):
 def _float64(name, x):
     """(f(x), f'(x)) in float64, from math's erfc (no cancellation in GELU's tail)."""
     x = x.astype(np.float64)
+    s = 1 / (1 + np.exp(-x))
+    if name == "sigmoid":
+        return s, s * (1 - s)
     if name == "silu":
-        s = 1 / (1 + np.exp(-x))
         return x * s, s * (1 + x * (1 - s))
     cdf = 0.5 * np.vectorize(math.erfc)(-x / math.sqrt(2))
     return x * cdf, cdf + x * np.exp(-x * x / 2) / math.sqrt(2 * math.pi)
 
 
+# The bounds beyond 1e-5 of the value (forward, backward): e^x is clamped at e^-87.3 (the far
+# negative tails: 1e-36); a derivative crossing zero (SiLU's near -1.28, GELU's near -0.75) has no
+# relative bound (1e-6: 8 ulps at its scale, 1); GELU's erf is Abramowitz and Stegun's 7.1.26, as
+# oneDNN's gelu_erf, 1.5e-7 from erf's (5e-7 after the x and the derivative's terms).
+FLOORS = {"sigmoid": (1e-36, 1e-6), "silu": (1e-36, 1e-6), "gelu": (5e-7, 1e-6)}
+
+
 @pytest.mark.parametrize("isa", ISA_PARAMS)
-def test_silu_and_gelu_against_float64(tmp_path, isa):
+def test_smooth_activations_against_float64(tmp_path, isa):
     """Forward and backward over [-100, 100] (and densely over [-10, 10]), each ISA's vector
-    polynomials: within 1e-5 of the value, plus 1e-36 for the forward (the far negative tails,
-    where e^x is clamped at e^-87.3) and 1e-6 for the derivative (8 ulps at its scale, 1: it
-    crosses zero, near -1.28 for SiLU and -0.75 for GELU, where no relative bound holds)."""
+    polynomials, within 1e-5 of the float64 value plus FLOORS."""
     layers = [{"name": "c", "type": "conv", "out_channels": 16, "kernel": 1},
               {"name": "silu", "type": "silu"}, {"name": "gelu", "type": "gelu", "inputs": ["c"]},
-              {"name": "sum", "type": "add", "inputs": ["silu", "gelu"]}]
+              {"name": "sigmoid", "type": "sigmoid", "inputs": ["c"]},
+              {"name": "sum", "type": "add", "inputs": ["silu", "gelu", "sigmoid"]}]
     net = build_and_load(tmp_path, layers, (16, 32, 32), isa, threads=2)
     x = np.concatenate([np.linspace(-100, 100, 8192), np.linspace(-10, 10, 8192)]).astype(np.float32)
     x = x.reshape(1, 16, 32, 32)
-    for name in ("silu", "gelu"):
+    for name, floors in FLOORS.items():
         layer = net.layers[name]
         y = layer.forward(x)
         dx = layer.backward_data(np.ones_like(x))
-        for got, want, floor, what in zip((y, dx), _float64(name, x), (1e-36, 1e-6), ("forward", "backward")):
+        for got, want, floor, what in zip((y, dx), _float64(name, x), floors, ("forward", "backward")):
             error = np.abs(got - want) - 1e-5 * np.abs(want)
             assert np.all(error <= floor), (name, what, x.reshape(-1)[np.argmax(error)])
 
