@@ -16,34 +16,41 @@ from typing import Any
 
 from pcldnn_runtime import limits
 from pcldnn_runtime.activations import ACTIVATIONS, Activation, activation
-from pcldnn_runtime.layer_types import INITS, JOIN_NEEDS, JOINS, WEIGHTED, ConvKind, conv_kind, joined_shape
+from pcldnn_runtime.layer_types import (
+    INITS,
+    JOIN_NEEDS,
+    JOINS,
+    LAYER_TYPES,
+    REQUIRED,
+    WEIGHTED,
+    ConvKind,
+    LayerType,
+    conv_kind,
+    joined_shape,
+)
 from pcldnn_runtime.validate import NAME_RE, Fields, read_json, show
 
 from .errors import NetSpecError
 
-# Fields each layer type takes: required, and optional with their defaults. Every layer may
-# also carry `source`: the framework's name of the module or node it was imported from
-# (from_torch, `pcldnn-gen import`), informational only, and `inputs`: the earlier layers it
-# reads ("input": the net's input; default: the layer before it).
+# Every layer has a name and a type and may also carry `source`: the framework's name of the
+# module or node it was imported from (from_torch, `pcldnn-gen import`), informational only, and
+# `inputs`: the earlier layers it reads ("input": the net's input; default: the layer before it).
 _COMMON = {"name", "type"}
 NET_INPUT = "input"
-LAYER_FIELDS: dict[str, tuple[set[str], dict[str, Any]]] = {
-    "conv": ({"out_channels", "kernel"}, {"stride": 1, "pad": 0, "activation": None, "bias": True, "groups": 1,
-                                          "init": "pytorch"}),
-    "fc": ({"out_features"}, {"activation": None, "bias": True, "init": "pytorch"}),
-    "maxpool": ({"kernel"}, {"stride": None, "pad": 0}),
-    "avgpool": ({"kernel"}, {"stride": None, "pad": 0}),
-    "global_avgpool": (set(), {}),  # an avgpool over the whole input: C x 1 x 1
-    "add": (set(), {"activation": None}),  # the element-wise sum of two or more inputs
-    "concat": (set(), {}),  # two or more inputs along the channels
-    "mul": (set(), {}),  # the element-wise product of two inputs, or one scaled by a C x 1 x 1 input per channel
-    **{name: (set(), {}) for name in ACTIVATIONS},  # a standalone activation (activations.py)
-    "dropout": (set(), {"rate": 0.5}),
-    # stochastic depth: a training step drops each image's whole activation (a residual branch's) at `rate`
-    "drop_path": (set(), {"rate": 0.1}),
-    "batchnorm": (set(), {"eps": 1e-5, "momentum": 0.1, "activation": None}),
-    "softmax_cross_entropy": (set(), {}),
-}
+
+
+def _fields(layer_type: LayerType) -> tuple[set[str], dict[str, Any]]:
+    return ({k for k, v in layer_type.fields.items() if v is REQUIRED},
+            {k: v for k, v in layer_type.fields.items() if v is not REQUIRED})
+
+
+# Fields each layer type takes, required and optional with their defaults (layer_types.LAYER_TYPES;
+# global_avgpool: an avgpool whose window is its whole input, C x 1 x 1, a spelling of net.json only)
+LAYER_FIELDS: dict[str, tuple[set[str], dict[str, Any]]] = {}
+for _type in LAYER_TYPES.values():
+    LAYER_FIELDS[_type.name] = _fields(_type)
+    if _type.name == "avgpool":
+        LAYER_FIELDS["global_avgpool"] = (set(), {})
 POOLS = ("maxpool", "avgpool")
 
 

@@ -1,25 +1,62 @@
-"""The layer types a build holds and the passes each has: a leaf module (it imports nothing of
-the package but the activations' table, another leaf), so the kernel families, the manifest
-reader and the generator all read one table without importing each other."""
+"""The layer types a build holds, each defined once (LAYER_TYPES: its net.json fields, passes,
+state-dict entries, what it reads): a leaf module (it imports nothing of the package but the
+activations' table, another leaf), so the kernel families, the manifest reader, state I/O and the
+generator all read one table without importing each other."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from .activations import ACTIVATIONS
 
 PASSES = ("fwd", "bwd_data", "bwd_weights")
-# The passes each layer type has; every layer also has its "layout" conversions.
-LAYER_PASSES: dict[str, tuple[str, ...]] = {
-    "conv": PASSES, "fc": PASSES,
-    "maxpool": ("fwd", "bwd_data"), "avgpool": ("fwd", "bwd_data"),
-    **dict.fromkeys(ACTIVATIONS, ("fwd", "bwd_data")), "dropout": ("fwd", "bwd_data"),
-    "drop_path": ("fwd", "bwd_data"), "batchnorm": PASSES,
-    "add": ("fwd", "bwd_data"), "concat": ("fwd", "bwd_data"), "mul": ("fwd", "bwd_data"),
-    "softmax_cross_entropy": ("fwd", "bwd_data"),
-}
-WEIGHTED = ("conv", "fc")
-WINDOWED = ("conv", "maxpool", "avgpool")
-JOINS = ("add", "concat", "mul")  # the layers that read several
+FORWARD_BACKWARD = ("fwd", "bwd_data")
+REQUIRED = object()  # a net.json field with no default
+WINDOW = {"kernel": REQUIRED, "stride": None, "pad": 0}
+
+
+@dataclass(frozen=True)
+class LayerType:
+    """One layer type, defined once: its net.json fields (besides name, type, inputs and source)
+    with their defaults (REQUIRED: none), its passes (every layer also has its "layout"
+    conversions), its state-dict entries in PyTorch's names with their shapes ("weight": the
+    layer's weight shape, "channels": (C,), "scalar": ()), and whether it reads several layers.
+    netspec, the manifest reader, state I/O and the kernel families read these."""
+    name: str
+    passes: tuple[str, ...] = FORWARD_BACKWARD
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    state: tuple[tuple[str, str], ...] = ()
+    joins: bool = False     # reads two or more layers
+    weighted: bool = False  # a conv or fc: weights trained by the optimizer's weight path, an `init`, a `bias` flag
+    windowed: bool = False  # a window (kernel, stride, pad) over its input
+
+
+_WEIGHTS = (("weight", "weight"), ("bias", "channels"))  # (a bias-free layer has no "bias" entry)
+_INIT = {"activation": None, "bias": True, "init": "pytorch"}
+LAYER_TYPES: dict[str, LayerType] = {t.name: t for t in (
+    LayerType("conv", PASSES, {"out_channels": REQUIRED, **WINDOW, "stride": 1, **_INIT, "groups": 1},
+              _WEIGHTS, weighted=True, windowed=True),
+    LayerType("fc", PASSES, {"out_features": REQUIRED, **_INIT}, _WEIGHTS, weighted=True),
+    LayerType("maxpool", fields=WINDOW, windowed=True),
+    LayerType("avgpool", fields=WINDOW, windowed=True),
+    LayerType("add", fields={"activation": None}, joins=True),   # the element-wise sum of two or more inputs
+    LayerType("concat", joins=True),                              # two or more inputs along the channels
+    LayerType("mul", joins=True),  # the element-wise product of two inputs, or one scaled by a C x 1 x 1 one
+    *(LayerType(name) for name in ACTIVATIONS),                   # a standalone activation (activations.py)
+    LayerType("dropout", fields={"rate": 0.5}),
+    # stochastic depth: a training step drops each image's whole activation (a residual branch's) at `rate`
+    LayerType("drop_path", fields={"rate": 0.1}),
+    LayerType("batchnorm", PASSES, {"eps": 1e-5, "momentum": 0.1, "activation": None},
+              (("weight", "channels"), ("bias", "channels"), ("running_mean", "channels"),
+               ("running_var", "channels"), ("num_batches_tracked", "scalar"))),
+    LayerType("softmax_cross_entropy"),
+)}
+LAYER_PASSES: dict[str, tuple[str, ...]] = {t.name: t.passes for t in LAYER_TYPES.values()}
+WEIGHTED = tuple(t.name for t in LAYER_TYPES.values() if t.weighted)
+WINDOWED = tuple(t.name for t in LAYER_TYPES.values() if t.windowed)
+JOINS = tuple(t.name for t in LAYER_TYPES.values() if t.joins)  # the layers that read several
 # What a join needs of its inputs (joined_shape), for the messages that refuse them
 JOIN_NEEDS = {"add": "two or more inputs of one shape", "concat": "two or more inputs of one height and width",
               "mul": "two inputs of one shape, or a C x H x W and a C x 1 x 1 (a per-channel scale, either first)"}

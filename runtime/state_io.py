@@ -11,6 +11,7 @@ import numpy as np
 
 from . import npyfile
 from .errors import PcldnnError
+from .layer_types import LAYER_TYPES
 from .validate import show
 
 MAX_NPZ_BYTES = 1 << 36  # 64 GiB: above any net the memory bound admits
@@ -23,19 +24,23 @@ class StateKeys(NamedTuple):
 
 
 def expected_state(layers: Any) -> dict[str, tuple[int, ...]]:
-    """{key: canonical shape} of the weighted layers, from objects with name, type, out_shape and
-    weight_shape (NetSpec layers and manifest entries alike)."""
+    """{key: canonical shape} of the layers with state (layer_types.LAYER_TYPES' entries), from
+    objects with name, type, out_shape, weight_shape and bias (NetSpec layers and manifest entries
+    alike): a bias-free layer has no .bias entry, as in PyTorch."""
     out: dict[str, tuple[int, ...]] = {}
     for layer in layers:
-        if layer.type in ("conv", "fc"):
-            out[f"{layer.name}.weight"] = tuple(layer.weight_shape)
-            if getattr(layer, "bias", True):  # a bias-free layer has no .bias entry (as in PyTorch)
-                out[f"{layer.name}.bias"] = (layer.out_shape[0],)
-        elif layer.type == "batchnorm":  # BatchNorm2d's keys
-            c = layer.out_shape[0]
-            out |= {f"{layer.name}.{key}": (c,) for key in ("weight", "bias", "running_mean", "running_var")}
-            out[f"{layer.name}.num_batches_tracked"] = ()
+        for key, shape in LAYER_TYPES[layer.type].state:
+            if key == "bias" and not getattr(layer, "bias", True):
+                continue
+            out[f"{layer.name}.{key}"] = _entry_shape(layer, shape)
     return out
+
+
+def _entry_shape(layer: Any, kind: str) -> tuple[int, ...]:
+    """A state entry's shape by its kind (layer_types.LayerType.state)."""
+    if kind == "weight":
+        return tuple(layer.weight_shape)
+    return (layer.out_shape[0],) if kind == "channels" else ()
 
 
 def check_running_stats(arrays: Mapping[str, np.ndarray], origin: str, error: type[PcldnnError] = PcldnnError) -> None:

@@ -159,3 +159,20 @@ def test_every_family_has_its_generator_parts():
         for kind in family.kinds:
             loop = parallel_loop(layer, plan_layer(layer, kind.pass_name, PRESETS["avx512"]))
             assert (loop.per_rows > 0) != (loop.fixed > 0), (kind.name, loop)  # work that scales, or fixed work
+
+
+def test_every_layer_type_is_defined_once_and_read_everywhere():
+    """Each layer_types.LayerType is what netspec accepts (its fields, required and defaulted),
+    has a runtime layer class, a family for each of its passes (fp32), and state entries of a known
+    kind: a type added to the table without one of them fails here."""
+    from pcldnn_gen.netspec import LAYER_FIELDS
+    from pcldnn_runtime.layer_types import LAYER_TYPES, REQUIRED
+    from pcldnn_runtime.net import _LAYER_CLASSES
+    assert set(LAYER_TYPES) == set(LAYER_FIELDS) - {"global_avgpool"} == set(_LAYER_CLASSES)
+    for name, layer_type in LAYER_TYPES.items():
+        required, optional = LAYER_FIELDS[name]
+        assert required | set(optional) == set(layer_type.fields), name
+        assert all(layer_type.fields[k] is REQUIRED for k in required), name
+        assert {kind for _, kind in layer_type.state} <= {"weight", "channels", "scalar"}, name
+        assert all(any(f.has_pass(name, p) and f.engine is Engine.FP32 for f in FAMILIES)
+                   for p in layer_type.passes), name
