@@ -14,13 +14,13 @@ import numpy as np
 
 from pcldnn_runtime import limits
 from pcldnn_runtime.activations import ACTIVATIONS
-from pcldnn_runtime.layer_types import JOIN_NEEDS, JOINS, joined_shape
+from pcldnn_runtime.layer_types import DROPS, JOIN_NEEDS, JOINS, joined_shape
 from pcldnn_runtime.validate import Fields, show
 
 from .errors import ModelImportError, NetSpecError
 from .netspec import check_groups, check_window, parse_netspec
 
-OP_KINDS = ("conv", "fc", "batchnorm", "maxpool", "avgpool", *ACTIVATIONS, "dropout", "drop_path", *JOINS, "flatten",
+OP_KINDS = ("conv", "fc", "batchnorm", "maxpool", "avgpool", *ACTIVATIONS, *DROPS, *JOINS, "flatten",
             "softmax", "identity")
 INPUT = "<input>"  # the tensor name of the model's input in Op.inputs
 
@@ -234,7 +234,7 @@ def net_from_ops(ops: list[Op], input_shape: tuple[int, int, int], name: str, or
             state[f"{layer['name']}.running_var"] = _finite(var, f"{op.label} running_var", problems)
             state[f"{layer['name']}.num_batches_tracked"] = np.array(
                 fields.int_in(_plain(count), f"{op.label}.num_batches_tracked", 0, 2 ** 24 - 1), dtype=np.int64)
-        elif op.kind in ("dropout", "drop_path"):
+        elif op.kind in DROPS:
             layer["rate"] = Fields(origin, ModelImportError).number_in(_plain(op.attrs["rate"]), f"{op.label}.rate",
                                                                        0, 1, open_hi=True)
         elif op.kind not in ACTIVATIONS:

@@ -17,6 +17,7 @@ from typing import Any
 from pcldnn_runtime import limits
 from pcldnn_runtime.activations import ACTIVATIONS, Activation, activation
 from pcldnn_runtime.layer_types import (
+    DROPS,
     INITS,
     JOIN_NEEDS,
     JOINS,
@@ -220,7 +221,7 @@ def parse_netspec(data: Any, origin: str = "<net>", max_memory: int | None = Non
             oc = p.int_in(f["out_features"], f"{where}.out_features", 1, limits.MAX_FEATURES)
             spec = LayerSpec(i, lname, ltype, shape, (oc, 1, 1), (h, w), (1, 1), (0, 0), act,
                              bias=p.boolean(f["bias"], f"{where}.bias"), init=p.choice(f["init"], f"{where}.init", INITS))
-        elif ltype in ("dropout", "drop_path"):
+        elif ltype in DROPS:
             rate = p.number_in(f["rate"], f"{where}.rate", 0.0, 1.0, open_hi=True)
             spec = LayerSpec(i, lname, ltype, shape, shape, rate=rate)
         elif ltype == "batchnorm":

@@ -321,18 +321,22 @@ ROWS: tuple[TorchRow, ...] = (
     TorchRow("softmax", _softmax, modules=("Softmax", "LogSoftmax"), functions=("softmax", "log_softmax"),
              methods=("softmax", "log_softmax"), params=(("dim", None),), supported="the last node, over dim 1"),
     TorchRow("add", _binary("add", "sum"), functions=("add", "iadd"), methods=("add", "add_"), tensors=2,
-             supported="+ of two tensors: residual sums"),
+             supported="of two tensors: residual sums"),
     TorchRow("mul", _binary("mul", "product"), functions=("mul", "imul"), methods=("mul", "mul_"), tensors=2,
-             supported="* of two tensors, or a per-channel scale: squeeze-and-excitation"),
+             supported="of two tensors, or a per-channel scale: squeeze-and-excitation"),
     TorchRow("concat", _cat, functions=("cat",), params=(("dim", 0),), tensors=0, supported="dim=1"),
 )
 
 
+# How SUPPORTED writes a function that is not torch.nn.functional's
+_SPELLED = {"add": "+", "iadd": "+=", "mul": "*", "imul": "*=", "cat": "torch.cat", "flatten": "torch.flatten"}
+
+
 def _names(row: TorchRow) -> str:
-    spelled = [*row.modules, *(f"F.{f}" if f not in ("add", "iadd", "mul", "imul", "cat", "flatten") else f"torch.{f}"
-                               for f in row.functions if not f.startswith("i")), *(f".{m}()" for m in row.methods
-                                                                                 if not row.functions)]
-    return " / ".join(spelled) + (f" ({row.supported})" if row.supported else "")
+    """How SUPPORTED names a row: its modules, its functions (F.x, operators as written), its methods."""
+    functions = [_SPELLED.get(f, f if "." in f else f"F.{f}") for f in row.functions]
+    methods = [f".{m}()" for m in row.methods if m not in row.functions]
+    return " / ".join([*row.modules, *functions, *methods]) + (f" ({row.supported})" if row.supported else "")
 
 
 SUPPORTED = "; ".join(_names(row) for row in ROWS)

@@ -1,14 +1,15 @@
 """The activation functions, one row each: everything the net description, the generator, the
 runtime and the framework bridges need to know of one (docs/design.md, "Activations"). A leaf
 module (it imports nothing of the package): a new activation is a row here, its vector C in
-templates/_activation.c.j2, and nothing else to find.
+templates/_activation.c.j2 (where its backward reads its input) and, where ONNX writes it as
+several operators, their form in onnx_conventions.py and its fold in onnx_frontend.py.
 
 An activation is a layer type of its own (`{"type": "silu"}`) and, where `fuses_into` says, the
 `activation` field of another layer, applied by that layer's kernel as its output is stored.
 Its backward pass reads one of two things:
 - "output": the derivative is 0 or 1, decided from the forward output (a mask: ReLU, ReLU6),
   so a fused activation costs the backward nothing but a compare;
-- "input": the derivative is computed from the forward input (SiLU, GELU). A standalone layer's
+- "input": the derivative is computed from the forward input (sigmoid, SiLU, GELU). A standalone layer's
   kernel reads its input; a fused one recomputes the pre-activation value (a batchnorm's from
   its input and its scale and shift).
 """
@@ -31,7 +32,7 @@ class Activation:
     c_backward: str
     torch_modules: tuple[str, ...]    # torch.nn classes (by name) that compute it
     torch_functions: tuple[str, ...]  # torch.nn.functional / torch functions and tensor methods
-    onnx_op: str                # the ONNX operator(s) the export writes (onnx_export; read back by onnx_frontend)
+    onnx_op: str                # the one ONNX operator computing it ("": several, onnx_conventions.activation_nodes)
 
     @property
     def from_input(self) -> bool:
@@ -52,20 +53,17 @@ ACTIVATIONS: dict[str, Activation] = {a.name: a for a in (
                ("ReLU",), ("relu", "relu_"), "Relu"),
     Activation("relu6", "min(max(x, 0), 6)", "(0 < y < 6)", "output", frozenset({"batchnorm"}),
                "{x} > 0.0f ? ({x} < 6.0f ? {x} : 6.0f) : 0.0f", "{y} > 0.0f && {y} < 6.0f",
-               ("ReLU6",), ("relu6",), "Clip"),
+               ("ReLU6",), ("relu6",), ""),
     Activation("sigmoid", "1 / (1 + exp(-x))", "s (1 - s), s = sigmoid(x)", "input", frozenset({"batchnorm"}),
                "sigmoid_forward({x})", "sigmoid_derivative({x})",
                ("Sigmoid",), ("sigmoid",), "Sigmoid"),
     Activation("silu", "x sigmoid(x) = x / (1 + exp(-x))", "s (1 + x (1 - s)), s = sigmoid(x)", "input", frozenset({"batchnorm"}),
                "silu_forward({x})", "silu_derivative({x})",
-               ("SiLU",), ("silu",), "Sigmoid, Mul"),
+               ("SiLU",), ("silu",), ""),
     Activation("gelu", "x Phi(x) = x (1 + erf(x / sqrt 2)) / 2", "Phi(x) + x phi(x)", "input", frozenset({"batchnorm"}),
                "gelu_forward({x})", "gelu_derivative({x})",
-               ("GELU",), ("gelu",), "Div, Erf, Add, Mul, Mul"),
+               ("GELU",), ("gelu",), ""),
 )}
-
-# the layer types a standalone activation is: its name
-ACTIVATION_LAYERS = tuple(ACTIVATIONS)
 
 
 def activation(name: str | None) -> Activation | None:

@@ -57,6 +57,7 @@ LAYER_PASSES: dict[str, tuple[str, ...]] = {t.name: t.passes for t in LAYER_TYPE
 WEIGHTED = tuple(t.name for t in LAYER_TYPES.values() if t.weighted)
 WINDOWED = tuple(t.name for t in LAYER_TYPES.values() if t.windowed)
 JOINS = tuple(t.name for t in LAYER_TYPES.values() if t.joins)  # the layers that read several
+DROPS = tuple(t.name for t in LAYER_TYPES.values() if "rate" in t.fields)  # a rate and a hashed mask: dropout, drop_path
 # What a join needs of its inputs (joined_shape), for the messages that refuse them
 JOIN_NEEDS = {"add": "two or more inputs of one shape", "concat": "two or more inputs of one height and width",
               "mul": "two inputs of one shape, or a C x H x W and a C x 1 x 1 (a per-channel scale, either first)"}

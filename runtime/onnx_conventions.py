@@ -8,13 +8,15 @@ from typing import Any
 
 import numpy as np
 
-from .activations import Activation
+from .activations import ACTIVATIONS, Activation
 
 OPSET = 17  # what the export writes
 
-# The operators an activation is written as (one, or a pattern of several that the import folds
-# into one node of the name given here), by the activation they compute
-ONNX_ACTIVATIONS = {"Relu": "relu", "Sigmoid": "sigmoid", "Sigmoid*Mul": "silu", "Erf-GELU": "gelu", "Gelu": "gelu"}
+# The operators an activation is read from, by the activation they compute: its one operator
+# (Activation.onnx_op), a pattern of several that the import folds into one node of the name
+# given here, or opset 20's Gelu (ReLU6, a Clip with bounds, is read by the Clip reader)
+ONNX_ACTIVATIONS = {**{a.onnx_op: a.name for a in ACTIVATIONS.values() if a.onnx_op},
+                    "Sigmoid*Mul": "silu", "Erf-GELU": "gelu", "Gelu": "gelu"}
 
 
 def momentum_to_onnx(momentum: float) -> float:
@@ -57,4 +59,5 @@ def activation_nodes(act: Activation, helper: Any, numpy_helper: Any, inits: lis
                  ("Mul", [f"{name}.product", constant("half", 0.5)], None))
         return [helper.make_node(op, ins, [out if step is None else f"{name}.{step}"],
                                  name=name if step is None else f"{name}.{step}") for op, ins, step in steps]
+    assert act.onnx_op, f"{act.name}: no ONNX form"
     return [helper.make_node(act.onnx_op, [x], [out], name=name)]

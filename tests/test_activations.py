@@ -195,9 +195,9 @@ def test_onnx_export_and_import_of_silu_and_gelu(tmp_path):
     net.load_state_dict(state)
     x = np.random.default_rng(2).standard_normal((3, 3, 8, 8)).astype(np.float32)
     ours = net.export_onnx(tmp_path / "ours.onnx")
-    session = ort.InferenceSession(str(ours), providers=["CPUExecutionProvider"])
+    runner = ort.InferenceSession(str(ours), providers=["CPUExecutionProvider"])
     want = net.forward(x)
-    np.testing.assert_allclose(session.run(None, {"input": x})[0], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_allclose(runner.run(None, {"input": x})[0], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     kinds = [(l["type"], l.get("activation")) for l in net_dict["layers"]]
     from pcldnn_gen.onnx_frontend import import_onnx
     again, _ = import_onnx(ours)
@@ -251,8 +251,8 @@ def test_onnx_gelu_operator_and_patterns_that_are_not_an_activation(tmp_path):
     ours = build_and_load(tmp_path, net["layers"], (3, 4, 4), RUNNABLE_ISAS[-1], threads=1)
     ours.load_state_dict(weights)
     x = rng.standard_normal((2, 3, 4, 4)).astype(np.float32)
-    session = pytest.importorskip("onnxruntime").InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    want = session.run(None, {"x": x})[0]
+    runner = pytest.importorskip("onnxruntime").InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    want = runner.run(None, {"x": x})[0]
     np.testing.assert_allclose(ours.forward(x), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     with pytest.raises(ModelImportError, match=r"approximate 'tanh' \(only 'none'"):
         import_onnx(model([helper.make_node("Gelu", ["c"], ["a"], approximate="tanh")], "tanh"))

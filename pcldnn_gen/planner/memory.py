@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from pcldnn_runtime.abi import DROPOUT_HASH_STEP
 from pcldnn_runtime.activations import ACTIVATIONS
-from pcldnn_runtime.layer_types import JOINS
+from pcldnn_runtime.layer_types import DROPS, JOINS
 
 from ..arch import Arch
 from ..netspec import LayerSpec
@@ -39,8 +39,8 @@ POOL = MemoryKernels(
      "avgpool_bwd_data": "each output gradient / kernel area added to its window; threads own whole planes"})
 
 ELTWISE = MemoryKernels(
-    {**{f"{t}_fwd": "eltwise_fwd.c.j2" for t in (*ACTIVATIONS, "dropout", "drop_path")},
-     **{f"{t}_bwd_data": "eltwise_bwd_data.c.j2" for t in (*ACTIVATIONS, "dropout", "drop_path")}},
+    {**{f"{t}_fwd": "eltwise_fwd.c.j2" for t in (*ACTIVATIONS, *DROPS)},
+     **{f"{t}_bwd_data": "eltwise_bwd_data.c.j2" for t in (*ACTIVATIONS, *DROPS)}},
     {**{f"{a.name}_fwd": f"elementwise {a.formula} on the blocked buffer" for a in ACTIVATIONS.values()},
      **{f"{a.name}_bwd_data": (f"elementwise dy * {a.derivative}, using the forward output as the mask"
                                if not a.from_input else f"elementwise dy * ({a.derivative}), from the forward input")
@@ -89,7 +89,7 @@ def plan_memory_bound(layer: LayerSpec, pass_name: str, arch: Arch, kernels: Mem
         reason += f"; its {which} stored as bf16 (families.bf16_outputs): half the bytes"
     plan = KernelPlan(layer=layer.name, pass_name=pass_name, kind=kind, template=kernels.templates[kind], isa=arch.isa,
                       vector_floats=arch.vector_floats, reason=reason, activations=activations)
-    if layer.type in ("dropout", "drop_path"):
+    if layer.type in DROPS:
         # the runtime shifts seeds by multiples of the hash step, so it is the ABI's constant
         return DropoutPlan(**vars(plan), keep_threshold=round(layer.rate * 2 ** 32), scale=1.0 / (1.0 - layer.rate),
                            hash_step=DROPOUT_HASH_STEP)

@@ -3,11 +3,12 @@ planner/memory.py), bound by memory; run by runtime/layers.py's ActivationLayer 
 from __future__ import annotations
 
 from ..activations import ACTIVATIONS
+from ..layer_types import DROPS
 from .base import Engine, Family
 
 # Activations and gradients fp32 or bf16 as for pooling (families.bf16_outputs, bf16_gradients).
 FAMILY = Family(
-    "eltwise", Engine.FP32, (*ACTIVATIONS, "dropout", "drop_path"),
+    "eltwise", Engine.FP32, (*ACTIVATIONS, *DROPS),
     memory_bound=True,
     signatures={
         # an activation's backward reads its forward output (a mask) or its input (activations.py);
